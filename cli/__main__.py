@@ -1,0 +1,3 @@
+from streamdiloco.cli import main
+
+raise SystemExit(main())

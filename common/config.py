@@ -1,0 +1,93 @@
+"""The run's configuration: one dataclass for the Streaming DiLoCo knobs, validated once, at the edge.
+
+Names follow the paper and torchft: sync_every = H, num_fragments = P, fragment_sync_delay = tau,
+fragment_update_alpha = alpha (the weight of the LOCAL parameters in the merge). Every check raises a
+ValueError whose one-line message says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+FRAGMENT_PATTERNS = ("strided", "sequential")
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    sync_every: int = 30  # H: inner steps between two syncs of the same fragment
+    num_fragments: int = 4  # P: fragments the transformer blocks are split into (+1 for the rest)
+    fragment_sync_delay: int = 1  # tau: steps between sending a fragment and merging its update
+    fragment_update_alpha: float = 0.5  # alpha: weight of the local parameters at the merge
+    fragment_pattern: str = "strided"  # block i -> fragment i mod P ("sequential": consecutive blocks)
+    uplink_codec: str = "e3m0"  # how workers quantize their outer gradients
+    downlink_codec: str = "e3m0"  # how shards quantize the outer update (with error feedback)
+    codec_block_size: int = 128  # values that share one scale in the quantized codecs
+    uplink_rounding: str = "nearest"  # nearest | stochastic (unbiased)
+    downlink_rounding: str = "nearest"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    final_sync: bool = True  # at the last step, sync every fragment so the global model has all the work
+
+    def __post_init__(self) -> None:
+        from streamdiloco.common.codecs import CODECS  # local import: codecs imports nothing from here
+
+        if self.num_fragments < 1:
+            raise ValueError(f"num_fragments must be at least 1, got {self.num_fragments}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every (H) must be at least 1, got {self.sync_every}")
+        n = self.num_scheduled_fragments
+        if self.sync_every % n != 0:
+            lo = max(n, self.sync_every // n * n)
+            raise ValueError(
+                f"sync_every (H={self.sync_every}) must be a multiple of the number of fragments on the "
+                f"schedule ({self.num_fragments} block fragments + 1 for the other parameters = {n}): "
+                f"use H={lo} or H={lo + n}"
+            )
+        if not 0 <= self.fragment_sync_delay < self.sync_every:
+            raise ValueError(
+                f"fragment_sync_delay (tau={self.fragment_sync_delay}) must be in [0, H-1] = "
+                f"[0, {self.sync_every - 1}]: a fragment's update must be merged before it is sent again"
+            )
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            raise ValueError(
+                f"fragment_update_alpha must be in [0, 1] (weight of the local parameters), "
+                f"got {self.fragment_update_alpha}"
+            )
+        if self.fragment_pattern not in FRAGMENT_PATTERNS:
+            raise ValueError(
+                f"unknown fragment_pattern {self.fragment_pattern!r}: choose {' or '.join(FRAGMENT_PATTERNS)}"
+            )
+        for name in ("uplink_codec", "downlink_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ValueError(
+                    f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(CODECS)}"
+                )
+        for name in ("uplink_rounding", "downlink_rounding"):
+            if getattr(self, name) not in ROUNDING_MODES:
+                raise ValueError(
+                    f"unknown {name} {getattr(self, name)!r}: choose {' or '.join(ROUNDING_MODES)}"
+                )
+        if self.codec_block_size < 2 or self.codec_block_size % 2:
+            raise ValueError(f"codec_block_size must be an even number >= 2, got {self.codec_block_size}")
+        if self.outer_lr <= 0:
+            raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+    @property
+    def num_scheduled_fragments(self) -> int:
+        """Fragments on the schedule: P block fragments plus one for embeddings, final norm and head."""
+        return self.num_fragments + 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SyncConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sync config field(s): {', '.join(sorted(unknown))}")
+        return cls(**d)

@@ -1,0 +1,174 @@
+"""Fragment layout: which parameters belong to which fragment, and each fragment's flat fp32 layout.
+
+The model's transformer blocks (its largest nn.ModuleList, or a list the user names) are split into P
+fragments, strided by default (block i -> fragment i mod P) or sequential (consecutive blocks). Every other
+parameter (embeddings, final norm, head) goes into one more fragment, numbered P. Each fragment has a fixed
+layout of (name, shape, offset) entries, so it can be read and written as one contiguous fp32 vector.
+
+Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # start in the fragment's flat vector
+    numel: int
+    dtype: str  # the parameter's own dtype; the flat vector is always fp32
+
+
+@dataclass(frozen=True)
+class Fragment:
+    index: int
+    entries: tuple[ParamEntry, ...]
+    blocks: tuple[int, ...]  # block indices in this fragment (empty for the non-block fragment)
+
+    @property
+    def numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    fragments: tuple[Fragment, ...]
+    blocks_path: str  # dotted name of the ModuleList holding the blocks
+    pattern: str
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel for f in self.fragments)
+
+    def describe(self) -> list[dict]:
+        """Plain data, for the model fingerprint and for logs."""
+        return [
+            {
+                "index": f.index,
+                "blocks": list(f.blocks),
+                "numel": f.numel,
+                "params": [[e.name, list(e.shape), e.offset, e.dtype] for e in f.entries],
+            }
+            for f in self.fragments
+        ]
+
+
+def find_block_list(model: nn.Module) -> str:
+    """The dotted name of the model's largest nn.ModuleList (most entries, then most parameters)."""
+    best, best_key = None, (-1, -1)
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            key = (len(mod), sum(p.numel() for p in mod.parameters()))
+            if key > best_key:
+                best, best_key = name, key
+    if best is None:
+        raise ValueError(
+            "the model has no nn.ModuleList of blocks to split into fragments: "
+            "name one with blocks_path=..., or use num_fragments=1"
+        )
+    return best
+
+
+def assign_blocks(num_blocks: int, num_fragments: int, pattern: str) -> list[list[int]]:
+    """Block indices of each of the P block fragments."""
+    if num_blocks < num_fragments:
+        raise ValueError(
+            f"num_fragments={num_fragments} is more than the model's {num_blocks} blocks: "
+            f"use num_fragments <= {num_blocks}"
+        )
+    if pattern == "strided":
+        return [list(range(p, num_blocks, num_fragments)) for p in range(num_fragments)]
+    if pattern == "sequential":
+        base, extra = divmod(num_blocks, num_fragments)
+        out, start = [], 0
+        for p in range(num_fragments):
+            size = base + (1 if p < extra else 0)
+            out.append(list(range(start, start + size)))
+            start += size
+        return out
+    raise ValueError(f"unknown fragment pattern {pattern!r}: choose strided or sequential")
+
+
+def build_layout(
+    model: nn.Module, num_fragments: int, pattern: str = "strided", blocks_path: str | None = None
+) -> FragmentLayout:
+    """Split the model's parameters into P block fragments plus one fragment for everything else."""
+    path = blocks_path or find_block_list(model)
+    try:
+        blocks = model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"blocks_path {path!r} names no submodule of the model") from None
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"blocks_path {path!r} is a {type(blocks).__name__}, not an nn.ModuleList")
+    groups = assign_blocks(len(blocks), num_fragments, pattern)
+    block_of: dict[str, int] = {}
+    for i, block in enumerate(blocks):
+        for pname, _ in block.named_parameters():
+            block_of[f"{path}.{i}.{pname}"] = i
+    # named_parameters() yields each shared (tied) parameter once, under its first name
+    params = list(model.named_parameters())
+    frag_of_block = {b: p for p, bl in enumerate(groups) for b in bl}
+    members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(num_fragments + 1)]
+    for name, p in params:
+        frag = frag_of_block[block_of[name]] if name in block_of else num_fragments
+        members[frag].append((name, p))
+    fragments = []
+    for idx, group in enumerate(members):
+        entries, off = [], 0
+        for name, p in group:
+            entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).replace("torch.", "")))
+            off += p.numel()
+        fragments.append(Fragment(idx, tuple(entries), tuple(groups[idx]) if idx < num_fragments else ()))
+    return FragmentLayout(tuple(fragments), path, pattern)
+
+
+def fragment_params(model: nn.Module, fragment: Fragment) -> list[torch.Tensor]:
+    """The model's parameter tensors of one fragment, in layout order."""
+    named = dict(model.named_parameters())
+    return [named[e.name] for e in fragment.entries]
+
+
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """One contiguous fp32 vector on the CPU (a copy)."""
+    parts = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+    """Write a flat vector back into tensors (any device and dtype), in order."""
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[off : off + n].view_as(t))
+            off += n
+    if off != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, the tensors {off}")
+
+
+def slice_ranges(numel: int, num_shards: int) -> list[tuple[int, int]]:
+    """S contiguous, near-equal [start, end) slices of a fragment's flat vector; shard s owns slice s."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    base, extra = divmod(numel, num_shards)
+    out, start = [], 0
+    for s in range(num_shards):
+        end = start + base + (1 if s < extra else 0)
+        out.append((start, end))
+        start = end
+    return out

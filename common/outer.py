@@ -1,0 +1,97 @@
+"""The outer step, the downlink's error feedback, and the merge: the math both ends must agree on.
+
+Worker, at a fragment's send step:   delta = mirror - local            (the outer gradient, old minus new)
+Shard, when a round closes:          theta_new = SGD-Nesterov(theta_old, mean(delta))
+                                     u = theta_new - theta_old
+                                     v = u + e;  u_hat = dequant(quant(v));  e <- v - u_hat
+                                     master <- theta_old + u_hat
+Worker, tau steps after the send:    mirror <- mirror + u_hat
+                                     local  <- alpha * local + (1 - alpha) * mirror
+
+The master moves by exactly u_hat, and so does every worker's mirror, with the same fp32 addition: mirrors
+and master stay bit-identical however coarse the downlink codec is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamdiloco.common.codecs import Encoded, decode, encode
+
+
+def outer_gradient(mirror: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The outer gradient of one fragment: global (as of the last sync) minus local. Points uphill."""
+    return mirror - local
+
+
+class OuterOptimizer:
+    """Nesterov SGD on one flat fp32 master vector, with error feedback on the quantized update.
+
+    The step itself is torch.optim.SGD(nesterov=True) on the flat tensor; this class adds the error-feedback
+    residual and keeps the master equal to theta_old + u_hat.
+    """
+
+    def __init__(
+        self,
+        master: torch.Tensor,
+        lr: float,
+        momentum: float,
+        nesterov: bool = True,
+        downlink_codec: str = "e3m0",
+        block_size: int = 128,
+        rounding: str = "nearest",
+        seed: int = 0,
+    ):
+        if master.dtype != torch.float32 or master.dim() != 1:
+            raise ValueError("the master must be a flat fp32 tensor")
+        self.master = master.detach().clone()
+        self._param = self.master.clone()  # what SGD steps; reset to the master after every step
+        self.sgd = torch.optim.SGD(
+            [self._param], lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
+        )
+        self.residual = torch.zeros_like(self.master)  # error feedback e
+        self.codec, self.block_size, self.rounding = downlink_codec, block_size, rounding
+        self.generator = torch.Generator().manual_seed(seed)  # only used by stochastic rounding
+
+    def step(self, mean_delta: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+        """One outer step from the averaged outer gradient; returns the encoded and decoded update."""
+        old = self.master
+        self._param.grad = mean_delta.to(torch.float32)
+        self.sgd.step()
+        self._param.grad = None
+        v = (self._param - old) + self.residual
+        enc = encode(v, self.codec, self.block_size, self.rounding, self.generator)
+        u_hat = decode(enc)
+        self.residual = v - u_hat
+        self.master = old + u_hat
+        self._param.data.copy_(self.master)
+        return enc, u_hat
+
+    def state_dict(self) -> dict:
+        return {
+            "master": self.master.clone(),
+            "residual": self.residual.clone(),
+            "sgd": self.sgd.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.master = state["master"].clone()
+        self._param.data.copy_(self.master)
+        self.residual = state["residual"].clone()
+        self.sgd.load_state_dict(state["sgd"])
+        self.generator.set_state(state["generator"])
+
+
+def apply_update(mirror: torch.Tensor, u_hat: torch.Tensor) -> None:
+    """mirror <- mirror + u_hat, in place: the same fp32 addition as the master's."""
+    mirror.add_(u_hat)
+
+
+def merge_local(local: torch.Tensor, mirror: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * local + (1 - alpha) * mirror. alpha = 0 takes the global parameters exactly."""
+    if alpha == 0.0:
+        return mirror.clone()
+    if alpha == 1.0:
+        return local.clone()
+    return local * alpha + mirror * (1.0 - alpha)

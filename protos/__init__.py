@@ -1,0 +1,1 @@
+"""The wire protocol (streamdiloco.v1) and its generated code: arrives with the gRPC issue."""

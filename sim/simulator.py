@@ -1,0 +1,220 @@
+"""The in-process simulator: M workers and the shards' aggregation in one process, plus a data-parallel
+baseline, built from the same pieces as the distributed system (worker.engine.SyncEngine, server.shard.
+ShardState, worker.train), not from a second copy of the algorithm.
+
+Workers run in lock-step: every worker does its inner step, then each scheduled event is done by every
+worker in turn, so a round has all its pushes before anyone needs its update.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from streamdiloco.common.codecs import Encoded
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params, unflatten_into
+from streamdiloco.server.shard import ShardState
+from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
+from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.model import build_gpt
+from streamdiloco.worker.train import (
+    InnerConfig,
+    evaluate,
+    forward_backward,
+    lr_at,
+    make_inner_optimizer,
+    optimizer_step,
+    set_lr,
+)
+
+METHODS = ("streaming", "dp")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    method: str = "streaming"  # streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) | dp (data-parallel)
+    workers: int = 2  # M
+    steps: int = 600  # inner steps per worker
+    batch_size: int = 16  # sequences per worker per step
+    model: str = "tiny"  # built-in GPT preset
+    block_size: int | None = None  # override the preset's context length
+    data: str | None = None  # text file; None = the built-in plays
+    seed: int = 0
+    num_shards: int = 1  # S: each fragment is cut into S slices, as the sharded server does
+    eval_every: int = 100  # steps between evaluations of the global parameters
+    eval_batches: int = 8
+    device: str = "cpu"
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}: choose {' or '.join(METHODS)}")
+        for name in ("workers", "steps", "batch_size", "num_shards", "eval_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+
+class InProcessCluster:
+    """The shards' logic for M in-process workers: a round closes once every member has pushed."""
+
+    def __init__(self, layout: FragmentLayout, cfg: SyncConfig, initial: list[torch.Tensor], num_shards: int,
+                 members: list[str], seed: int):
+        self.shards = [ShardState(s, num_shards, layout, cfg, initial, seed) for s in range(num_shards)]
+        self.members = set(members)
+        self.updates: dict[tuple[int, int], list[Encoded]] = {}
+        self.round_losses: list[tuple[int, int, float]] = []
+
+    def push(self, worker: str, fragment: int, round: int, slices: list[Encoded], weight: float,
+             loss: float | None) -> None:
+        for shard, enc in zip(self.shards, slices, strict=True):
+            shard.push(worker, fragment, round, enc, weight, loss)
+        if self.shards[0].contributors(fragment) == self.members:
+            closed = [shard.close_round(fragment) for shard in self.shards]
+            self.updates[(fragment, round)] = [c.update for c in closed]
+            if closed[0].mean_loss is not None:
+                self.round_losses.append((fragment, round, closed[0].mean_loss))
+
+    def update(self, fragment: int, round: int) -> list[Encoded]:
+        try:
+            return self.updates[(fragment, round)]
+        except KeyError:
+            raise RuntimeError(f"round {round} of fragment {fragment} has not closed: lock-step order broken") \
+                from None
+
+    def master(self, fragment: int) -> torch.Tensor:
+        return torch.cat([s.master(fragment) for s in self.shards])
+
+
+class InProcessTransport:
+    def __init__(self, cluster: InProcessCluster, worker: str):
+        self.cluster, self.worker, self.num_shards = cluster, worker, len(cluster.shards)
+
+    def push(self, fragment, round, slices, weight, loss) -> None:
+        self.cluster.push(self.worker, fragment, round, slices, weight, loss)
+
+    def update(self, fragment, round) -> list[Encoded]:
+        return self.cluster.update(fragment, round)
+
+
+def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.Tensor]) -> None:
+    for frag, vec in zip(layout.fragments, vectors, strict=True):
+        unflatten_into(vec, fragment_params(model, frag))
+
+
+def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
+    """Run one simulated training; returns the final figures (also what --json writes)."""
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    model = build_gpt(cfg.model, block_size=cfg.block_size).to(device)
+    block = model.config.block_size
+    data = ByteDataset.load(cfg.data, block)
+    val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
+    streams = [BatchStream(data.train, cfg.batch_size, block, cfg.seed, rank) for rank in range(cfg.workers)]
+    nparams = sum(p.numel() for p in model.parameters())
+    tokens_per_step = cfg.workers * cfg.batch_size * block
+    curve: list[dict] = []
+    t_start = time.perf_counter()
+
+    def report(step: int, eval_model: nn.Module, train_loss: float) -> None:
+        loss = evaluate(eval_model, val, device)
+        curve.append({"step": step, "tokens": step * tokens_per_step, "eval_loss": loss, "train_loss": train_loss})
+        if log:
+            el = time.perf_counter() - t_start
+            eta = el / step * (cfg.steps - step) if step else 0.0
+            log(f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {step * tokens_per_step:>10,}"
+                f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left")
+
+    if cfg.method == "dp":
+        result = _run_dp(cfg, model, streams, report)
+    else:
+        result = _run_streaming(cfg, model, streams, report)
+    result.update(
+        method=cfg.method, workers=cfg.workers, steps=cfg.steps, params=nparams, tokens=cfg.steps * tokens_per_step,
+        eval_loss=curve[-1]["eval_loss"], curve=curve, wall_seconds=time.perf_counter() - t_start,
+        config=_jsonable(cfg),
+    )
+    return result
+
+
+def _jsonable(cfg: SimConfig) -> dict:
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def _run_dp(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report) -> dict:
+    """Data-parallel: every step, each worker's gradient is averaged (fp32 up, fp32 down)."""
+    opt = make_inner_optimizer(model, cfg.inner)
+    device = next(model.parameters()).device
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    report(0, model, float("nan"))
+    for step in range(cfg.steps):
+        set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
+        losses = [forward_backward(model, x.to(device), y.to(device)) for x, y in (s.next() for s in streams)]
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(cfg.workers)
+        optimizer_step(model, opt, cfg.inner)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            report(step + 1, model, sum(losses) / len(losses))
+    return {"bytes_sent_per_worker": nbytes * cfg.steps, "bytes_received_per_worker": nbytes * cfg.steps,
+            "peak_sync_bytes": nbytes, "blocked_seconds": 0.0}
+
+
+def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report) -> dict:
+    layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
+    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    names = [f"worker-{m}" for m in range(cfg.workers)]
+    cluster = InProcessCluster(layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed)
+    replicas = [copy.deepcopy(model) for _ in range(cfg.workers)]
+    opts = [make_inner_optimizer(r, cfg.inner) for r in replicas]
+    engines = [
+        SyncEngine(r, build_layout(r, cfg.sync.num_fragments, cfg.sync.fragment_pattern), cfg.sync,
+                   InProcessTransport(cluster, n), total_steps=cfg.steps, seed=cfg.seed, rank=m)
+        for m, (r, n) in enumerate(zip(replicas, names, strict=True))
+    ]
+    device = next(model.parameters()).device
+    eval_model = model  # holds the global parameters for evaluation only
+    report(0, eval_model, float("nan"))
+    for step in range(cfg.steps):
+        lr = lr_at(step, cfg.steps, cfg.inner)
+        losses, due = [], None
+        for r, opt, stream, eng in zip(replicas, opts, streams, engines, strict=True):
+            set_lr(opt, lr)
+            x, y = stream.next()
+            loss = forward_backward(r, x.to(device), y.to(device))
+            optimizer_step(r, opt, cfg.inner)
+            losses.append(loss)
+            due = eng.advance(tokens=x.numel(), loss=loss)
+        for ev in due or []:
+            for eng in engines:
+                eng.execute(ev)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            _load_globals(eval_model, layout, [cluster.master(f) for f in range(layout.num_fragments)])
+            report(step + 1, eval_model, sum(losses) / len(losses))
+    masters = [cluster.master(f) for f in range(layout.num_fragments)]
+    mirrors_match = all(
+        torch.equal(eng.mirrors[f], masters[f]) for eng in engines for f in range(layout.num_fragments)
+    )
+    return {
+        "bytes_sent_per_worker": max(e.bytes_sent for e in engines),
+        "bytes_received_per_worker": max(e.bytes_received for e in engines),
+        "peak_sync_bytes": max(e.peak_push_bytes for e in engines),
+        "blocked_seconds": max(e.blocked_seconds for e in engines),
+        "rounds": sum(e.pushes for e in engines[:1]),
+        "mirrors_match_masters": mirrors_match,
+        "global_params": masters,
+    }
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    out = {k: v for k, v in result.items() if k != "global_params"}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2))

@@ -1,0 +1,138 @@
+"""The worker's sync engine: fragment schedule, global mirror, outer gradients, merges.
+
+Use it around any model and training loop, like torchft's DiLoCo: build it once, then call `step()` right
+after every `inner_optimizer.step()`. At a fragment's send step the engine pushes the quantized outer
+gradient (mirror - local) of that fragment through its transport and training goes on; tau steps later it
+takes the round's update (waiting only if it has not arrived, and counting that wait), adds it to the
+mirror and mixes it into the local parameters with weight alpha.
+
+The transport is what carries pushes and updates: the gRPC client in a worker process, an in-process
+connection to the shards' logic in the simulator. The engine does not know which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from streamdiloco.common.codecs import Encoded, decode, encode
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import FragmentLayout, flatten, fragment_params, slice_ranges, unflatten_into
+from streamdiloco.common.outer import apply_update, merge_local, outer_gradient
+from streamdiloco.common.schedule import Event, events
+
+
+class Transport(Protocol):
+    num_shards: int
+
+    def push(self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None) -> None:
+        """Send one fragment's outer gradient (one Encoded per shard slice); must not block on the round."""
+
+    def update(self, fragment: int, round: int) -> list[Encoded]:
+        """The round's update, one Encoded per shard slice; blocks until it has arrived."""
+
+
+class SyncEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: FragmentLayout,
+        cfg: SyncConfig,
+        transport: Transport,
+        total_steps: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+    ):
+        if layout.num_fragments != cfg.num_scheduled_fragments:
+            raise ValueError(f"layout has {layout.num_fragments} fragments, config expects "
+                             f"{cfg.num_scheduled_fragments}")
+        self.model, self.layout, self.cfg, self.transport = model, layout, cfg, transport
+        self.total_steps = total_steps
+        self.params = [fragment_params(model, f) for f in layout.fragments]
+        # fp32 copy of the global parameters as of the last sync, on the CPU
+        self.mirrors = [flatten(p) for p in self.params]
+        self.ranges = [slice_ranges(f.numel, transport.num_shards) for f in layout.fragments]
+        self.generator = torch.Generator().manual_seed(seed * 7_919 + rank)  # stochastic rounding only
+        self.step_count = 0
+        self.tokens_since_sync = [0] * layout.num_fragments
+        self.loss_since_sync: list[list[float]] = [[] for _ in layout.fragments]
+        self.in_flight: set[tuple[int, int]] = set()
+        # counters for the summary and the metrics
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.peak_push_bytes = 0
+        self.pushes = 0
+        self.merges = 0
+        self.blocked_seconds = 0.0
+
+    # --- the hook ------------------------------------------------------------------------------------
+    def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
+        """Call after every inner optimizer step: counts the step and does what the schedule says."""
+        evs = self.advance(tokens, loss)
+        for ev in evs:
+            self.execute(ev)
+        return evs
+
+    def advance(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
+        """Count one inner step; returns the events due now without doing them (for lock-step drivers)."""
+        self.step_count += 1
+        for f in range(self.layout.num_fragments):
+            self.tokens_since_sync[f] += tokens
+            if loss is not None:
+                self.loss_since_sync[f].append(loss)
+        return events(self.step_count, self.cfg, self.total_steps)
+
+    def execute(self, ev: Event) -> None:
+        if ev.kind == "send":
+            self.send(ev.fragment, ev.round)
+        else:
+            self.merge(ev.fragment, ev.round)
+
+    # --- send and merge ------------------------------------------------------------------------------
+    def send(self, fragment: int, round: int) -> None:
+        local = flatten(self.params[fragment])
+        delta = outer_gradient(self.mirrors[fragment], local)
+        slices = [
+            encode(delta[lo:hi], self.cfg.uplink_codec, self.cfg.codec_block_size, self.cfg.uplink_rounding,
+                   self.generator)
+            for lo, hi in self.ranges[fragment]
+        ]
+        weight = float(max(1, self.tokens_since_sync[fragment]))
+        losses = self.loss_since_sync[fragment]
+        loss = sum(losses) / len(losses) if losses else None
+        self.transport.push(fragment, round, slices, weight, loss)
+        nbytes = sum(s.nbytes for s in slices)
+        self.bytes_sent += nbytes
+        self.peak_push_bytes = max(self.peak_push_bytes, nbytes)
+        self.pushes += 1
+        self.tokens_since_sync[fragment] = 0
+        self.loss_since_sync[fragment] = []
+        self.in_flight.add((fragment, round))
+
+    def merge(self, fragment: int, round: int) -> None:
+        t0 = time.perf_counter()
+        slices = self.transport.update(fragment, round)
+        self.blocked_seconds += time.perf_counter() - t0
+        u_hat = torch.cat([decode(s) for s in slices]) if len(slices) > 1 else decode(slices[0])
+        if u_hat.numel() != self.mirrors[fragment].numel():
+            raise RuntimeError(f"update for fragment {fragment} has {u_hat.numel()} values, "
+                               f"expected {self.mirrors[fragment].numel()}")
+        self.bytes_received += sum(s.nbytes for s in slices)
+        apply_update(self.mirrors[fragment], u_hat)
+        local = flatten(self.params[fragment])
+        unflatten_into(merge_local(local, self.mirrors[fragment], self.cfg.fragment_update_alpha),
+                       self.params[fragment])
+        self.in_flight.discard((fragment, round))
+        self.merges += 1
+
+    # --- inspection ----------------------------------------------------------------------------------
+    def global_vector(self, fragment: int) -> torch.Tensor:
+        return self.mirrors[fragment]
+
+    def mirror_hashes(self) -> list[str]:
+        """A short hash of each fragment's mirror: equal to the shards' master hashes when in sync."""
+        return [hashlib.sha256(m.numpy().tobytes()).hexdigest()[:16] for m in self.mirrors]
