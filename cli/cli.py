@@ -12,8 +12,11 @@ from streamdiloco import __version__
 # Setups that `compare` and the quality benchmark run; each is a set of overrides on the flags' values.
 SETUPS: dict[str, dict] = {
     "dp": {"method": "dp"},
-    "diloco": {"num_fragments": 1, "fragment_sync_delay": 0, "uplink_codec": "fp32", "downlink_codec": "fp32"},
-    "streaming": {"fragment_sync_delay": 0, "uplink_codec": "fp32", "downlink_codec": "fp32"},
+    # tau = 0 with alpha = 0: the local parameters are replaced by the global ones, as in DiLoCo
+    "diloco": {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0,
+               "uplink_codec": "fp32", "downlink_codec": "fp32"},
+    "streaming": {"fragment_sync_delay": 0, "fragment_update_alpha": 0.0, "uplink_codec": "fp32",
+                  "downlink_codec": "fp32"},
     "overlap": {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "uplink_codec": "fp32",
                 "downlink_codec": "fp32"},
     "full": {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "uplink_codec": "e3m0",

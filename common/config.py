@@ -16,7 +16,7 @@ ROUNDING_MODES = ("nearest", "stochastic")
 @dataclass(frozen=True)
 class SyncConfig:
     sync_every: int = 30  # H: inner steps between two syncs of the same fragment
-    num_fragments: int = 4  # P: fragments the transformer blocks are split into (+1 for the rest)
+    num_fragments: int = 5  # P: fragments on the schedule; the blocks fill P-1, the rest of the model 1
     fragment_sync_delay: int = 1  # tau: steps between sending a fragment and merging its update
     fragment_update_alpha: float = 0.5  # alpha: weight of the local parameters at the merge
     fragment_pattern: str = "strided"  # block i -> fragment i mod P ("sequential": consecutive blocks)
@@ -38,12 +38,11 @@ class SyncConfig:
         if self.sync_every < 1:
             raise ValueError(f"sync_every (H) must be at least 1, got {self.sync_every}")
         n = self.num_scheduled_fragments
-        if self.sync_every % n != 0:
+        if self.sync_every != 1 and self.sync_every % n != 0:
             lo = max(n, self.sync_every // n * n)
             raise ValueError(
-                f"sync_every (H={self.sync_every}) must be a multiple of the number of fragments on the "
-                f"schedule ({self.num_fragments} block fragments + 1 for the other parameters = {n}): "
-                f"use H={lo} or H={lo + n}"
+                f"sync_every (H={self.sync_every}) must be 1 or a multiple of num_fragments (P={n}), so that "
+                f"fragments are sent at evenly spaced steps: use H={lo} or H={lo + n}"
             )
         if not 0 <= self.fragment_sync_delay < self.sync_every:
             raise ValueError(
@@ -78,8 +77,8 @@ class SyncConfig:
 
     @property
     def num_scheduled_fragments(self) -> int:
-        """Fragments on the schedule: P block fragments plus one for embeddings, final norm and head."""
-        return self.num_fragments + 1
+        """Fragments on the schedule: all P of them (P-1 of blocks, 1 of the rest; or 1 of everything)."""
+        return self.num_fragments
 
     def to_dict(self) -> dict:
         return asdict(self)

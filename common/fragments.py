@@ -1,9 +1,12 @@
 """Fragment layout: which parameters belong to which fragment, and each fragment's flat fp32 layout.
 
-The model's transformer blocks (its largest nn.ModuleList, or a list the user names) are split into P
-fragments, strided by default (block i -> fragment i mod P) or sequential (consecutive blocks). Every other
-parameter (embeddings, final norm, head) goes into one more fragment, numbered P. Each fragment has a fixed
-layout of (name, shape, offset) entries, so it can be read and written as one contiguous fp32 vector.
+A run has P fragments (num_fragments), each on the wire at its own offset. With P >= 2, the model's
+transformer blocks (its largest nn.ModuleList, or a list the user names) are split into P - 1 block
+fragments, strided by default (block i -> fragment i mod (P-1)) or sequential (consecutive blocks), and
+every other parameter (embeddings, final norm, head) forms the last fragment, numbered P - 1, as the paper
+gives the embeddings a fragment of their own. With P = 1 the whole model is one fragment: plain DiLoCo.
+Each fragment has a fixed layout of (name, shape, offset) entries, so it can be read and written as one
+contiguous fp32 vector.
 
 Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
 """
@@ -88,8 +91,8 @@ def assign_blocks(num_blocks: int, num_fragments: int, pattern: str) -> list[lis
     """Block indices of each of the P block fragments."""
     if num_blocks < num_fragments:
         raise ValueError(
-            f"num_fragments={num_fragments} is more than the model's {num_blocks} blocks: "
-            f"use num_fragments <= {num_blocks}"
+            f"{num_fragments} block fragments need at least as many blocks, the model has {num_blocks}: "
+            f"use num_fragments <= {num_blocks + 1}"
         )
     if pattern == "strided":
         return [list(range(p, num_blocks, num_fragments)) for p in range(num_fragments)]
@@ -107,7 +110,17 @@ def assign_blocks(num_blocks: int, num_fragments: int, pattern: str) -> list[lis
 def build_layout(
     model: nn.Module, num_fragments: int, pattern: str = "strided", blocks_path: str | None = None
 ) -> FragmentLayout:
-    """Split the model's parameters into P block fragments plus one fragment for everything else."""
+    """Split the model's parameters into P fragments: P-1 of blocks and one of everything else (P >= 2),
+    or a single fragment of the whole model (P = 1)."""
+    if num_fragments < 1:
+        raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
+    if num_fragments == 1:
+        params = list(model.named_parameters())
+        entries, off = [], 0
+        for name, p in params:
+            entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).replace("torch.", "")))
+            off += p.numel()
+        return FragmentLayout((Fragment(0, tuple(entries), ()),), blocks_path or "", pattern)
     path = blocks_path or find_block_list(model)
     try:
         blocks = model.get_submodule(path)
@@ -115,7 +128,8 @@ def build_layout(
         raise ValueError(f"blocks_path {path!r} names no submodule of the model") from None
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"blocks_path {path!r} is a {type(blocks).__name__}, not an nn.ModuleList")
-    groups = assign_blocks(len(blocks), num_fragments, pattern)
+    num_block_fragments = num_fragments - 1
+    groups = assign_blocks(len(blocks), num_block_fragments, pattern)
     block_of: dict[str, int] = {}
     for i, block in enumerate(blocks):
         for pname, _ in block.named_parameters():
@@ -123,9 +137,9 @@ def build_layout(
     # named_parameters() yields each shared (tied) parameter once, under its first name
     params = list(model.named_parameters())
     frag_of_block = {b: p for p, bl in enumerate(groups) for b in bl}
-    members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(num_fragments + 1)]
+    members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(num_fragments)]
     for name, p in params:
-        frag = frag_of_block[block_of[name]] if name in block_of else num_fragments
+        frag = frag_of_block[block_of[name]] if name in block_of else num_block_fragments
         members[frag].append((name, p))
     fragments = []
     for idx, group in enumerate(members):
@@ -133,7 +147,7 @@ def build_layout(
         for name, p in group:
             entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).replace("torch.", "")))
             off += p.numel()
-        fragments.append(Fragment(idx, tuple(entries), tuple(groups[idx]) if idx < num_fragments else ()))
+        fragments.append(Fragment(idx, tuple(entries), tuple(groups[idx]) if idx < num_block_fragments else ()))
     return FragmentLayout(tuple(fragments), path, pattern)
 
 

@@ -14,6 +14,8 @@ and master stay bit-identical however coarse the downlink codec is.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from streamdiloco.common.codecs import Encoded, decode, encode
@@ -71,7 +73,7 @@ class OuterOptimizer:
         return {
             "master": self.master.clone(),
             "residual": self.residual.clone(),
-            "sgd": self.sgd.state_dict(),
+            "sgd": copy.deepcopy(self.sgd.state_dict()),  # the live one shares the momentum buffer
             "generator": self.generator.get_state(),
         }
 

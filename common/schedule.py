@@ -1,10 +1,11 @@
 """The send/merge schedule: the one function that says what happens after each inner step.
 
-Steps are counted from 1: step t is the t-th call of the inner optimizer. With F = P + 1 fragments on the
-schedule, fragment f has offset t_f = f * H / F and is sent at every step t >= 1 with (t - t_f) mod H == 0;
-its update is merged tau steps later, at t + tau. Rounds of a fragment are numbered 0, 1, 2, ... in the
-order of its sends. With `final_sync`, the last step (t == total_steps) also merges everything still in
-flight and then sends and merges every fragment once more, so the global model holds all the local work.
+Steps are counted from 1: step t is the t-th call of the inner optimizer. With P fragments, fragment f has
+offset t_f = f * H / P (H is a multiple of P, or 1: every fragment every step)
+and is sent at every step t >= 1 with (t - t_f) mod H == 0; its update is merged tau steps later, at
+t + tau. Rounds of a fragment are numbered 0, 1, 2, ... in the order of its sends. With `final_sync`, the
+last step (t == total_steps) also merges everything still in flight and then sends and merges every
+fragment once more, so the global model holds all the local work.
 
 Within one step the events come in the order they must be executed: merges of earlier sends, then sends,
 then merges of this step's sends (tau = 0 or the final sync).

@@ -28,6 +28,7 @@ class GPTConfig:
 
 # Presets by approximate parameter count (weights tied between embedding and head).
 PRESETS: dict[str, GPTConfig] = {
+    "nano": GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=32),  # ~60K, for tests
     "tiny": GPTConfig(n_layer=4, n_head=4, n_embd=128),  # ~0.8M
     "small": GPTConfig(n_layer=8, n_head=8, n_embd=256, block_size=256),  # ~6.4M
     "medium": GPTConfig(n_layer=12, n_head=12, n_embd=384, block_size=256),  # ~21M
@@ -122,7 +123,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
 
