@@ -8,6 +8,7 @@ generator, seeded from (seed, rank): different, reproducible streams whose posit
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -32,10 +33,16 @@ def _clean_markdown(text: str) -> str:
     return re.sub(r"^_(.*)_$", r"\1", text, flags=re.MULTILINE)
 
 
+@functools.lru_cache(maxsize=1)
+def builtin_text() -> bytes:
+    """All the plays, lightly cleaned of markdown, as one byte string (~5 MB)."""
+    return "\n\n".join(_clean_markdown(p.read_text(encoding="utf-8")) for p in builtin_text_files()).encode()
+
+
 def load_text(path: str | None = None) -> bytes:
     """The training text as bytes: the built-in plays, or the file at `path`."""
     if path is None:
-        return "\n\n".join(_clean_markdown(p.read_text(encoding="utf-8")) for p in builtin_text_files()).encode()
+        return builtin_text()
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {path!r} does not exist: give --data a path to a text file")
