@@ -13,14 +13,31 @@ from streamdiloco import __version__
 SETUPS: dict[str, dict] = {
     "dp": {"method": "dp"},
     # tau = 0 with alpha = 0: the local parameters are replaced by the global ones, as in DiLoCo
-    "diloco": {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0,
-               "uplink_codec": "fp32", "downlink_codec": "fp32"},
-    "streaming": {"fragment_sync_delay": 0, "fragment_update_alpha": 0.0, "uplink_codec": "fp32",
-                  "downlink_codec": "fp32"},
-    "overlap": {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "uplink_codec": "fp32",
-                "downlink_codec": "fp32"},
-    "full": {"fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "uplink_codec": "e3m0",
-             "downlink_codec": "e3m0"},
+    "diloco": {
+        "num_fragments": 1,
+        "fragment_sync_delay": 0,
+        "fragment_update_alpha": 0.0,
+        "uplink_codec": "fp32",
+        "downlink_codec": "fp32",
+    },
+    "streaming": {
+        "fragment_sync_delay": 0,
+        "fragment_update_alpha": 0.0,
+        "uplink_codec": "fp32",
+        "downlink_codec": "fp32",
+    },
+    "overlap": {
+        "fragment_sync_delay": 1,
+        "fragment_update_alpha": 0.5,
+        "uplink_codec": "fp32",
+        "downlink_codec": "fp32",
+    },
+    "full": {
+        "fragment_sync_delay": 1,
+        "fragment_update_alpha": 0.5,
+        "uplink_codec": "e3m0",
+        "downlink_codec": "e3m0",
+    },
 }
 SETUP_LABELS = {
     "dp": "Data-parallel",
@@ -41,22 +58,44 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--workers", type=int, default=2, help="M, the number of workers (default %(default)s)")
     g.add_argument("--steps", type=int, default=600, help="inner steps per worker (default %(default)s)")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step (default %(default)s)")
-    g.add_argument("--model", default="tiny", choices=list(PRESETS), help="built-in GPT size (default %(default)s)")
-    g.add_argument("--block-size", type=int, default=None, help="context length in bytes (default: the preset's)")
-    g.add_argument("--data", default=None, metavar="PATH", help="a text file to train on (default: built-in plays)")
+    g.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per worker per step (default %(default)s)"
+    )
+    g.add_argument(
+        "--model", default="tiny", choices=list(PRESETS), help="built-in GPT size (default %(default)s)"
+    )
+    g.add_argument(
+        "--block-size", type=int, default=None, help="context length in bytes (default: the preset's)"
+    )
+    g.add_argument(
+        "--data", default=None, metavar="PATH", help="a text file to train on (default: built-in plays)"
+    )
     g.add_argument("--seed", type=int, default=0, help="seed for init, data streams and rounding (default 0)")
-    g.add_argument("--shards", type=int, default=1, dest="num_shards", help="S, shards each fragment is cut into")
-    g.add_argument("--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)")
+    g.add_argument(
+        "--shards", type=int, default=1, dest="num_shards", help="S, shards each fragment is cut into"
+    )
+    g.add_argument(
+        "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
+    )
     g.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     g.add_argument("--device", default="cpu", help="torch device for training: cpu, cuda, cuda:1 ...")
     g = p.add_argument_group("Streaming DiLoCo")
-    g.add_argument("--sync-every", type=int, default=s.sync_every, help="H, steps between syncs of a fragment")
-    g.add_argument("--num-fragments", type=int, default=s.num_fragments, help="P, block fragments (+1 for the rest)")
+    g.add_argument(
+        "--sync-every", type=int, default=s.sync_every, help="H, steps between syncs of a fragment"
+    )
+    g.add_argument(
+        "--num-fragments", type=int, default=s.num_fragments, help="P, block fragments (+1 for the rest)"
+    )
     g.add_argument("--fragment-pattern", default=s.fragment_pattern, choices=["strided", "sequential"])
-    g.add_argument("--fragment-sync-delay", type=int, default=s.fragment_sync_delay, help="tau, steps of overlap")
-    g.add_argument("--fragment-update-alpha", type=float, default=s.fragment_update_alpha,
-                   help="alpha, weight of the local parameters at the merge")
+    g.add_argument(
+        "--fragment-sync-delay", type=int, default=s.fragment_sync_delay, help="tau, steps of overlap"
+    )
+    g.add_argument(
+        "--fragment-update-alpha",
+        type=float,
+        default=s.fragment_update_alpha,
+        help="alpha, weight of the local parameters at the merge",
+    )
     g.add_argument("--uplink-codec", default=s.uplink_codec, help=f"one of {', '.join(CODECS)}")
     g.add_argument("--downlink-codec", default=s.downlink_codec, help=f"one of {', '.join(CODECS)}")
     g.add_argument("--codec-block-size", type=int, default=s.codec_block_size, help="values per scale")
@@ -64,12 +103,18 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--downlink-rounding", default=s.downlink_rounding, help="nearest or stochastic")
     g.add_argument("--outer-lr", type=float, default=s.outer_lr, help="outer Nesterov learning rate")
     g.add_argument("--outer-momentum", type=float, default=s.outer_momentum)
-    g.add_argument("--no-final-sync", dest="final_sync", action="store_false",
-                   help="do not sync every fragment at the last step")
+    g.add_argument(
+        "--no-final-sync",
+        dest="final_sync",
+        action="store_false",
+        help="do not sync every fragment at the last step",
+    )
     g = p.add_argument_group("inner optimizer (AdamW)")
     g.add_argument("--lr", type=float, default=i.lr, help="peak learning rate (default %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=i.warmup_steps)
-    g.add_argument("--min-lr-ratio", type=float, default=i.min_lr_ratio, help="cosine floor, as a fraction of --lr")
+    g.add_argument(
+        "--min-lr-ratio", type=float, default=i.min_lr_ratio, help="cosine floor, as a fraction of --lr"
+    )
     g.add_argument("--weight-decay", type=float, default=i.weight_decay)
 
 
@@ -93,10 +138,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cfg = sim_config(args)
     _check_data(cfg.data)
     result = simulate(cfg)
-    print(f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
-          f"sent/worker {result['bytes_sent_per_worker']:,} B | received/worker "
-          f"{result['bytes_received_per_worker']:,} B | peak sync {result['peak_sync_bytes']:,} B | "
-          f"{result['wall_seconds']:.0f}s")
+    print(
+        f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
+        f"sent/worker {result['bytes_sent_per_worker']:,} B | received/worker "
+        f"{result['bytes_received_per_worker']:,} B | peak sync {result['peak_sync_bytes']:,} B | "
+        f"{result['wall_seconds']:.0f}s"
+    )
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")
@@ -136,8 +183,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(format_table(rows, markdown=True) + "\n")
-    (out / "results.json").write_text(json.dumps(
-        [{"label": lbl, **{k: v for k, v in r.items() if k != "global_params"}} for lbl, r in results], indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            [{"label": lbl, **{k: v for k, v in r.items() if k != "global_params"}} for lbl, r in results],
+            indent=2,
+        )
+    )
     png = plot_curves(results, out / "loss.png")
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and the plot {png}")
     return 0
@@ -158,18 +209,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"streamdiloco {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sp = sub.add_parser("simulate", help="run M workers and the server's aggregation in one process",
-                        description="Run M workers and the server's aggregation in one process "
-                                    "(--method dp: the data-parallel baseline).")
-    sp.add_argument("--method", default="streaming", choices=["streaming", "dp"],
-                    help="streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) or dp (data-parallel)")
+    sp = sub.add_parser(
+        "simulate",
+        help="run M workers and the server's aggregation in one process",
+        description="Run M workers and the server's aggregation in one process "
+        "(--method dp: the data-parallel baseline).",
+    )
+    sp.add_argument(
+        "--method",
+        default="streaming",
+        choices=["streaming", "dp"],
+        help="streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) or dp (data-parallel)",
+    )
     _add_sim_flags(sp)
     sp.add_argument("--json", default=None, metavar="PATH", help="write the final figures to this JSON file")
     sp.set_defaults(func=_cmd_simulate)
 
-    cp = sub.add_parser("compare", help="run several setups side by side; print a table, save a plot",
-                        description="Run named setups at equal tokens and seed; print a table of eval loss and "
-                                    "traffic against data-parallel, and save a plot of eval loss vs tokens.")
+    cp = sub.add_parser(
+        "compare",
+        help="run several setups side by side; print a table, save a plot",
+        description="Run named setups at equal tokens and seed; print a table of eval loss and "
+        "traffic against data-parallel, and save a plot of eval loss vs tokens.",
+    )
     cp.add_argument("--setups", default="dp,full", help=f"comma-separated, from: {', '.join(SETUPS)}")
     _add_sim_flags(cp)
     cp.set_defaults(method="streaming")

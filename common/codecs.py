@@ -156,7 +156,12 @@ def decode(enc: Encoded) -> torch.Tensor:
     raise ValueError(f"unknown codec {enc.codec!r}: choose one of {', '.join(CODECS)}")
 
 
-def roundtrip(x: torch.Tensor, codec: str, block_size: int = 128, rounding: str = "nearest",
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def roundtrip(
+    x: torch.Tensor,
+    codec: str,
+    block_size: int = 128,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """decode(encode(x)): what the receiver will see."""
     return decode(encode(x, codec, block_size, rounding, generator))

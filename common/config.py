@@ -60,9 +60,7 @@ class SyncConfig:
             )
         for name in ("uplink_codec", "downlink_codec"):
             if getattr(self, name) not in CODECS:
-                raise ValueError(
-                    f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(CODECS)}"
-                )
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(CODECS)}")
         for name in ("uplink_rounding", "downlink_rounding"):
             if getattr(self, name) not in ROUNDING_MODES:
                 raise ValueError(

@@ -15,9 +15,7 @@ from streamdiloco.common.fragments import FragmentLayout
 
 def model_fingerprint(layout: FragmentLayout, cfg: SyncConfig) -> dict:
     return {
-        "params": [
-            [e.name, list(e.shape), e.dtype] for f in layout.fragments for e in f.entries
-        ],
+        "params": [[e.name, list(e.shape), e.dtype] for f in layout.fragments for e in f.entries],
         "fragments": [[list(f.blocks), list(f.names)] for f in layout.fragments],
         "blocks_path": layout.blocks_path,
         "sync_every": cfg.sync_every,
@@ -37,11 +35,20 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     """None when equal, else one sentence naming the first difference."""
     if ours == theirs:
         return None
-    for key in ("sync_every", "num_fragments", "fragment_pattern", "uplink_codec", "downlink_codec",
-                "codec_block_size", "blocks_path"):
+    for key in (
+        "sync_every",
+        "num_fragments",
+        "fragment_pattern",
+        "uplink_codec",
+        "downlink_codec",
+        "codec_block_size",
+        "blocks_path",
+    ):
         if ours.get(key) != theirs.get(key):
-            return f"model fingerprint differs from the {them}'s: {key} is {ours.get(key)!r} on the {us}, " \
-                   f"{theirs.get(key)!r} on the {them}"
+            return (
+                f"model fingerprint differs from the {them}'s: {key} is {ours.get(key)!r} on the {us}, "
+                f"{theirs.get(key)!r} on the {them}"
+            )
     a = {p[0]: p for p in ours.get("params", [])}
     b = {p[0]: p for p in theirs.get("params", [])}
     nblocks_a = sum(len(f[0]) for f in ours.get("fragments", []))
@@ -49,17 +56,27 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     if nblocks_a != nblocks_b:
         return f"model fingerprint differs from the {them}'s: {us} has {nblocks_a} blocks, {them} {nblocks_b}"
     if missing := sorted(set(b) - set(a)):
-        return f"model fingerprint differs from the {them}'s: the {us} lacks parameter {missing[0]!r} " \
-               f"({len(missing)} missing)"
+        return (
+            f"model fingerprint differs from the {them}'s: the {us} lacks parameter {missing[0]!r} "
+            f"({len(missing)} missing)"
+        )
     if extra := sorted(set(a) - set(b)):
-        return f"model fingerprint differs from the {them}'s: the {us} has extra parameter {extra[0]!r} " \
-               f"({len(extra)} extra)"
+        return (
+            f"model fingerprint differs from the {them}'s: the {us} has extra parameter {extra[0]!r} "
+            f"({len(extra)} extra)"
+        )
     for name, pa in a.items():
         pb = b[name]
         if pa[1] != pb[1]:
-            return f"model fingerprint differs from the {them}'s: {name} has shape {pa[1]} on the {us}, " \
-                   f"{pb[1]} on the {them}"
+            return (
+                f"model fingerprint differs from the {them}'s: {name} has shape {pa[1]} on the {us}, "
+                f"{pb[1]} on the {them}"
+            )
         if pa[2] != pb[2]:
-            return f"model fingerprint differs from the {them}'s: {name} has dtype {pa[2]} on the {us}, " \
-                   f"{pb[2]} on the {them}"
-    return f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
+            return (
+                f"model fingerprint differs from the {them}'s: {name} has dtype {pa[2]} on the {us}, "
+                f"{pb[2]} on the {them}"
+            )
+    return (
+        f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
+    )

@@ -13,7 +13,7 @@ Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +107,14 @@ def assign_blocks(num_blocks: int, num_fragments: int, pattern: str) -> list[lis
     raise ValueError(f"unknown fragment pattern {pattern!r}: choose strided or sequential")
 
 
+def _fragment(index: int, named: Sequence[tuple[str, torch.Tensor]], blocks: tuple[int, ...]) -> Fragment:
+    entries, off = [], 0
+    for name, p in named:
+        entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).removeprefix("torch.")))
+        off += p.numel()
+    return Fragment(index, tuple(entries), blocks)
+
+
 def build_layout(
     model: nn.Module, num_fragments: int, pattern: str = "strided", blocks_path: str | None = None
 ) -> FragmentLayout:
@@ -114,13 +122,10 @@ def build_layout(
     or a single fragment of the whole model (P = 1)."""
     if num_fragments < 1:
         raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
+    # named_parameters() yields each shared (tied) parameter once, under its first name
+    params = list(model.named_parameters())
     if num_fragments == 1:
-        params = list(model.named_parameters())
-        entries, off = [], 0
-        for name, p in params:
-            entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).replace("torch.", "")))
-            off += p.numel()
-        return FragmentLayout((Fragment(0, tuple(entries), ()),), blocks_path or "", pattern)
+        return FragmentLayout((_fragment(0, params, ()),), blocks_path or "", pattern)
     path = blocks_path or find_block_list(model)
     try:
         blocks = model.get_submodule(path)
@@ -130,25 +135,20 @@ def build_layout(
         raise ValueError(f"blocks_path {path!r} is a {type(blocks).__name__}, not an nn.ModuleList")
     num_block_fragments = num_fragments - 1
     groups = assign_blocks(len(blocks), num_block_fragments, pattern)
-    block_of: dict[str, int] = {}
-    for i, block in enumerate(blocks):
-        for pname, _ in block.named_parameters():
-            block_of[f"{path}.{i}.{pname}"] = i
-    # named_parameters() yields each shared (tied) parameter once, under its first name
-    params = list(model.named_parameters())
     frag_of_block = {b: p for p, bl in enumerate(groups) for b in bl}
+    frag_of_param = {
+        f"{path}.{i}.{pname}": frag_of_block[i]
+        for i, block in enumerate(blocks)
+        for pname, _ in block.named_parameters()
+    }
     members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(num_fragments)]
     for name, p in params:
-        frag = frag_of_block[block_of[name]] if name in block_of else num_block_fragments
-        members[frag].append((name, p))
-    fragments = []
-    for idx, group in enumerate(members):
-        entries, off = [], 0
-        for name, p in group:
-            entries.append(ParamEntry(name, tuple(p.shape), off, p.numel(), str(p.dtype).replace("torch.", "")))
-            off += p.numel()
-        fragments.append(Fragment(idx, tuple(entries), tuple(groups[idx]) if idx < num_block_fragments else ()))
-    return FragmentLayout(tuple(fragments), path, pattern)
+        members[frag_of_param.get(name, num_block_fragments)].append((name, p))
+    fragments = tuple(
+        _fragment(i, group, tuple(groups[i]) if i < num_block_fragments else ())
+        for i, group in enumerate(members)
+    )
+    return FragmentLayout(fragments, path, pattern)
 
 
 def fragment_params(model: nn.Module, fragment: Fragment) -> list[torch.Tensor]:

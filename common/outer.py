@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
 from streamdiloco.common.codecs import Encoded, decode, encode
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
@@ -68,8 +67,10 @@ class ShardState:
         self.outer: list[OuterOptimizer] = []
         for f, (vec, (lo, hi)) in enumerate(zip(initial, self.ranges, strict=True)):
             if vec.numel() != layout.fragments[f].numel:
-                raise ValueError(f"fragment {f}: initial vector has {vec.numel()} values, "
-                                 f"layout says {layout.fragments[f].numel}")
+                raise ValueError(
+                    f"fragment {f}: initial vector has {vec.numel()} values, "
+                    f"layout says {layout.fragments[f].numel}"
+                )
             self.outer.append(
                 OuterOptimizer(
                     vec[lo:hi].to(torch.float32).clone(),
@@ -96,28 +97,39 @@ class ShardState:
         """The number of the round that is open for this fragment."""
         return self.open[fragment].number
 
-    def push(self, worker: str, fragment: int, round: int, enc: Encoded, weight: float,
-             loss: float | None = None) -> None:
+    def push(
+        self, worker: str, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None = None
+    ) -> None:
         """Add one worker's outer gradient for this shard's slice of a fragment."""
         if not 0 <= fragment < self.layout.num_fragments:
-            raise PushRejected("bad_fragment", f"fragment {fragment} does not exist: this run has "
-                               f"fragments 0..{self.layout.num_fragments - 1}")
+            raise PushRejected(
+                "bad_fragment",
+                f"fragment {fragment} does not exist: this run has "
+                f"fragments 0..{self.layout.num_fragments - 1}",
+            )
         rnd = self.open[fragment]
         if round < rnd.number:
-            raise PushRejected("late", f"fragment {fragment} round {round} is closed (open round is "
-                               f"{rnd.number}): apply that round's update and go on")
+            raise PushRejected(
+                "late",
+                f"fragment {fragment} round {round} is closed (open round is "
+                f"{rnd.number}): apply that round's update and go on",
+            )
         if round > rnd.number:
-            raise PushRejected("bad_round", f"fragment {fragment} round {round} is ahead of the open round "
-                               f"{rnd.number}")
+            raise PushRejected(
+                "bad_round", f"fragment {fragment} round {round} is ahead of the open round {rnd.number}"
+            )
         if worker in rnd.contributors:
             raise PushRejected("duplicate", f"{worker} already pushed fragment {fragment} round {round}")
         lo, hi = self.ranges[fragment]
         if enc.numel != hi - lo:
-            raise PushRejected("bad_length", f"fragment {fragment} slice {self.shard} has {hi - lo} values, "
-                               f"the push carries {enc.numel}")
+            raise PushRejected(
+                "bad_length",
+                f"fragment {fragment} slice {self.shard} has {hi - lo} values, the push carries {enc.numel}",
+            )
         if enc.codec != self.cfg.uplink_codec:
-            raise PushRejected("bad_codec", f"this run's uplink codec is {self.cfg.uplink_codec}, "
-                               f"the push uses {enc.codec}")
+            raise PushRejected(
+                "bad_codec", f"this run's uplink codec is {self.cfg.uplink_codec}, the push uses {enc.codec}"
+            )
         if not (weight > 0 and weight < float("inf")):
             raise PushRejected("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
         if enc.scales.numel() and not torch.isfinite(enc.scales).all():
@@ -148,4 +160,6 @@ class ShardState:
             update = encode(torch.zeros_like(opt.master), self.cfg.downlink_codec, self.cfg.codec_block_size)
             mean_loss = None
         self.open[fragment] = self._new_round(fragment, rnd.number + 1)
-        return ClosedRound(fragment, rnd.number, update, tuple(sorted(rnd.contributors)), rnd.weight, mean_loss)
+        return ClosedRound(
+            fragment, rnd.number, update, tuple(sorted(rnd.contributors)), rnd.weight, mean_loss
+        )

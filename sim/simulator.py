@@ -17,10 +17,15 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params, unflatten_into
+from streamdiloco.common.fragments import (
+    FragmentLayout,
+    build_layout,
+    flatten,
+    fragment_params,
+    unflatten_into,
+)
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
@@ -66,15 +71,23 @@ class SimConfig:
 class InProcessCluster:
     """The shards' logic for M in-process workers: a round closes once every member has pushed."""
 
-    def __init__(self, layout: FragmentLayout, cfg: SyncConfig, initial: list[torch.Tensor], num_shards: int,
-                 members: list[str], seed: int):
+    def __init__(
+        self,
+        layout: FragmentLayout,
+        cfg: SyncConfig,
+        initial: list[torch.Tensor],
+        num_shards: int,
+        members: list[str],
+        seed: int,
+    ):
         self.shards = [ShardState(s, num_shards, layout, cfg, initial, seed) for s in range(num_shards)]
         self.members = set(members)
         self.updates: dict[tuple[int, int], list[Encoded]] = {}
         self.round_losses: list[tuple[int, int, float]] = []
 
-    def push(self, worker: str, fragment: int, round: int, slices: list[Encoded], weight: float,
-             loss: float | None) -> None:
+    def push(
+        self, worker: str, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
+    ) -> None:
         for shard, enc in zip(self.shards, slices, strict=True):
             shard.push(worker, fragment, round, enc, weight, loss)
         if self.shards[0].contributors(fragment) == self.members:
@@ -87,8 +100,9 @@ class InProcessCluster:
         try:
             return self.updates[(fragment, round)]
         except KeyError:
-            raise RuntimeError(f"round {round} of fragment {fragment} has not closed: lock-step order broken") \
-                from None
+            raise RuntimeError(
+                f"round {round} of fragment {fragment} has not closed: lock-step order broken"
+            ) from None
 
     def master(self, fragment: int) -> torch.Tensor:
         return torch.cat([s.master(fragment) for s in self.shards])
@@ -126,20 +140,31 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
 
     def report(step: int, eval_model: nn.Module, train_loss: float) -> None:
         loss = evaluate(eval_model, val, device)
-        curve.append({"step": step, "tokens": step * tokens_per_step, "eval_loss": loss, "train_loss": train_loss})
+        curve.append(
+            {"step": step, "tokens": step * tokens_per_step, "eval_loss": loss, "train_loss": train_loss}
+        )
         if log:
             el = time.perf_counter() - t_start
             eta = el / step * (cfg.steps - step) if step else 0.0
-            log(f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {step * tokens_per_step:>10,}"
-                f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left")
+            tokens = step * tokens_per_step
+            log(
+                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {tokens:>10,}"
+                f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left"
+            )
 
     if cfg.method == "dp":
         result = _run_dp(cfg, model, streams, report)
     else:
         result = _run_streaming(cfg, model, streams, report)
     result.update(
-        method=cfg.method, workers=cfg.workers, steps=cfg.steps, params=nparams, tokens=cfg.steps * tokens_per_step,
-        eval_loss=curve[-1]["eval_loss"], curve=curve, wall_seconds=time.perf_counter() - t_start,
+        method=cfg.method,
+        workers=cfg.workers,
+        steps=cfg.steps,
+        params=nparams,
+        tokens=cfg.steps * tokens_per_step,
+        eval_loss=curve[-1]["eval_loss"],
+        curve=curve,
+        wall_seconds=time.perf_counter() - t_start,
         config=_jsonable(cfg),
     )
     return result
@@ -164,8 +189,12 @@ def _run_dp(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report
         optimizer_step(model, opt, cfg.inner)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             report(step + 1, model, sum(losses) / len(losses))
-    return {"bytes_sent_per_worker": nbytes * cfg.steps, "bytes_received_per_worker": nbytes * cfg.steps,
-            "peak_sync_bytes": nbytes, "blocked_seconds": 0.0}
+    return {
+        "bytes_sent_per_worker": nbytes * cfg.steps,
+        "bytes_received_per_worker": nbytes * cfg.steps,
+        "peak_sync_bytes": nbytes,
+        "blocked_seconds": 0.0,
+    }
 
 
 def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report) -> dict:
@@ -176,8 +205,15 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     replicas = [copy.deepcopy(model) for _ in range(cfg.workers)]
     opts = [make_inner_optimizer(r, cfg.inner) for r in replicas]
     engines = [
-        SyncEngine(r, build_layout(r, cfg.sync.num_fragments, cfg.sync.fragment_pattern), cfg.sync,
-                   InProcessTransport(cluster, n), total_steps=cfg.steps, seed=cfg.seed, rank=m)
+        SyncEngine(
+            r,
+            build_layout(r, cfg.sync.num_fragments, cfg.sync.fragment_pattern),
+            cfg.sync,
+            InProcessTransport(cluster, n),
+            total_steps=cfg.steps,
+            seed=cfg.seed,
+            rank=m,
+        )
         for m, (r, n) in enumerate(zip(replicas, names, strict=True))
     ]
     device = next(model.parameters()).device

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from streamdiloco.worker.model import build_gpt
 
 

@@ -10,8 +10,9 @@ QUICK = ["--model", "nano", "--batch-size", "2", "--eval-batches", "1"]
 
 
 def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "streamdiloco", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "streamdiloco", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,21 +44,53 @@ def test_empty_data_file(tmp_path):
 
 def test_simulate_writes_json(tmp_path):
     out = tmp_path / "r.json"
-    r = run("simulate", *QUICK, "--steps", "12", "--sync-every", "6", "--num-fragments", "3",
-            "--eval-every", "6", "--json", str(out))
+    r = run(
+        "simulate",
+        *QUICK,
+        "--steps",
+        "12",
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        "--eval-every",
+        "6",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "step    12/12" in r.stdout  # progress lines
     res = json.loads(out.read_text())
-    for key in ("eval_loss", "tokens", "bytes_sent_per_worker", "bytes_received_per_worker", "peak_sync_bytes",
-                "wall_seconds"):
+    for key in (
+        "eval_loss",
+        "tokens",
+        "bytes_sent_per_worker",
+        "bytes_received_per_worker",
+        "peak_sync_bytes",
+        "wall_seconds",
+    ):
         assert key in res
     assert res["tokens"] == 12 * 2 * 2 * 32
     assert res["mirrors_match_masters"] is True
 
 
 def test_compare_prints_table_and_saves_plot(tmp_path):
-    r = run("compare", *QUICK, "--setups", "dp,full", "--steps", "6", "--sync-every", "6", "--num-fragments",
-            "3", "--eval-every", "3", "--out", str(tmp_path))
+    r = run(
+        "compare",
+        *QUICK,
+        "--setups",
+        "dp,full",
+        "--steps",
+        "6",
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        "--eval-every",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     assert "Data-parallel" in r.stdout and "+ E3M0 up and down" in r.stdout
     png = tmp_path / "loss.png"
@@ -67,7 +100,19 @@ def test_compare_prints_table_and_saves_plot(tmp_path):
 
 def test_help_lists_the_flags():
     r = run("simulate", "--help")
-    for flag in ("--workers", "--steps", "--sync-every", "--num-fragments", "--fragment-sync-delay",
-                 "--fragment-update-alpha", "--uplink-codec", "--downlink-codec", "--outer-lr", "--data",
-                 "--seed", "--json", "--method"):
+    for flag in (
+        "--workers",
+        "--steps",
+        "--sync-every",
+        "--num-fragments",
+        "--fragment-sync-delay",
+        "--fragment-update-alpha",
+        "--uplink-codec",
+        "--downlink-codec",
+        "--outer-lr",
+        "--data",
+        "--seed",
+        "--json",
+        "--method",
+    ):
         assert flag in r.stdout

@@ -1,9 +1,8 @@
-"""Codecs: round-trip error bounds, exact packing sizes, deterministic decoding, unbiased stochastic rounding."""
+"""Codecs: round-trip error bounds, packing sizes, deterministic decoding, unbiased stochastic rounding."""
 
 import numpy as np
 import pytest
 import torch
-
 from streamdiloco.common.codecs import CODECS, E3M0_LEVELS, Encoded, decode, encode, get_codec
 
 

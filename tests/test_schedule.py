@@ -1,13 +1,15 @@
 """The send/merge schedule, pinned with closed-form cases."""
 
 import pytest
-
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import Event, events, fragment_offset, send_round
 
 
 def sends(cfg, steps, total=None):
-    return {t: [(e.fragment, e.round) for e in events(t, cfg, total) if e.kind == "send"] for t in range(1, steps + 1)}
+    return {
+        t: [(e.fragment, e.round) for e in events(t, cfg, total) if e.kind == "send"]
+        for t in range(1, steps + 1)
+    }
 
 
 def test_offsets_spread_evenly_over_H():
@@ -40,7 +42,12 @@ def test_tau_zero_merges_in_the_same_step_after_the_send():
 
 def test_H_equal_1_syncs_every_fragment_every_step():
     cfg = SyncConfig(sync_every=1, num_fragments=2, fragment_sync_delay=0, final_sync=False)
-    assert events(1, cfg) == [Event("send", 0, 0), Event("send", 1, 0), Event("merge", 0, 0), Event("merge", 1, 0)]
+    assert events(1, cfg) == [
+        Event("send", 0, 0),
+        Event("send", 1, 0),
+        Event("merge", 0, 0),
+        Event("merge", 1, 0),
+    ]
     assert events(5, cfg)[0] == Event("send", 0, 4)
 
 
@@ -72,7 +79,10 @@ def test_steps_count_from_one():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"sync_every": 32, "num_fragments": 5}, r"must be 1 or a multiple of num_fragments \(P=5\).*use H=30 or H=35"),
+        (
+            {"sync_every": 32, "num_fragments": 5},
+            r"must be 1 or a multiple of num_fragments \(P=5\).*use H=30 or H=35",
+        ),
         ({"fragment_update_alpha": 1.5}, r"fragment_update_alpha must be in \[0, 1\]"),
         ({"fragment_update_alpha": -0.1}, r"fragment_update_alpha must be in \[0, 1\]"),
         ({"uplink_codec": "fp8"}, "unknown uplink_codec 'fp8'"),

@@ -4,7 +4,6 @@ import itertools
 
 import pytest
 import torch
-
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
@@ -77,8 +76,16 @@ def _snapshot(state, f):
         (lambda s, e: ("w", 0, 0, encode(delta_for(s, 0, 1), "int8"), 1.0), "bad_codec"),
         (lambda s, e: ("w", 0, 0, e, 0.0), "bad_weight"),
         (lambda s, e: ("w", 0, 0, e, float("nan")), "bad_weight"),
-        (lambda s, e: ("w", 0, 0, Encoded("e3m0", e.numel, e.payload, torch.full_like(e.scales, float("inf")),
-                                         e.block_size), 1.0), "bad_scale"),
+        (
+            lambda s, e: (
+                "w",
+                0,
+                0,
+                Encoded("e3m0", e.numel, e.payload, torch.full_like(e.scales, float("inf")), e.block_size),
+                1.0,
+            ),
+            "bad_scale",
+        ),
         (lambda s, e: ("first", 0, 0, e, 1.0), "duplicate"),
     ],
 )
@@ -109,10 +116,13 @@ def test_fingerprint_names_the_difference():
     small = model_fingerprint(build_layout(build_gpt("nano"), 3), cfg)
     assert fingerprint_diff(small, small) is None
     deeper = model_fingerprint(build_layout(build_gpt("nano", n_layer=8), 3), cfg)
-    assert fingerprint_diff(deeper, small) == \
-        "model fingerprint differs from the server's: worker has 8 blocks, server 4"
+    assert (
+        fingerprint_diff(deeper, small)
+        == "model fingerprint differs from the server's: worker has 8 blocks, server 4"
+    )
     wider = model_fingerprint(build_layout(build_gpt("nano", n_embd=64), 3), cfg)
-    assert "transformer.h.0.ln_1.weight has shape [64] on the worker, [32] on the server" in \
-        fingerprint_diff(wider, small)
+    assert "transformer.h.0.ln_1.weight has shape [64] on the worker, [32] on the server" in fingerprint_diff(
+        wider, small
+    )
     other = model_fingerprint(build_layout(build_gpt("nano"), 3), SyncConfig(sync_every=9, num_fragments=3))
     assert "sync_every is 9 on the worker, 6 on the server" in fingerprint_diff(other, small)

@@ -4,9 +4,8 @@ import copy
 
 import pytest
 import torch
-
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.fragments import build_layout, flatten
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.data import BatchStream, ByteDataset
 from streamdiloco.worker.model import build_gpt
@@ -24,8 +23,17 @@ FP32 = dict(uplink_codec="fp32", downlink_codec="fp32")
 
 
 def nano(steps, workers=1, shards=1, **sync):
-    return SimConfig(model="nano", batch_size=4, steps=steps, workers=workers, num_shards=shards,
-                     eval_every=10_000, eval_batches=1, inner=INNER, sync=SyncConfig(**sync))
+    return SimConfig(
+        model="nano",
+        batch_size=4,
+        steps=steps,
+        workers=workers,
+        num_shards=shards,
+        eval_every=10_000,
+        eval_batches=1,
+        inner=INNER,
+        sync=SyncConfig(**sync),
+    )
 
 
 def make_replicas(seed, m):
@@ -46,8 +54,17 @@ def inner_step(model, opt, stream, step, total):
 
 def test_diloco_M1_H1_lr1_no_momentum_equals_plain_inner_training():
     steps = 12
-    cfg = nano(steps, sync_every=1, num_fragments=1, fragment_sync_delay=0, fragment_update_alpha=0.0,
-               outer_lr=1.0, outer_momentum=0.0, final_sync=False, **FP32)
+    cfg = nano(
+        steps,
+        sync_every=1,
+        num_fragments=1,
+        fragment_sync_delay=0,
+        fragment_update_alpha=0.0,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        final_sync=False,
+        **FP32,
+    )
     got = simulate(cfg, log=None)["global_params"]
     _, (model,), (opt,), (stream,) = make_replicas(0, 1)
     for step in range(steps):
@@ -60,8 +77,18 @@ def test_diloco_M1_H1_lr1_no_momentum_equals_plain_inner_training():
 def test_P1_tau0_matches_a_direct_diloco_reference():
     """M=2 workers, H=4: H AdamW steps each, mean outer gradient, Nesterov SGD, everyone restarts from it."""
     steps, H, lr, mu = 12, 4, 0.7, 0.9
-    cfg = nano(steps, workers=2, sync_every=H, num_fragments=1, fragment_sync_delay=0,
-               fragment_update_alpha=0.0, outer_lr=lr, outer_momentum=mu, final_sync=False, **FP32)
+    cfg = nano(
+        steps,
+        workers=2,
+        sync_every=H,
+        num_fragments=1,
+        fragment_sync_delay=0,
+        fragment_update_alpha=0.0,
+        outer_lr=lr,
+        outer_momentum=mu,
+        final_sync=False,
+        **FP32,
+    )
     got = simulate(cfg, log=None)["global_params"][0]
 
     _, replicas, opts, streams = make_replicas(0, 2)
@@ -81,8 +108,16 @@ def test_P1_tau0_matches_a_direct_diloco_reference():
 
 def test_data_parallel_equals_one_model_on_the_joined_batch():
     steps = 6
-    cfg = SimConfig(method="dp", model="nano", batch_size=4, steps=steps, workers=2, eval_every=10_000,
-                    eval_batches=1, inner=INNER)
+    cfg = SimConfig(
+        method="dp",
+        model="nano",
+        batch_size=4,
+        steps=steps,
+        workers=2,
+        eval_every=10_000,
+        eval_batches=1,
+        inner=INNER,
+    )
     res = simulate(cfg, log=None)
     _, (model,), (opt,), _ = make_replicas(0, 1)
     _, _, _, streams = make_replicas(0, 2)
@@ -116,8 +151,17 @@ def test_shard_slicing_does_not_change_fp32_results():
 
 
 def test_full_method_keeps_every_mirror_bit_identical_to_the_masters():
-    cfg = nano(40, workers=2, shards=2, sync_every=6, num_fragments=3, fragment_sync_delay=1,
-               fragment_update_alpha=0.5, uplink_codec="e3m0", downlink_codec="e3m0")
+    cfg = nano(
+        40,
+        workers=2,
+        shards=2,
+        sync_every=6,
+        num_fragments=3,
+        fragment_sync_delay=1,
+        fragment_update_alpha=0.5,
+        uplink_codec="e3m0",
+        downlink_codec="e3m0",
+    )
     res = simulate(cfg, log=None)
     assert res["mirrors_match_masters"] is True
     # 40 steps, 3 fragments every 6 steps, plus the final sync: every worker pushed each round
@@ -129,13 +173,17 @@ def test_uplink_bytes_are_what_the_codec_predicts():
     from streamdiloco.common.codecs import get_codec
     from streamdiloco.common.fragments import slice_ranges
 
-    cfg = nano(12, workers=2, shards=2, sync_every=6, num_fragments=3, fragment_sync_delay=1, final_sync=False)
+    cfg = nano(
+        12, workers=2, shards=2, sync_every=6, num_fragments=3, fragment_sync_delay=1, final_sync=False
+    )
     res = simulate(cfg, log=None)
     torch.manual_seed(0)
     layout = build_layout(build_gpt("nano"), 3)
     codec = get_codec("e3m0")
-    per_frag = [sum(codec.encoded_nbytes(hi - lo, 128) for lo, hi in slice_ranges(f.numel, 2))
-                for f in layout.fragments]
+    per_frag = [
+        sum(codec.encoded_nbytes(hi - lo, 128) for lo, hi in slice_ranges(f.numel, 2))
+        for f in layout.fragments
+    ]
     # fragment 0 at 6 and 12, fragment 1 at 2 and 8, fragment 2 at 4 and 10; without the final sync
     # the update of fragment 0's send at step 12 (due at 13) is never received
     assert res["bytes_sent_per_worker"] == 2 * sum(per_frag)

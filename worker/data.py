@@ -84,7 +84,9 @@ class BatchStream:
         self.position = 0  # batches drawn so far
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(self.data) - self.block_size - 1, (self.batch_size,), generator=self.generator)
+        starts = torch.randint(
+            len(self.data) - self.block_size - 1, (self.batch_size,), generator=self.generator
+        )
         idx = starts.unsqueeze(1) + torch.arange(self.block_size + 1)
         chunk = self.data[idx].long()
         self.position += 1

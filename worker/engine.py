@@ -18,10 +18,15 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import FragmentLayout, flatten, fragment_params, slice_ranges, unflatten_into
+from streamdiloco.common.fragments import (
+    FragmentLayout,
+    flatten,
+    fragment_params,
+    slice_ranges,
+    unflatten_into,
+)
 from streamdiloco.common.outer import apply_update, merge_local, outer_gradient
 from streamdiloco.common.schedule import Event, events
 
@@ -29,7 +34,9 @@ from streamdiloco.common.schedule import Event, events
 class Transport(Protocol):
     num_shards: int
 
-    def push(self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None) -> None:
+    def push(
+        self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
+    ) -> None:
         """Send one fragment's outer gradient (one Encoded per shard slice); must not block on the round."""
 
     def update(self, fragment: int, round: int) -> list[Encoded]:
@@ -48,8 +55,9 @@ class SyncEngine:
         rank: int = 0,
     ):
         if layout.num_fragments != cfg.num_scheduled_fragments:
-            raise ValueError(f"layout has {layout.num_fragments} fragments, config expects "
-                             f"{cfg.num_scheduled_fragments}")
+            raise ValueError(
+                f"layout has {layout.num_fragments} fragments, config expects {cfg.num_scheduled_fragments}"
+            )
         self.model, self.layout, self.cfg, self.transport = model, layout, cfg, transport
         self.total_steps = total_steps
         self.params = [fragment_params(model, f) for f in layout.fragments]
@@ -97,8 +105,13 @@ class SyncEngine:
         local = flatten(self.params[fragment])
         delta = outer_gradient(self.mirrors[fragment], local)
         slices = [
-            encode(delta[lo:hi], self.cfg.uplink_codec, self.cfg.codec_block_size, self.cfg.uplink_rounding,
-                   self.generator)
+            encode(
+                delta[lo:hi],
+                self.cfg.uplink_codec,
+                self.cfg.codec_block_size,
+                self.cfg.uplink_rounding,
+                self.generator,
+            )
             for lo, hi in self.ranges[fragment]
         ]
         weight = float(max(1, self.tokens_since_sync[fragment]))
@@ -119,13 +132,16 @@ class SyncEngine:
         self.blocked_seconds += time.perf_counter() - t0
         u_hat = torch.cat([decode(s) for s in slices]) if len(slices) > 1 else decode(slices[0])
         if u_hat.numel() != self.mirrors[fragment].numel():
-            raise RuntimeError(f"update for fragment {fragment} has {u_hat.numel()} values, "
-                               f"expected {self.mirrors[fragment].numel()}")
+            raise RuntimeError(
+                f"update for fragment {fragment} has {u_hat.numel()} values, "
+                f"expected {self.mirrors[fragment].numel()}"
+            )
         self.bytes_received += sum(s.nbytes for s in slices)
         apply_update(self.mirrors[fragment], u_hat)
         local = flatten(self.params[fragment])
-        unflatten_into(merge_local(local, self.mirrors[fragment], self.cfg.fragment_update_alpha),
-                       self.params[fragment])
+        unflatten_into(
+            merge_local(local, self.mirrors[fragment], self.cfg.fragment_update_alpha), self.params[fragment]
+        )
         self.in_flight.discard((fragment, round))
         self.merges += 1
 
