@@ -38,6 +38,14 @@ SETUPS: dict[str, dict] = {
         "uplink_codec": "e3m0",
         "downlink_codec": "e3m0",
     },
+    "full-sr": {
+        "fragment_sync_delay": 1,
+        "fragment_update_alpha": 0.5,
+        "uplink_codec": "e3m0",
+        "downlink_codec": "e3m0",
+        "uplink_rounding": "stochastic",
+        "downlink_rounding": "stochastic",
+    },
 }
 SETUP_LABELS = {
     "dp": "Data-parallel",
@@ -45,6 +53,7 @@ SETUP_LABELS = {
     "streaming": "Streaming (strided, τ=0, fp32)",
     "overlap": "+ overlap (τ=1, α=0.5)",
     "full": "+ E3M0 up and down",
+    "full-sr": "+ E3M0, stochastic rounding",
 }
 
 
@@ -116,6 +125,7 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         "--min-lr-ratio", type=float, default=i.min_lr_ratio, help="cosine floor, as a fraction of --lr"
     )
     g.add_argument("--weight-decay", type=float, default=i.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=i.grad_clip, help="gradient-norm clip, 0 disables")
 
 
 def sim_config(args: argparse.Namespace | dict, **overrides):
