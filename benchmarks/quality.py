@@ -41,20 +41,22 @@ def _one(cfg) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_sim_flags(p)
-    p.set_defaults(steps=1200, eval_every=100, eval_batches=16, lr=1e-3, warmup_steps=100)
+    p.set_defaults(steps=1200, eval_every=100, eval_batches=16)
     p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated, from: {', '.join(SETUPS)}")
     p.add_argument("--workers-list", default="2,4", help="comma-separated M values (default %(default)s)")
+    p.add_argument(
+        "--extra", default="full-sr@2", help="more runs as SETUP@M, comma-separated (default %(default)s)"
+    )
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
     p.add_argument("--out", default="benchmarks/results/quality", help="output folder")
     args = p.parse_args(argv)
     setups = args.setups.split(",")
     workers = [int(m) for m in args.workers_list.split(",")]
+    runs = [(s, m) for m in workers for s in setups]
+    runs += [(x.split("@")[0], int(x.split("@")[1])) for x in args.extra.split(",") if x.strip()]
+    base = {**vars(args), "method": "streaming"}
     try:
-        plan = [
-            (f"{SETUP_LABELS[s]}", sim_config(args, workers=m, method="streaming", **SETUPS[s]))
-            for m in workers
-            for s in setups
-        ]
+        plan = [(SETUP_LABELS[s], sim_config(base, workers=m, **SETUPS[s])) for s, m in runs]
     except (ValueError, KeyError) as e:
         print(f"quality.py: error: {e}", file=sys.stderr)
         return 2

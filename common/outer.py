@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 
 import torch
+
 from streamdiloco.common.codecs import Encoded, decode, encode
 
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from streamdiloco.worker.model import build_gpt
 
 

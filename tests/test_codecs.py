@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from streamdiloco.common.codecs import CODECS, E3M0_LEVELS, Encoded, decode, encode, get_codec
 
 

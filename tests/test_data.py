@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches, load_text
 from streamdiloco.worker.model import PRESETS, build_gpt
 

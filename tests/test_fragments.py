@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn as nn
+
 from streamdiloco.common.fragments import (
     assign_blocks,
     build_layout,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from streamdiloco.common.codecs import decode
 from streamdiloco.common.outer import OuterOptimizer, apply_update, merge_local, outer_gradient
 

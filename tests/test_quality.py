@@ -27,7 +27,7 @@ def _run(cfg):
 
 def test_full_method_matches_data_parallel_with_200x_fewer_bytes():
     args = build_parser().parse_args(["simulate"])
-    base = dict(steps=1200, eval_every=1200, eval_batches=16, lr=1e-3, warmup_steps=100, workers=2)
+    base = dict(steps=1200, eval_every=1200, eval_batches=16, workers=2)
     cfgs = [sim_config(args, **{**base, **SETUPS[s]}) for s in ("dp", "full")]
     with ProcessPoolExecutor(2) as pool:
         dp, full = pool.map(_run, cfgs)

@@ -1,6 +1,7 @@
 """The send/merge schedule, pinned with closed-form cases."""
 
 import pytest
+
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import Event, events, fragment_offset, send_round
 

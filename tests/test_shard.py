@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint

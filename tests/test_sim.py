@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten
 from streamdiloco.sim.simulator import SimConfig, simulate

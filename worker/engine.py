@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
+
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import (

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class InnerConfig:
-    lr: float = 4e-4  # AdamW peak learning rate
+    lr: float = 1.5e-3  # AdamW peak; measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
     weight_decay: float = 0.1
