@@ -12,6 +12,7 @@ refuses bad pushes without changing anything.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,8 @@ class _OpenRound:
     total: torch.Tensor  # fp64 sum of weight * delta
     weight: float = 0.0
     contributors: set[str] = field(default_factory=set)
-    loss_sum: float = 0.0
+    loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
+    loss_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class ShardState:
             raise PushRejected("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
         if enc.scales.numel() and not torch.isfinite(enc.scales).all():
             raise PushRejected("bad_scale", "the push has a non-finite scale")
+        if loss is not None and not math.isfinite(loss):
+            raise PushRejected("bad_loss", f"the reported training loss must be a finite number, got {loss}")
         values = decode(enc)
         if not torch.isfinite(values).all():
             raise PushRejected("bad_value", "the push decodes to non-finite values")
@@ -144,6 +148,7 @@ class ShardState:
         rnd.contributors.add(worker)
         if loss is not None:
             rnd.loss_sum += loss * weight
+            rnd.loss_weight += weight
         self.bytes_received += enc.nbytes
 
     def contributors(self, fragment: int) -> set[str]:
@@ -156,7 +161,7 @@ class ShardState:
         if rnd.weight > 0:
             mean = (rnd.total / rnd.weight).to(torch.float32)
             update, _ = opt.step(mean)
-            mean_loss = rnd.loss_sum / rnd.weight if rnd.loss_sum else None
+            mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
         else:  # nobody pushed: a zero update, so that nobody waits forever
             update = encode(torch.zeros_like(opt.master), self.cfg.downlink_codec, self.cfg.codec_block_size)
             mean_loss = None

@@ -88,6 +88,7 @@ def _snapshot(state, f):
             "bad_scale",
         ),
         (lambda s, e: ("first", 0, 0, e, 1.0), "duplicate"),
+        (lambda s, e: ("w", 0, 0, e, 1.0, float("inf")), "bad_loss"),
     ],
 )
 def test_bad_pushes_are_refused_and_change_nothing(make_push, reason):

@@ -68,7 +68,7 @@ class SyncEngine:
         self.generator = torch.Generator().manual_seed(seed * 7_919 + rank)  # stochastic rounding only
         self.step_count = 0
         self.tokens_since_sync = [0] * layout.num_fragments
-        self.loss_since_sync: list[list[float]] = [[] for _ in layout.fragments]
+        self.loss_since_sync = [(0.0, 0)] * layout.num_fragments  # (sum, count) of inner losses
         self.in_flight: set[tuple[int, int]] = set()
         # counters for the summary and the metrics
         self.bytes_sent = 0
@@ -92,7 +92,8 @@ class SyncEngine:
         for f in range(self.layout.num_fragments):
             self.tokens_since_sync[f] += tokens
             if loss is not None:
-                self.loss_since_sync[f].append(loss)
+                total, count = self.loss_since_sync[f]
+                self.loss_since_sync[f] = (total + loss, count + 1)
         return events(self.step_count, self.cfg, self.total_steps)
 
     def execute(self, ev: Event) -> None:
@@ -116,22 +117,22 @@ class SyncEngine:
             for lo, hi in self.ranges[fragment]
         ]
         weight = float(max(1, self.tokens_since_sync[fragment]))
-        losses = self.loss_since_sync[fragment]
-        loss = sum(losses) / len(losses) if losses else None
+        total, count = self.loss_since_sync[fragment]
+        loss = total / count if count else None
         self.transport.push(fragment, round, slices, weight, loss)
         nbytes = sum(s.nbytes for s in slices)
         self.bytes_sent += nbytes
         self.peak_push_bytes = max(self.peak_push_bytes, nbytes)
         self.pushes += 1
         self.tokens_since_sync[fragment] = 0
-        self.loss_since_sync[fragment] = []
+        self.loss_since_sync[fragment] = (0.0, 0)
         self.in_flight.add((fragment, round))
 
     def merge(self, fragment: int, round: int) -> None:
         t0 = time.perf_counter()
         slices = self.transport.update(fragment, round)
         self.blocked_seconds += time.perf_counter() - t0
-        u_hat = torch.cat([decode(s) for s in slices]) if len(slices) > 1 else decode(slices[0])
+        u_hat = torch.cat([decode(s) for s in slices])
         if u_hat.numel() != self.mirrors[fragment].numel():
             raise RuntimeError(
                 f"update for fragment {fragment} has {u_hat.numel()} values, "
