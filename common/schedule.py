@@ -77,10 +77,3 @@ def events(step: int, cfg: SyncConfig, total_steps: int | None = None) -> list[E
         out += [Event("send", f, r) for f, r in flush]
         out += [Event("merge", f, r) for f, r in flush]
     return out
-
-
-def rounds_total(cfg: SyncConfig, total_steps: int) -> int:
-    """Rounds of all fragments together in a run of total_steps steps (for progress and tests)."""
-    return sum(
-        sum(1 for ev in events(t, cfg, total_steps) if ev.kind == "send") for t in range(1, total_steps + 1)
-    )

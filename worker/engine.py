@@ -12,7 +12,6 @@ connection to the shards' logic in the simulator. The engine does not know which
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Protocol
 
@@ -69,13 +68,11 @@ class SyncEngine:
         self.step_count = 0
         self.tokens_since_sync = [0] * layout.num_fragments
         self.loss_since_sync = [(0.0, 0)] * layout.num_fragments  # (sum, count) of inner losses
-        self.in_flight: set[tuple[int, int]] = set()
         # counters for the summary and the metrics
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peak_push_bytes = 0
         self.pushes = 0
-        self.merges = 0
         self.blocked_seconds = 0.0
 
     # --- the hook ------------------------------------------------------------------------------------
@@ -126,7 +123,6 @@ class SyncEngine:
         self.pushes += 1
         self.tokens_since_sync[fragment] = 0
         self.loss_since_sync[fragment] = (0.0, 0)
-        self.in_flight.add((fragment, round))
 
     def merge(self, fragment: int, round: int) -> None:
         t0 = time.perf_counter()
@@ -144,13 +140,3 @@ class SyncEngine:
         unflatten_into(
             merge_local(local, self.mirrors[fragment], self.cfg.fragment_update_alpha), self.params[fragment]
         )
-        self.in_flight.discard((fragment, round))
-        self.merges += 1
-
-    # --- inspection ----------------------------------------------------------------------------------
-    def global_vector(self, fragment: int) -> torch.Tensor:
-        return self.mirrors[fragment]
-
-    def mirror_hashes(self) -> list[str]:
-        """A short hash of each fragment's mirror: equal to the shards' master hashes when in sync."""
-        return [hashlib.sha256(m.numpy().tobytes()).hexdigest()[:16] for m in self.mirrors]
