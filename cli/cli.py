@@ -58,42 +58,57 @@ SETUP_LABELS = {
 
 
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
-    from streamdiloco.common.codecs import CODECS
-    from streamdiloco.common.config import SyncConfig
-    from streamdiloco.worker.model import PRESETS
-    from streamdiloco.worker.train import InnerConfig
-
-    s, i = SyncConfig(), InnerConfig()
     g = p.add_argument_group("run")
     g.add_argument("--workers", type=int, default=2, help="M, the number of workers (default %(default)s)")
-    g.add_argument("--steps", type=int, default=600, help="inner steps per worker (default %(default)s)")
-    g.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per worker per step (default %(default)s)"
-    )
-    g.add_argument(
-        "--model", default="tiny", choices=list(PRESETS), help="built-in GPT size (default %(default)s)"
-    )
-    g.add_argument(
-        "--block-size", type=int, default=None, help="context length in bytes (default: the preset's)"
-    )
-    g.add_argument(
-        "--data", default=None, metavar="PATH", help="a text file to train on (default: built-in plays)"
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed for init, data streams and rounding (default 0)")
+    _add_run_flags(g)
     g.add_argument(
         "--shards", type=int, default=1, dest="num_shards", help="S, shards each fragment is cut into"
     )
     g.add_argument(
         "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
     )
+    _add_sync_flags(p)
+    _add_inner_flags(p)
+
+
+def _add_model_flags(g) -> None:
+    g.add_argument(
+        "--model",
+        default="tiny",
+        help="built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory "
+        "(default %(default)s)",
+    )
+    g.add_argument(
+        "--block-size", type=int, default=None, help="context length in bytes (default: the preset's)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed for init, data streams and rounding (default 0)")
+
+
+def _add_run_flags(g) -> None:
+    """Training flags shared by `simulate`, `compare`, `worker` and `launch`."""
+    g.add_argument("--steps", type=int, default=600, help="inner steps per worker (default %(default)s)")
+    g.add_argument(
+        "--batch-size", type=int, default=16, help="sequences per worker per step (default %(default)s)"
+    )
+    _add_model_flags(g)
+    g.add_argument(
+        "--data", default=None, metavar="PATH", help="a text file to train on (default: built-in plays)"
+    )
     g.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     g.add_argument("--device", default="cpu", help="torch device for training: cpu, cuda, cuda:1 ...")
-    g = p.add_argument_group("Streaming DiLoCo")
+
+
+def _add_sync_flags(p: argparse.ArgumentParser) -> None:
+    from streamdiloco.common.codecs import CODECS
+    from streamdiloco.common.config import SyncConfig
+
+    s = SyncConfig()
+    g = p.add_argument_group("Streaming DiLoCo (shards and workers must agree)")
     g.add_argument(
         "--sync-every", type=int, default=s.sync_every, help="H, steps between syncs of a fragment"
     )
     g.add_argument(
-        "--num-fragments", type=int, default=s.num_fragments, help="P, block fragments (+1 for the rest)"
+        "--num-fragments", type=int, default=s.num_fragments, help="P, fragments (blocks fill P-1)"
     )
     g.add_argument("--fragment-pattern", default=s.fragment_pattern, choices=["strided", "sequential"])
     g.add_argument(
@@ -118,6 +133,12 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not sync every fragment at the last step",
     )
+
+
+def _add_inner_flags(p: argparse.ArgumentParser) -> None:
+    from streamdiloco.worker.train import InnerConfig
+
+    i = InnerConfig()
     g = p.add_argument_group("inner optimizer (AdamW)")
     g.add_argument("--lr", type=float, default=i.lr, help="peak learning rate (default %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=i.warmup_steps)
@@ -128,6 +149,27 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-clip", type=float, default=i.grad_clip, help="gradient-norm clip, 0 disables")
 
 
+def _add_shard_flags(g) -> None:
+    g.add_argument(
+        "--min-workers",
+        type=int,
+        default=1,
+        help="contributions a round needs before it may close (default %(default)s)",
+    )
+    g.add_argument(
+        "--round-timeout",
+        type=float,
+        default=120.0,
+        help="seconds after a round's first push after which it closes with those present "
+        "(default %(default)s, sized for WAN stragglers)",
+    )
+    g.add_argument("--token", default="", help="shared secret that workers must present at Join")
+
+
+def _pick(cls, v: dict) -> dict:
+    return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
+
+
 def sim_config(args: argparse.Namespace | dict, **overrides):
     """A validated SimConfig from parsed flags (and setup overrides). Raises ValueError."""
     from streamdiloco.common.config import SyncConfig
@@ -135,10 +177,9 @@ def sim_config(args: argparse.Namespace | dict, **overrides):
     from streamdiloco.worker.train import InnerConfig
 
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
-    pick = lambda cls: {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}  # noqa: E731
-    inner = InnerConfig(**{**pick(InnerConfig)})
-    sync = SyncConfig(**pick(SyncConfig))
-    top = {k: x for k, x in pick(SimConfig).items() if k not in ("sync", "inner")}
+    inner = InnerConfig(**_pick(InnerConfig, v))
+    sync = SyncConfig(**_pick(SyncConfig, v))
+    top = {k: x for k, x in _pick(SimConfig, v).items() if k not in ("sync", "inner")}
     return SimConfig(**top, sync=sync, inner=inner)
 
 
@@ -247,7 +288,139 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--workers-list", default=None, help="comma-separated M values (default: --workers)")
     cp.add_argument("--out", default="runs/compare", help="folder for results.md, results.json, loss.png")
     cp.set_defaults(func=_cmd_compare)
+
+    sv = sub.add_parser(
+        "server",
+        help="run one shard of the outer-optimizer server",
+        description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
+        "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
+        "same model and Streaming DiLoCo flags as the workers.",
+    )
+    g = sv.add_argument_group("shard")
+    g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
+    g.add_argument("--num-shards", type=int, default=1, help="S, the number of shards (default 1)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all; default %(default)s)"
+    )
+    g.add_argument(
+        "--port", type=int, default=7070, help="gRPC port, 0 picks a free one (default %(default)s)"
+    )
+    g.add_argument("--http-port", type=int, default=8080, help="HTTP status port (default %(default)s)")
+    g.add_argument("--ready-file", default=None, help="write the bound ports here (JSON) once serving")
+    g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per chunk (default 1 MiB)")
+    _add_shard_flags(g)
+    _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
+    _add_sync_flags(sv)
+    sv.set_defaults(func=_cmd_server)
+
+    wk = sub.add_parser(
+        "worker",
+        help="train and sync with the shards",
+        description="Join every shard, fetch the global parameters, then train; fragments are pushed in "
+        "the background and their updates merged tau steps later.",
+    )
+    g = wk.add_argument_group("worker")
+    g.add_argument("--servers", required=True, help="every shard as HOST:PORT, comma-separated")
+    g.add_argument("--name", default=None, help="a unique name for this worker (default: host-pid)")
+    g.add_argument("--rank", type=int, default=None, help="seeds the data stream (default: from the name)")
+    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
+    g.add_argument("--token", default="", help="the run's shared secret, if the shards have one")
+    g.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the shards")
+    g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
+    g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
+    _add_run_flags(wk.add_argument_group("run"))
+    _add_sync_flags(wk)
+    _add_inner_flags(wk)
+    wk.set_defaults(func=_cmd_worker)
+
+    la = sub.add_parser(
+        "launch",
+        help="run S shards and M workers as processes on this machine",
+        description="Start S shard processes and M worker processes on loopback, show their progress, "
+        "print a summary (eval loss of the global parameters, tokens, bytes, blocked time), and stop "
+        "everything at the end or on Ctrl+C.",
+    )
+    g = la.add_argument_group("cluster")
+    g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
+    g.add_argument("--workers", type=int, default=2, help="M, worker processes (default %(default)s)")
+    g.add_argument("--min-workers", type=int, default=0, help="per round (default: all M workers)")
+    g.add_argument("--round-timeout", type=float, default=120.0, help="seconds (default %(default)s)")
+    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
+    g.add_argument("--out", default="runs/launch", help="folder for logs and summary.json")
+    g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
+    _add_run_flags(la.add_argument_group("run"))
+    _add_sync_flags(la)
+    _add_inner_flags(la)
+    la.set_defaults(func=_cmd_launch)
     return p
+
+
+def _setup_logging() -> None:
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+
+
+def _sync_config(args: argparse.Namespace):
+    from streamdiloco.common.config import SyncConfig
+
+    return SyncConfig(**_pick(SyncConfig, vars(args)))
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from streamdiloco.server.main import build_service, serve
+
+    _setup_logging()
+    service = build_service(
+        _sync_config(args),
+        args.model,
+        args.shard,
+        args.num_shards,
+        seed=args.seed,
+        block_size=args.block_size,
+        min_workers=args.min_workers,
+        round_timeout=args.round_timeout,
+        token=args.token,
+        chunk_bytes=args.chunk_bytes,
+    )
+    asyncio.run(serve(service, args.host, args.port, args.http_port, args.ready_file))
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from streamdiloco.worker.client import SyncError
+    from streamdiloco.worker.run import WorkerConfig, run_worker
+    from streamdiloco.worker.train import InnerConfig
+
+    _setup_logging()
+    v = vars(args)
+    servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    top = {k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers")}
+    if top.get("name") is None:
+        top.pop("name", None)
+    cfg = WorkerConfig(
+        servers=servers, **top, sync=_sync_config(args), inner=InnerConfig(**_pick(InnerConfig, v))
+    )
+    _check_data(cfg.data)
+    try:
+        run_worker(cfg)
+    except SyncError as e:
+        print(f"streamdiloco: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from streamdiloco.launch import run_launch
+
+    _sync_config(args)  # one-line errors before any process starts
+    _check_data(args.data)
+    return run_launch(args, _add_sync_flags, _add_inner_flags, _add_run_flags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,58 @@ def roundtrip(
 ) -> torch.Tensor:
     """decode(encode(x)): what the receiver will see."""
     return decode(encode(x, codec, block_size, rounding, generator))
+
+
+# --- chunks: an Encoded cut into pieces of about 1 MiB for the wire -----------------------------------
+CHUNK_BYTES = 1 << 20
+
+
+def chunk_alignment(codec: str, block_size: int) -> int:
+    """Chunks start at multiples of this many values, so bytes and scales split cleanly."""
+    spec = get_codec(codec)
+    align = block_size if spec.scaled else 1
+    if spec.bits < 8:  # two values per byte
+        align = align * 2 if align % 2 else align
+    return max(1, align)
+
+
+def chunk_values(codec: str, block_size: int, target_bytes: int = CHUNK_BYTES) -> int:
+    """Values per chunk: about target_bytes of payload, a multiple of the codec's alignment."""
+    align = chunk_alignment(codec, block_size)
+    n = target_bytes * 8 // get_codec(codec).bits
+    return max(align, n // align * align)
+
+
+def expected_sizes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
+    """(payload bytes, number of scales) that `numel` values take in this codec."""
+    spec = get_codec(codec)
+    payload = (numel * spec.bits + 7) // 8
+    scales = -(-numel // block_size) if spec.scaled else 0
+    return payload, scales
+
+
+def split(enc: Encoded, values_per_chunk: int) -> list[tuple[int, Encoded]]:
+    """(offset, part) pieces of enc; each part decodes to the matching values of decode(enc)."""
+    spec = get_codec(enc.codec)
+    align = chunk_alignment(enc.codec, enc.block_size)
+    if values_per_chunk % align:
+        raise ValueError(f"values_per_chunk {values_per_chunk} is not a multiple of {align}")
+    parts = []
+    for lo in range(0, max(enc.numel, 1), values_per_chunk):
+        hi = min(enc.numel, lo + values_per_chunk)
+        b_lo, b_hi = lo * spec.bits // 8, (hi * spec.bits + 7) // 8
+        scales = enc.scales[lo // enc.block_size : -(-hi // enc.block_size)] if spec.scaled else enc.scales
+        parts.append((lo, Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], scales, enc.block_size)))
+    return parts
+
+
+def concat(parts: list[Encoded]) -> Encoded:
+    """The inverse of `split`: one Encoded from its pieces, in order."""
+    first = parts[0]
+    return Encoded(
+        first.codec,
+        sum(p.numel for p in parts),
+        torch.cat([p.payload for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        first.block_size,
+    )

@@ -80,3 +80,10 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     return (
         f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
     )
+
+
+def tensor_digest(x) -> str:
+    """A short hash of a tensor's fp32 bytes: shards publish it for each master slice, workers log it for
+    each mirror slice, and equal hashes mean bit-equal parameters."""
+    data = x.detach().to(device="cpu").contiguous().float().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -1,13 +1,21 @@
-"""A shard's state and aggregation, as pure logic: no networking, no files, no clocks.
+"""A shard's state and aggregation, as pure logic: no networking, no files, no clocks of its own.
 
 Shard s of S owns slice s of every fragment's flat vector. Per fragment it keeps the master slice, the
-outer optimizer (Nesterov SGD plus the downlink's error-feedback residual), the number of the round that is
-open, and a streaming accumulator: each push is dequantized and added, weighted by its tokens, into an fp64
-sum, so memory does not grow with the number of workers and the mean does not depend on arrival order
-(to fp32 round-off: the sum is fp64, the mean is rounded once to fp32).
+outer optimizer (Nesterov SGD plus the downlink's error-feedback residual), the open round and its
+accumulator: every accepted push is dequantized and added, weighted by its tokens, into an fp64 sum, so
+memory does not grow with the number of workers and the mean does not depend on arrival order (the sum is
+fp64, the mean is rounded once to fp32).
 
-The gRPC servicer and the in-process simulator both drive this class; it validates what it is given and
-refuses bad pushes without changing anything.
+Pushes arrive in chunks. Each chunk is validated the moment it arrives and kept in its encoded form (4-bit
+for E3M0); when the push's last chunk has arrived, the chunks are dequantized and added to the round's sum.
+A push that breaks off (its worker died, or a later chunk was bad) therefore leaves nothing half-applied,
+and a refused push changes nothing at all.
+
+Rounds close when every member that was present when the round started (its first push) has pushed, with
+at least `min_workers` contributions; or when its deadline has passed with at least `min_workers`; or when
+every expected member has left. The caller supplies the time (`now`), so tests drive the clock.
+
+The gRPC servicer and the in-process simulator both drive this class.
 """
 
 from __future__ import annotations
@@ -17,7 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamdiloco.common.codecs import Encoded, decode, encode
+from streamdiloco.common.codecs import (
+    Encoded,
+    chunk_alignment,
+    decode,
+    encode,
+    expected_sizes,
+    get_codec,
+)
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
@@ -39,6 +54,21 @@ class _OpenRound:
     contributors: set[str] = field(default_factory=set)
     loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
     loss_weight: float = 0.0
+    expected: frozenset[str] | None = None  # members present at the round's first push
+    started_at: float | None = None  # time of the first push (chunk) of the round
+
+
+@dataclass
+class _Staged:
+    """A push whose chunks are arriving: validated pieces, not yet in the round's sum."""
+
+    round: int
+    total: int
+    weight: float
+    loss: float | None
+    parts: list[Encoded] = field(default_factory=list)
+    next_seq: int = 0
+    next_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,7 @@ class ClosedRound:
     contributors: tuple[str, ...]
     weight: float
     mean_loss: float | None
+    why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left
 
 
 class ShardState:
@@ -60,12 +91,19 @@ class ShardState:
         cfg: SyncConfig,
         initial: list[torch.Tensor],
         seed: int = 0,
+        min_workers: int = 1,
+        round_timeout: float = float("inf"),
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
         if len(initial) != layout.num_fragments:
             raise ValueError(f"need {layout.num_fragments} initial fragment vectors, got {len(initial)}")
+        if min_workers < 1:
+            raise ValueError(f"--min-workers must be at least 1, got {min_workers}")
+        if not round_timeout > 0:
+            raise ValueError(f"--round-timeout must be positive seconds, got {round_timeout}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
+        self.min_workers, self.round_timeout = min_workers, round_timeout
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
         self.outer: list[OuterOptimizer] = []
         for f, (vec, (lo, hi)) in enumerate(zip(initial, self.ranges, strict=True)):
@@ -87,7 +125,13 @@ class ShardState:
                 )
             )
         self.open = [self._new_round(f, 0) for f in range(layout.num_fragments)]
-        self.bytes_received = 0
+        self.members: set[str] = set()
+        self.staged: dict[tuple[str, int], _Staged] = {}
+        self.discarding: dict[tuple[str, int], int] = {}  # (worker, fragment) -> round of a refused push
+        self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
+        self.pushes_accepted = 0
+        self.pushes_refused: dict[str, int] = {}  # reason -> count
+        self.rounds_closed = 0
 
     def _new_round(self, fragment: int, number: int) -> _OpenRound:
         lo, hi = self.ranges[fragment]
@@ -100,10 +144,88 @@ class ShardState:
         """The number of the round that is open for this fragment."""
         return self.open[fragment].number
 
+    def contributors(self, fragment: int) -> set[str]:
+        return set(self.open[fragment].contributors)
+
+    # --- members ---------------------------------------------------------------------------------------
+    def add_member(self, worker: str) -> None:
+        self.members.add(worker)
+
+    def remove_member(self, worker: str) -> None:
+        """The worker's session ended: it leaves, and any push it had half-sent is dropped."""
+        self.members.discard(worker)
+        for key in [k for k in self.staged if k[0] == worker]:
+            del self.staged[key]
+        for key in [k for k in self.discarding if k[0] == worker]:
+            del self.discarding[key]
+
+    # --- pushes ----------------------------------------------------------------------------------------
     def push(
         self, worker: str, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None = None
     ) -> None:
-        """Add one worker's outer gradient for this shard's slice of a fragment."""
+        """Add one worker's whole outer gradient for this shard's slice of a fragment (one chunk)."""
+        self.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, loss)
+
+    def push_chunk(
+        self,
+        worker: str,
+        fragment: int,
+        round: int,
+        seq: int,
+        offset: int,
+        total: int,
+        part: Encoded,
+        last: bool,
+        weight: float | None = None,
+        loss: float | None = None,
+        now: float = 0.0,
+    ) -> bool | None:
+        """One chunk of a push. True: that was the last chunk and the push is now in the round's sum;
+        False: kept, waiting for more; None: silently dropped (the rest of a push already refused).
+        Raises PushRejected, without changing anything, when the chunk is bad; the push is then dropped."""
+        key = (worker, fragment)
+        if seq > 0 and self.discarding.get(key) == round:
+            if last:
+                del self.discarding[key]
+            return None
+        try:
+            self._check_chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
+        except PushRejected as e:
+            self.staged.pop(key, None)
+            if not last:
+                self.discarding[key] = round
+            self.pushes_refused[e.reason] = self.pushes_refused.get(e.reason, 0) + 1
+            raise
+        self.discarding.pop(key, None)
+        rnd = self.open[fragment]
+        if rnd.started_at is None:  # the round starts with its first chunk: who is expected is fixed now
+            rnd.started_at = now
+            rnd.expected = frozenset(self.members | {worker})
+        st = self.staged.get(key)
+        if st is None:
+            assert weight is not None
+            st = self.staged[key] = _Staged(round, total, weight, loss)
+        st.parts.append(part)
+        st.next_seq += 1
+        st.next_offset += part.numel
+        if not last:
+            return False
+        del self.staged[key]
+        for p, piece in zip(_offsets(st.parts), st.parts, strict=True):
+            rnd.total[p : p + piece.numel].add_(decode(piece).to(torch.float64), alpha=st.weight)
+        rnd.weight += st.weight
+        rnd.contributors.add(worker)
+        if st.loss is not None:
+            rnd.loss_sum += st.loss * st.weight
+            rnd.loss_weight += st.weight
+        self.bytes_received += sum(p.nbytes for p in st.parts)
+        self.pushes_accepted += 1
+        return True
+
+    def _check_chunk(self, worker, fragment, round, seq, offset, total, part, last, weight, loss) -> None:
+        def refuse(reason: str, message: str) -> PushRejected:
+            return PushRejected(reason, f"fragment {fragment} round {round} chunk {seq}: {message}")
+
         if not 0 <= fragment < self.layout.num_fragments:
             raise PushRejected(
                 "bad_fragment",
@@ -112,50 +234,89 @@ class ShardState:
             )
         rnd = self.open[fragment]
         if round < rnd.number:
-            raise PushRejected(
-                "late",
-                f"fragment {fragment} round {round} is closed (open round is "
-                f"{rnd.number}): apply that round's update and go on",
-            )
+            raise refuse("late", f"the round is closed (open round is {rnd.number}): apply its update, go on")
         if round > rnd.number:
-            raise PushRejected(
-                "bad_round", f"fragment {fragment} round {round} is ahead of the open round {rnd.number}"
-            )
+            raise refuse("bad_round", f"the round is ahead of the open round {rnd.number}")
         if worker in rnd.contributors:
-            raise PushRejected("duplicate", f"{worker} already pushed fragment {fragment} round {round}")
+            raise refuse("duplicate", f"{worker} already pushed this round")
+        st = self.staged.get((worker, fragment))
+        if st is None:
+            if seq != 0 or offset != 0:
+                raise refuse(
+                    "bad_chunk", f"a push starts with chunk 0 at offset 0, got chunk {seq} at {offset}"
+                )
+            if weight is None or not (0 < weight < float("inf")):
+                raise refuse("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
+            if loss is not None and not math.isfinite(loss):
+                raise refuse("bad_loss", f"the reported training loss must be a finite number, got {loss}")
+        else:
+            if st.round != round:
+                raise refuse("bad_chunk", f"a push for round {st.round} is still arriving")
+            if seq < st.next_seq:
+                raise refuse("bad_chunk", f"chunk {seq} repeated (next expected is {st.next_seq})")
+            if seq != st.next_seq:
+                raise refuse("bad_chunk", f"chunk out of order: expected chunk {st.next_seq}")
+            if offset != st.next_offset:
+                raise refuse("bad_offset", f"offset {offset}, expected {st.next_offset}")
         lo, hi = self.ranges[fragment]
-        if enc.numel != hi - lo:
-            raise PushRejected(
+        if total != hi - lo:
+            raise refuse("bad_length", f"slice {self.shard} has {hi - lo} values, the push says {total}")
+        if part.codec != self.cfg.uplink_codec:
+            raise refuse(
+                "bad_codec", f"this run's uplink codec is {self.cfg.uplink_codec}, got {part.codec!r}"
+            )
+        spec = get_codec(part.codec)
+        bs = self.cfg.codec_block_size if spec.scaled else 0
+        if part.block_size != bs:
+            raise refuse("bad_codec", f"block size must be {bs}, got {part.block_size}")
+        if part.numel < 1 or offset + part.numel > total:
+            raise refuse(
+                "bad_length", f"values [{offset}, {offset + part.numel}) do not fit a {total}-value slice"
+            )
+        if last != (offset + part.numel == total):
+            raise refuse(
                 "bad_length",
-                f"fragment {fragment} slice {self.shard} has {hi - lo} values, the push carries {enc.numel}",
+                f"chunk ends at {offset + part.numel} of {total} but last is {str(last).lower()}",
             )
-        if enc.codec != self.cfg.uplink_codec:
-            raise PushRejected(
-                "bad_codec", f"this run's uplink codec is {self.cfg.uplink_codec}, the push uses {enc.codec}"
+        if not last and part.numel % chunk_alignment(part.codec, self.cfg.codec_block_size):
+            raise refuse(
+                "bad_length",
+                f"a chunk other than the last must hold a multiple of "
+                f"{chunk_alignment(part.codec, self.cfg.codec_block_size)} values, got {part.numel}",
             )
-        if not (weight > 0 and weight < float("inf")):
-            raise PushRejected("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
-        if enc.scales.numel() and not torch.isfinite(enc.scales).all():
-            raise PushRejected("bad_scale", "the push has a non-finite scale")
-        if loss is not None and not math.isfinite(loss):
-            raise PushRejected("bad_loss", f"the reported training loss must be a finite number, got {loss}")
-        values = decode(enc)
-        if not torch.isfinite(values).all():
-            raise PushRejected("bad_value", "the push decodes to non-finite values")
-        # validated: only now change state
-        rnd.total.add_(values.to(torch.float64), alpha=weight)
-        rnd.weight += weight
-        rnd.contributors.add(worker)
-        if loss is not None:
-            rnd.loss_sum += loss * weight
-            rnd.loss_weight += weight
-        self.bytes_received += enc.nbytes
+        want_payload, want_scales = expected_sizes(part.codec, part.numel, self.cfg.codec_block_size)
+        if part.payload.numel() != want_payload or part.scales.numel() != want_scales:
+            raise refuse(
+                "bad_length",
+                f"{part.numel} {part.codec} values need {want_payload} payload bytes and {want_scales} "
+                f"scales, got {part.payload.numel()} and {part.scales.numel()}",
+            )
+        if spec.scaled:
+            if not torch.isfinite(part.scales).all():
+                raise refuse("bad_scale", "the chunk has a non-finite scale")
+        elif not torch.isfinite(decode(part)).all():
+            raise refuse("bad_value", "the chunk holds non-finite values")
 
-    def contributors(self, fragment: int) -> set[str]:
-        return set(self.open[fragment].contributors)
+    # --- closing rounds --------------------------------------------------------------------------------
+    def due(self, now: float) -> list[tuple[int, str]]:
+        """(fragment, why) of every open round that should close now."""
+        out = []
+        for f, rnd in enumerate(self.open):
+            if rnd.expected is None:
+                continue  # not started: nobody has pushed yet
+            n = len(rnd.contributors)
+            pending = (rnd.expected & self.members) - rnd.contributors
+            if not pending and n >= self.min_workers:
+                out.append((f, "all"))
+            elif not (rnd.expected & self.members) and not any(k[1] == f for k in self.staged):
+                out.append((f, "empty"))  # everyone expected has left: close with what there is
+            elif n >= self.min_workers and now >= rnd.started_at + self.round_timeout:  # type: ignore[operator]
+                out.append((f, "deadline"))
+        return out
 
-    def close_round(self, fragment: int) -> ClosedRound:
-        """Close the open round: average, outer step, quantized update; opens the next round."""
+    def close_round(self, fragment: int, why: str = "all") -> ClosedRound:
+        """Close the open round: average, outer step, quantized update; opens the next round.
+        Pushes still arriving for the closed round are dropped (their senders get `late`)."""
         rnd = self.open[fragment]
         opt = self.outer[fragment]
         if rnd.weight > 0:
@@ -165,7 +326,18 @@ class ShardState:
         else:  # nobody pushed: a zero update, so that nobody waits forever
             update = encode(torch.zeros_like(opt.master), self.cfg.downlink_codec, self.cfg.codec_block_size)
             mean_loss = None
+        for key in [k for k in self.staged if k[1] == fragment]:
+            del self.staged[key]
         self.open[fragment] = self._new_round(fragment, rnd.number + 1)
+        self.rounds_closed += 1
         return ClosedRound(
-            fragment, rnd.number, update, tuple(sorted(rnd.contributors)), rnd.weight, mean_loss
+            fragment, rnd.number, update, tuple(sorted(rnd.contributors)), rnd.weight, mean_loss, why
         )
+
+
+def _offsets(parts: list[Encoded]) -> list[int]:
+    out, at = [], 0
+    for p in parts:
+        out.append(at)
+        at += p.numel
+    return out

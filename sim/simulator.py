@@ -27,10 +27,10 @@ from streamdiloco.common.fragments import (
     fragment_params,
     unflatten_into,
 )
+from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
-from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.train import (
     InnerConfig,
     evaluate,
@@ -50,7 +50,7 @@ class SimConfig:
     workers: int = 2  # M
     steps: int = 600  # inner steps per worker
     batch_size: int = 16  # sequences per worker per step
-    model: str = "tiny"  # built-in GPT preset
+    model: str = "tiny"  # built-in GPT preset or module.path:factory
     block_size: int | None = None  # override the preset's context length
     data: str | None = None  # text file; None = the built-in plays
     seed: int = 0
@@ -127,10 +127,9 @@ def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.
 
 def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
     """Run one simulated training; returns the final figures (also what --json writes)."""
-    torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
-    model = build_gpt(cfg.model, block_size=cfg.block_size).to(device)
-    block = model.config.block_size
+    model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
+    block = model_block_size(model, cfg.block_size)
     data = ByteDataset.load(cfg.data, block)
     val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
     streams = [BatchStream(data.train, cfg.batch_size, block, cfg.seed, rank) for rank in range(cfg.workers)]

@@ -50,7 +50,7 @@ def test_round_numbers_advance_and_late_pushes_are_refused():
     state.push("a", 0, 0, enc, 10.0)
     assert state.close_round(0).round == 0
     assert state.round_of(0) == 1 and state.round_of(1) == 0
-    with pytest.raises(PushRejected, match="round 0 is closed") as e:
+    with pytest.raises(PushRejected, match="round 0 chunk 0: the round is closed") as e:
         state.push("b", 0, 0, enc, 10.0)
     assert e.value.reason == "late"
 

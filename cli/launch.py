@@ -1,0 +1,206 @@
+"""`streamdiloco launch`: S shard processes and M worker processes on this machine (loopback), with their
+output prefixed, a summary at the end, and every process stopped on exit or Ctrl+C. `make demo` runs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def forward_flags(args: argparse.Namespace, add_flags, only: tuple[str, ...] = ()) -> list[str]:
+    """The command-line flags (from the groups that `add_flags` defines; `only` these dests if given) whose
+    values differ from their defaults, to pass on to a child process."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_flags(p)
+    out: list[str] = []
+    for a in p._actions:
+        if not a.option_strings or not hasattr(args, a.dest) or (only and a.dest not in only):
+            continue
+        value = getattr(args, a.dest)
+        if value == a.default:
+            continue
+        if isinstance(a, argparse._StoreFalseAction | argparse._StoreTrueAction):
+            out.append(a.option_strings[0])
+        else:
+            out += [a.option_strings[0], str(value)]
+    return out
+
+
+class Cluster:
+    """Child processes with prefixed output; stop() ends them all (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamdiloco", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.procs[name] = proc
+        log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 (closed by the pump thread)
+
+        def pump() -> None:
+            with log:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    log.write(line)
+                    print(f"[{name}] {line}", end="", flush=True)
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return proc
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for t in self.threads:
+            t.join(2)
+
+
+def _wait_ready(cluster: Cluster, files: list[Path], timeout: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        for name, proc in cluster.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"shards not ready after {timeout:.0f}s")
+        time.sleep(0.1)
+    return [json.loads(f.read_text()) for f in files]
+
+
+def http_json(url: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
+    from streamdiloco.worker.client import fetch_masters
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.ready"):
+        old.unlink()
+    sync = forward_flags(args, add_sync)
+    model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
+    run = forward_flags(args, add_run)
+    inner = forward_flags(args, add_inner)
+    min_workers = args.min_workers or args.workers
+    cluster = Cluster(out)
+    t0 = time.monotonic()
+    try:
+        ready = [out / f"shard{s}.ready" for s in range(args.shards)]
+        for s in range(args.shards):
+            cluster.start(
+                f"shard{s}",
+                ["server", "--shard", str(s), "--num-shards", str(args.shards), "--host", "127.0.0.1"]
+                + ["--port", "0", "--http-port", "0", "--ready-file", str(ready[s])]
+                + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
+                + model
+                + sync,
+            )
+        ports = _wait_ready(cluster, ready)
+        targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
+        print(
+            f"[launch] {args.shards} shards up at {', '.join(targets)}; status: "
+            + ", ".join(f"http://127.0.0.1:{p['http_port']}/api/status" for p in ports),
+            flush=True,
+        )
+        workers = []
+        for m in range(args.workers):
+            argv = ["worker", "--servers", ",".join(targets), "--name", f"worker-{m}", "--rank", str(m)]
+            argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
+            if args.save_global:
+                argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
+            workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner))
+        codes = [w.wait() for w in workers]
+        if any(codes):
+            print(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log", flush=True)
+            return 1
+        statuses = [http_json(f"http://127.0.0.1:{p['http_port']}/api/status") for p in ports]
+        if args.save_global:
+            import torch
+
+            torch.save(fetch_masters(targets), out / "masters.pt")
+        summary = summarize(
+            [json.loads((out / f"worker-{m}.json").read_text()) for m in range(args.workers)],
+            statuses,
+            time.monotonic() - t0,
+        )
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary), flush=True)
+        print(f"[launch] wrote {out / 'summary.json'} and the processes' logs in {out}", flush=True)
+        return 0 if summary["mirrors_match_masters"] else 1
+    except KeyboardInterrupt:
+        print("\n[launch] interrupted: stopping every process", flush=True)
+        return 130
+    finally:
+        cluster.stop()
+
+
+def summarize(workers: list[dict], statuses: list[dict], wall: float) -> dict:
+    masters = [
+        [st["fragments"][f]["master_hash"] for st in statuses] for f in range(len(statuses[0]["fragments"]))
+    ]
+    return {
+        "wall_seconds": wall,
+        "workers": workers,
+        "global_eval_loss": workers[0]["eval_loss"],
+        "tokens": sum(w["tokens"] for w in workers),
+        "master_hashes": masters,
+        "mirrors_match_masters": all(w["mirror_hashes"] == masters for w in workers),
+        "shards": [
+            {k: st[k] for k in ("shard", "rounds_closed", "pushes_accepted", "pushes_refused", "bytes")}
+            for st in statuses
+        ],
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        "",
+        f"Summary: {len(s['workers'])} workers, {len(s['shards'])} shards, {s['wall_seconds']:.0f}s wall",
+        f"  eval loss of the global parameters: {s['global_eval_loss']:.4f}",
+        f"  tokens trained: {s['tokens']:,}",
+        "",
+        f"  {'worker':<10} {'eval loss':>9} {'tokens':>11} {'sent B':>12} {'received B':>12} "
+        f"{'blocked s':>9} {'compute':>8}",
+    ]
+    for w in s["workers"]:
+        lines.append(
+            f"  {w['worker']:<10} {w['eval_loss']:>9.4f} {w['tokens']:>11,} {w['bytes_sent']:>12,} "
+            f"{w['bytes_received']:>12,} {w['blocked_seconds']:>9.2f} {100 * w['compute_utilization']:>7.0f}%"
+        )
+    for sh in s["shards"]:
+        b = sh["bytes"]
+        lines.append(
+            f"  shard {sh['shard']}: {sh['rounds_closed']} rounds closed, {sh['pushes_accepted']} pushes, "
+            f"{b['codec_in']:,} B in ({b['wire_in']:,} B on the wire), {b['codec_out']:,} B out "
+            f"({b['wire_out']:,} on the wire)"
+        )
+    ok = "yes, bit for bit" if s["mirrors_match_masters"] else "NO"
+    lines.append(f"  every worker's mirror equals the shards' masters: {ok}")
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""The one place that builds gRPC servers and channels, and turns Encoded slices into wire chunks and back.
+
+Keepalive: a worker may sit between syncs for minutes on an idle WAN link, where NATs and firewalls drop
+silent TCP connections. Clients ping every 30 s even without calls in flight; servers accept such pings
+(down to every 10 s) instead of answering them with GOAWAY. Messages are about 1 MiB (chunks); the limits
+leave room for a bigger `--chunk-bytes`.
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from streamdiloco.common.codecs import Encoded, split
+from streamdiloco.protos import streamdiloco_pb2 as pb
+
+PROTOCOL = 1
+MAX_MESSAGE_BYTES = 64 << 20
+KEEPALIVE_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+_COMMON = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS = _COMMON + [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+SERVER_OPTIONS = _COMMON + [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def make_server() -> grpc.aio.Server:
+    """An asyncio gRPC server with the run's message limits and keepalive."""
+    return grpc.aio.server(options=SERVER_OPTIONS)
+
+
+def make_channel(target: str) -> grpc.Channel:
+    """A (blocking-API) channel to a shard at HOST:PORT."""
+    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def make_aio_channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+
+def parse_target(target: str) -> str:
+    """Check a HOST:PORT string; returns it stripped, or raises ValueError with a one-line reason."""
+    t = target.strip()
+    host, sep, port = t.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{target!r} is not HOST:PORT")
+    return t
+
+
+# --- chunks ----------------------------------------------------------------------------------------------
+def to_chunks(enc: Encoded, fragment: int, round: int, values_per_chunk: int) -> list[pb.Chunk]:
+    parts = split(enc, values_per_chunk)
+    return [
+        pb.Chunk(
+            fragment=fragment,
+            round=round,
+            seq=seq,
+            offset=offset,
+            numel=part.numel,
+            total=enc.numel,
+            codec=part.codec,
+            block_size=part.block_size,
+            scales=part.scales.contiguous().numpy().tobytes(),
+            payload=part.payload.contiguous().numpy().tobytes(),
+            last=seq == len(parts) - 1,
+        )
+        for seq, (offset, part) in enumerate(parts)
+    ]
+
+
+def from_chunk(chunk: pb.Chunk) -> Encoded:
+    """The chunk's values as an Encoded, without validation (the receiver checks sizes and values).
+    Raises ValueError when the scales' bytes are not whole fp32 numbers."""
+    if len(chunk.scales) % 4:
+        raise ValueError(f"scales must be whole fp32 values, got {len(chunk.scales)} bytes")
+    payload = torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8) if chunk.payload else _EMPTY_U8
+    scales = torch.frombuffer(bytearray(chunk.scales), dtype=torch.float32) if chunk.scales else _EMPTY_F32
+    return Encoded(chunk.codec, int(chunk.numel), payload, scales, int(chunk.block_size))
+
+
+def values_to_bytes(x: torch.Tensor) -> bytes:
+    return x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+
+
+def bytes_to_values(b: bytes) -> torch.Tensor:
+    if len(b) % 4:
+        raise ValueError(f"fp32 values must be whole 4-byte numbers, got {len(b)} bytes")
+    return torch.frombuffer(bytearray(b), dtype=torch.float32) if b else _EMPTY_F32.clone()
+
+
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)

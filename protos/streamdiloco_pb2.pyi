@@ -1,0 +1,161 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker", "token", "fingerprint_json", "protocol")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    token: str
+    fingerprint_json: str
+    protocol: int
+    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+
+class SliceRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards", "slices", "rounds", "session", "chunk_values")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_VALUES_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    slices: _containers.RepeatedCompositeFieldContainer[SliceRange]
+    rounds: _containers.RepeatedScalarFieldContainer[int]
+    session: str
+    chunk_values: int
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceRange, _Mapping]]] = ..., rounds: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., chunk_values: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("fragment", "round", "seq", "offset", "numel", "total", "codec", "block_size", "scales", "payload", "last")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    seq: int
+    offset: int
+    numel: int
+    total: int
+    codec: str
+    block_size: int
+    scales: bytes
+    payload: bytes
+    last: bool
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., total: _Optional[int] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("worker", "session")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    session: str
+    def __init__(self, worker: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("weight", "has_loss", "loss")
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    weight: float
+    has_loss: bool
+    loss: float
+    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "push")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    push: Push
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., push: _Optional[_Union[Push, _Mapping]] = ...) -> None: ...
+
+class Push(_message.Message):
+    __slots__ = ("chunk", "header")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
+    header: PushHeader
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., header: _Optional[_Union[PushHeader, _Mapping]] = ...) -> None: ...
+
+class PushResult(_message.Message):
+    __slots__ = ("fragment", "round", "accepted", "reason", "message")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    accepted: bool
+    reason: str
+    message: str
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardMessage(_message.Message):
+    __slots__ = ("welcome", "update", "result")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    update: Chunk
+    result: PushResult
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., update: _Optional[_Union[Chunk, _Mapping]] = ..., result: _Optional[_Union[PushResult, _Mapping]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("fragments", "offset", "token")
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    token: str
+    def __init__(self, fragments: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class MasterChunk(_message.Message):
+    __slots__ = ("fragment", "round", "offset", "total", "values", "last")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    round: int
+    offset: int
+    total: int
+    values: bytes
+    last: bool
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...

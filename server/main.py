@@ -1,0 +1,125 @@
+"""The shard process: `streamdiloco server`. gRPC (grpc.aio) for workers, HTTP (FastAPI on uvicorn) for
+status, both on one event loop. SIGINT/SIGTERM stop it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.wire import make_server
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.service import ShardService
+from streamdiloco.server.shard import ShardState
+
+log = logging.getLogger("streamdiloco.shard")
+
+
+def build_service(
+    cfg: SyncConfig,
+    model_spec: str,
+    shard: int,
+    num_shards: int,
+    seed: int = 0,
+    block_size: int | None = None,
+    min_workers: int = 1,
+    round_timeout: float = 120.0,
+    token: str = "",
+    chunk_bytes: int = 1 << 20,
+) -> ShardService:
+    """The shard's state, from the same model factory as the workers (same seed, same initial values)."""
+    model = build_model(model_spec, seed, block_size)
+    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
+    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout)
+    return ShardService(state, model_fingerprint(layout, cfg), token=token, chunk_bytes=chunk_bytes)
+
+
+def make_app(service: ShardService) -> FastAPI:
+    app = FastAPI(title=f"streamdiloco shard {service.state.shard}", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/api/status")
+    def status() -> dict:
+        return service.status()
+
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(
+    service: ShardService,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    http_port: int | None = 0,
+    ready_file: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    server = make_server()
+    pb_grpc.add_ShardServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    http_task, http, http_bound = None, None, None
+    if http_port is not None:
+        sock = _bind(host, http_port)
+        http_bound = sock.getsockname()[1]
+        config = uvicorn.Config(make_app(service), log_level="warning", lifespan="off")
+        http = uvicorn.Server(config)
+        http_task = asyncio.create_task(
+            http._serve(sockets=[sock])
+        )  # uvicorn's serve() minus its signal capture
+    tick = asyncio.create_task(service.tick())
+    st = service.state
+    log.info(
+        "shard %d/%d: gRPC on %s:%d%s; %d fragments, %s values in this shard's slices",
+        st.shard,
+        st.num_shards,
+        host,
+        bound,
+        f", status on http://{host}:{http_bound}/api/status" if http_bound else "",
+        st.layout.num_fragments,
+        f"{sum(hi - lo for lo, hi in st.ranges):,}",
+    )
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"grpc_port": bound, "http_port": http_bound, "shard": st.shard}))
+        tmp.replace(ready_file)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shard %d stopping", st.shard)
+        tick.cancel()
+        await server.stop(grace=1.0)
+        if http is not None and http_task is not None:
+            http.should_exit = True
+            await http_task

@@ -1,0 +1,332 @@
+"""The shard's gRPC servicer: validate, translate, hand off to the pure ShardState.
+
+Everything runs on one asyncio event loop, so ShardState needs no locks. Each worker session has one
+outgoing queue and one writer (the response generator); a reader task takes the worker's chunks. When a
+round closes, its quantized update is cut into chunks once and queued to every member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from streamdiloco.common.codecs import chunk_values
+from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
+from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.shard import ClosedRound, PushRejected, ShardState
+
+log = logging.getLogger("streamdiloco.shard")
+
+MAX_NAME = 128
+
+
+@dataclass
+class _Member:
+    name: str
+    queue: asyncio.Queue
+    joined_at: float
+    pushes: int = 0
+    refused: int = 0
+    last_loss: float | None = None
+    wire_in: int = 0
+    wire_out: int = 0
+
+
+@dataclass
+class Counters:
+    codec_out: int = 0  # payload + scales of updates, summed over the members they went to
+    wire_in: int = 0  # serialized protobuf bytes of every message received on sessions
+    wire_out: int = 0
+    fetch_out: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+def check_name(name: str) -> str | None:
+    if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
+        return (
+            f"worker name must be 1..{MAX_NAME} printable characters without surrounding spaces, got {name!r}"
+        )
+    return None
+
+
+class ShardService(pb_grpc.ShardServicer):
+    def __init__(
+        self,
+        state: ShardState,
+        fingerprint: dict,
+        token: str = "",
+        chunk_bytes: int = 1 << 20,
+        clock=time.monotonic,
+    ):
+        self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
+        cfg = state.cfg
+        self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
+        self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
+        self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
+        self.members: dict[str, _Member] = {}
+        self.pending: dict[str, str] = {}  # session id -> worker name, from Join until Session starts
+        self.counters = Counters()
+        self.history: deque[dict] = deque(maxlen=200)  # recent closed rounds
+        self.started = time.time()
+
+    # --- Join ------------------------------------------------------------------------------------------
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        if request.protocol != PROTOCOL:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the worker speaks protocol {request.protocol}, this shard {PROTOCOL}: "
+                "upgrade the older side",
+            )
+        if problem := check_name(request.worker):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.token and not secrets.compare_digest(request.token, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        try:
+            theirs = json.loads(request.fingerprint_json)
+            if not isinstance(theirs, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}")
+        if diff := fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard"):
+            log.warning("refused %s at Join: %s", request.worker, diff)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
+        if request.worker in self.members:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker {request.worker!r} already has a session on this shard",
+            )
+        session = secrets.token_hex(16)
+        self.pending[session] = request.worker
+        st = self.state
+        return pb.JoinReply(
+            config_json=json.dumps(st.cfg.to_dict()),
+            shard=st.shard,
+            num_shards=st.num_shards,
+            slices=[pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges],
+            rounds=[st.round_of(f) for f in range(st.layout.num_fragments)],
+            session=session,
+            chunk_values=self.up_chunk,
+        )
+
+    # --- Session ---------------------------------------------------------------------------------------
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
+        name = first.hello.worker
+        if self.pending.get(first.hello.session) != name:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, f"unknown session for worker {name!r}: call Join first"
+            )
+        if name in self.members:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
+        del self.pending[first.hello.session]
+        member = self.members[name] = _Member(name, asyncio.Queue(), time.time())
+        self.state.add_member(name)
+        log.info("%s joined (%d members)", name, len(self.members))
+        reader = asyncio.create_task(self._read(member, it))
+        try:
+            yield pb.ShardMessage(welcome=pb.Welcome(rounds=[o.number for o in self.state.open]))
+            while True:
+                getter = asyncio.create_task(member.queue.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:  # the worker closed its side or the call broke
+                    getter.cancel()
+                    break
+                msg = getter.result()
+                size = msg.ByteSize()
+                member.wire_out += size
+                self.counters.wire_out += size
+                yield msg
+        finally:
+            reader.cancel()
+            del self.members[name]
+            self.state.remove_member(name)
+            log.info("%s left (%d members)", name, len(self.members))
+            self.close_due()
+
+    async def _read(self, member: _Member, it) -> None:
+        async for msg in it:
+            size = msg.ByteSize()
+            member.wire_in += size
+            self.counters.wire_in += size
+            if msg.WhichOneof("kind") != "push":
+                self._refuse(member, 0, 0, "bad_message", "only pushes may follow Hello on a session")
+                continue
+            self._on_push(member, msg.push)
+
+    def _on_push(self, member: _Member, push: pb.Push) -> None:
+        c, h = push.chunk, push.header
+        if c.seq == 0 and h.has_loss:
+            member.last_loss = h.loss
+        try:
+            part = from_chunk(c)
+            done = self.state.push_chunk(
+                member.name,
+                c.fragment,
+                c.round,
+                c.seq,
+                c.offset,
+                c.total,
+                part,
+                c.last,
+                weight=h.weight if c.seq == 0 else None,
+                loss=h.loss if c.seq == 0 and h.has_loss else None,
+                now=self.clock(),
+            )
+        except ValueError as e:  # PushRejected, or scales that are not whole fp32 numbers
+            reason = e.reason if isinstance(e, PushRejected) else "bad_length"
+            self._refuse(member, c.fragment, c.round, reason, str(e))
+            return
+        if done:
+            member.pushes += 1
+            result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
+            member.queue.put_nowait(pb.ShardMessage(result=result))
+            self.close_due()
+
+    def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
+        member.refused += 1
+        self.counters.refused[reason] = self.counters.refused.get(reason, 0) + 1
+        (log.info if reason == "late" else log.warning)("refused a push from %s: %s", member.name, message)
+        member.queue.put_nowait(
+            pb.ShardMessage(
+                result=pb.PushResult(
+                    fragment=fragment, round=round, accepted=False, reason=reason, message=message
+                )
+            )
+        )
+
+    # --- rounds ----------------------------------------------------------------------------------------
+    def close_due(self) -> list[ClosedRound]:
+        closed = []
+        now = self.clock()
+        for fragment, why in self.state.due(now):
+            started = self.state.open[fragment].started_at
+            c = self.state.close_round(fragment, why)
+            closed.append(c)
+            chunks = to_chunks(c.update, c.fragment, c.round, self.down_chunk)
+            for m in self.members.values():
+                for chunk in chunks:
+                    m.queue.put_nowait(pb.ShardMessage(update=chunk))
+                self.counters.codec_out += c.update.nbytes
+            self.history.append(
+                {
+                    "fragment": c.fragment,
+                    "round": c.round,
+                    "contributors": list(c.contributors),
+                    "why": c.why,
+                    "seconds": round(now - started, 3) if started is not None else None,
+                    "mean_loss": c.mean_loss,
+                    "closed_at": time.time(),
+                }
+            )
+            log.info(
+                "fragment %d round %d closed (%s): %d contributors%s",
+                c.fragment,
+                c.round,
+                c.why,
+                len(c.contributors),
+                f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
+            )
+        return closed
+
+    async def tick(self, period: float = 0.2) -> None:
+        """Close rounds whose deadline has passed."""
+        while True:
+            await asyncio.sleep(period)
+            self.close_due()
+
+    # --- Fetch -----------------------------------------------------------------------------------------
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
+        st = self.state
+        if self.token and not secrets.compare_digest(request.token, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        fragments = list(request.fragments) or list(range(st.layout.num_fragments))
+        for f in fragments:
+            if not 0 <= f < st.layout.num_fragments:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fragment {f} does not exist: this run has fragments 0..{st.layout.num_fragments - 1}",
+                )
+        first_len = st.ranges[fragments[0]][1] - st.ranges[fragments[0]][0]
+        if request.offset > first_len:
+            await context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"offset {request.offset} is past the end of fragment {fragments[0]}'s "
+                f"{first_len}-value slice",
+            )
+        for i, f in enumerate(fragments):
+            master, rnd = st.master(f).clone(), st.round_of(f)  # a snapshot: a round may close meanwhile
+            n = master.numel()
+            start = request.offset if i == 0 else 0
+            los = list(range(start, n, self.fetch_chunk)) or [n]
+            for lo in los:
+                hi = min(n, lo + self.fetch_chunk)
+                msg = pb.MasterChunk(
+                    fragment=f,
+                    round=rnd,
+                    offset=lo,
+                    total=n,
+                    values=values_to_bytes(master[lo:hi]),
+                    last=hi == n,
+                )
+                self.counters.fetch_out += msg.ByteSize()
+                yield msg
+
+    # --- status ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        st = self.state
+        return {
+            "shard": st.shard,
+            "num_shards": st.num_shards,
+            "uptime_seconds": round(time.time() - self.started, 1),
+            "config": st.cfg.to_dict(),
+            "min_workers": st.min_workers,
+            "round_timeout": st.round_timeout,
+            "members": [
+                {
+                    "name": m.name,
+                    "joined_at": m.joined_at,
+                    "pushes": m.pushes,
+                    "refused": m.refused,
+                    "last_loss": m.last_loss,
+                    "wire_bytes_in": m.wire_in,
+                    "wire_bytes_out": m.wire_out,
+                }
+                for m in self.members.values()
+            ],
+            "fragments": [
+                {
+                    "fragment": f,
+                    "round": st.round_of(f),
+                    "slice": list(st.ranges[f]),
+                    "master_hash": tensor_digest(st.master(f)),
+                    "contributors": sorted(st.contributors(f)),
+                }
+                for f in range(st.layout.num_fragments)
+            ],
+            "rounds_closed": st.rounds_closed,
+            "pushes_accepted": st.pushes_accepted,
+            "pushes_refused": dict(self.counters.refused),
+            "bytes": {
+                "codec_in": st.bytes_received,
+                "codec_out": self.counters.codec_out,
+                "wire_in": self.counters.wire_in,
+                "wire_out": self.counters.wire_out,
+                "fetch_out": self.counters.fetch_out,
+            },
+            "recent_rounds": list(self.history)[-20:],
+        }

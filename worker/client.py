@@ -1,0 +1,279 @@
+"""The worker's side of the wire: one background session per shard, and the Transport the engine uses.
+
+Each ShardLink joins its shard, then keeps a bidirectional Session open: pushes are cut into chunks and
+queued (the training thread never waits for the network), and a receiver thread assembles the updates that
+come down and wakes whoever waits for them. GrpcTransport bundles the links of all S shards, ordered by
+shard index, and is what SyncEngine calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from streamdiloco.common.codecs import Encoded, concat, expected_sizes, get_codec
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.wire import (
+    PROTOCOL,
+    bytes_to_values,
+    from_chunk,
+    make_channel,
+    parse_target,
+    to_chunks,
+)
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger("streamdiloco.worker")
+
+
+class SyncError(RuntimeError):
+    """The session with a shard failed: the worker cannot go on syncing."""
+
+
+class ShardLink:
+    def __init__(
+        self,
+        target: str,
+        worker: str,
+        fingerprint: dict,
+        token: str = "",
+        join_timeout: float = 60.0,
+    ):
+        self.target, self.worker, self.token = parse_target(target), worker, token
+        self.channel = make_channel(self.target)
+        self.stub = pb_grpc.ShardStub(self.channel)
+        try:
+            reply = self.stub.Join(
+                pb.JoinRequest(
+                    worker=worker, token=token, fingerprint_json=json.dumps(fingerprint), protocol=PROTOCOL
+                ),
+                timeout=join_timeout,
+                wait_for_ready=True,  # the shard may still be starting
+            )
+        except grpc.RpcError as e:
+            self.channel.close()
+            raise SyncError(f"shard at {self.target} refused Join: {e.code().name}: {e.details()}") from None
+        self.shard, self.num_shards = reply.shard, reply.num_shards
+        self.config = SyncConfig.from_dict(json.loads(reply.config_json))
+        self.slices = [(s.offset, s.length) for s in reply.slices]
+        self.rounds = list(reply.rounds)
+        self.chunk_values = reply.chunk_values
+        self._outbox: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._updates: dict[tuple[int, int], Encoded] = {}
+        self._partial: dict[tuple[int, int], list[Encoded]] = {}
+        self.refusals: list[pb.PushResult] = []
+        self.error: str | None = None
+        self.wire_out = 0
+        self.wire_in = 0
+        self._closing = False
+        self._call = self.stub.Session(self._requests(reply.session))
+        self._receiver = threading.Thread(target=self._receive, name=f"shard{self.shard}-rx", daemon=True)
+        self._receiver.start()
+
+    def _requests(self, session: str):
+        yield pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session))
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            self.wire_out += msg.ByteSize()
+            yield msg
+
+    def _receive(self) -> None:
+        try:
+            for msg in self._call:
+                self.wire_in += msg.ByteSize()
+                kind = msg.WhichOneof("kind")
+                if kind == "update":
+                    self._on_update(msg.update)
+                elif kind == "result" and not msg.result.accepted:
+                    self._on_refused(msg.result)
+            if not self._closing:
+                self._fail(f"shard {self.shard} at {self.target} ended the session")
+        except grpc.RpcError as e:
+            if not self._closing:
+                self._fail(
+                    f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
+                )
+        except SyncError as e:
+            self._fail(str(e))
+
+    def _fail(self, message: str) -> None:
+        with self._cond:
+            self.error = message
+            self._cond.notify_all()
+        log.error(message)
+
+    def _on_refused(self, r: pb.PushResult) -> None:
+        self.refusals.append(r)
+        if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
+            log.warning("shard %d: %s", self.shard, r.message)
+        else:
+            self._fail(f"shard {self.shard} refused a push ({r.reason}): {r.message}")
+
+    def _on_update(self, c: pb.Chunk) -> None:
+        key = (c.fragment, c.round)
+        if not 0 <= c.fragment < len(self.slices):
+            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+        want_total = self.slices[c.fragment][1]
+        parts = self._partial.setdefault(key, [])
+        at = sum(p.numel for p in parts)
+        part = from_chunk(c)
+        spec = get_codec(c.codec)
+        payload, scales = expected_sizes(c.codec, c.numel, c.block_size if spec.scaled else 1)
+        if (
+            c.total != want_total
+            or c.offset != at
+            or c.seq != len(parts)
+            or c.codec != self.config.downlink_codec
+            or part.payload.numel() != payload
+            or part.scales.numel() != scales
+            or c.last != (at + c.numel == want_total)
+        ):
+            raise SyncError(
+                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round {c.round}"
+            )
+        parts.append(part)
+        if c.last:
+            del self._partial[key]
+            with self._cond:
+                self._updates[key] = concat(parts)
+                self._cond.notify_all()
+
+    # --- what the transport calls ----------------------------------------------------------------------
+    def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
+        if self.error:
+            raise SyncError(self.error)
+        header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=loss or 0.0)
+        for chunk in to_chunks(enc, fragment, round, self.chunk_values):
+            self._outbox.put(
+                pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
+            )
+
+    def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Encoded:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (fragment, round) not in self._updates:
+                if self.error:
+                    raise SyncError(self.error)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SyncError(
+                        f"no update for fragment {fragment} round {round} from shard {self.shard}"
+                    )
+                self._cond.wait(left)
+            enc = self._updates.pop((fragment, round))
+            for key in [k for k in self._updates if k[0] == fragment and k[1] < round]:
+                del self._updates[key]  # rounds we joined too late for
+            return enc
+
+    def fetch(self, fragments: list[int] | None = None, attempts: int = 3) -> dict[int, torch.Tensor]:
+        """The current master slices (fp32), resuming from the last chunk received if the stream breaks."""
+        want = list(fragments) if fragments is not None else list(range(len(self.slices)))
+        got: dict[int, list[torch.Tensor]] = {f: [] for f in want}
+        done: set[int] = set()
+        for attempt in range(attempts):
+            todo = [f for f in want if f not in done]
+            if not todo:
+                break
+            offset = sum(t.numel() for t in got[todo[0]])
+            try:
+                request = pb.FetchRequest(fragments=todo, offset=offset, token=self.token)
+                for m in self.stub.Fetch(request, timeout=600):
+                    self.wire_in += m.ByteSize()
+                    got[m.fragment].append(bytes_to_values(m.values))
+                    if m.last:
+                        done.add(m.fragment)
+            except grpc.RpcError as e:
+                if attempt + 1 == attempts or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise SyncError(
+                        f"Fetch from shard {self.shard} failed: {e.code().name}: {e.details()}"
+                    ) from None
+                time.sleep(0.5 * (attempt + 1))
+        out = {f: torch.cat(got[f]) if got[f] else torch.empty(0) for f in want}
+        for f, t in out.items():
+            if t.numel() != self.slices[f][1]:
+                raise SyncError(
+                    f"shard {self.shard} sent {t.numel()} values of fragment {f}, want {self.slices[f][1]}"
+                )
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        self._outbox.put(None)
+        self._receiver.join(timeout)
+        if self._receiver.is_alive():
+            self._call.cancel()
+        self.channel.close()
+
+
+class GrpcTransport:
+    """The engine's Transport over gRPC: one ShardLink per shard, ordered by shard index."""
+
+    def __init__(self, links: list[ShardLink], update_timeout: float | None = None):
+        by_index = sorted(links, key=lambda link: link.shard)
+        num = by_index[0].num_shards
+        if [link.shard for link in by_index] != list(range(num)) or any(
+            link.num_shards != num for link in by_index
+        ):
+            got = ", ".join(f"{link.target} is shard {link.shard}/{link.num_shards}" for link in links)
+            raise SyncError(f"--servers must list each of the run's shards once: {got}")
+        self.links, self.num_shards, self.update_timeout = by_index, num, update_timeout
+        self.config = by_index[0].config
+
+    @classmethod
+    def connect(
+        cls, targets: list[str], worker: str, fingerprint: dict, token: str = "", join_timeout: float = 60.0
+    ) -> GrpcTransport:
+        links: list[ShardLink] = []
+        try:
+            for t in targets:
+                links.append(ShardLink(t, worker, fingerprint, token, join_timeout))
+            return cls(links)
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+
+    def push(
+        self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
+    ) -> None:
+        for link, enc in zip(self.links, slices, strict=True):
+            link.push(fragment, round, enc, weight, loss)
+
+    def update(self, fragment: int, round: int) -> list[Encoded]:
+        return [link.wait_update(fragment, round, self.update_timeout) for link in self.links]
+
+    def fetch(self, num_fragments: int) -> list[torch.Tensor]:
+        """Every fragment's full master vector, joined from all shards' slices."""
+        parts = [link.fetch(list(range(num_fragments))) for link in self.links]
+        return [torch.cat([p[f] for p in parts]) for f in range(num_fragments)]
+
+    @property
+    def wire_bytes(self) -> tuple[int, int]:
+        return sum(link.wire_out for link in self.links), sum(link.wire_in for link in self.links)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+
+
+def fetch_masters(targets: list[str], token: str = "", timeout: float = 60.0) -> list[torch.Tensor]:
+    """The run's global parameters, fragment by fragment, read from the shards listed in shard order
+    (no Join: Fetch is read-only). For tools and tests; workers fetch through their links."""
+    per_shard: list[dict[int, list[torch.Tensor]]] = []
+    for target in targets:
+        with make_channel(parse_target(target)) as channel:
+            got: dict[int, list[torch.Tensor]] = {}
+            for m in pb_grpc.ShardStub(channel).Fetch(pb.FetchRequest(token=token), timeout=timeout):
+                got.setdefault(m.fragment, []).append(bytes_to_values(m.values))
+            per_shard.append(got)
+    return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]

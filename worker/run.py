@@ -1,0 +1,202 @@
+"""The worker process: `streamdiloco worker --servers HOST:PORT,...`.
+
+Join every shard, fetch the masters (local = mirror = master), then train: AdamW inner steps, and after each
+one the sync engine's hook, which pushes fragments in the background and merges their updates tau steps
+later. Progress every --log-every steps; at the end the eval loss of the global parameters (the mirror),
+the mirror's hashes (compare them with the shards' /api/status) and a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
+from streamdiloco.common.fragments import build_layout, fragment_params, unflatten_into
+from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.worker.client import GrpcTransport
+from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
+from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.train import (
+    InnerConfig,
+    evaluate,
+    forward_backward,
+    lr_at,
+    make_inner_optimizer,
+    optimizer_step,
+    set_lr,
+)
+
+log = logging.getLogger("streamdiloco.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    servers: tuple[str, ...]
+    name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    rank: int | None = None  # seeds this worker's data stream; default: derived from the name
+    steps: int = 600
+    batch_size: int = 16
+    model: str = "tiny"
+    block_size: int | None = None
+    data: str | None = None
+    seed: int = 0
+    device: str = "cpu"
+    log_every: int = 20
+    eval_batches: int = 8
+    token: str = ""
+    join_timeout: float = 60.0
+    summary: str | None = None  # write the summary JSON here
+    save_global: str | None = None  # torch.save the final global fragments (the mirror) here
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            raise ValueError("--servers: give at least one shard as HOST:PORT")
+        for name in ("steps", "batch_size", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank if self.rank is not None else zlib.crc32(self.name.encode()) % 100_000
+
+
+def mirror_digests(engine: SyncEngine) -> list[list[str]]:
+    """Hash of each (fragment, shard slice) of the mirror: equal to the shards' master_hash when in sync."""
+    return [
+        [tensor_digest(engine.mirrors[f][lo:hi]) for lo, hi in engine.ranges[f]]
+        for f in range(engine.layout.num_fragments)
+    ]
+
+
+def run_worker(cfg: WorkerConfig) -> dict:
+    t_start = time.perf_counter()
+    device = torch.device(cfg.device)
+    model = build_model(cfg.model, cfg.seed, cfg.block_size)
+    layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
+    block = model_block_size(model, cfg.block_size)
+    data = ByteDataset.load(cfg.data, block)
+    val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
+    stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
+
+    log.info("%s: joining %d shard(s): %s", cfg.name, len(cfg.servers), ", ".join(cfg.servers))
+    transport = GrpcTransport.connect(
+        list(cfg.servers), cfg.name, model_fingerprint(layout, cfg.sync), cfg.token, cfg.join_timeout
+    )
+    try:
+        masters = transport.fetch(layout.num_fragments)  # local = mirror = master
+        for frag, vec in zip(layout.fragments, masters, strict=True):
+            unflatten_into(vec, fragment_params(model, frag))
+        model.to(device)
+        engine = SyncEngine(
+            model, layout, cfg.sync, transport, total_steps=cfg.steps, seed=cfg.seed, rank=cfg.data_rank
+        )
+        opt = make_inner_optimizer(model, cfg.inner)
+        log.info(
+            "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
+            "%d steps of %d x %d bytes",
+            cfg.name,
+            f"{sum(p.numel() for p in model.parameters()):,}",
+            layout.num_fragments,
+            transport.num_shards,
+            cfg.sync.sync_every,
+            cfg.sync.fragment_sync_delay,
+            cfg.sync.fragment_update_alpha,
+            cfg.sync.uplink_codec,
+            cfg.sync.downlink_codec,
+            cfg.steps,
+            cfg.batch_size,
+            block,
+        )
+        t_train0 = time.perf_counter()
+        compute = 0.0
+        tokens = 0
+        recent: list[float] = []
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
+            x, y = stream.next()
+            loss = forward_backward(model, x.to(device), y.to(device))
+            optimizer_step(model, opt, cfg.inner)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            compute += time.perf_counter() - t0
+            tokens += x.numel()
+            recent.append(loss)
+            engine.step(tokens=x.numel(), loss=loss)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                el = time.perf_counter() - t_train0
+                log.info(
+                    "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs  sent %s B  received %s B",
+                    cfg.name,
+                    step + 1,
+                    cfg.steps,
+                    sum(recent) / len(recent),
+                    f"{tokens / el:,.0f}",
+                    engine.blocked_seconds,
+                    f"{engine.bytes_sent:,}",
+                    f"{engine.bytes_received:,}",
+                )
+                recent.clear()
+        train_seconds = time.perf_counter() - t_train0
+        # the global parameters: after the final sync every fragment's mirror equals the masters
+        eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
+        for frag, vec in zip(layout.fragments, engine.mirrors, strict=True):
+            unflatten_into(vec, fragment_params(eval_model, frag))
+        eval_loss = evaluate(eval_model, val, device)
+        digests = mirror_digests(engine)
+        for f, hs in enumerate(digests):
+            log.info(
+                "%s mirror fragment %d: %s", cfg.name, f, " ".join(f"shard{s}={h}" for s, h in enumerate(hs))
+            )
+        wire_out, wire_in = transport.wire_bytes
+        summary = {
+            "worker": cfg.name,
+            "rank": cfg.data_rank,
+            "steps": cfg.steps,
+            "tokens": tokens,
+            "eval_loss": eval_loss,
+            "bytes_sent": engine.bytes_sent,
+            "bytes_received": engine.bytes_received,
+            "wire_bytes_sent": wire_out,
+            "wire_bytes_received": wire_in,
+            "pushes": engine.pushes,
+            "blocked_seconds": engine.blocked_seconds,
+            "compute_seconds": compute,
+            "train_seconds": train_seconds,
+            "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
+            "wall_seconds": time.perf_counter() - t_start,
+            "mirror_hashes": digests,
+            "late_refusals": sum(len(link.refusals) for link in transport.links),
+        }
+        log.info(
+            "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
+            "compute %.0f%% of %.0fs",
+            cfg.name,
+            eval_loss,
+            f"{tokens:,}",
+            f"{engine.bytes_sent:,}",
+            f"{engine.bytes_received:,}",
+            engine.blocked_seconds,
+            100 * summary["compute_utilization"],
+            train_seconds,
+        )
+        if cfg.summary:
+            Path(cfg.summary).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.summary).write_text(json.dumps(summary, indent=2))
+        if cfg.save_global:
+            torch.save([m.clone() for m in engine.mirrors], cfg.save_global)
+        return summary
+    finally:
+        transport.close()
