@@ -94,9 +94,15 @@ class ShardService(pb_grpc.ShardServicer):
             theirs = json.loads(request.fingerprint_json)
             if not isinstance(theirs, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}")
-        if diff := fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard"):
+        try:
+            diff = fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard")
+        except (TypeError, KeyError, IndexError, AttributeError) as e:  # JSON, but not a fingerprint's shape
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is malformed: {type(e).__name__}: {e}"
+            )
+        if diff:
             log.warning("refused %s at Join: %s", request.worker, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
         if request.worker in self.members:
@@ -138,13 +144,13 @@ class ShardService(pb_grpc.ShardServicer):
         self.state.add_member(name)
         log.info("%s joined (%d members)", name, len(self.members))
         reader = asyncio.create_task(self._read(member, it))
+        getter: asyncio.Task | None = None
         try:
             yield pb.ShardMessage(welcome=pb.Welcome(rounds=[o.number for o in self.state.open]))
             while True:
                 getter = asyncio.create_task(member.queue.get())
                 done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:  # the worker closed its side or the call broke
-                    getter.cancel()
                     break
                 msg = getter.result()
                 size = msg.ByteSize()
@@ -152,6 +158,8 @@ class ShardService(pb_grpc.ShardServicer):
                 self.counters.wire_out += size
                 yield msg
         finally:
+            if getter is not None:  # also when the call was cancelled: no task may outlive the session
+                getter.cancel()
             reader.cancel()
             del self.members[name]
             self.state.remove_member(name)
@@ -170,10 +178,14 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _on_push(self, member: _Member, push: pb.Push) -> None:
         c, h = push.chunk, push.header
-        if c.seq == 0 and h.has_loss:
-            member.last_loss = h.loss
         try:
             part = from_chunk(c)
+        except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_length"):
+                message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
+                self._refuse(member, c.fragment, c.round, "bad_length", message)
+            return
+        try:
             done = self.state.push_chunk(
                 member.name,
                 c.fragment,
@@ -187,10 +199,11 @@ class ShardService(pb_grpc.ShardServicer):
                 loss=h.loss if c.seq == 0 and h.has_loss else None,
                 now=self.clock(),
             )
-        except ValueError as e:  # PushRejected, or scales that are not whole fp32 numbers
-            reason = e.reason if isinstance(e, PushRejected) else "bad_length"
-            self._refuse(member, c.fragment, c.round, reason, str(e))
+        except PushRejected as e:
+            self._refuse(member, c.fragment, c.round, e.reason, str(e))
             return
+        if c.seq == 0 and h.has_loss:  # only a loss that came with a chunk the shard took (it is finite)
+            member.last_loss = h.loss
         if done:
             member.pushes += 1
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)

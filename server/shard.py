@@ -191,10 +191,7 @@ class ShardState:
         try:
             self._check_chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
         except PushRejected as e:
-            self.staged.pop(key, None)
-            if not last:
-                self.discarding[key] = round
-            self.pushes_refused[e.reason] = self.pushes_refused.get(e.reason, 0) + 1
+            self._drop(key, round, last, e.reason)
             raise
         self.discarding.pop(key, None)
         rnd = self.open[fragment]
@@ -221,6 +218,24 @@ class ShardState:
         self.bytes_received += sum(p.nbytes for p in st.parts)
         self.pushes_accepted += 1
         return True
+
+    def refuse_chunk(self, worker: str, fragment: int, round: int, seq: int, last: bool, reason: str) -> bool:
+        """A chunk the caller refused before push_chunk could see it (say, its bytes do not decode): the push
+        it belongs to is dropped, as for a chunk push_chunk refuses. False: the chunk belonged to a push that
+        was already refused, so nothing more needs saying."""
+        key = (worker, fragment)
+        if seq > 0 and self.discarding.get(key) == round:
+            if last:
+                del self.discarding[key]
+            return False
+        self._drop(key, round, last, reason)
+        return True
+
+    def _drop(self, key: tuple[str, int], round: int, last: bool, reason: str) -> None:
+        self.staged.pop(key, None)
+        if not last:
+            self.discarding[key] = round  # the push's later chunks are dropped without a word
+        self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1
 
     def _check_chunk(self, worker, fragment, round, seq, offset, total, part, last, weight, loss) -> None:
         def refuse(reason: str, message: str) -> PushRejected:

@@ -119,6 +119,9 @@ class InProcessTransport:
     def update(self, fragment, round) -> list[Encoded]:
         return self.cluster.update(fragment, round)
 
+    def ready(self, fragment, round) -> bool:
+        return (fragment, round) in self.cluster.updates
+
 
 def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.Tensor]) -> None:
     for frag, vec in zip(layout.fragments, vectors, strict=True):

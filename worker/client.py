@@ -158,6 +158,10 @@ class ShardLink:
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
             )
 
+    def has_update(self, fragment: int, round: int) -> bool:
+        with self._cond:
+            return (fragment, round) in self._updates
+
     def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Encoded:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -252,6 +256,9 @@ class GrpcTransport:
     def update(self, fragment: int, round: int) -> list[Encoded]:
         return [link.wait_update(fragment, round, self.update_timeout) for link in self.links]
 
+    def ready(self, fragment: int, round: int) -> bool:
+        return all(link.has_update(fragment, round) for link in self.links)
+
     def fetch(self, num_fragments: int) -> list[torch.Tensor]:
         """Every fragment's full master vector, joined from all shards' slices."""
         parts = [link.fetch(list(range(num_fragments))) for link in self.links]
@@ -277,3 +284,43 @@ def fetch_masters(targets: list[str], token: str = "", timeout: float = 60.0) ->
                 got.setdefault(m.fragment, []).append(bytes_to_values(m.values))
             per_shard.append(got)
     return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]
+
+
+def connect(
+    model: torch.nn.Module,
+    servers: list[str] | str,
+    sync: SyncConfig | None = None,
+    total_steps: int | None = None,
+    name: str | None = None,
+    token: str = "",
+    seed: int = 0,
+    rank: int = 0,
+    join_timeout: float = 60.0,
+):
+    """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
+    theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
+    `step(tokens, loss)` right after every `inner_optimizer.step()`, and `close()` at the end.
+
+    `sync` must equal the shards' Streaming DiLoCo settings (default: SyncConfig()); `total_steps` lets the
+    engine sync every fragment at the last step (final_sync)."""
+    import os
+    import socket
+
+    from streamdiloco.common.fingerprint import model_fingerprint
+    from streamdiloco.common.fragments import build_layout, fragment_params, unflatten_into
+    from streamdiloco.worker.engine import SyncEngine
+
+    sync = sync or SyncConfig()
+    targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
+    layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
+    transport = GrpcTransport.connect(targets, name, model_fingerprint(layout, sync), token, join_timeout)
+    try:
+        masters = transport.fetch(layout.num_fragments)
+        with torch.no_grad():
+            for frag, vec in zip(layout.fragments, masters, strict=True):
+                unflatten_into(vec, fragment_params(model, frag))
+        return SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
+    except BaseException:
+        transport.close()
+        raise

@@ -42,6 +42,9 @@ class Transport(Protocol):
     def update(self, fragment: int, round: int) -> list[Encoded]:
         """The round's update, one Encoded per shard slice; blocks until it has arrived."""
 
+    def ready(self, fragment: int, round: int) -> bool:
+        """Whether update() would return at once."""
+
 
 class SyncEngine:
     def __init__(
@@ -74,6 +77,14 @@ class SyncEngine:
         self.peak_push_bytes = 0
         self.pushes = 0
         self.blocked_seconds = 0.0
+        self.merges = 0
+        self.waits = 0  # merges whose update had not arrived yet
+
+    def close(self) -> None:
+        """End the transport's sessions (if it has any)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     # --- the hook ------------------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
@@ -125,6 +136,9 @@ class SyncEngine:
         self.loss_since_sync[fragment] = (0.0, 0)
 
     def merge(self, fragment: int, round: int) -> None:
+        self.merges += 1
+        if not self.transport.ready(fragment, round):
+            self.waits += 1
         t0 = time.perf_counter()
         slices = self.transport.update(fragment, round)
         self.blocked_seconds += time.perf_counter() - t0

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
-from streamdiloco.common.fragments import build_layout, fragment_params, unflatten_into
+from streamdiloco.common.fingerprint import tensor_digest
+from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
-from streamdiloco.worker.client import GrpcTransport
+from streamdiloco.worker.client import GrpcTransport, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.train import (
@@ -84,31 +84,34 @@ def run_worker(cfg: WorkerConfig) -> dict:
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
     model = build_model(cfg.model, cfg.seed, cfg.block_size)
-    layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
     block = model_block_size(model, cfg.block_size)
     data = ByteDataset.load(cfg.data, block)
     val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
     stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
 
     log.info("%s: joining %d shard(s): %s", cfg.name, len(cfg.servers), ", ".join(cfg.servers))
-    transport = GrpcTransport.connect(
-        list(cfg.servers), cfg.name, model_fingerprint(layout, cfg.sync), cfg.token, cfg.join_timeout
+    model.to(device)
+    engine = connect(
+        model,
+        list(cfg.servers),
+        cfg.sync,
+        total_steps=cfg.steps,
+        name=cfg.name,
+        token=cfg.token,
+        seed=cfg.seed,
+        rank=cfg.data_rank,
+        join_timeout=cfg.join_timeout,
     )
+    transport = engine.transport
+    assert isinstance(transport, GrpcTransport)
     try:
-        masters = transport.fetch(layout.num_fragments)  # local = mirror = master
-        for frag, vec in zip(layout.fragments, masters, strict=True):
-            unflatten_into(vec, fragment_params(model, frag))
-        model.to(device)
-        engine = SyncEngine(
-            model, layout, cfg.sync, transport, total_steps=cfg.steps, seed=cfg.seed, rank=cfg.data_rank
-        )
         opt = make_inner_optimizer(model, cfg.inner)
         log.info(
             "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
             "%d steps of %d x %d bytes",
             cfg.name,
             f"{sum(p.numel() for p in model.parameters()):,}",
-            layout.num_fragments,
+            engine.layout.num_fragments,
             transport.num_shards,
             cfg.sync.sync_every,
             cfg.sync.fragment_sync_delay,
@@ -138,13 +141,16 @@ def run_worker(cfg: WorkerConfig) -> dict:
             if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
                 el = time.perf_counter() - t_train0
                 log.info(
-                    "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs  sent %s B  received %s B",
+                    "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
+                    "sent %s B  received %s B",
                     cfg.name,
                     step + 1,
                     cfg.steps,
                     sum(recent) / len(recent),
                     f"{tokens / el:,.0f}",
                     engine.blocked_seconds,
+                    engine.waits,
+                    engine.merges,
                     f"{engine.bytes_sent:,}",
                     f"{engine.bytes_received:,}",
                 )
@@ -152,7 +158,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
         train_seconds = time.perf_counter() - t_train0
         # the global parameters: after the final sync every fragment's mirror equals the masters
         eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
-        for frag, vec in zip(layout.fragments, engine.mirrors, strict=True):
+        for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
             unflatten_into(vec, fragment_params(eval_model, frag))
         eval_loss = evaluate(eval_model, val, device)
         digests = mirror_digests(engine)
@@ -179,6 +185,8 @@ def run_worker(cfg: WorkerConfig) -> dict:
             "wall_seconds": time.perf_counter() - t_start,
             "mirror_hashes": digests,
             "late_refusals": sum(len(link.refusals) for link in transport.links),
+            "merges": engine.merges,
+            "merges_that_waited": engine.waits,
         }
         log.info(
             "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
@@ -199,4 +207,4 @@ def run_worker(cfg: WorkerConfig) -> dict:
             torch.save([m.clone() for m in engine.mirrors], cfg.save_global)
         return summary
     finally:
-        transport.close()
+        engine.close()

@@ -1,0 +1,1314 @@
+"""Wire benchmark: what the gRPC wire costs, how fast one shard takes in pushes, and how much of a demo
+worker's time goes to training. Each figure is measured beside a reference in the same run.
+
+(a) framing   Real shard and worker processes talk through counting TCP proxies (asyncio, in this
+              process, on 127.0.0.1). The proxies count every byte each way and parse the HTTP/2 frames
+              and gRPC messages they forward, so the bytes split into: the codec's payload and scales,
+              protobuf fields, gRPC's 5-byte message prefixes, HTTP/2 frame headers, HEADERS, flow
+              control, pings and settings, and the Join and Fetch calls. Reference: the codec bytes the
+              config predicts (encoded_nbytes of every slice pushed or received), cross-checked against
+              the workers' summaries, the shards' counters and the chunks the proxy saw.
+(b) ingest    One shard process (--min-workers 8) and 8 client processes that Join with
+              worker.client.ShardLink and push the same E3M0 fragment slice every round, each waiting for
+              the round's update before its next push: MB/s of 4-bit payload the shard accepts. Reference:
+              the same 8 senders and bytes over plain TCP sockets to one asyncio receiver process that
+              (1) reads and discards, (2) also dequantizes and sums in fp64 like the shard, (3) also runs
+              the outer step and sends the E3M0 update back to all 8, as the shard does; each round ends
+              with the receiver's reply to all 8 senders. Also: the shard's CPU by thread, and a cProfile of
+              its event loop in a separate pass.
+(c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 300` (the demo cluster): per worker
+              compute utilization (training time / wall time of training), blocked seconds, tokens/s.
+              Reference: the same cluster with H = steps (each fragment syncs at most once before the
+              final sync).
+
+    python benchmarks/wire.py                 # the recorded run (see BENCHMARKS.md), about 9 minutes
+    python benchmarks/wire.py --quick         # a quick look (about 3 minutes)
+    python benchmarks/wire.py --parts b       # one part
+
+Writes results.md, results.json and run.log under --out (default benchmarks/results/wire). Every process
+it starts is stopped at the end, on an error and on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import torch
+
+from streamdiloco.common.codecs import CODECS, Encoded, chunk_values, decode, encode, expected_sizes
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fragments import build_layout, slice_ranges
+from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.schedule import events
+from streamdiloco.protos import streamdiloco_pb2 as pb
+
+MB = 1e6
+
+
+# --- output: print and keep a copy for run.log ------------------------------------------------------------
+class Tee:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+say = Tee()
+
+
+# --- child processes --------------------------------------------------------------------------------------
+class Procs:
+    """Every process the benchmark starts, each in its own session (process group), so that stop() ends it
+    and its children (launch's shards and workers) by the group's id."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], stdin: bool = False) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.logdir / f"{name}.log", "w") as log:
+            p = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        self.procs.append((name, p))
+        return p
+
+    def tail(self, name: str, n: int = 15) -> str:
+        path = self.logdir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(f"    [{name}] {line}" for line in lines[-n:])
+
+    def stop(self, p: subprocess.Popen, timeout: float = 10.0) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the group (a child that ignored SIGTERM)
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.poll() is None:
+            p.wait()
+        if p.stdin:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+
+    def stop_all(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for _, p in self.procs:
+            self.stop(p, timeout=5.0)
+        self.procs.clear()
+
+
+def sd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "streamdiloco", *args]
+
+
+def wait_files(procs: Procs, files: list[Path], watch: list[tuple[str, subprocess.Popen]], timeout: float):
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        for name, p in watch:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {[str(f) for f in files]}")
+        time.sleep(0.05)
+
+
+def start_shards(
+    procs: Procs, tmp: Path, tag: str, num: int, flags: list[str], wrap: list[str] | None = None
+):
+    """S shard processes; returns their (name, Popen, {grpc_port, http_port})."""
+    out = []
+    for s in range(num):
+        ready = tmp / f"{tag}-shard{s}.ready"
+        argv = ["server", "--shard", str(s), "--num-shards", str(num), "--host", "127.0.0.1"]
+        argv += ["--port", "0", "--http-port", "0", "--ready-file", str(ready), *flags]
+        cmd = (wrap + ["-m", "streamdiloco", *argv]) if wrap else sd(*argv)
+        name = f"{tag}-shard{s}"
+        out.append((name, procs.start(name, cmd), ready))
+    wait_files(procs, [r for _, _, r in out], [(n, p) for n, p, _ in out], timeout=180)
+    return [(n, p, json.loads(r.read_text())) for n, p, r in out]
+
+
+def http_json(port: int, path: str = "/api/status") -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process, all threads (from /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of a process."""
+    out: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[comm] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+    }
+
+
+# --- (a) an HTTP/2 + gRPC parser for the proxy --------------------------------------------------------------
+FRAME = {0: "DATA", 1: "HEADERS", 2: "PRIORITY", 3: "RST_STREAM", 4: "SETTINGS", 5: "PUSH_PROMISE", 6: "PING"}
+FRAME |= {7: "GOAWAY", 8: "WINDOW_UPDATE", 9: "CONTINUATION"}
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def classify(msg: bytes) -> str:
+    """The RPC of a stream, from the first message the client sent on it."""
+    try:
+        w = pb.WorkerMessage.FromString(msg)
+        if w.WhichOneof("kind") == "hello" and len(w.hello.session) == 32:
+            return "session"
+    except Exception:  # noqa: BLE001 (any parse failure means: not this message type)
+        pass
+    try:
+        j = pb.JoinRequest.FromString(msg)
+        if j.protocol and j.fingerprint_json.startswith("{"):
+            return "join"
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        pb.FetchRequest.FromString(msg)
+        return "fetch"
+    except Exception:  # noqa: BLE001
+        return "other"
+
+
+class H2Side:
+    """One direction of one proxied connection: bytes by HTTP/2 frame type, gRPC message, stream."""
+
+    def __init__(self, conn: H2Conn, up: bool):
+        self.conn, self.up = conn, up
+        self.buf = bytearray()
+        self.need_preface = up
+        self.total = 0
+        self.acc: Counter = Counter()  # (stream id or 0, category) -> bytes
+        self.msgbuf: dict[int, bytearray] = {}
+        self.chunks = 0
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        if self.error:
+            return
+        try:
+            self._feed(data)
+        except Exception as e:  # noqa: BLE001 (a parser bug must not break the forwarding)
+            self.error = repr(e)
+
+    def _feed(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        if self.need_preface:
+            if len(buf) < len(PREFACE):
+                return
+            if bytes(buf[: len(PREFACE)]) != PREFACE:
+                raise ValueError("no HTTP/2 preface")
+            self.acc[(0, "preface")] += len(PREFACE)
+            pos, self.need_preface = len(PREFACE), False
+        view = memoryview(buf)
+        try:
+            while len(buf) - pos >= 9:
+                length = int.from_bytes(view[pos : pos + 3], "big")
+                if len(buf) - pos < 9 + length:
+                    break
+                ftype, flags = view[pos + 3], view[pos + 4]
+                sid = int.from_bytes(view[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                self._frame(ftype, flags, sid, view[pos + 9 : pos + 9 + length], 9 + length)
+                pos += 9 + length
+        finally:
+            view.release()
+        del buf[:pos]
+
+    def _frame(self, ftype: int, flags: int, sid: int, payload: memoryview, size: int) -> None:
+        name = FRAME.get(ftype, f"type{ftype}")
+        if sid == 0:
+            self.acc[(0, name)] += size
+        elif ftype == 0:  # DATA
+            body = payload
+            if flags & 0x8:  # PADDED
+                body = payload[1 : len(payload) - payload[0]]
+            self.acc[(sid, "DATA frame headers")] += size - len(body)
+            self._grpc(sid, body)
+        elif ftype in (1, 9):
+            self.acc[(sid, "HEADERS")] += size
+        else:
+            self.acc[(sid, name)] += size
+
+    def _grpc(self, sid: int, body: memoryview) -> None:
+        b = self.msgbuf.setdefault(sid, bytearray())
+        b += body
+        pos = 0
+        while len(b) - pos >= 5:
+            n = int.from_bytes(b[pos + 1 : pos + 5], "big")
+            if len(b) - pos < 5 + n:
+                break
+            self.acc[(sid, "gRPC prefixes")] += 5
+            self._message(sid, bytes(b[pos + 5 : pos + 5 + n]))
+            pos += 5 + n
+        del b[:pos]
+
+    def _message(self, sid: int, msg: bytes) -> None:
+        kinds = self.conn.kinds
+        if sid not in kinds:  # the client's first message names the RPC (it always precedes the reply)
+            kinds[sid] = classify(msg) if self.up else "other"
+        if kinds[sid] != "session":
+            self.acc[(sid, "messages")] += len(msg)
+            return
+        m = (pb.WorkerMessage if self.up else pb.ShardMessage).FromString(msg)
+        kind = m.WhichOneof("kind")
+        chunk = m.push.chunk if kind == "push" else m.update if kind == "update" else None
+        if chunk is None:
+            self.acc[(sid, "other messages")] += len(msg)
+            return
+        codec = len(chunk.payload) + len(chunk.scales)
+        self.chunks += 1
+        self.acc[(sid, "codec")] += codec
+        self.acc[(sid, "protobuf fields")] += len(msg) - codec
+
+
+class H2Conn:
+    def __init__(self, target: str):
+        self.target = target
+        self.kinds: dict[int, str] = {}
+        self.up, self.down = H2Side(self, True), H2Side(self, False)
+        self.open = True
+
+    def breakdown(self, side: H2Side) -> Counter:
+        out: Counter = Counter()
+        for (sid, cat), n in side.acc.items():
+            if sid == 0:
+                out[f"connection {cat}"] += n
+            else:
+                kind = self.kinds.get(sid, "other")
+                out[f"{kind} {cat}" if kind == "session" else kind] += n
+        parsed = sum(side.acc.values())
+        if parsed != side.total:
+            out["unparsed"] += side.total - parsed
+        return out
+
+
+class Proxies:
+    """Counting TCP proxies on 127.0.0.1, one per target, run by an asyncio loop in a background thread."""
+
+    def __init__(self, targets: list[tuple[str, int]]):
+        self.targets = targets
+        self.conns: list[H2Conn] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
+        self.servers: list[asyncio.base_events.Server] = []
+        self.ports: list[int] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    def start(self) -> list[int]:
+        self.thread.start()
+        for t in self.targets:
+            fut = asyncio.run_coroutine_threadsafe(self._listen(t), self.loop)
+            self.ports.append(fut.result(10))
+        return self.ports
+
+    async def _listen(self, target: tuple[str, int]) -> int:
+        async def handle(reader, writer):
+            self.tasks.add(asyncio.current_task())
+            conn = H2Conn(f"{target[0]}:{target[1]}")
+            self.conns.append(conn)
+            try:
+                ur, uw = await asyncio.open_connection(*target)
+            except OSError:
+                writer.close()
+                conn.open = False
+                return
+            try:
+                await asyncio.gather(self._pump(reader, uw, conn.up), self._pump(ur, writer, conn.down))
+            finally:
+                conn.open = False
+                for w in (uw, writer):
+                    w.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.servers.append(server)
+        return server.sockets[0].getsockname()[1]
+
+    @staticmethod
+    async def _pump(reader, writer, side: H2Side) -> None:
+        try:
+            while data := await reader.read(1 << 18):
+                side.feed(data)  # before forwarding: the shard cannot answer what it has not received
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            try:
+                writer.write_eof()
+            except (OSError, RuntimeError):
+                pass
+
+    def wait_closed(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while any(c.open for c in self.conns):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self) -> None:
+        async def _close():
+            for s in self.servers:
+                s.close()
+            for t in list(self.tasks):
+                t.cancel()
+
+        if self.thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(_close(), self.loop).result(5)
+            except Exception:  # noqa: BLE001
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+
+# --- (a) framing overhead -------------------------------------------------------------------------------------
+A_RUNS = {
+    # model: (steps, H, batch, block size): H small for many syncs; small gets a short context so that its
+    # steps are quick on 2 cores (the bytes on the wire do not depend on batch or context, only wpe shrinks)
+    "tiny": dict(steps=60, sync_every=10, batch_size=16, block_size=None),
+    "small": dict(steps=30, sync_every=10, batch_size=2, block_size=64),
+}
+A_QUICK = {"tiny": dict(steps=30, sync_every=10, batch_size=8, block_size=None)}
+
+
+def predicted_codec_bytes(model: str, block_size: int | None, cfg: SyncConfig, steps: int, shards: int):
+    """Per worker: codec bytes of every push (up) and update (down) the schedule makes, and the pushes."""
+    layout = build_layout(build_model(model, 0, block_size), cfg.num_fragments, cfg.fragment_pattern)
+    up = down = pushes = 0
+    for t in range(1, steps + 1):
+        for ev in events(t, cfg, steps):
+            numel = layout.fragments[ev.fragment].numel
+            codec = cfg.uplink_codec if ev.kind == "send" else cfg.downlink_codec
+            n = sum(
+                CODECS[codec].encoded_nbytes(hi - lo, cfg.codec_block_size)
+                for lo, hi in slice_ranges(numel, shards)
+            )
+            if ev.kind == "send":
+                up, pushes = up + n, pushes + 1
+            else:
+                down += n
+    return up, down, pushes, layout.numel
+
+
+def run_framing(model: str, spec: dict, shards: int, workers: int, procs: Procs, tmp: Path) -> dict:
+    cfg = SyncConfig(sync_every=spec["sync_every"])
+    steps = spec["steps"]
+    up_pred, down_pred, pushes, numel = predicted_codec_bytes(model, spec["block_size"], cfg, steps, shards)
+    model_flags = ["--model", model] + (
+        ["--block-size", str(spec["block_size"])] if spec["block_size"] else []
+    )
+    sync_flags = ["--sync-every", str(cfg.sync_every)]
+    say(
+        f"[a] {model} ({numel:,} params): {shards} shards, {workers} workers, {steps} steps, "
+        f"H={cfg.sync_every}, P={cfg.num_fragments}, {cfg.uplink_codec}/{cfg.downlink_codec}, "
+        f"batch {spec['batch_size']}: {pushes} pushes per worker"
+    )
+    t0 = time.monotonic()
+    tag = f"a-{model}"
+    shard_procs = start_shards(
+        procs,
+        tmp,
+        tag,
+        shards,
+        ["--min-workers", str(workers), "--round-timeout", "300"] + model_flags + sync_flags,
+    )
+    proxies = Proxies([("127.0.0.1", info["grpc_port"]) for _, _, info in shard_procs])
+    try:
+        ports = proxies.start()
+        servers = ",".join(f"127.0.0.1:{p}" for p in ports)
+        wprocs = []
+        for m in range(workers):
+            argv = ["worker", "--servers", servers, "--name", f"worker-{m}", "--rank", str(m)]
+            argv += ["--steps", str(steps), "--batch-size", str(spec["batch_size"]), "--eval-batches", "1"]
+            argv += ["--log-every", str(max(1, steps // 3)), "--summary", str(tmp / f"{tag}-worker{m}.json")]
+            wprocs.append(
+                (f"{tag}-worker{m}", procs.start(f"{tag}-worker{m}", sd(*argv, *model_flags, *sync_flags)))
+            )
+        deadline = time.monotonic() + 600
+        for name, p in wprocs:
+            try:
+                rc = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{name} did not finish in time:\n{procs.tail(name)}") from None
+            if rc:
+                raise RuntimeError(f"{name} exited with status {rc}:\n{procs.tail(name)}")
+        summaries = [json.loads((tmp / f"{tag}-worker{m}.json").read_text()) for m in range(workers)]
+        statuses = [http_json(info["http_port"]) for _, _, info in shard_procs]
+        closed = proxies.wait_closed(10)
+    finally:
+        proxies.stop()
+        for _, p, _ in shard_procs:
+            procs.stop(p)
+    wall = time.monotonic() - t0
+
+    dirs = {}
+    for dname, up in (("up", True), ("down", False)):
+        total = Counter()
+        errors = []
+        for c in proxies.conns:
+            side = c.up if up else c.down
+            total.update(c.breakdown(side))
+            total["TOTAL"] += side.total
+            if side.error:
+                errors.append(side.error)
+        pred = (up_pred if up else down_pred) * workers
+        summary_codec = sum(s["bytes_sent" if up else "bytes_received"] for s in summaries)
+        shard_codec = sum(st["bytes"]["codec_in" if up else "codec_out"] for st in statuses)
+        proxy_codec = total.get("session codec", 0)
+        sync_total = sum(v for k, v in total.items() if k.startswith(("session", "connection")))
+        dirs[dname] = {
+            "predicted_codec_bytes": pred,
+            "summary_codec_bytes": summary_codec,
+            "shard_codec_bytes": shard_codec,
+            "proxy_codec_bytes": proxy_codec,
+            "proxy_total_bytes": total["TOTAL"],
+            "join_bytes": total.get("join", 0),
+            "fetch_bytes": total.get("fetch", 0),
+            "other_bytes": total.get("other", 0) + total.get("unparsed", 0),
+            "sync_bytes": sync_total,
+            "overhead_sync_pct": 100 * (sync_total - pred) / pred,
+            "overhead_all_pct": 100 * (total["TOTAL"] - pred) / pred,
+            "worker_wire_bytes": sum(
+                s["wire_bytes_sent" if up else "wire_bytes_received"] for s in summaries
+            ),
+            "shard_wire_bytes": sum(st["bytes"]["wire_in" if up else "wire_out"] for st in statuses),
+            "breakdown": {k: v for k, v in sorted(total.items()) if k != "TOTAL"},
+            "parse_errors": errors,
+        }
+    return {
+        "model": model,
+        "params": numel,
+        "shards": shards,
+        "workers": workers,
+        **spec,
+        "H": cfg.sync_every,
+        "P": cfg.num_fragments,
+        "codec": f"{cfg.uplink_codec}/{cfg.downlink_codec}",
+        "codec_block_size": cfg.codec_block_size,
+        "pushes_per_worker": pushes,
+        "connections": len(proxies.conns),
+        "connections_closed": closed,
+        "stream_kinds": Counter(k for c in proxies.conns for k in c.kinds.values()),
+        "wall_seconds": wall,
+        "directions": dirs,
+    }
+
+
+def table_a(runs: list[dict]) -> str:
+    head = (
+        "| model | dir | codec bytes predicted | = summaries / shards / proxy-parsed | bytes through proxy | "
+        "of which Join + Fetch | sync bytes (Session + connection) | overhead, sync | overhead, all |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in runs:
+        for d in ("up", "down"):
+            x = r["directions"][d]
+            same = (
+                "yes"
+                if x["summary_codec_bytes"]
+                == x["shard_codec_bytes"]
+                == x["proxy_codec_bytes"]
+                == x["predicted_codec_bytes"]
+                else (
+                    f"{x['summary_codec_bytes']:,} / {x['shard_codec_bytes']:,} / {x['proxy_codec_bytes']:,}"
+                )
+            )
+            lines.append(
+                f"| {r['model']} | {d} | {x['predicted_codec_bytes']:,} | {same} | {x['proxy_total_bytes']:,} | "
+                f"{x['join_bytes']:,} + {x['fetch_bytes']:,} | {x['sync_bytes']:,} | "
+                f"+{x['overhead_sync_pct']:.2f}% | +{x['overhead_all_pct']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+BREAKDOWN_ROWS = [
+    ("session codec", "codec payload + scales (Chunk.payload, Chunk.scales)"),
+    ("session protobuf fields", "protobuf fields of the chunk messages"),
+    ("session other messages", "Hello, Welcome, PushResult messages"),
+    ("session gRPC prefixes", "gRPC 5-byte message prefixes"),
+    ("session DATA frame headers", "HTTP/2 DATA frame headers (9 B each)"),
+    ("session HEADERS", "HTTP/2 HEADERS (call start, trailers)"),
+    ("session WINDOW_UPDATE", "HTTP/2 WINDOW_UPDATE on the stream"),
+    ("session RST_STREAM", "HTTP/2 RST_STREAM"),
+    ("connection preface", "HTTP/2 connection preface"),
+    ("connection SETTINGS", "HTTP/2 SETTINGS (+acks)"),
+    ("connection WINDOW_UPDATE", "HTTP/2 WINDOW_UPDATE on the connection"),
+    ("connection PING", "HTTP/2 PING (keepalive, BDP probes, acks)"),
+    ("connection GOAWAY", "HTTP/2 GOAWAY"),
+    ("join", "Join call (all frames)"),
+    ("fetch", "Fetch call (all frames: fp32 masters)"),
+]
+
+
+def table_a_breakdown(r: dict) -> str:
+    up, down = r["directions"]["up"], r["directions"]["down"]
+    lines = ["| bytes | up | % of codec | down | % of codec |", "|---|---|---|---|---|"]
+    keys = set(up["breakdown"]) | set(down["breakdown"])
+    known = {k for k, _ in BREAKDOWN_ROWS}
+    rows = BREAKDOWN_ROWS + [(k, k) for k in sorted(keys - known)]
+    for key, label in rows:
+        u, d = up["breakdown"].get(key, 0), down["breakdown"].get(key, 0)
+        if not u and not d:
+            continue
+        pu = 100 * u / up["predicted_codec_bytes"]
+        pd = 100 * d / down["predicted_codec_bytes"]
+        lines.append(f"| {label} | {u:,} | {pu:.3f}% | {d:,} | {pd:.3f}% |")
+    lines.append(
+        f"| **total through the proxy** | {up['proxy_total_bytes']:,} | | {down['proxy_total_bytes']:,} | |"
+    )
+    return "\n".join(lines)
+
+
+# --- (b) ingest ---------------------------------------------------------------------------------------------
+def ingest_plan(model: str, fragment: int) -> dict:
+    cfg = SyncConfig()
+    layout = build_layout(build_model(model, 0), cfg.num_fragments, cfg.fragment_pattern)
+    numel = layout.fragments[fragment].numel
+    return {
+        "model": model,
+        "fragment": fragment,
+        "numel": numel,
+        "codec_bytes": CODECS["e3m0"].encoded_nbytes(numel, cfg.codec_block_size),
+        "block_size": cfg.codec_block_size,
+        "chunk_values": chunk_values("e3m0", cfg.codec_block_size),
+        "fingerprint": model_fingerprint(layout, cfg),
+    }
+
+
+def write_payload(plan: dict, path: Path) -> None:
+    """One E3M0-encoded outer gradient of the slice; every client pushes these bytes every round."""
+    g = torch.Generator().manual_seed(1)
+    enc = encode(torch.randn(plan["numel"], generator=g) * 1e-3, "e3m0", plan["block_size"])
+    path.write_bytes(enc.scales.numpy().tobytes() + enc.payload.numpy().tobytes())
+
+
+def read_payload(plan: dict, path: Path) -> Encoded:
+    data = bytearray(path.read_bytes())
+    payload_n, scales_n = expected_sizes("e3m0", plan["numel"], plan["block_size"])
+    scales = torch.frombuffer(data[: 4 * scales_n], dtype=torch.float32)
+    payload = torch.frombuffer(data[4 * scales_n :], dtype=torch.uint8)
+    assert payload.numel() == payload_n
+    return Encoded("e3m0", plan["numel"], payload, scales, plan["block_size"])
+
+
+def chunk_layout(plan: dict) -> list[tuple[int, int, int, int]]:
+    """(offset, values, payload bytes, scales) of each chunk: the same cut as the gRPC pushes."""
+    out = []
+    n, cv = plan["numel"], plan["chunk_values"]
+    for lo in range(0, n, cv):
+        hi = min(n, lo + cv)
+        p, s = expected_sizes("e3m0", hi - lo, plan["block_size"])
+        out.append((lo, hi - lo, p, s))
+    return out
+
+
+def _client_go(ready: Path) -> float:
+    """Say ready, wait for the go line on stdin; returns the process's CPU seconds at go."""
+    ready.write_text("ready")
+    sys.stdin.readline()
+    return time.process_time()
+
+
+def grpc_client_main(a: argparse.Namespace) -> int:
+    from streamdiloco.worker.client import ShardLink
+
+    plan = json.loads(Path(a.plan).read_text())
+    enc = read_payload(plan, Path(a.payload))
+    link = ShardLink(a.target, a.name, plan["fingerprint"])
+    try:
+        assert link.slices[plan["fragment"]][1] == plan["numel"], link.slices
+        r0 = link.rounds[plan["fragment"]]
+        cpu0 = _client_go(Path(a.ready))
+        starts, ends = [], []
+        for k in range(a.rounds):
+            starts.append(time.monotonic())
+            link.push(plan["fragment"], r0 + k, enc, weight=1.0, loss=None)
+            link.wait_update(plan["fragment"], r0 + k, timeout=300)
+            ends.append(time.monotonic())
+        cpu = time.process_time() - cpu0
+        refused = [r.reason for r in link.refusals]
+        result = {"starts": starts, "ends": ends, "refused": refused, "cpu_seconds": cpu}
+        Path(a.result).write_text(json.dumps(result))
+    finally:
+        link.close()
+    return 0
+
+
+def tcp_sender_main(a: argparse.Namespace) -> int:
+    import socket
+
+    plan = json.loads(Path(a.plan).read_text())
+    enc = read_payload(plan, Path(a.payload))
+    pieces = []
+    for lo, n, p, s in chunk_layout(plan):
+        b0, s0 = lo // 2, lo // plan["block_size"]
+        pieces.append(enc.scales[s0 : s0 + s].numpy().tobytes() + enc.payload[b0 : b0 + p].numpy().tobytes())
+    reply_n = plan["codec_bytes"] if a.mode == "full" else 1
+    reply = bytearray(reply_n)
+    sock = socket.create_connection(("127.0.0.1", a.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    cpu0 = _client_go(Path(a.ready))
+    starts, ends = [], []
+    view = memoryview(reply)
+    for _ in range(a.rounds):
+        starts.append(time.monotonic())
+        for piece in pieces:
+            sock.sendall(piece)
+        got = 0
+        while got < reply_n:
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("receiver closed the connection")
+            got += n
+        ends.append(time.monotonic())
+    cpu = time.process_time() - cpu0
+    sock.close()
+    Path(a.result).write_text(json.dumps({"starts": starts, "ends": ends, "refused": [], "cpu_seconds": cpu}))
+    return 0
+
+
+def tcp_receiver_main(a: argparse.Namespace) -> int:
+    """One asyncio event loop, like the shard: reads every sender's chunks; `decode` also dequantizes and
+    sums them into an fp64 accumulator (what ShardState.push_chunk does); `full` also closes the round with
+    the outer step and the E3M0 update (OuterOptimizer.step) and sends it to every sender."""
+    from streamdiloco.common.outer import OuterOptimizer
+
+    plan = json.loads(Path(a.plan).read_text())
+    layout = chunk_layout(plan)
+    bs = plan["block_size"]
+    n = plan["numel"]
+    cfg = SyncConfig()
+    opt = OuterOptimizer(torch.zeros(n), cfg.outer_lr, cfg.outer_momentum, True, "e3m0", bs)
+
+    async def run() -> None:
+        state = {"acc": torch.zeros(n, dtype=torch.float64), "count": 0, "weight": 0.0}
+        writers: list[asyncio.StreamWriter] = []
+        finished = asyncio.Event()
+        remaining = [a.senders]
+
+        async def close_round() -> None:
+            if a.mode == "full":
+                mean = (state["acc"] / state["weight"]).to(torch.float32)
+                upd, _ = opt.step(mean)
+                reply = upd.scales.numpy().tobytes() + upd.payload.numpy().tobytes()
+            else:
+                reply = b"\x01"
+            state.update(acc=torch.zeros(n, dtype=torch.float64), count=0, weight=0.0)
+            for w in writers:
+                w.write(reply)
+            for w in writers:
+                await w.drain()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writers.append(writer)
+            try:
+                for _ in range(a.rounds):
+                    parts = []
+                    for lo, cnt, p, s in layout:
+                        data = await reader.readexactly(4 * s + p)
+                        if a.mode != "discard":
+                            scales = torch.frombuffer(bytearray(data[: 4 * s]), dtype=torch.float32)
+                            payload = torch.frombuffer(bytearray(data[4 * s :]), dtype=torch.uint8)
+                            parts.append((lo, Encoded("e3m0", cnt, payload, scales, bs)))
+                    for lo, part in parts:
+                        state["acc"][lo : lo + part.numel].add_(decode(part).to(torch.float64), alpha=1.0)
+                    state["count"] += 1
+                    state["weight"] += 1.0
+                    if state["count"] == a.senders:
+                        await close_round()
+            finally:
+                remaining[0] -= 1
+                if not remaining[0]:
+                    finished.set()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        tmp = Path(a.port_file + ".tmp")
+        tmp.write_text(str(server.sockets[0].getsockname()[1]))
+        tmp.replace(a.port_file)
+        await finished.wait()
+        server.close()
+        await asyncio.Event().wait()  # stay up (idle) until stopped: the benchmark reads our CPU time
+
+    asyncio.run(run())
+    return 0
+
+
+def _rates(results: list[dict], plan: dict, clients: int, warmup: int, per_repeat: int) -> dict:
+    rounds = len(results[0]["starts"])
+    start = [min(r["starts"][k] for r in results) for k in range(rounds)]
+    end = [max(r["ends"][k] for r in results) for k in range(rounds)]
+    reps = []
+    for j in range((rounds - warmup) // per_repeat):
+        k0 = warmup + j * per_repeat
+        k1 = k0 + per_repeat - 1
+        wall = end[k1] - start[k0]
+        reps.append(clients * plan["codec_bytes"] * per_repeat / wall / MB)
+    round_s = [end[k] - start[k] for k in range(warmup, rounds)]
+    return {
+        "repeat_mb_s": reps,
+        "median_mb_s": statistics.median(reps),
+        "round_seconds": round_s,
+        "median_round_seconds": statistics.median(round_s),
+        "window": (start[warmup], end[-1]),
+    }
+
+
+def run_clients(
+    procs: Procs,
+    tmp: Path,
+    tag: str,
+    client_argv,
+    clients: int,
+    server: tuple[str, subprocess.Popen],
+    server_pid: int,
+) -> tuple[list[dict], dict]:
+    """Start the clients, wait until all are ready, say go, collect their timings; CPU of the server process
+    (by thread) and of the clients over the run."""
+    cl = []
+    for i in range(clients):
+        ready, result = tmp / f"{tag}-c{i}.ready", tmp / f"{tag}-c{i}.json"
+        for f in (ready, result):
+            f.unlink(missing_ok=True)
+        cl.append(
+            (
+                f"{tag}-c{i}",
+                procs.start(f"{tag}-c{i}", client_argv(i, ready, result), stdin=True),
+                ready,
+                result,
+            )
+        )
+    wait_files(procs, [c[2] for c in cl], [(c[0], c[1]) for c in cl] + [server], timeout=180)
+    cpu0 = thread_cpu(server_pid)
+    t0 = time.monotonic()
+    for c in cl:
+        c[1].stdin.write("go\n")
+        c[1].stdin.flush()
+    deadline = time.monotonic() + 600
+    for name, p, _, _ in cl:
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{name} did not finish:\n{procs.tail(name)}") from None
+        if p.returncode:
+            raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
+    wall = time.monotonic() - t0
+    cpu1 = thread_cpu(server_pid)
+    server_cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
+    results = [json.loads(c[3].read_text()) for c in cl]
+    cpu = {
+        "wall_seconds": wall,
+        "server_cpu_seconds": sum(server_cpu.values()),
+        "server_cpu_by_thread": {
+            k: round(v, 2) for k, v in sorted(server_cpu.items(), key=lambda x: -x[1]) if v >= 0.01
+        },
+        "clients_cpu_seconds": sum(r["cpu_seconds"] for r in results),
+    }
+    return results, cpu
+
+
+def part_b(args, procs: Procs, tmp: Path) -> dict:
+    plan = ingest_plan(args.b_model, 0)
+    clients, warmup, per, reps = args.b_clients, 1, args.b_rounds, args.b_repeats
+    rounds = warmup + per * reps
+    plan_file, payload = tmp / "b-plan.json", tmp / "b-payload.bin"
+    plan_file.write_text(json.dumps(plan))
+    write_payload(plan, payload)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    say(
+        f"[b] {args.b_model}, fragment 0: {plan['numel']:,} values = {plan['codec_bytes']:,} B of E3M0 per push "
+        f"({len(chunk_layout(plan))} chunks), {clients} clients, {warmup} warm-up + {reps} x {per} rounds"
+    )
+    rows = []
+    for mode in args.b_tcp_modes:
+        say(f"[b] plain TCP, receiver: {mode} ...")
+        port_file = tmp / f"b-tcp-{mode}.port"
+        port_file.unlink(missing_ok=True)
+        rname = f"b-tcp-{mode}-receiver"
+        recv = procs.start(
+            rname,
+            me
+            + ["_tcp-receiver", "--plan", str(plan_file), "--mode", mode, "--senders", str(clients)]
+            + ["--rounds", str(rounds), "--port-file", str(port_file)],
+        )
+        try:
+            wait_files(procs, [port_file], [(rname, recv)], timeout=60)
+            port = int(port_file.read_text())
+
+            def argv(i, ready, result, mode=mode, port=port):
+                return (
+                    me
+                    + ["_tcp-sender", "--plan", str(plan_file), "--payload", str(payload), "--mode", mode]
+                    + [
+                        "--port",
+                        str(port),
+                        "--rounds",
+                        str(rounds),
+                        "--ready",
+                        str(ready),
+                        "--result",
+                        str(result),
+                    ]
+                )
+
+            results, cpu = run_clients(procs, tmp, f"b-tcp-{mode}", argv, clients, (rname, recv), recv.pid)
+        finally:
+            procs.stop(recv)
+        rows.append(
+            {"transport": "plain TCP", "receiver": mode, **_rates(results, plan, clients, warmup, per), **cpu}
+        )
+        say(
+            f"[b]   {rows[-1]['median_mb_s']:.1f} MB/s (repeats: {', '.join(f'{x:.1f}' for x in rows[-1]['repeat_mb_s'])})"
+        )
+
+    def grpc_run(tag: str, wrap: list[str] | None, rounds: int) -> tuple[list[dict], dict, dict]:
+        flags = ["--min-workers", str(clients), "--round-timeout", "600", "--model", args.b_model]
+        ((sname, sp, info),) = start_shards(procs, tmp, tag, 1, flags, wrap=wrap)
+        try:
+            target = f"127.0.0.1:{info['grpc_port']}"
+
+            def argv(i, ready, result):
+                return (
+                    me
+                    + ["_grpc-client", "--plan", str(plan_file), "--payload", str(payload)]
+                    + [
+                        "--target",
+                        target,
+                        "--name",
+                        f"client-{i}",
+                        "--rounds",
+                        str(rounds),
+                        "--ready",
+                        str(ready),
+                    ]
+                    + ["--result", str(result)]
+                )
+
+            results, cpu = run_clients(procs, tmp, tag, argv, clients, (sname, sp), sp.pid)
+            status = http_json(info["http_port"])
+        finally:
+            procs.stop(sp, timeout=30)
+        return results, cpu, status
+
+    say("[b] gRPC shard (streamdiloco server) ...")
+    results, cpu, status = grpc_run("b-grpc", None, rounds)
+    refused = sum(len(r["refused"]) for r in results)
+    rows.append(
+        {
+            "transport": "gRPC shard",
+            "receiver": "full",
+            **_rates(results, plan, clients, warmup, per),
+            **cpu,
+            "refused": refused,
+            "shard_pushes_accepted": status["pushes_accepted"],
+            "shard_codec_in": status["bytes"]["codec_in"],
+            "shard_round_seconds": [h["seconds"] for h in status["recent_rounds"]],
+        }
+    )
+    say(
+        f"[b]   {rows[-1]['median_mb_s']:.1f} MB/s (repeats: {', '.join(f'{x:.1f}' for x in rows[-1]['repeat_mb_s'])})"
+    )
+
+    profile = None
+    if args.b_profile:
+        say("[b] gRPC shard again under cProfile (its event-loop thread), 1 + 2 rounds ...")
+        prof = tmp / "b-shard.prof"
+        grpc_run("b-prof", [sys.executable, "-m", "cProfile", "-o", str(prof)], warmup + 2)
+        profile = top_functions(prof, 14) if prof.exists() else None
+    return {
+        **{k: v for k, v in plan.items() if k != "fingerprint"},
+        "clients": clients,
+        "warmup_rounds": warmup,
+        "rounds_per_repeat": per,
+        "repeats": reps,
+        "rows": rows,
+        "profile": profile,
+    }
+
+
+def top_functions(path: Path, n: int) -> dict:
+    import pstats
+
+    st = pstats.Stats(str(path))
+    total = st.total_tt
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in sorted(st.stats.items(), key=lambda x: -x[1][2])[:n]:
+        short = file.split("site-packages/")[-1].split("/work/main/")[-1]
+        rows.append({"function": f"{short}:{line}({fn})", "calls": nc, "tottime": tt, "cumtime": ct})
+    # cumulative time of the shard's own steps
+    wanted = {
+        "_on_push",
+        "push_chunk",
+        "_check_chunk",
+        "from_chunk",
+        "close_due",
+        "close_round",
+        "step",
+        "to_chunks",
+        "encode",
+        "decode",
+        "Session",
+        "_read",
+    }
+    cum: dict[str, float] = {}
+    for (file, _line, fn), (_cc, _nc, _tt, ct, _callers) in st.stats.items():
+        if fn in wanted and ("streamdiloco" in file or "/work/" in file):
+            key = f"{Path(file).name}:{fn}"
+            cum[key] = cum.get(key, 0.0) + ct
+    return {"total_seconds": total, "top_tottime": rows, "cumulative": cum}
+
+
+def table_b(b: dict) -> str:
+    ref = b["rows"][0]["median_mb_s"]
+    lines = [
+        "| transport | receiver does | MB/s of E3M0 accepted (median) | repeats | median round | vs plain TCP "
+        "(discard) | receiver CPU | senders' CPU |",
+        "|" + "---|" * 8,
+    ]
+    what = {
+        "discard": "read, discard",
+        "decode": "read, decode, fp64 sum",
+        "full": "decode, fp64 sum, outer step, update to all 8",
+    }
+    for r in b["rows"]:
+        label = f"{r['transport']}"
+        lines.append(
+            f"| {label} | {what[r['receiver']]} | **{r['median_mb_s']:.1f}** | "
+            f"{', '.join(f'{x:.1f}' for x in r['repeat_mb_s'])} | {r['median_round_seconds']:.2f}s | "
+            f"{r['median_mb_s'] / ref:.2f}× | {r['server_cpu_seconds'] / r['wall_seconds']:.2f} cores | "
+            f"{r['clients_cpu_seconds'] / r['wall_seconds']:.2f} cores |"
+        )
+    return "\n".join(lines)
+
+
+# --- (c) the demo's compute utilization --------------------------------------------------------------------
+def run_launch(procs: Procs, tmp: Path, tag: str, steps: int, extra: list[str]) -> dict:
+    out = tmp / tag
+    argv = sd("launch", "--shards", "2", "--workers", "2", "--steps", str(steps), "--out", str(out), *extra)
+    t0 = time.monotonic()
+    p = procs.start(tag, argv)
+    log = procs.logdir / f"{tag}.log"
+    last = 0.0
+    try:
+        while p.poll() is None:
+            try:
+                p.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() - last > 20:
+                last = time.monotonic()
+                steps_lines = [ln for ln in log.read_text(errors="replace").splitlines() if " step " in ln]
+                if steps_lines:
+                    say(f"[c]   {time.monotonic() - t0:.0f}s: {steps_lines[-1].split('INFO ')[-1]}")
+            if time.monotonic() - t0 > 900:
+                raise RuntimeError(f"{tag} did not finish:\n{procs.tail(tag)}")
+        if p.returncode:
+            raise RuntimeError(f"{tag} exited with status {p.returncode}:\n{procs.tail(tag, 30)}")
+    finally:
+        procs.stop(p)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["command"] = shlex.join(["streamdiloco", *argv[3:]]).replace(str(out), "DIR")
+    summary["launch_seconds"] = time.monotonic() - t0
+    return summary
+
+
+def part_c(args, procs: Procs, tmp: Path) -> dict:
+    out = {}
+    say(f"[c] streamdiloco launch --shards 2 --workers 2 --steps {args.c_steps} (default H=30) ...")
+    out["demo"] = run_launch(procs, tmp, "c-demo", args.c_steps, [])
+    if args.c_reference:
+        say(f"[c] reference: the same with --sync-every {args.c_steps} (next to no syncs) ...")
+        out["reference"] = run_launch(procs, tmp, "c-ref", args.c_steps, ["--sync-every", str(args.c_steps)])
+    return out
+
+
+def table_c(c: dict) -> str:
+    lines = [
+        "| run | worker | compute utilization | compute s | train s | blocked s | pushes | tokens/s (wall) | "
+        "tokens/s (compute only) | eval loss |",
+        "|" + "---|" * 10,
+    ]
+    for key, label in (("demo", "demo, H=30"), ("reference", "reference, H=steps")):
+        if key not in c:
+            continue
+        for w in c[key]["workers"]:
+            lines.append(
+                f"| {label} | {w['worker']} | **{100 * w['compute_utilization']:.1f}%** | "
+                f"{w['compute_seconds']:.1f} | {w['train_seconds']:.1f} | {w['blocked_seconds']:.2f} | "
+                f"{w['pushes']} | {w['tokens'] / w['train_seconds']:,.0f} | "
+                f"{w['tokens'] / w['compute_seconds']:,.0f} | {w['eval_loss']:.4f} |"
+            )
+    return "\n".join(lines)
+
+
+# --- main --------------------------------------------------------------------------------------------------
+def _internal(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="wire.py (internal)")
+    p.add_argument("role", choices=["_grpc-client", "_tcp-sender", "_tcp-receiver"])
+    p.add_argument("--plan", required=True)
+    p.add_argument("--payload")
+    p.add_argument("--target")
+    p.add_argument("--name")
+    p.add_argument("--mode", default="discard")
+    p.add_argument("--port", type=int)
+    p.add_argument("--port-file")
+    p.add_argument("--senders", type=int, default=8)
+    p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--ready")
+    p.add_argument("--result")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.role == "_grpc-client":
+        return grpc_client_main(a)
+    if a.role == "_tcp-sender":
+        return tcp_sender_main(a)
+    return tcp_receiver_main(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("_"):
+        return _internal(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--parts", default="a,b,c", help="which parts to run, comma-separated (default %(default)s)"
+    )
+    p.add_argument("--quick", action="store_true", help="smaller models and fewer rounds and steps (~3 min)")
+    p.add_argument("--out", default="benchmarks/results/wire", help="output folder (default %(default)s)")
+    p.add_argument("--a-models", default=None, help="(a) models, comma-separated (default tiny,small)")
+    p.add_argument("--b-model", default=None, help="(b) model whose fragment 0 is pushed (default medium)")
+    p.add_argument("--b-clients", type=int, default=8, help="(b) concurrent clients (default 8)")
+    p.add_argument("--b-rounds", type=int, default=None, help="(b) rounds per repeat (default 3)")
+    p.add_argument(
+        "--b-repeats", type=int, default=None, help="(b) repeats; the median is reported (default 3)"
+    )
+    p.add_argument("--no-profile", dest="b_profile", action="store_false", help="(b) skip the cProfile pass")
+    p.add_argument("--c-steps", type=int, default=None, help="(c) steps of the demo cluster (default 300)")
+    p.add_argument(
+        "--no-reference", dest="c_reference", action="store_false", help="(c) skip the H=steps run"
+    )
+    args = p.parse_args(argv)
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    if parts - {"a", "b", "c"}:
+        p.error(f"--parts: choose from a, b, c; got {args.parts!r}")
+    q = args.quick
+    a_models = (args.a_models or ("tiny" if q else "tiny,small")).split(",")
+    args.b_model = args.b_model or ("small" if q else "medium")
+    args.b_rounds = args.b_rounds or (2 if q else 3)
+    args.b_repeats = args.b_repeats or (2 if q else 3)
+    args.b_tcp_modes = ["discard", "decode", "full"]
+    if q:
+        args.b_profile = False
+    args.c_steps = args.c_steps or (60 if q else 300)
+    if q:
+        args.c_reference = False
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "benchmarks/wire.py", *argv])
+    info = machine()
+    say(f"$ {command}")
+    say(
+        f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
+        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
+    )
+    results: dict = {"command": command, "machine": info, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    t0 = time.monotonic()
+    tmpdir = tempfile.TemporaryDirectory(prefix="wire-bench-")
+    tmp = Path(tmpdir.name)
+    procs = Procs(tmp)
+    md: list[str] = []
+    status = 0
+    try:
+        if "a" in parts:
+            runs = []
+            for m in a_models:
+                spec = (A_QUICK if q else A_RUNS).get(m) or A_RUNS.get(m) or dict(A_RUNS["tiny"])
+                runs.append(run_framing(m, spec, 2, 2, procs, tmp))
+                d = runs[-1]["directions"]
+                say(
+                    f"[a]   {runs[-1]['wall_seconds']:.0f}s; overhead of the sync traffic: "
+                    f"up +{d['up']['overhead_sync_pct']:.2f}%, down +{d['down']['overhead_sync_pct']:.2f}%"
+                )
+            results["a"] = runs
+            t = table_a(runs)
+            say(
+                "\n(a) Framing overhead: bytes through the proxies against the codec bytes the config predicts\n"
+            )
+            say(t)
+            md += ["## (a) Framing overhead", "", t, ""]
+            for r in runs:
+                bt = table_a_breakdown(r)
+                say(f"\n(a) {r['model']}: where the bytes go (all connections, both shards)\n")
+                say(bt)
+                md += [f"### (a) {r['model']}: where the bytes go", "", bt, ""]
+        if "b" in parts:
+            b = part_b(args, procs, tmp)
+            results["b"] = b
+            t = table_b(b)
+            grpc_row = b["rows"][-1]
+            ratios = {r["receiver"]: grpc_row["median_mb_s"] / r["median_mb_s"] for r in b["rows"][:-1]}
+            b["ratios_grpc_over_tcp"] = ratios
+            lines = [
+                t,
+                "",
+                "gRPC ÷ plain TCP: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items()),
+                "",
+                f"shard CPU by thread (gRPC run): {grpc_row['server_cpu_by_thread']}",
+            ]
+            if b["profile"]:
+                lines += [
+                    "",
+                    "cProfile of the shard's event-loop thread (separate pass), top by own time:",
+                    "",
+                    "| function | calls | own s | cumulative s |",
+                    "|---|---|---|---|",
+                ]
+                lines += [
+                    f"| `{r['function']}` | {r['calls']} | {r['tottime']:.2f} | {r['cumtime']:.2f} |"
+                    for r in b["profile"]["top_tottime"]
+                ]
+            say("\n(b) Ingest: one shard, 8 concurrent pushers of E3M0 payload\n")
+            for ln in lines:
+                say(ln)
+            md += ["## (b) Ingest rate", "", *lines, ""]
+        if "c" in parts:
+            c = part_c(args, procs, tmp)
+            results["c"] = c
+            t = table_c(c)
+            say(f"\n(c) The demo cluster's compute utilization ({args.c_steps} steps)\n")
+            say(t)
+            extra = [
+                f"command: `{c['demo']['command']}`; wall {c['demo']['wall_seconds']:.0f}s; "
+                f"mirrors equal masters: {c['demo']['mirrors_match_masters']}"
+            ]
+            if "reference" in c:
+                r = c["reference"]
+                d_tps = sum(w["tokens"] / w["train_seconds"] for w in c["demo"]["workers"])
+                r_tps = sum(w["tokens"] / w["train_seconds"] for w in r["workers"])
+                c["throughput_ratio"] = d_tps / r_tps
+                extra.append(
+                    f"reference: `{r['command']}`; cluster tokens/s demo ÷ reference: "
+                    f"{d_tps:,.0f} ÷ {r_tps:,.0f} = {d_tps / r_tps:.3f}"
+                )
+            for ln in extra:
+                say(ln)
+            md += [
+                f"## (c) Demo compute utilization ({args.c_steps} steps)",
+                "",
+                t,
+                "",
+                *[f"- {x}" for x in extra],
+                "",
+            ]
+    except KeyboardInterrupt:
+        say("\ninterrupted: stopping every process")
+        status = 130
+    except Exception as e:  # noqa: BLE001 (report, clean up, exit non-zero)
+        say(f"\nerror: {e}")
+        status = 1
+    finally:
+        procs.stop_all()
+        tmpdir.cleanup()
+    results["seconds"] = time.monotonic() - t0
+    say(f"\n{results['seconds']:.0f}s in all; wrote {out}/results.md, results.json, run.log")
+    head = [
+        f"# Wire benchmark results",
+        "",
+        f"Command: `{command}`  ",
+        f"Run: {results['started']}, {results['seconds']:.0f} s  ",
+        f"Machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, "
+        f"{info['platform']}; Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}",
+        "",
+    ]
+    (out / "results.md").write_text("\n".join(head + md) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "run.log").write_text("\n".join(say.lines) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""End to end with real processes on loopback: shards and workers as `streamdiloco` processes."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+import torch
+from procs import shard_process, streamdiloco
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.sim.simulator import SimConfig, simulate
+from streamdiloco.worker.client import SyncError, connect
+from streamdiloco.worker.model import build_gpt
+
+
+def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tmp_path):
+    flags = ["--model", "nano", "--steps", "36", "--sync-every", "6", "--num-fragments", "3"]
+    out = tmp_path / "run"
+    r = streamdiloco("launch", "--shards", "2", "--workers", "2", "--out", str(out), "--save-global", *flags)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "every worker's mirror equals the shards' masters: yes" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mirrors_match_masters"]
+    masters = torch.load(out / "masters.pt")
+    for m in range(2):  # every worker's mirror equals the shards' masters, bit for bit
+        mirror = torch.load(out / f"worker-{m}-global.pt")
+        assert all(torch.equal(a, b) for a, b in zip(mirror, masters, strict=True))
+    sim = simulate(
+        SimConfig(
+            workers=2,
+            steps=36,
+            model="nano",
+            num_shards=2,
+            eval_every=36,
+            sync=SyncConfig(sync_every=6, num_fragments=3),
+        ),
+        log=None,
+    )
+    assert len(masters) == len(sim["global_params"]) == 3
+    for got, want in zip(masters, sim["global_params"], strict=True):
+        # same config and seeds: the distributed run equals the lock-step simulator to fp32 round-off
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert summary["global_eval_loss"] == pytest.approx(sim["eval_loss"], abs=1e-5)
+    for w in summary["workers"]:
+        assert w["tokens"] == 36 * 16 * 32  # steps x batch x nano context
+        assert w["bytes_sent"] > 0 and w["bytes_received"] == w["bytes_sent"]
+    shards = summary["shards"]
+    assert [s["shard"] for s in shards] == [0, 1]
+    assert sum(s["bytes"]["codec_in"] for s in shards) == sum(w["bytes_sent"] for w in summary["workers"])
+
+
+def _train(target: str, tau: int, steps: int = 12, step_seconds: float = 0.2):
+    torch.manual_seed(0)
+    model = build_gpt("nano")
+    cfg = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=tau, final_sync=False)
+    engine = connect(model, [target], cfg, total_steps=steps, name=f"overlap-tau{tau}")
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(steps):
+            x = torch.randint(0, 256, (2, 16))
+            _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(step_seconds)  # a slow step: the update has all of it to arrive
+            engine.step(tokens=x.numel(), loss=loss.item())
+        return engine.merges, engine.waits, engine.blocked_seconds
+    finally:
+        engine.close()
+
+
+def test_with_overlap_a_worker_does_not_wait_for_updates_that_arrive_within_tau_steps(tmp_path):
+    model_flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
+    for tau in (0, 1):
+        with shard_process(tmp_path, *model_flags, "--fragment-sync-delay", str(tau), name=f"t{tau}") as (
+            t,
+            _,
+            _,
+        ):
+            merges, waits, blocked = _train(t, tau)
+        assert merges == 6 - tau  # 6 sends in 12 steps; with tau=1 the last one would merge at step 13
+        if tau == 0:  # the update is needed in the step that sent it: every merge waits for the round trip
+            assert waits == merges
+        else:  # the update had a whole step to arrive: no merge waits
+            assert waits == 0, f"{waits} of {merges} merges waited ({blocked:.3f}s blocked)"
+            assert blocked < 0.05
+
+
+def test_status_reports_members_rounds_and_master_hashes(tmp_path):
+    with shard_process(tmp_path, "--model", "nano", "--sync-every", "6", "--num-fragments", "3") as (
+        t,
+        http,
+        _,
+    ):
+        torch.manual_seed(0)
+        model = build_gpt("nano")
+        engine = connect(model, [t], SyncConfig(sync_every=6, num_fragments=3), name="w-status")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/status", timeout=10) as resp:
+                status = json.loads(resp.read())
+            assert [m["name"] for m in status["members"]] == ["w-status"]
+            assert [f["round"] for f in status["fragments"]] == [0, 0, 0]
+            from streamdiloco.worker.run import mirror_digests
+
+            hashes = mirror_digests(engine)
+            assert [[f["master_hash"]] for f in status["fragments"]] == hashes
+        finally:
+            engine.close()
+
+
+def test_a_worker_with_a_different_model_is_refused_at_join_with_the_difference(tmp_path):
+    with shard_process(tmp_path, "--model", "tiny") as (target, _, _):
+        r = streamdiloco("worker", "--servers", target, "--model", "nano", "--steps", "2", timeout=120)
+        assert r.returncode == 1
+        assert "FAILED_PRECONDITION" in r.stderr and "has shape [32] on the worker, [128] on the shard" in r.stderr, r.stderr[
+            -2000:
+        ]
+        with pytest.raises(SyncError, match="sync_every is 7 on the worker, 30 on the shard"):
+            connect(build_gpt("tiny"), [target], SyncConfig(sync_every=7, num_fragments=1), name="w-h")
