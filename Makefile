@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench-quality clean
+.PHONY: demo compare test test-slow lint bench-quality bench-wire protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,9 +14,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# A short side-by-side simulation, data-parallel against Streaming DiLoCo: a table and a plot.
+# A real run on this machine: 2 shard processes and 2 worker processes on loopback, a few minutes of
+# training with progress output, then a summary. Ctrl+C stops every process.
 demo: $(STAMP)
-	$(BIN)/streamdiloco compare --setups dp,full --workers 2 --steps 300 --eval-every 50 --out runs/demo
+	$(BIN)/streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50 --out runs/demo
+
+# Data-parallel against Streaming DiLoCo, simulated side by side: a table and a plot.
+compare: $(STAMP)
+	$(BIN)/streamdiloco compare --setups dp,full --workers 2 --steps 300 --eval-every 50 --out runs/compare
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -28,6 +33,13 @@ test-slow: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
+
+bench-wire: $(STAMP)
+	$(BIN)/python benchmarks/wire.py
+
+# Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"streamdiloco: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a port in use, an unreadable file, ...
+        print(f"streamdiloco: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("streamdiloco: interrupted", file=sys.stderr)
         return 130

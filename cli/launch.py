@@ -168,6 +168,7 @@ def summarize(workers: list[dict], statuses: list[dict], wall: float) -> dict:
     return {
         "wall_seconds": wall,
         "workers": workers,
+        "global_eval_loss_start": workers[0]["eval_loss_start"],
         "global_eval_loss": workers[0]["eval_loss"],
         "tokens": sum(w["tokens"] for w in workers),
         "master_hashes": masters,
@@ -183,16 +184,18 @@ def format_summary(s: dict) -> str:
     lines = [
         "",
         f"Summary: {len(s['workers'])} workers, {len(s['shards'])} shards, {s['wall_seconds']:.0f}s wall",
-        f"  eval loss of the global parameters: {s['global_eval_loss']:.4f}",
+        f"  eval loss of the global parameters: {s['global_eval_loss_start']:.4f} at the start, "
+        f"{s['global_eval_loss']:.4f} at the end",
         f"  tokens trained: {s['tokens']:,}",
         "",
         f"  {'worker':<10} {'eval loss':>9} {'tokens':>11} {'sent B':>12} {'received B':>12} "
-        f"{'blocked s':>9} {'compute':>8}",
+        f"{'blocked s':>9} {'waited':>7} {'compute':>8}",
     ]
     for w in s["workers"]:
         lines.append(
             f"  {w['worker']:<10} {w['eval_loss']:>9.4f} {w['tokens']:>11,} {w['bytes_sent']:>12,} "
-            f"{w['bytes_received']:>12,} {w['blocked_seconds']:>9.2f} {100 * w['compute_utilization']:>7.0f}%"
+            f"{w['bytes_received']:>12,} {w['blocked_seconds']:>9.2f} "
+            f"{w['merges_that_waited']:>3}/{w['merges']:<3} {100 * w['compute_utilization']:>7.0f}%"
         )
     for sh in s["shards"]:
         b = sh["bytes"]
@@ -201,6 +204,10 @@ def format_summary(s: dict) -> str:
             f"{b['codec_in']:,} B in ({b['wire_in']:,} B on the wire), {b['codec_out']:,} B out "
             f"({b['wire_out']:,} on the wire)"
         )
+    lines.append(
+        "  (waited: merges whose update had not arrived when the worker needed it; compute: share of the "
+        "training time spent in forward, backward and optimizer steps)"
+    )
     ok = "yes, bit for bit" if s["mirrors_match_masters"] else "NO"
     lines.append(f"  every worker's mirror equals the shards' masters: {ok}")
     return "\n".join(lines)

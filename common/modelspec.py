@@ -9,6 +9,8 @@ Both sides seed PyTorch with the run's seed before calling the factory.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -27,6 +29,8 @@ def build_model(spec: str, seed: int = 0, block_size: int | None = None) -> nn.M
         raise ValueError(
             f"--model {spec!r}: give a built-in preset ({', '.join(BUILTIN_PRESETS)}) or module.path:factory"
         )
+    if os.getcwd() not in sys.path:  # like `python -m` and uvicorn: modules in the working directory import
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

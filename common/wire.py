@@ -59,7 +59,7 @@ def parse_target(target: str) -> str:
     t = target.strip()
     host, sep, port = t.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{target!r} is not HOST:PORT")
+        raise ValueError(f"--servers: {target!r} is not HOST:PORT")
     return t
 
 

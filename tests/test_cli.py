@@ -116,3 +116,75 @@ def test_help_lists_the_flags():
         "--method",
     ):
         assert flag in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["server", "--model", "nosuchpreset"], "give a built-in preset (nano, tiny, small, medium, large)"),
+        (["server", "--model", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
+        (["server", "--model", "json:nothing_here"], "json has no callable 'nothing_here'"),
+        (
+            ["server", "--model", "nano", "--shard", "2", "--num-shards", "2"],
+            "shard index 2 is outside [0, 1]",
+        ),
+        (["server", "--model", "nano", "--min-workers", "0"], "--min-workers must be at least 1"),
+        (["server", "--model", "nano", "--sync-every", "7"], "use H=5 or H=10"),
+        (["worker", "--servers", "localhost", "--model", "nano"], "--servers: 'localhost' is not HOST:PORT"),
+        (["worker", "--servers", ",", "--model", "nano"], "--servers: give at least one shard"),
+        (["worker", "--servers", "127.0.0.1:1", "--steps", "0"], "--steps must be at least 1"),
+        (["launch", "--uplink-codec", "fp4"], "unknown uplink_codec 'fp4'"),
+    ],
+)
+def test_bad_server_and_worker_flags_are_one_line(args, expect):
+    r = run(*args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("streamdiloco: error: ") and expect in lines[0]
+
+
+def test_help_lists_the_process_commands():
+    r = run("--help")
+    assert r.returncode == 0
+    for cmd in ("server", "worker", "launch", "simulate", "compare"):
+        assert cmd in r.stdout
+    r = run("worker", "--help")
+    assert "--servers" in r.stdout and "--sync-every" in r.stdout and "--lr" in r.stdout
+    r = run("server", "--help")
+    assert "--min-workers" in r.stdout and "--round-timeout" in r.stdout and "--outer-lr" in r.stdout
+
+
+def test_ctrl_c_stops_every_process_that_launch_started(tmp_path):
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamdiloco", "launch", *QUICK, "--steps", "100000", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    pgid = os.getpgid(proc.pid)
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # wait until both workers train
+            seen.append(line)
+            if sum("step 20/100000" in s for s in seen) >= 2 or time.monotonic() > deadline:
+                break
+        assert sum("step 20/100000" in s for s in seen) >= 2, "".join(seen[-30:])
+        os.killpg(pgid, signal.SIGINT)  # what Ctrl+C in a terminal does
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out[-2000:]
+        assert "interrupted: stopping every process" in out
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):  # nothing of the group is left
+            os.killpg(pgid, 0)
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -115,8 +115,7 @@ def test_a_worker_with_a_different_model_is_refused_at_join_with_the_difference(
     with shard_process(tmp_path, "--model", "tiny") as (target, _, _):
         r = streamdiloco("worker", "--servers", target, "--model", "nano", "--steps", "2", timeout=120)
         assert r.returncode == 1
-        assert "FAILED_PRECONDITION" in r.stderr and "has shape [32] on the worker, [128] on the shard" in r.stderr, r.stderr[
-            -2000:
-        ]
+        assert "FAILED_PRECONDITION" in r.stderr, r.stderr[-2000:]
+        assert "has shape [32] on the worker, [128] on the shard" in r.stderr
         with pytest.raises(SyncError, match="sync_every is 7 on the worker, 30 on the shard"):
             connect(build_gpt("tiny"), [target], SyncConfig(sync_every=7, num_fragments=1), name="w-h")

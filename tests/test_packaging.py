@@ -65,3 +65,11 @@ def test_console_command_exists():
     exe = Path(sys.executable).parent / "streamdiloco"
     r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("streamdiloco ")
+
+
+def test_generated_protocol_code_is_up_to_date():
+    """protos/*_pb2*.py must be what protos/generate.py makes from the .proto (run `make protos`)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "protos" / "generate.py"), "--check"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

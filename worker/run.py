@@ -23,6 +23,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.common.wire import parse_target
 from streamdiloco.worker.client import GrpcTransport, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
@@ -63,6 +64,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.servers:
             raise ValueError("--servers: give at least one shard as HOST:PORT")
+        for target in self.servers:
+            parse_target(target)  # one-line error for a malformed address
         for name in ("steps", "batch_size", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -105,6 +108,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
     try:
+        eval_start = evaluate(model, val, device)  # the global parameters as fetched
         opt = make_inner_optimizer(model, cfg.inner)
         log.info(
             "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
@@ -172,6 +176,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
             "rank": cfg.data_rank,
             "steps": cfg.steps,
             "tokens": tokens,
+            "eval_loss_start": eval_start,
             "eval_loss": eval_loss,
             "bytes_sent": engine.bytes_sent,
             "bytes_received": engine.bytes_received,
