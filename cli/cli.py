@@ -308,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--http-port", type=int, default=8080, help="HTTP status port (default %(default)s)")
     g.add_argument("--ready-file", default=None, help="write the bound ports here (JSON) once serving")
     g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per chunk (default 1 MiB)")
+    g.add_argument(
+        "--init",
+        default=None,
+        metavar="PATH",
+        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH)",
+    )
     _add_shard_flags(g)
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
     _add_sync_flags(sv)
@@ -387,6 +393,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         round_timeout=args.round_timeout,
         token=args.token,
         chunk_bytes=args.chunk_bytes,
+        init=args.init,
     )
     asyncio.run(serve(service, args.host, args.port, args.http_port, args.ready_file))
     return 0

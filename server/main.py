@@ -36,13 +36,36 @@ def build_service(
     round_timeout: float = 120.0,
     token: str = "",
     chunk_bytes: int = 1 << 20,
+    init: str | None = None,
 ) -> ShardService:
-    """The shard's state, from the same model factory as the workers (same seed, same initial values)."""
+    """The shard's state, from the same model factory as the workers (same seed, same initial values),
+    with its parameters then taken from `init` (a saved state_dict) if given."""
     model = build_model(model_spec, seed, block_size)
+    if init:
+        load_initial(model, init)
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout)
     return ShardService(state, model_fingerprint(layout, cfg), token=token, chunk_bytes=chunk_bytes)
+
+
+def load_initial(model, path: str) -> None:
+    """Load a state_dict saved with torch.save(model.state_dict(), path); one-line errors."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"--init {path}: no such file") from None
+    except Exception as e:  # torch raises many kinds for files that are not checkpoints
+        raise ValueError(f"--init {path}: not a saved state_dict ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"--init {path}: holds a {type(state).__name__}, not a state_dict")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise ValueError(f"--init {path} does not fit the model: {' '.join(first[1:2] or first)}") from None
 
 
 def make_app(service: ShardService) -> FastAPI:

@@ -119,3 +119,30 @@ def test_a_worker_with_a_different_model_is_refused_at_join_with_the_difference(
         assert "has shape [32] on the worker, [128] on the shard" in r.stderr
         with pytest.raises(SyncError, match="sync_every is 7 on the worker, 30 on the shard"):
             connect(build_gpt("tiny"), [target], SyncConfig(sync_every=7, num_fragments=1), name="w-h")
+
+
+def test_a_shard_started_from_saved_parameters_serves_them(tmp_path):
+    from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+    from streamdiloco.worker.client import fetch_masters
+
+    torch.manual_seed(123)  # not the run's seed: the shard's factory alone would give other values
+    model = build_gpt("nano")
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    layout = build_layout(model, 3)
+    want = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    flags = [
+        "--model",
+        "nano",
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        "--init",
+        str(tmp_path / "init.pt"),
+    ]
+    with shard_process(tmp_path, *flags) as (target, _, _):
+        got = fetch_masters([target])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    torch.save({"nope": torch.zeros(1)}, tmp_path / "bad.pt")
+    r = streamdiloco("server", "--model", "nano", "--init", str(tmp_path / "bad.pt"), timeout=120)
+    assert r.returncode == 2 and "does not fit the model" in r.stderr, r.stderr
