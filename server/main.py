@@ -71,12 +71,13 @@ def load_initial(model, path: str) -> None:
 def make_app(service: ShardService) -> FastAPI:
     app = FastAPI(title=f"streamdiloco shard {service.state.shard}", docs_url=None, redoc_url=None)
 
+    # async handlers run on the event loop that owns the shard's state: a consistent snapshot, no locks
     @app.get("/healthz")
-    def healthz() -> dict:
+    async def healthz() -> dict:
         return {"ok": True}
 
     @app.get("/api/status")
-    def status() -> dict:
+    async def status() -> dict:
         return service.status()
 
     return app

@@ -21,9 +21,16 @@ def test_wheel_maps_top_level_folders_into_the_package(tmp_path):
         "common/codecs.py",
         "common/schedule.py",
         "server/shard.py",
+        "server/service.py",
+        "server/main.py",
         "worker/engine.py",
+        "worker/client.py",
         "worker/model.py",
         "sim/simulator.py",
+        "launch.py",
+        "common/wire.py",
+        "protos/streamdiloco_pb2.py",
+        "protos/streamdiloco_pb2_grpc.py",
     ):
         assert f"streamdiloco/{module}" in names
     assert not any(n.startswith(("common/", "tests/")) for n in names)
@@ -36,6 +43,7 @@ def test_wheel_maps_top_level_folders_into_the_package(tmp_path):
     )
     code = (
         "import streamdiloco.common.codecs as c, streamdiloco.sim.simulator, streamdiloco.cli;"
+        "import streamdiloco.server.main, streamdiloco.worker.run, streamdiloco.launch;"
         "print(c.__file__)"
     )
     r = subprocess.run(
