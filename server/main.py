@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import socket
 from pathlib import Path
@@ -40,6 +41,8 @@ def build_service(
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given."""
+    if not math.isfinite(round_timeout):
+        raise ValueError(f"--round-timeout must be a finite number of seconds, got {round_timeout}")
     model = build_model(model_spec, seed, block_size)
     if init:
         load_initial(model, init)

@@ -27,6 +27,7 @@ from streamdiloco.server.shard import ClosedRound, PushRejected, ShardState
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_NAME = 128
+PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 
 
 @dataclass
@@ -73,13 +74,16 @@ class ShardService(pb_grpc.ShardServicer):
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
         self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
         self.members: dict[str, _Member] = {}
-        self.pending: dict[str, str] = {}  # session id -> worker name, from Join until Session starts
+        # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
+        self.pending: dict[str, tuple[str, float]] = {}
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=200)  # recent closed rounds
         self.started = time.time()
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        if self.token and not secrets.compare_digest(request.token, self.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         if request.protocol != PROTOCOL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -88,8 +92,6 @@ class ShardService(pb_grpc.ShardServicer):
             )
         if problem := check_name(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.token and not secrets.compare_digest(request.token, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         try:
             theirs = json.loads(request.fingerprint_json)
             if not isinstance(theirs, dict):
@@ -111,7 +113,10 @@ class ShardService(pb_grpc.ShardServicer):
                 f"worker {request.worker!r} already has a session on this shard",
             )
         session = secrets.token_hex(16)
-        self.pending[session] = request.worker
+        now = time.monotonic()
+        for sid in [sid for sid, (_, t) in self.pending.items() if now - t > PENDING_SECONDS]:
+            del self.pending[sid]  # Joins never followed by a Session
+        self.pending[session] = (request.worker, now)
         st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
@@ -133,7 +138,7 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        if self.pending.get(first.hello.session) != name:
+        if self.pending.get(first.hello.session, ("",))[0] != name or not name:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, f"unknown session for worker {name!r}: call Join first"
             )

@@ -11,9 +11,10 @@ for E3M0); when the push's last chunk has arrived, the chunks are dequantized an
 A push that breaks off (its worker died, or a later chunk was bad) therefore leaves nothing half-applied,
 and a refused push changes nothing at all.
 
-Rounds close when every member that was present when the round started (its first push) has pushed, with
-at least `min_workers` contributions; or when its deadline has passed with at least `min_workers`; or when
-every expected member has left. The caller supplies the time (`now`), so tests drive the clock.
+Rounds close when every member that was present when the round started (its first whole push) has pushed,
+with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers`; or
+when every expected member has left. `min_workers` is a quorum: with fewer members than that, rounds wait
+for more workers to join. The caller supplies the time (`now`), so tests drive the clock.
 
 The gRPC servicer and the in-process simulator both drive this class.
 """
@@ -54,8 +55,8 @@ class _OpenRound:
     contributors: set[str] = field(default_factory=set)
     loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
     loss_weight: float = 0.0
-    expected: frozenset[str] | None = None  # members present at the round's first push
-    started_at: float | None = None  # time of the first push (chunk) of the round
+    expected: frozenset[str] | None = None  # members present when the round's first push was complete
+    started_at: float | None = None  # when that was: the deadline counts from here
 
 
 @dataclass
@@ -195,9 +196,6 @@ class ShardState:
             raise
         self.discarding.pop(key, None)
         rnd = self.open[fragment]
-        if rnd.started_at is None:  # the round starts with its first chunk: who is expected is fixed now
-            rnd.started_at = now
-            rnd.expected = frozenset(self.members | {worker})
         st = self.staged.get(key)
         if st is None:
             assert weight is not None
@@ -208,6 +206,9 @@ class ShardState:
         if not last:
             return False
         del self.staged[key]
+        if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
+            rnd.started_at = now
+            rnd.expected = frozenset(self.members | {worker})
         for p, piece in zip(_offsets(st.parts), st.parts, strict=True):
             rnd.total[p : p + piece.numel].add_(decode(piece).to(torch.float64), alpha=st.weight)
         rnd.weight += st.weight
@@ -264,9 +265,7 @@ class ShardState:
                 raise refuse("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
             if loss is not None and not math.isfinite(loss):
                 raise refuse("bad_loss", f"the reported training loss must be a finite number, got {loss}")
-        else:
-            if st.round != round:
-                raise refuse("bad_chunk", f"a push for round {st.round} is still arriving")
+        else:  # st.round == round: closing a round drops the pushes still arriving for it
             if seq < st.next_seq:
                 raise refuse("bad_chunk", f"chunk {seq} repeated (next expected is {st.next_seq})")
             if seq != st.next_seq:

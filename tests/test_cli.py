@@ -130,6 +130,8 @@ def test_help_lists_the_flags():
         ),
         (["server", "--model", "nano", "--min-workers", "0"], "--min-workers must be at least 1"),
         (["server", "--model", "nano", "--sync-every", "7"], "use H=5 or H=10"),
+        (["server", "--model", "nano", "--round-timeout", "inf"], "--round-timeout must be a finite number"),
+        (["server", "--model", "nano", "--round-timeout", "0"], "--round-timeout must be positive"),
         (["worker", "--servers", "localhost", "--model", "nano"], "--servers: 'localhost' is not HOST:PORT"),
         (["worker", "--servers", ",", "--model", "nano"], "--servers: give at least one shard"),
         (["worker", "--servers", "127.0.0.1:1", "--steps", "0"], "--steps must be at least 1"),

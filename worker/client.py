@@ -33,6 +33,9 @@ from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 log = logging.getLogger("streamdiloco.worker")
 
 
+WAIT_LOG_SECONDS = 30.0  # log while waiting this long for an update
+
+
 class SyncError(RuntimeError):
     """The session with a shard failed: the worker cannot go on syncing."""
 
@@ -173,7 +176,14 @@ class ShardLink:
                     raise SyncError(
                         f"no update for fragment {fragment} round {round} from shard {self.shard}"
                     )
-                self._cond.wait(left)
+                if not self._cond.wait(min(left, WAIT_LOG_SECONDS) if left is not None else WAIT_LOG_SECONDS):
+                    log.info(
+                        "still waiting for fragment %d round %d from shard %d (a round waits for every "
+                        "member's push or its deadline, and for --min-workers members)",
+                        fragment,
+                        round,
+                        self.shard,
+                    )
             enc = self._updates.pop((fragment, round))
             for key in [k for k in self._updates if k[0] == fragment and k[1] < round]:
                 del self._updates[key]  # rounds we joined too late for
