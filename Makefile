@@ -17,7 +17,7 @@ venv: $(STAMP)
 # A real run on this machine: 2 shard processes and 2 worker processes on loopback, a few minutes of
 # training with progress output, then a summary. Ctrl+C stops every process.
 demo: $(STAMP)
-	$(BIN)/streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50 --out runs/demo
+	$(BIN)/streamdiloco launch --shards 2 --workers 2 --steps 800 --log-every 100 --out runs/demo
 
 # Data-parallel against Streaming DiLoCo, simulated side by side: a table and a plot.
 compare: $(STAMP)

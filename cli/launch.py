@@ -174,7 +174,17 @@ def summarize(workers: list[dict], statuses: list[dict], wall: float) -> dict:
         "master_hashes": masters,
         "mirrors_match_masters": all(w["mirror_hashes"] == masters for w in workers),
         "shards": [
-            {k: st[k] for k in ("shard", "rounds_closed", "pushes_accepted", "pushes_refused", "bytes")}
+            {
+                k: st[k]
+                for k in (
+                    "shard",
+                    "rounds_closed",
+                    "pushes_accepted",
+                    "pushes_refused",
+                    "bytes",
+                    "round_seconds",
+                )
+            }
             for st in statuses
         ],
     }
@@ -204,9 +214,16 @@ def format_summary(s: dict) -> str:
             f"{b['codec_in']:,} B in ({b['wire_in']:,} B on the wire), {b['codec_out']:,} B out "
             f"({b['wire_out']:,} on the wire)"
         )
+        rs = sh["round_seconds"]
+        if rs["rounds"]:
+            lines.append(
+                f"           rounds open from the first whole push to the close: median {rs['median']:.3f}s, "
+                f"max {rs['max']:.3f}s (of the last {rs['rounds']})"
+            )
     lines.append(
-        "  (waited: merges whose update had not arrived when the worker needed it; compute: share of the "
-        "training time spent in forward, backward and optimizer steps)"
+        "  (waited: merges whose update had not arrived when the worker needed it, mostly because a round "
+        "closes only when every worker has pushed; compute: share of the training time spent in forward, "
+        "backward and optimizer steps)"
     )
     ok = "yes, bit for bit" if s["mirrors_match_masters"] else "NO"
     lines.append(f"  every worker's mirror equals the shards' masters: {ok}")

@@ -346,5 +346,14 @@ class ShardService(pb_grpc.ShardServicer):
                 "wire_out": self.counters.wire_out,
                 "fetch_out": self.counters.fetch_out,
             },
+            "round_seconds": _stats([r["seconds"] for r in self.history if r["seconds"] is not None]),
             "recent_rounds": list(self.history)[-20:],
         }
+
+
+def _stats(xs: list[float]) -> dict:
+    """Median and max of the recent rounds' durations (first whole push to close)."""
+    if not xs:
+        return {"rounds": 0, "median": None, "max": None}
+    ys = sorted(xs)
+    return {"rounds": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]}
