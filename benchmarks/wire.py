@@ -7,7 +7,8 @@ worker's time goes to training. Each figure is measured beside a reference in th
               protobuf fields, gRPC's 5-byte message prefixes, HTTP/2 frame headers, HEADERS, flow
               control, pings and settings, and the Join and Fetch calls. Reference: the codec bytes the
               config predicts (encoded_nbytes of every slice pushed or received), cross-checked against
-              the workers' summaries, the shards' counters and the chunks the proxy saw.
+              the workers' summaries, the shards' counters and the chunks the proxy saw. A proxy sees the
+              TCP payload only: TCP/IP headers (about 52 B per segment) are not in these figures.
 (b) ingest    One shard process (--min-workers 8) and 8 client processes that Join with
               worker.client.ShardLink and push the same E3M0 fragment slice every round, each waiting for
               the round's update before its next push: MB/s of 4-bit payload the shard accepts. Reference:
@@ -16,10 +17,14 @@ worker's time goes to training. Each figure is measured beside a reference in th
               the outer step and sends the E3M0 update back to all 8, as the shard does; each round ends
               with the receiver's reply to all 8 senders. Also: the shard's CPU by thread, and a cProfile of
               its event loop in a separate pass.
-(c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 300` (the demo cluster): per worker
-              compute utilization (training time / wall time of training), blocked seconds, tokens/s.
-              Reference: the same cluster with H = steps (each fragment syncs at most once before the
-              final sync).
+(c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50` (what `make demo`
+              runs): per worker compute utilization (training time / wall time of training), blocked
+              seconds, tokens/s. Reference: the same cluster with H = steps (each fragment syncs at most
+              once before the final sync). Both again with one torch thread per process
+              (OMP_NUM_THREADS=1), since by default each of the 4 processes uses all the cores.
+
+Timings suffer from anything else running on the machine: before each timed run the benchmark waits (up to
+--max-wait s) for the CPUs to be nearly idle, and it reports the CPU that other processes used.
 
     python benchmarks/wire.py                 # the recorded run (see BENCHMARKS.md), about 9 minutes
     python benchmarks/wire.py --quick         # a quick look (about 3 minutes)
@@ -37,6 +42,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -84,8 +90,10 @@ class Procs:
         self.logdir = logdir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str], stdin: bool = False) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def start(
+        self, name: str, argv: list[str], stdin: bool = False, env_extra: dict | None = None
+    ) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         with open(self.logdir / f"{name}.log", "w") as log:
             p = subprocess.Popen(
                 argv,
@@ -125,6 +133,7 @@ class Procs:
                 p.stdin.close()
             except OSError:
                 pass
+        self.procs = [(n, q) for n, q in self.procs if q is not p]  # stopped once, never signalled again
 
     def stop_all(self) -> None:
         for _, p in self.procs:
@@ -133,9 +142,8 @@ class Procs:
                     os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        for _, p in self.procs:
+        for _, p in list(self.procs):
             self.stop(p, timeout=5.0)
-        self.procs.clear()
 
 
 def sd(*args: str) -> list[str]:
@@ -174,27 +182,33 @@ def http_json(port: int, path: str = "/api/status") -> dict:
         return json.loads(r.read())
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process, all threads (from /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def system_busy_seconds() -> float:
+    """CPU seconds that all processes of the machine have used (all cores, non-idle time), from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name of a process."""
-    out: Counter = Counter()
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            comm = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[comm] += (int(fields[11]) + int(fields[12])) / tick
-    return dict(out)
+def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
+    """Wait (up to max_wait s) until the machine is nearly idle: the figures are timings, and other work on
+    a 2-core machine (tests, builds) skews them. Returns the busy fraction of all cores measured last."""
+    t_start = time.monotonic()
+    said = -1e9
+    while True:
+        b0, t0 = system_busy_seconds(), time.monotonic()
+        time.sleep(1.0)
+        busy = (system_busy_seconds() - b0) / (time.monotonic() - t0) / (os.cpu_count() or 1)
+        waited = time.monotonic() - t_start
+        if busy <= threshold:
+            if waited > 2:
+                say(f"[{label}] the machine is quiet ({busy:.0%} busy) after {waited:.0f}s")
+            return busy
+        if waited > max_wait:
+            say(f"[{label}] the machine is still {busy:.0%} busy with other processes: timings may suffer")
+            return busy
+        if waited - said >= 30:
+            said = waited
+            say(f"[{label}] the machine is {busy:.0%} busy with other processes; waiting for it to calm down")
+        time.sleep(2.0)
 
 
 def machine() -> dict:
@@ -392,6 +406,8 @@ class Proxies:
                 return
             try:
                 await asyncio.gather(self._pump(reader, uw, conn.up), self._pump(ur, writer, conn.down))
+            except asyncio.CancelledError:  # stop(): end quietly (asyncio's server callback reads our result)
+                pass
             finally:
                 conn.open = False
                 for w in (uw, writer):
@@ -428,19 +444,23 @@ class Proxies:
         async def _close():
             for s in self.servers:
                 s.close()
-            for t in list(self.tasks):
+            tasks = [t for t in self.tasks if not t.done()]
+            for t in tasks:
                 t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self.thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(_close(), self.loop).result(5)
-            except Exception:  # noqa: BLE001
+                asyncio.run_coroutine_threadsafe(_close(), self.loop).result(10)
+            except Exception:  # noqa: BLE001 (stopping anyway)
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
-# --- (a) framing overhead -------------------------------------------------------------------------------------
+# --- (a) framing overhead -----------------------------------------------------------------------------------
 A_RUNS = {
     # model: (steps, H, batch, block size): H small for many syncs; small gets a short context so that its
     # steps are quick on 2 cores (the bytes on the wire do not depend on batch or context, only wpe shrinks)
@@ -469,7 +489,10 @@ def predicted_codec_bytes(model: str, block_size: int | None, cfg: SyncConfig, s
     return up, down, pushes, layout.numel
 
 
-def run_framing(model: str, spec: dict, shards: int, workers: int, procs: Procs, tmp: Path) -> dict:
+def run_framing(
+    model: str, spec: dict, shards: int, workers: int, procs: Procs, tmp: Path, max_wait: float
+) -> dict:
+    wait_quiet("a", max_wait)  # byte counts hardly depend on timing, but pings and window updates do a little
     cfg = SyncConfig(sync_every=spec["sync_every"])
     steps = spec["steps"]
     up_pred, down_pred, pushes, numel = predicted_codec_bytes(model, spec["block_size"], cfg, steps, shards)
@@ -547,13 +570,22 @@ def run_framing(model: str, spec: dict, shards: int, workers: int, procs: Procs,
             "sync_bytes": sync_total,
             "overhead_sync_pct": 100 * (sync_total - pred) / pred,
             "overhead_all_pct": 100 * (total["TOTAL"] - pred) / pred,
+            # every push (and every update) is one encoded slice per shard
+            "overhead_bytes_per_slice": (sync_total - pred) / (pushes * workers * shards),
             "worker_wire_bytes": sum(
-                s["wire_bytes_sent" if up else "wire_bytes_received"] for s in summaries
+                s["message_bytes_sent" if up else "message_bytes_received"] for s in summaries
             ),
-            "shard_wire_bytes": sum(st["bytes"]["wire_in" if up else "wire_out"] for st in statuses),
+            "shard_wire_bytes": sum(
+                st["bytes"]["message_bytes_in" if up else "message_bytes_out"] for st in statuses
+            ),
             "breakdown": {k: v for k, v in sorted(total.items()) if k != "TOTAL"},
             "parse_errors": errors,
         }
+        if errors or dirs[dname]["other_bytes"]:
+            say(
+                f"[a]   warning: {dname}: {len(errors)} parse errors {errors[:2]}, "
+                f"{dirs[dname]['other_bytes']} B not parsed"
+            )
     return {
         "model": model,
         "params": numel,
@@ -576,9 +608,10 @@ def run_framing(model: str, spec: dict, shards: int, workers: int, procs: Procs,
 def table_a(runs: list[dict]) -> str:
     head = (
         "| model | dir | codec bytes predicted | = summaries / shards / proxy-parsed | bytes through proxy | "
-        "of which Join + Fetch | sync bytes (Session + connection) | overhead, sync | overhead, all |"
+        "of which Join + Fetch | sync bytes (Session + connection) | overhead, sync | per slice pushed | "
+        "overhead, all |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in runs:
         for d in ("up", "down"):
             x = r["directions"][d]
@@ -593,9 +626,11 @@ def table_a(runs: list[dict]) -> str:
                 )
             )
             lines.append(
-                f"| {r['model']} | {d} | {x['predicted_codec_bytes']:,} | {same} | {x['proxy_total_bytes']:,} | "
+                f"| {r['model']} | {d} | {x['predicted_codec_bytes']:,} | {same} | "
+                f"{x['proxy_total_bytes']:,} | "
                 f"{x['join_bytes']:,} + {x['fetch_bytes']:,} | {x['sync_bytes']:,} | "
-                f"+{x['overhead_sync_pct']:.2f}% | +{x['overhead_all_pct']:.1f}% |"
+                f"+{x['overhead_sync_pct']:.2f}% | {x['overhead_bytes_per_slice']:.0f} B | "
+                f"+{x['overhead_all_pct']:.1f}% |"
             )
     return "\n".join(lines)
 
@@ -689,6 +724,7 @@ def _client_go(ready: Path) -> float:
 
 
 def grpc_client_main(a: argparse.Namespace) -> int:
+    """Join with ShardLink, then each round: push the slice, wait for the round's update."""
     from streamdiloco.worker.client import ShardLink
 
     plan = json.loads(Path(a.plan).read_text())
@@ -698,15 +734,15 @@ def grpc_client_main(a: argparse.Namespace) -> int:
         assert link.slices[plan["fragment"]][1] == plan["numel"], link.slices
         r0 = link.rounds[plan["fragment"]]
         cpu0 = _client_go(Path(a.ready))
-        starts, ends = [], []
+        starts, ends, cpu = [], [], []
         for k in range(a.rounds):
             starts.append(time.monotonic())
             link.push(plan["fragment"], r0 + k, enc, weight=1.0, loss=None)
             link.wait_update(plan["fragment"], r0 + k, timeout=300)
             ends.append(time.monotonic())
-        cpu = time.process_time() - cpu0
+            cpu.append(time.process_time() - cpu0)
         refused = [r.reason for r in link.refusals]
-        result = {"starts": starts, "ends": ends, "refused": refused, "cpu_seconds": cpu}
+        result = {"starts": starts, "ends": ends, "cpu": cpu, "refused": refused}
         Path(a.result).write_text(json.dumps(result))
     finally:
         link.close()
@@ -714,21 +750,22 @@ def grpc_client_main(a: argparse.Namespace) -> int:
 
 
 def tcp_sender_main(a: argparse.Namespace) -> int:
+    """Send the same chunks' bytes (scales, payload) every round; wait for the receiver's reply."""
     import socket
 
     plan = json.loads(Path(a.plan).read_text())
     enc = read_payload(plan, Path(a.payload))
     pieces = []
-    for lo, n, p, s in chunk_layout(plan):
+    for lo, _n, p, s in chunk_layout(plan):
         b0, s0 = lo // 2, lo // plan["block_size"]
         pieces.append(enc.scales[s0 : s0 + s].numpy().tobytes() + enc.payload[b0 : b0 + p].numpy().tobytes())
     reply_n = plan["codec_bytes"] if a.mode == "full" else 1
     reply = bytearray(reply_n)
+    view = memoryview(reply)
     sock = socket.create_connection(("127.0.0.1", a.port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     cpu0 = _client_go(Path(a.ready))
-    starts, ends = [], []
-    view = memoryview(reply)
+    starts, ends, cpu = [], [], []
     for _ in range(a.rounds):
         starts.append(time.monotonic())
         for piece in pieces:
@@ -740,35 +777,33 @@ def tcp_sender_main(a: argparse.Namespace) -> int:
                 raise ConnectionError("receiver closed the connection")
             got += n
         ends.append(time.monotonic())
-    cpu = time.process_time() - cpu0
+        cpu.append(time.process_time() - cpu0)
     sock.close()
-    Path(a.result).write_text(json.dumps({"starts": starts, "ends": ends, "refused": [], "cpu_seconds": cpu}))
+    Path(a.result).write_text(json.dumps({"starts": starts, "ends": ends, "cpu": cpu, "refused": []}))
     return 0
 
 
 def tcp_receiver_main(a: argparse.Namespace) -> int:
-    """One asyncio event loop, like the shard: reads every sender's chunks; `decode` also dequantizes and
-    sums them into an fp64 accumulator (what ShardState.push_chunk does); `full` also closes the round with
-    the outer step and the E3M0 update (OuterOptimizer.step) and sends it to every sender."""
+    """One asyncio event loop, like the shard's. `discard` reads every sender's chunks; `decode` also
+    dequantizes them and sums them into an fp64 accumulator once a sender's slice is complete (what
+    ShardState.push_chunk does); `full` also closes the round with the outer step and the E3M0 update
+    (OuterOptimizer.step, what close_round does) and sends the update to every sender. The other modes reply
+    with one byte when all senders' slices are in."""
     from streamdiloco.common.outer import OuterOptimizer
 
     plan = json.loads(Path(a.plan).read_text())
     layout = chunk_layout(plan)
-    bs = plan["block_size"]
-    n = plan["numel"]
+    bs, n = plan["block_size"], plan["numel"]
     cfg = SyncConfig()
     opt = OuterOptimizer(torch.zeros(n), cfg.outer_lr, cfg.outer_momentum, True, "e3m0", bs)
 
     async def run() -> None:
         state = {"acc": torch.zeros(n, dtype=torch.float64), "count": 0, "weight": 0.0}
         writers: list[asyncio.StreamWriter] = []
-        finished = asyncio.Event()
-        remaining = [a.senders]
 
         async def close_round() -> None:
             if a.mode == "full":
-                mean = (state["acc"] / state["weight"]).to(torch.float32)
-                upd, _ = opt.step(mean)
+                upd, _ = opt.step((state["acc"] / state["weight"]).to(torch.float32))
                 reply = upd.scales.numpy().tobytes() + upd.payload.numpy().tobytes()
             else:
                 reply = b"\x01"
@@ -780,56 +815,75 @@ def tcp_receiver_main(a: argparse.Namespace) -> int:
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writers.append(writer)
-            try:
-                for _ in range(a.rounds):
-                    parts = []
-                    for lo, cnt, p, s in layout:
-                        data = await reader.readexactly(4 * s + p)
-                        if a.mode != "discard":
-                            scales = torch.frombuffer(bytearray(data[: 4 * s]), dtype=torch.float32)
-                            payload = torch.frombuffer(bytearray(data[4 * s :]), dtype=torch.uint8)
-                            parts.append((lo, Encoded("e3m0", cnt, payload, scales, bs)))
-                    for lo, part in parts:
-                        state["acc"][lo : lo + part.numel].add_(decode(part).to(torch.float64), alpha=1.0)
-                    state["count"] += 1
-                    state["weight"] += 1.0
-                    if state["count"] == a.senders:
-                        await close_round()
-            finally:
-                remaining[0] -= 1
-                if not remaining[0]:
-                    finished.set()
+            for _ in range(a.rounds):
+                parts = []
+                for lo, cnt, p, s in layout:
+                    data = await reader.readexactly(4 * s + p)
+                    if a.mode != "discard":
+                        scales = torch.frombuffer(bytearray(data[: 4 * s]), dtype=torch.float32)
+                        payload = torch.frombuffer(bytearray(data[4 * s :]), dtype=torch.uint8)
+                        parts.append((lo, Encoded("e3m0", cnt, payload, scales, bs)))
+                for lo, part in parts:
+                    state["acc"][lo : lo + part.numel].add_(decode(part).to(torch.float64), alpha=1.0)
+                state["count"] += 1
+                state["weight"] += 1.0
+                if state["count"] == a.senders:
+                    await close_round()
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         tmp = Path(a.port_file + ".tmp")
         tmp.write_text(str(server.sockets[0].getsockname()[1]))
         tmp.replace(a.port_file)
-        await finished.wait()
-        server.close()
-        await asyncio.Event().wait()  # stay up (idle) until stopped: the benchmark reads our CPU time
+        await asyncio.Event().wait()  # until stopped: the benchmark reads our CPU time after the senders end
 
     asyncio.run(run())
     return 0
 
 
-def _rates(results: list[dict], plan: dict, clients: int, warmup: int, per_repeat: int) -> dict:
-    rounds = len(results[0]["starts"])
-    start = [min(r["starts"][k] for r in results) for k in range(rounds)]
-    end = [max(r["ends"][k] for r in results) for k in range(rounds)]
-    reps = []
-    for j in range((rounds - warmup) // per_repeat):
-        k0 = warmup + j * per_repeat
-        k1 = k0 + per_repeat - 1
-        wall = end[k1] - start[k0]
-        reps.append(clients * plan["codec_bytes"] * per_repeat / wall / MB)
-    round_s = [end[k] - start[k] for k in range(warmup, rounds)]
-    return {
-        "repeat_mb_s": reps,
-        "median_mb_s": statistics.median(reps),
-        "round_seconds": round_s,
-        "median_round_seconds": statistics.median(round_s),
-        "window": (start[warmup], end[-1]),
-    }
+class CpuSampler:
+    """Samples a process's CPU seconds per thread every `period` s, so that CPU over a window can be read."""
+
+    def __init__(self, pid: int, period: float = 0.02):
+        self.pid, self.period = pid, period
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), {**thread_cpu(self.pid), "ALL": system_busy_seconds()}))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def between(self, t0: float, t1: float) -> tuple[dict[str, float], float]:
+        """CPU seconds per thread from the last sample at or before t0 to the first at or after t1, and the
+        seconds between those two samples."""
+        before = [(t, s) for t, s in self.samples if t <= t0] or self.samples[:1]
+        after = [(t, s) for t, s in self.samples if t >= t1] or self.samples[-1:]
+        (ta, a), (tb, b) = before[-1], after[0]
+        return {k: b[k] - a.get(k, 0.0) for k in b if b[k] - a.get(k, 0.0) >= 0.005}, tb - ta
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of a process: the main thread as "main", the others by name."""
+    out: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = "main thread" if task.name == str(pid) else f"{comm} threads"
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
 
 
 def run_clients(
@@ -838,241 +892,282 @@ def run_clients(
     tag: str,
     client_argv,
     clients: int,
-    server: tuple[str, subprocess.Popen],
-    server_pid: int,
-) -> tuple[list[dict], dict]:
-    """Start the clients, wait until all are ready, say go, collect their timings; CPU of the server process
-    (by thread) and of the clients over the run."""
+    server,
+    push_bytes: int,
+    warmup: int,
+    per: int,
+):
+    """Start the clients, wait until all are ready, say go, wait for them; then the rates per repeat
+    (warm-up rounds left out) and the CPU of the server (by thread) and of the clients over the measured
+    rounds."""
+    sname, sp = server
     cl = []
     for i in range(clients):
         ready, result = tmp / f"{tag}-c{i}.ready", tmp / f"{tag}-c{i}.json"
         for f in (ready, result):
             f.unlink(missing_ok=True)
-        cl.append(
-            (
-                f"{tag}-c{i}",
-                procs.start(f"{tag}-c{i}", client_argv(i, ready, result), stdin=True),
-                ready,
-                result,
-            )
-        )
+        p = procs.start(f"{tag}-c{i}", client_argv(i, ready, result), stdin=True)
+        cl.append((f"{tag}-c{i}", p, ready, result))
     wait_files(procs, [c[2] for c in cl], [(c[0], c[1]) for c in cl] + [server], timeout=180)
-    cpu0 = thread_cpu(server_pid)
-    t0 = time.monotonic()
-    for c in cl:
-        c[1].stdin.write("go\n")
-        c[1].stdin.flush()
-    deadline = time.monotonic() + 600
-    for name, p, _, _ in cl:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{name} did not finish:\n{procs.tail(name)}") from None
-        if p.returncode:
-            raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
-    wall = time.monotonic() - t0
-    cpu1 = thread_cpu(server_pid)
-    server_cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
+    with CpuSampler(sp.pid) as sampler:
+        for c in cl:
+            c[1].stdin.write("go\n")
+            c[1].stdin.flush()
+        deadline = time.monotonic() + 600
+        for name, p, _, _ in cl:
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{name} did not finish:\n{procs.tail(name)}") from None
+            if p.returncode:
+                raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
+        time.sleep(0.05)
     results = [json.loads(c[3].read_text()) for c in cl]
-    cpu = {
-        "wall_seconds": wall,
+    rounds = len(results[0]["starts"])
+    start = [min(r["starts"][k] for r in results) for k in range(rounds)]
+    end = [max(r["ends"][k] for r in results) for k in range(rounds)]
+    bytes_per_round = clients * push_bytes
+    reps = []
+    for j in range((rounds - warmup) // per):
+        k0, k1 = warmup + j * per, warmup + (j + 1) * per - 1
+        reps.append(bytes_per_round * per / (end[k1] - start[k0]) / MB)
+    t0, t1 = start[warmup], end[-1]
+    server_cpu, span = sampler.between(t0, t1)
+    machine_cpu = server_cpu.pop("ALL", 0.0)
+    clients_cpu = sum(r["cpu"][-1] - r["cpu"][warmup - 1] for r in results)
+    return results, {
+        "repeat_mb_s": reps,
+        "median_mb_s": statistics.median(reps),
+        "rounds_measured": rounds - warmup,
+        "median_round_seconds": statistics.median(end[k] - start[k] for k in range(warmup, rounds)),
+        "measured_seconds": t1 - t0,
         "server_cpu_seconds": sum(server_cpu.values()),
-        "server_cpu_by_thread": {
-            k: round(v, 2) for k, v in sorted(server_cpu.items(), key=lambda x: -x[1]) if v >= 0.01
-        },
-        "clients_cpu_seconds": sum(r["cpu_seconds"] for r in results),
+        "server_cpu_by_thread": {k: round(v, 2) for k, v in sorted(server_cpu.items(), key=lambda x: -x[1])},
+        "clients_cpu_seconds": clients_cpu,
+        "machine_cpu_seconds": machine_cpu,  # every process on the machine, this one and the others included
+        "sampled_seconds": span,  # the span over which server and machine CPU were read (>= measured_seconds)
     }
-    return results, cpu
+
+
+def _fmt_rate(row: dict) -> str:
+    reps = ", ".join(f"{x:.1f}" for x in row["repeat_mb_s"])
+    rnd = row["median_round_seconds"]
+    return f"[b]   {row['median_mb_s']:.1f} MB/s (repeats: {reps}); median round {rnd:.3f}s"
 
 
 def part_b(args, procs: Procs, tmp: Path) -> dict:
     plan = ingest_plan(args.b_model, 0)
-    clients, warmup, per, reps = args.b_clients, 1, args.b_rounds, args.b_repeats
-    rounds = warmup + per * reps
+    clients, warmup, per, reps = args.b_clients, 2, args.b_rounds, args.b_repeats
     plan_file, payload = tmp / "b-plan.json", tmp / "b-payload.bin"
     plan_file.write_text(json.dumps(plan))
     write_payload(plan, payload)
     me = [sys.executable, str(Path(__file__).resolve())]
     say(
-        f"[b] {args.b_model}, fragment 0: {plan['numel']:,} values = {plan['codec_bytes']:,} B of E3M0 per push "
-        f"({len(chunk_layout(plan))} chunks), {clients} clients, {warmup} warm-up + {reps} x {per} rounds"
+        f"[b] {args.b_model}, fragment 0: {plan['numel']:,} values = {plan['codec_bytes']:,} B of E3M0 per "
+        f"push ({len(chunk_layout(plan))} chunks), {clients} clients, {warmup} warm-up + {reps} x {per} "
+        "rounds"
     )
     rows = []
     for mode in args.b_tcp_modes:
-        say(f"[b] plain TCP, receiver: {mode} ...")
+        # reading and discarding is so fast that a repeat of `per` rounds lasts a few ms: give it more rounds
+        m_per = per * 5 if mode == "discard" else per
+        rounds = warmup + m_per * reps
+        say(f"[b] plain TCP, receiver: {mode} ({warmup} + {reps} x {m_per} rounds) ...")
+        busy = wait_quiet("b", args.max_wait)
         port_file = tmp / f"b-tcp-{mode}.port"
         port_file.unlink(missing_ok=True)
         rname = f"b-tcp-{mode}-receiver"
         recv = procs.start(
             rname,
-            me
-            + ["_tcp-receiver", "--plan", str(plan_file), "--mode", mode, "--senders", str(clients)]
+            me + ["_tcp-receiver", "--plan", str(plan_file), "--mode", mode, "--senders", str(clients)]
             + ["--rounds", str(rounds), "--port-file", str(port_file)],
-        )
+        )  # fmt: skip
         try:
             wait_files(procs, [port_file], [(rname, recv)], timeout=60)
             port = int(port_file.read_text())
 
-            def argv(i, ready, result, mode=mode, port=port):
-                return (
-                    me
-                    + ["_tcp-sender", "--plan", str(plan_file), "--payload", str(payload), "--mode", mode]
-                    + [
-                        "--port",
-                        str(port),
-                        "--rounds",
-                        str(rounds),
-                        "--ready",
-                        str(ready),
-                        "--result",
-                        str(result),
-                    ]
-                )
+            def argv(i, ready, result, mode=mode, port=port, rounds=rounds):
+                return me + ["_tcp-sender", "--plan", str(plan_file), "--payload", str(payload)] + [
+                    "--mode", mode, "--port", str(port), "--rounds", str(rounds), "--ready", str(ready),
+                    "--result", str(result)]  # fmt: skip
 
-            results, cpu = run_clients(procs, tmp, f"b-tcp-{mode}", argv, clients, (rname, recv), recv.pid)
+            _, rates = run_clients(
+                procs, tmp, f"b-tcp-{mode}", argv, clients, (rname, recv), plan["codec_bytes"], warmup, m_per
+            )
         finally:
             procs.stop(recv)
         rows.append(
-            {"transport": "plain TCP", "receiver": mode, **_rates(results, plan, clients, warmup, per), **cpu}
+            {
+                "transport": "plain TCP",
+                "receiver": mode,
+                "rounds_per_repeat": m_per,
+                **rates,
+                "busy_before": busy,
+            }
         )
-        say(
-            f"[b]   {rows[-1]['median_mb_s']:.1f} MB/s (repeats: {', '.join(f'{x:.1f}' for x in rows[-1]['repeat_mb_s'])})"
-        )
+        say(_fmt_rate(rows[-1]))
 
-    def grpc_run(tag: str, wrap: list[str] | None, rounds: int) -> tuple[list[dict], dict, dict]:
+    def grpc_run(tag: str, wrap: list[str] | None, rounds: int, per: int):
         flags = ["--min-workers", str(clients), "--round-timeout", "600", "--model", args.b_model]
         ((sname, sp, info),) = start_shards(procs, tmp, tag, 1, flags, wrap=wrap)
         try:
             target = f"127.0.0.1:{info['grpc_port']}"
 
             def argv(i, ready, result):
-                return (
-                    me
-                    + ["_grpc-client", "--plan", str(plan_file), "--payload", str(payload)]
-                    + [
-                        "--target",
-                        target,
-                        "--name",
-                        f"client-{i}",
-                        "--rounds",
-                        str(rounds),
-                        "--ready",
-                        str(ready),
-                    ]
-                    + ["--result", str(result)]
-                )
+                return me + ["_grpc-client", "--plan", str(plan_file), "--payload", str(payload)] + [
+                    "--target", target, "--name", f"client-{i}", "--rounds", str(rounds),
+                    "--ready", str(ready), "--result", str(result)]  # fmt: skip
 
-            results, cpu = run_clients(procs, tmp, tag, argv, clients, (sname, sp), sp.pid)
+            results, rates = run_clients(
+                procs, tmp, tag, argv, clients, (sname, sp), plan["codec_bytes"], warmup, per
+            )
             status = http_json(info["http_port"])
         finally:
             procs.stop(sp, timeout=30)
-        return results, cpu, status
+        return results, rates, status
 
-    say("[b] gRPC shard (streamdiloco server) ...")
-    results, cpu, status = grpc_run("b-grpc", None, rounds)
-    refused = sum(len(r["refused"]) for r in results)
+    say(
+        f"[b] gRPC shard (streamdiloco server, --min-workers {clients}) "
+        f"({warmup} + {reps} x {per} rounds) ..."
+    )
+    busy = wait_quiet("b", args.max_wait)
+    results, rates, status = grpc_run("b-grpc", None, warmup + per * reps, per)
+    closes = [h["seconds"] for h in status["recent_rounds"]][warmup:]
     rows.append(
         {
             "transport": "gRPC shard",
             "receiver": "full",
-            **_rates(results, plan, clients, warmup, per),
-            **cpu,
-            "refused": refused,
+            "rounds_per_repeat": per,
+            **rates,
+            "refused": sum(len(r["refused"]) for r in results),
             "shard_pushes_accepted": status["pushes_accepted"],
             "shard_codec_in": status["bytes"]["codec_in"],
-            "shard_round_seconds": [h["seconds"] for h in status["recent_rounds"]],
+            "shard_wire_in": status["bytes"]["message_bytes_in"],
+            "shard_first_push_to_close_seconds": closes,
+            "median_shard_first_push_to_close": statistics.median(closes) if closes else None,
+            "busy_before": busy,
         }
     )
-    say(
-        f"[b]   {rows[-1]['median_mb_s']:.1f} MB/s (repeats: {', '.join(f'{x:.1f}' for x in rows[-1]['repeat_mb_s'])})"
-    )
+    say(_fmt_rate(rows[-1]))
 
     profile = None
     if args.b_profile:
-        say("[b] gRPC shard again under cProfile (its event-loop thread), 1 + 2 rounds ...")
+        say(f"[b] the gRPC shard again under cProfile (its main thread), {warmup} + {per} rounds ...")
         prof = tmp / "b-shard.prof"
-        grpc_run("b-prof", [sys.executable, "-m", "cProfile", "-o", str(prof)], warmup + 2)
-        profile = top_functions(prof, 14) if prof.exists() else None
+        grpc_run("b-prof", [sys.executable, "-m", "cProfile", "-o", str(prof)], warmup + per, per)
+        profile = profile_rows(prof, warmup + per) if prof.exists() else None
     return {
         **{k: v for k, v in plan.items() if k != "fingerprint"},
         "clients": clients,
         "warmup_rounds": warmup,
-        "rounds_per_repeat": per,
         "repeats": reps,
         "rows": rows,
         "profile": profile,
     }
 
 
-def top_functions(path: Path, n: int) -> dict:
+# (file name, function, what it is): the shard's main-thread work, by cumulative time in cProfile
+PROFILE_ROWS = [
+    ("service.py", "_read", "receiving pushes: everything the loop does per incoming message"),
+    ("service.py", "_on_push", "  handling one chunk (below, and closing the round after the last push)"),
+    ("wire.py", "from_chunk", "    protobuf bytes to tensors (copies)"),
+    ("shard.py", "push_chunk", "    validation, staging, dequantize + fp64 sum"),
+    ("shard.py", "_check_chunk", "      validation"),
+    ("codecs.py", "decode", "      E3M0 decode (pushes and the update)"),
+    ("service.py", "close_due", "    closing rounds"),
+    ("outer.py", "step", "      outer Nesterov step, E3M0 encode + decode of the update"),
+    ("wire.py", "to_chunks", "      update to protobuf chunks"),
+    ("service.py", "Session", "sending: the session's writer (queue, ByteSize)"),
+]
+
+
+def profile_rows(path: Path, rounds: int) -> dict:
+    """Cumulative main-thread seconds of the shard's steps (PROFILE_ROWS), per round, from a cProfile file
+    of the whole process (start-up included; these rows are all from the serving part)."""
     import pstats
 
     st = pstats.Stats(str(path))
-    total = st.total_tt
     rows = []
-    for (file, line, fn), (_cc, nc, tt, ct, _callers) in sorted(st.stats.items(), key=lambda x: -x[1][2])[:n]:
-        short = file.split("site-packages/")[-1].split("/work/main/")[-1]
-        rows.append({"function": f"{short}:{line}({fn})", "calls": nc, "tottime": tt, "cumtime": ct})
-    # cumulative time of the shard's own steps
-    wanted = {
-        "_on_push",
-        "push_chunk",
-        "_check_chunk",
-        "from_chunk",
-        "close_due",
-        "close_round",
-        "step",
-        "to_chunks",
-        "encode",
-        "decode",
-        "Session",
-        "_read",
-    }
-    cum: dict[str, float] = {}
-    for (file, _line, fn), (_cc, _nc, _tt, ct, _callers) in st.stats.items():
-        if fn in wanted and ("streamdiloco" in file or "/work/" in file):
-            key = f"{Path(file).name}:{fn}"
-            cum[key] = cum.get(key, 0.0) + ct
-    return {"total_seconds": total, "top_tottime": rows, "cumulative": cum}
+    for fname, fn, what in PROFILE_ROWS:
+        ct = sum(
+            v[3] for (file, _line, func), v in st.stats.items() if func == fn and Path(file).name == fname
+        )
+        calls = sum(
+            v[1] for (file, _line, func), v in st.stats.items() if func == fn and Path(file).name == fname
+        )
+        rows.append({"function": f"{fname}:{fn}", "what": what, "calls": calls, "seconds": ct,
+                     "per_round": ct / rounds})  # fmt: skip
+    return {"rounds": rounds, "total_seconds": st.total_tt, "rows": rows}
 
 
 def table_b(b: dict) -> str:
     ref = b["rows"][0]["median_mb_s"]
     lines = [
-        "| transport | receiver does | MB/s of E3M0 accepted (median) | repeats | median round | vs plain TCP "
-        "(discard) | receiver CPU | senders' CPU |",
-        "|" + "---|" * 8,
+        "| transport | receiver does | MB/s of E3M0 accepted (median) | repeats (MB/s) | median round | "
+        "÷ plain TCP, discard | receiver CPU | clients' CPU | machine CPU (all processes) |",
+        "|" + "---|" * 9,
     ]
     what = {
         "discard": "read, discard",
         "decode": "read, decode, fp64 sum",
-        "full": "decode, fp64 sum, outer step, update to all 8",
+        "full": "decode, fp64 sum, outer step, E3M0 update to all",
     }
     for r in b["rows"]:
-        label = f"{r['transport']}"
         lines.append(
-            f"| {label} | {what[r['receiver']]} | **{r['median_mb_s']:.1f}** | "
-            f"{', '.join(f'{x:.1f}' for x in r['repeat_mb_s'])} | {r['median_round_seconds']:.2f}s | "
-            f"{r['median_mb_s'] / ref:.2f}× | {r['server_cpu_seconds'] / r['wall_seconds']:.2f} cores | "
-            f"{r['clients_cpu_seconds'] / r['wall_seconds']:.2f} cores |"
+            f"| {r['transport']} | {what[r['receiver']]} | **{r['median_mb_s']:.1f}** | "
+            f"{', '.join(f'{x:.1f}' for x in r['repeat_mb_s'])} | {r['median_round_seconds']:.3f}s | "
+            f"{r['median_mb_s'] / ref:.3f}× | {r['server_cpu_seconds'] / r['sampled_seconds']:.2f} cores | "
+            f"{r['clients_cpu_seconds'] / r['measured_seconds']:.2f} cores | "
+            f"{r['machine_cpu_seconds'] / r['sampled_seconds']:.2f} cores |"
         )
     return "\n".join(lines)
 
 
 # --- (c) the demo's compute utilization --------------------------------------------------------------------
-def run_launch(procs: Procs, tmp: Path, tag: str, steps: int, extra: list[str]) -> dict:
+def session_cpu(sid: int) -> dict[int, float]:
+    """CPU seconds of every process in a session (a process we started and its children), by pid."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat: the session id
+            out[int(d.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def run_launch(
+    procs: Procs,
+    tmp: Path,
+    tag: str,
+    steps: int,
+    extra: list[str],
+    max_wait: float,
+    log_every: int,
+    env_extra: dict | None = None,
+) -> dict:
+    busy = wait_quiet("c", max_wait)
     out = tmp / tag
-    argv = sd("launch", "--shards", "2", "--workers", "2", "--steps", str(steps), "--out", str(out), *extra)
+    argv = sd(
+        "launch", "--shards", "2", "--workers", "2", "--steps", str(steps), "--log-every", str(log_every)
+    )
+    argv += ["--out", str(out), *extra]
     t0 = time.monotonic()
-    p = procs.start(tag, argv)
+    sys0 = system_busy_seconds()
+    p = procs.start(tag, argv, env_extra=env_extra)
     log = procs.logdir / f"{tag}.log"
     last = 0.0
+    ours: dict[int, float] = {}  # the cluster's processes' CPU, last seen (sampled every 0.5 s)
     try:
         while p.poll() is None:
             try:
-                p.wait(1.0)
+                p.wait(0.5)
             except subprocess.TimeoutExpired:
                 pass
+            ours.update(session_cpu(p.pid))
             if time.monotonic() - last > 20:
                 last = time.monotonic()
                 steps_lines = [ln for ln in log.read_text(errors="replace").splitlines() if " step " in ln]
@@ -1085,36 +1180,66 @@ def run_launch(procs: Procs, tmp: Path, tag: str, steps: int, extra: list[str]) 
     finally:
         procs.stop(p)
     summary = json.loads((out / "summary.json").read_text())
-    summary["command"] = shlex.join(["streamdiloco", *argv[3:]]).replace(str(out), "DIR")
-    summary["launch_seconds"] = time.monotonic() - t0
+    env = " ".join(f"{k}={v}" for k, v in (env_extra or {}).items())
+    summary["command"] = (env + " " if env else "") + shlex.join(["streamdiloco", *argv[3:]]).replace(
+        str(out), "DIR"
+    )
+    wall = time.monotonic() - t0
+    summary["launch_seconds"] = wall
+    summary["busy_before"] = busy
+    summary["cluster_cores"] = sum(ours.values()) / wall
+    summary["machine_cores"] = (system_busy_seconds() - sys0) / wall  # all processes, ours included
     return summary
 
 
+C_RUNS = {
+    "demo": "demo, H=30",
+    "reference": "reference, H=steps",
+    "demo-1t": "demo, H=30, 1 torch thread per process",
+    "reference-1t": "reference, H=steps, 1 torch thread per process",
+}
+
+
 def part_c(args, procs: Procs, tmp: Path) -> dict:
+    """The demo cluster, and the same with H = steps; and (not --quick) both again with one torch thread per
+    process (OMP_NUM_THREADS=1): by default each of the 4 processes uses as many torch threads as there are
+    cores."""
     out = {}
-    say(f"[c] streamdiloco launch --shards 2 --workers 2 --steps {args.c_steps} (default H=30) ...")
-    out["demo"] = run_launch(procs, tmp, "c-demo", args.c_steps, [])
+    one = {"OMP_NUM_THREADS": "1"}
+    plan = [("demo", [], None)]
     if args.c_reference:
-        say(f"[c] reference: the same with --sync-every {args.c_steps} (next to no syncs) ...")
-        out["reference"] = run_launch(procs, tmp, "c-ref", args.c_steps, ["--sync-every", str(args.c_steps)])
+        plan.append(("reference", ["--sync-every", str(args.c_steps)], None))
+    if args.c_threads:
+        plan.append(("demo-1t", [], one))
+        if args.c_reference:
+            plan.append(("reference-1t", ["--sync-every", str(args.c_steps)], one))
+    for key, extra, env in plan:
+        say(f"[c] {C_RUNS[key]}: launch --shards 2 --workers 2 --steps {args.c_steps} {' '.join(extra)} ...")
+        out[key] = run_launch(
+            procs, tmp, f"c-{key}", args.c_steps, extra, args.max_wait, args.c_log_every, env_extra=env
+        )
     return out
 
 
 def table_c(c: dict) -> str:
     lines = [
-        "| run | worker | compute utilization | compute s | train s | blocked s | pushes | tokens/s (wall) | "
-        "tokens/s (compute only) | eval loss |",
-        "|" + "---|" * 10,
+        "| run | worker | compute utilization | compute s | train s | blocked s | merges that waited | "
+        "tokens/s (wall of training) | tokens/s (compute only) | eval loss | cluster CPU | other processes |",
+        "|" + "---|" * 12,
     ]
-    for key, label in (("demo", "demo, H=30"), ("reference", "reference, H=steps")):
+    for key, label in C_RUNS.items():
         if key not in c:
             continue
-        for w in c[key]["workers"]:
+        run = c[key]
+        other = max(0.0, run["machine_cores"] - run["cluster_cores"])
+        for w in run["workers"]:
+            waited = f"{w['merges_that_waited']} of {w['merges']}" if "merges" in w else "n/a"
             lines.append(
                 f"| {label} | {w['worker']} | **{100 * w['compute_utilization']:.1f}%** | "
                 f"{w['compute_seconds']:.1f} | {w['train_seconds']:.1f} | {w['blocked_seconds']:.2f} | "
-                f"{w['pushes']} | {w['tokens'] / w['train_seconds']:,.0f} | "
-                f"{w['tokens'] / w['compute_seconds']:,.0f} | {w['eval_loss']:.4f} |"
+                f"{waited} | "
+                f"{w['tokens'] / w['train_seconds']:,.0f} | {w['tokens'] / w['compute_seconds']:,.0f} | "
+                f"{w['eval_loss']:.4f} | {run['cluster_cores']:.2f} cores | {other:.2f} cores |"
             )
     return "\n".join(lines)
 
@@ -1135,7 +1260,8 @@ def _internal(argv: list[str]) -> int:
     p.add_argument("--ready")
     p.add_argument("--result")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    if a.role != "_tcp-receiver":  # the load generators; the receiver keeps torch's default, like the shard
+        torch.set_num_threads(1)
     if a.role == "_grpc-client":
         return grpc_client_main(a)
     if a.role == "_tcp-sender":
@@ -1161,9 +1287,25 @@ def main(argv: list[str] | None = None) -> int:
         "--b-repeats", type=int, default=None, help="(b) repeats; the median is reported (default 3)"
     )
     p.add_argument("--no-profile", dest="b_profile", action="store_false", help="(b) skip the cProfile pass")
-    p.add_argument("--c-steps", type=int, default=None, help="(c) steps of the demo cluster (default 300)")
+    p.add_argument("--c-steps", type=int, default=None, help="(c) steps of the demo cluster (default 400)")
+    p.add_argument("--c-log-every", type=int, default=50, help="(c) as make demo (default %(default)s)")
     p.add_argument(
         "--no-reference", dest="c_reference", action="store_false", help="(c) skip the H=steps run"
+    )
+    p.add_argument(
+        "--no-threads",
+        dest="c_threads",
+        action="store_false",
+        help="(c) skip the runs with one torch thread per process",
+    )
+    p.add_argument(
+        "--max-wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait, before each timed run, for other processes to leave the CPUs (default 120)",
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="keep the processes' logs (and profile) in a temp folder"
     )
     args = p.parse_args(argv)
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
@@ -1177,9 +1319,9 @@ def main(argv: list[str] | None = None) -> int:
     args.b_tcp_modes = ["discard", "decode", "full"]
     if q:
         args.b_profile = False
-    args.c_steps = args.c_steps or (60 if q else 300)
+    args.c_steps = args.c_steps or (60 if q else 400)
     if q:
-        args.c_reference = False
+        args.c_reference = args.c_threads = False
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1197,8 +1339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     t0 = time.monotonic()
-    tmpdir = tempfile.TemporaryDirectory(prefix="wire-bench-")
-    tmp = Path(tmpdir.name)
+    tmp = Path(tempfile.mkdtemp(prefix="wire-bench-"))
     procs = Procs(tmp)
     md: list[str] = []
     status = 0
@@ -1207,7 +1348,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for m in a_models:
                 spec = (A_QUICK if q else A_RUNS).get(m) or A_RUNS.get(m) or dict(A_RUNS["tiny"])
-                runs.append(run_framing(m, spec, 2, 2, procs, tmp))
+                runs.append(run_framing(m, spec, 2, 2, procs, tmp, args.max_wait))
                 d = runs[-1]["directions"]
                 say(
                     f"[a]   {runs[-1]['wall_seconds']:.0f}s; overhead of the sync traffic: "
@@ -1216,12 +1357,21 @@ def main(argv: list[str] | None = None) -> int:
             results["a"] = runs
             t = table_a(runs)
             say(
-                "\n(a) Framing overhead: bytes through the proxies against the codec bytes the config predicts\n"
+                "\n(a) Framing overhead: bytes through the proxies against the codec bytes the config "
+                "predicts\n"
             )
             say(t)
             md += ["## (a) Framing overhead", "", t, ""]
             for r in runs:
                 bt = table_a_breakdown(r)
+                u, d = r["directions"]["up"], r["directions"]["down"]
+                bt += (
+                    "\n\nThe processes' own counters (protobuf message bytes, ByteSize): workers' "
+                    f"message_bytes_sent {u['worker_wire_bytes']:,}, received {d['worker_wire_bytes']:,} "
+                    f"(Fetch included); shards' wire_in {u['shard_wire_bytes']:,}, "
+                    f"wire_out {d['shard_wire_bytes']:,}. "
+                    f"Streams seen: {dict(r['stream_kinds'])} on {r['connections']} connections."
+                )
                 say(f"\n(a) {r['model']}: where the bytes go (all connections, both shards)\n")
                 say(bt)
                 md += [f"### (a) {r['model']}: where the bytes go", "", bt, ""]
@@ -1232,24 +1382,32 @@ def main(argv: list[str] | None = None) -> int:
             grpc_row = b["rows"][-1]
             ratios = {r["receiver"]: grpc_row["median_mb_s"] / r["median_mb_s"] for r in b["rows"][:-1]}
             b["ratios_grpc_over_tcp"] = ratios
+            ratio_text = ", ".join(f"{what} {v:.3f}×" for what, v in ratios.items())
+            g = grpc_row
             lines = [
                 t,
                 "",
-                "gRPC ÷ plain TCP: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items()),
-                "",
-                f"shard CPU by thread (gRPC run): {grpc_row['server_cpu_by_thread']}",
+                f"gRPC shard ÷ plain TCP, by what the TCP receiver does: {ratio_text}",
+                f"gRPC run: {g['refused']} pushes refused, {g['shard_pushes_accepted']} accepted; "
+                f"the shard's own time from a round's start (its first whole push) to its close (median): "
+                f"{g['median_shard_first_push_to_close']:.3f}s of a {g['median_round_seconds']:.3f}s round",
+                f"CPU seconds over the measured rounds ({g['sampled_seconds']:.2f}s): shard by thread "
+                f"{g['server_cpu_by_thread']}; the {b['clients']} clients {g['clients_cpu_seconds']:.2f}; "
+                f"the whole machine {g['machine_cpu_seconds']:.2f}",
             ]
             if b["profile"]:
+                pr = b["profile"]
                 lines += [
                     "",
-                    "cProfile of the shard's event-loop thread (separate pass), top by own time:",
+                    "Where the shard's main thread (the event loop) spends its time: cProfile, a separate "
+                    f"pass of {pr['rounds']} rounds (profiling slows it), cumulative seconds per round:",
                     "",
-                    "| function | calls | own s | cumulative s |",
+                    "| function | what | calls | s per round |",
                     "|---|---|---|---|",
                 ]
                 lines += [
-                    f"| `{r['function']}` | {r['calls']} | {r['tottime']:.2f} | {r['cumtime']:.2f} |"
-                    for r in b["profile"]["top_tottime"]
+                    f"| `{r['function']}` | {r['what'].strip()} | {r['calls']} | {r['per_round']:.3f} |"
+                    for r in pr["rows"]
                 ]
             say("\n(b) Ingest: one shard, 8 concurrent pushers of E3M0 payload\n")
             for ln in lines:
@@ -1265,15 +1423,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"command: `{c['demo']['command']}`; wall {c['demo']['wall_seconds']:.0f}s; "
                 f"mirrors equal masters: {c['demo']['mirrors_match_masters']}"
             ]
-            if "reference" in c:
-                r = c["reference"]
-                d_tps = sum(w["tokens"] / w["train_seconds"] for w in c["demo"]["workers"])
-                r_tps = sum(w["tokens"] / w["train_seconds"] for w in r["workers"])
-                c["throughput_ratio"] = d_tps / r_tps
-                extra.append(
-                    f"reference: `{r['command']}`; cluster tokens/s demo ÷ reference: "
-                    f"{d_tps:,.0f} ÷ {r_tps:,.0f} = {d_tps / r_tps:.3f}"
-                )
+
+            def cluster_tps(run: dict) -> float:
+                return sum(w["tokens"] / w["train_seconds"] for w in run["workers"])
+
+            ratios = {}
+            for key in C_RUNS:
+                if key != "demo" and key in c:
+                    ratios[key] = cluster_tps(c[key]) / cluster_tps(c["demo"])
+                    extra.append(
+                        f"{C_RUNS[key]}: `{c[key]['command']}`; cluster tokens/s (wall of training) "
+                        f"{cluster_tps(c[key]):,.0f} against the demo's {cluster_tps(c['demo']):,.0f}: "
+                        f"{ratios[key]:.3f}×"
+                    )
+            c["throughput_vs_demo"] = ratios
             for ln in extra:
                 say(ln)
             md += [
@@ -1292,11 +1455,14 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
     finally:
         procs.stop_all()
-        tmpdir.cleanup()
+        if args.keep:
+            say(f"kept the processes' logs in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     results["seconds"] = time.monotonic() - t0
     say(f"\n{results['seconds']:.0f}s in all; wrote {out}/results.md, results.json, run.log")
     head = [
-        f"# Wire benchmark results",
+        "# Wire benchmark results",
         "",
         f"Command: `{command}`  ",
         f"Run: {results['started']}, {results['seconds']:.0f} s  ",

@@ -352,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-workers", type=int, default=0, help="per round (default: all M workers)")
     g.add_argument("--round-timeout", type=float, default=120.0, help="seconds (default %(default)s)")
     g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (default: this machine's cores / M; shards get 1)",
+    )
     g.add_argument("--out", default="runs/launch", help="folder for logs and summary.json")
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
     _add_run_flags(la.add_argument_group("run"))

@@ -42,8 +42,10 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.threads: list[threading.Thread] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], threads: int | None = None) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if threads:  # torch's intra-op threads: processes sharing one machine must not oversubscribe it
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamdiloco", *argv],
             stdout=subprocess.PIPE,
@@ -109,6 +111,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
     run = forward_flags(args, add_run)
     inner = forward_flags(args, add_inner)
     min_workers = args.min_workers or args.workers
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     cluster = Cluster(out)
     t0 = time.monotonic()
     try:
@@ -121,6 +124,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
                 + model
                 + sync,
+                threads=1,  # a shard's arithmetic is small next to a worker's
             )
         ports = _wait_ready(cluster, ready)
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
@@ -135,7 +139,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
-            workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner))
+            workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))
         codes = [w.wait() for w in workers]
         if any(codes):
             print(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log", flush=True)
@@ -211,8 +215,8 @@ def format_summary(s: dict) -> str:
         b = sh["bytes"]
         lines.append(
             f"  shard {sh['shard']}: {sh['rounds_closed']} rounds closed, {sh['pushes_accepted']} pushes, "
-            f"{b['codec_in']:,} B in ({b['wire_in']:,} B on the wire), {b['codec_out']:,} B out "
-            f"({b['wire_out']:,} on the wire)"
+            f"{b['codec_in']:,} B in ({b['message_bytes_in']:,} B of messages), {b['codec_out']:,} B out "
+            f"({b['message_bytes_out']:,} B of messages)"
         )
         rs = sh["round_seconds"]
         if rs["rounds"]:

@@ -22,6 +22,11 @@ ROUNDINGS = ("nearest", "stochastic")
 # E3M0 magnitudes relative to the block scale: 0, 2^-6, ..., 2^0.
 E3M0_LEVELS = torch.tensor([0.0] + [2.0**e for e in range(-6, 1)], dtype=torch.float32)
 _E3M0_MIDPOINTS = (E3M0_LEVELS[:-1] + E3M0_LEVELS[1:]) / 2
+# the signed value of each 4-bit code (bit 3 is the sign), and of each byte as (low code, high code)
+_E3M0_CODE_VALUES = torch.cat([E3M0_LEVELS, -E3M0_LEVELS])
+_E3M0_BYTE_VALUES = torch.stack(
+    [_E3M0_CODE_VALUES[torch.arange(256) & 0x0F], _E3M0_CODE_VALUES[torch.arange(256) >> 4]], dim=1
+)
 
 
 @dataclass(frozen=True)
@@ -149,9 +154,7 @@ def decode(enc: Encoded) -> torch.Tensor:
         q = enc.payload.view(torch.int8).to(torch.float32)
         return _blocks(q, enc.block_size).mul_(enc.scales.unsqueeze(1)).reshape(-1)[:n].clone()
     if enc.codec == "e3m0":
-        codes = torch.stack([enc.payload & 0x0F, enc.payload >> 4], dim=1).reshape(-1)[:n]
-        mag = E3M0_LEVELS[(codes & 0x07).long()]
-        vals = torch.where((codes & 0x08) > 0, -mag, mag)
+        vals = _E3M0_BYTE_VALUES[enc.payload.long()].reshape(-1)[:n]  # one lookup per byte: two values
         return _blocks(vals, enc.block_size).mul_(enc.scales.unsqueeze(1)).reshape(-1)[:n].clone()
     raise ValueError(f"unknown codec {enc.codec!r}: choose one of {', '.join(CODECS)}")
 

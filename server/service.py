@@ -38,15 +38,15 @@ class _Member:
     pushes: int = 0
     refused: int = 0
     last_loss: float | None = None
-    wire_in: int = 0
-    wire_out: int = 0
+    msg_in: int = 0
+    msg_out: int = 0
 
 
 @dataclass
 class Counters:
     codec_out: int = 0  # payload + scales of updates, summed over the members they went to
-    wire_in: int = 0  # serialized protobuf bytes of every message received on sessions
-    wire_out: int = 0
+    msg_in: int = 0  # serialized protobuf bytes of every message received on sessions
+    msg_out: int = 0
     fetch_out: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
@@ -79,6 +79,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=200)  # recent closed rounds
         self.started = time.time()
+        self._digests: dict[int, tuple[int, str]] = {}  # fragment -> (open round, hash of the master)
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
@@ -159,8 +160,8 @@ class ShardService(pb_grpc.ShardServicer):
                     break
                 msg = getter.result()
                 size = msg.ByteSize()
-                member.wire_out += size
-                self.counters.wire_out += size
+                member.msg_out += size
+                self.counters.msg_out += size
                 yield msg
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
@@ -174,8 +175,8 @@ class ShardService(pb_grpc.ShardServicer):
     async def _read(self, member: _Member, it) -> None:
         async for msg in it:
             size = msg.ByteSize()
-            member.wire_in += size
-            self.counters.wire_in += size
+            member.msg_in += size
+            self.counters.msg_in += size
             if msg.WhichOneof("kind") != "push":
                 self._refuse(member, 0, 0, "bad_message", "only pushes may follow Hello on a session")
                 continue
@@ -305,6 +306,14 @@ class ShardService(pb_grpc.ShardServicer):
                 yield msg
 
     # --- status ----------------------------------------------------------------------------------------
+    def _digest(self, fragment: int) -> str:
+        """The master's hash, computed once per round: a master changes only when its round closes."""
+        key = self.state.round_of(fragment)
+        cached = self._digests.get(fragment)
+        if cached is None or cached[0] != key:
+            cached = self._digests[fragment] = (key, tensor_digest(self.state.master(fragment)))
+        return cached[1]
+
     def status(self) -> dict:
         st = self.state
         return {
@@ -321,8 +330,8 @@ class ShardService(pb_grpc.ShardServicer):
                     "pushes": m.pushes,
                     "refused": m.refused,
                     "last_loss": m.last_loss,
-                    "wire_bytes_in": m.wire_in,
-                    "wire_bytes_out": m.wire_out,
+                    "message_bytes_in": m.msg_in,
+                    "message_bytes_out": m.msg_out,
                 }
                 for m in self.members.values()
             ],
@@ -331,7 +340,7 @@ class ShardService(pb_grpc.ShardServicer):
                     "fragment": f,
                     "round": st.round_of(f),
                     "slice": list(st.ranges[f]),
-                    "master_hash": tensor_digest(st.master(f)),
+                    "master_hash": self._digest(f),
                     "contributors": sorted(st.contributors(f)),
                 }
                 for f in range(st.layout.num_fragments)
@@ -342,8 +351,8 @@ class ShardService(pb_grpc.ShardServicer):
             "bytes": {
                 "codec_in": st.bytes_received,
                 "codec_out": self.counters.codec_out,
-                "wire_in": self.counters.wire_in,
-                "wire_out": self.counters.wire_out,
+                "message_bytes_in": self.counters.msg_in,
+                "message_bytes_out": self.counters.msg_out,
                 "fetch_out": self.counters.fetch_out,
             },
             "round_seconds": _stats([r["seconds"] for r in self.history if r["seconds"] is not None]),

@@ -69,7 +69,7 @@ class Session:
     def __init__(self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage | None = None):
         self.out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        self.sent = 0  # serialized bytes sent after Hello: what the shard counts as the member's wire_in
+        self.sent = 0  # serialized bytes sent after Hello: what the shard counts as the member's msg_in
         self.call = stub.Session(self._requests(), timeout=RPC_TIMEOUT * 3)
         self.thread = threading.Thread(target=self._receive, daemon=True)
         self.thread.start()
@@ -232,7 +232,7 @@ class Shard:
     def quiesce(self, w: Worker) -> None:
         """Wait until the shard has read everything this worker sent on its session."""
         self.wait_for(
-            lambda: w.name in self.service.members and self.service.members[w.name].wire_in == w.session.sent,
+            lambda: w.name in self.service.members and self.service.members[w.name].msg_in == w.session.sent,
             f"the shard to read all of {w.name}'s messages",
         )
 

@@ -74,26 +74,28 @@ class ShardLink:
         self._partial: dict[tuple[int, int], list[Encoded]] = {}
         self.refusals: list[pb.PushResult] = []
         self.error: str | None = None
-        self.wire_out = 0
-        self.wire_in = 0
+        self.msg_out = 0
+        self.msg_in = 0
         self._closing = False
         self._call = self.stub.Session(self._requests(reply.session))
         self._receiver = threading.Thread(target=self._receive, name=f"shard{self.shard}-rx", daemon=True)
         self._receiver.start()
 
     def _requests(self, session: str):
-        yield pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session))
+        hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session))
+        self.msg_out += hello.ByteSize()
+        yield hello
         while True:
             msg = self._outbox.get()
             if msg is None:
                 return
-            self.wire_out += msg.ByteSize()
+            self.msg_out += msg.ByteSize()
             yield msg
 
     def _receive(self) -> None:
         try:
             for msg in self._call:
-                self.wire_in += msg.ByteSize()
+                self.msg_in += msg.ByteSize()
                 kind = msg.WhichOneof("kind")
                 if kind == "update":
                     self._on_update(msg.update)
@@ -202,7 +204,7 @@ class ShardLink:
             try:
                 request = pb.FetchRequest(fragments=todo, offset=offset, token=self.token)
                 for m in self.stub.Fetch(request):  # no deadline: big models on slow links take long
-                    self.wire_in += m.ByteSize()
+                    self.msg_in += m.ByteSize()
                     got[m.fragment].append(bytes_to_values(m.values))
                     if m.last:
                         done.add(m.fragment)
@@ -275,8 +277,9 @@ class GrpcTransport:
         return [torch.cat([p[f] for p in parts]) for f in range(num_fragments)]
 
     @property
-    def wire_bytes(self) -> tuple[int, int]:
-        return sum(link.wire_out for link in self.links), sum(link.wire_in for link in self.links)
+    def message_bytes(self) -> tuple[int, int]:
+        """Serialized protobuf bytes sent and received (gRPC and HTTP/2 framing not included)."""
+        return sum(link.msg_out for link in self.links), sum(link.msg_in for link in self.links)
 
     def close(self) -> None:
         for link in self.links:

@@ -170,7 +170,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
             log.info(
                 "%s mirror fragment %d: %s", cfg.name, f, " ".join(f"shard{s}={h}" for s, h in enumerate(hs))
             )
-        wire_out, wire_in = transport.wire_bytes
+        msg_out, msg_in = transport.message_bytes
         summary = {
             "worker": cfg.name,
             "rank": cfg.data_rank,
@@ -180,8 +180,8 @@ def run_worker(cfg: WorkerConfig) -> dict:
             "eval_loss": eval_loss,
             "bytes_sent": engine.bytes_sent,
             "bytes_received": engine.bytes_received,
-            "wire_bytes_sent": wire_out,
-            "wire_bytes_received": wire_in,
+            "message_bytes_sent": msg_out,  # protobuf messages, without gRPC/HTTP/2 framing
+            "message_bytes_received": msg_in,  # including the Fetch of the masters
             "pushes": engine.pushes,
             "blocked_seconds": engine.blocked_seconds,
             "compute_seconds": compute,
