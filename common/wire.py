@@ -50,10 +50,6 @@ def make_channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
 
 
-def make_aio_channel(target: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-
-
 def parse_target(target: str) -> str:
     """Check a HOST:PORT string; returns it stripped, or raises ValueError with a one-line reason."""
     t = target.strip()

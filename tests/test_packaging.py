@@ -81,3 +81,12 @@ def test_generated_protocol_code_is_up_to_date():
         [sys.executable, str(ROOT / "protos" / "generate.py"), "--check"], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_grpcio_tools_is_pinned_to_grpcios_version():
+    """protoc's output must match the runtime: grpcio-tools and grpcio move together."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    pins = dict(re.findall(r'"(grpcio|grpcio-tools)==([^"]+)"', text))
+    assert set(pins) == {"grpcio", "grpcio-tools"} and pins["grpcio"] == pins["grpcio-tools"], pins
