@@ -238,6 +238,8 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             _load_globals(eval_model, layout, [cluster.master(f) for f in range(layout.num_fragments)])
             report(step + 1, eval_model, sum(losses) / len(losses))
+    for eng in engines:
+        eng.drain()  # only does something without final_sync
     masters = [cluster.master(f) for f in range(layout.num_fragments)]
     mirrors_match = all(
         torch.equal(eng.mirrors[f], masters[f]) for eng in engines for f in range(layout.num_fragments)

@@ -78,7 +78,14 @@ class SyncEngine:
         self.pushes = 0
         self.blocked_seconds = 0.0
         self.merges = 0
+        self.in_flight: dict[int, int] = {}  # fragment -> round sent and not merged yet
         self.waits = 0  # merges whose update had not arrived yet
+
+    def drain(self) -> None:
+        """Merge every round sent and not merged yet (at the end of training without final_sync, the last
+        sends' updates would otherwise never reach the mirror and the local parameters)."""
+        for fragment, round in sorted(self.in_flight.items()):
+            self.merge(fragment, round)
 
     def close(self) -> None:
         """End the transport's sessions (if it has any)."""
@@ -128,6 +135,7 @@ class SyncEngine:
         total, count = self.loss_since_sync[fragment]
         loss = total / count if count else None
         self.transport.push(fragment, round, slices, weight, loss)
+        self.in_flight[fragment] = round
         nbytes = sum(s.nbytes for s in slices)
         self.bytes_sent += nbytes
         self.peak_push_bytes = max(self.peak_push_bytes, nbytes)
@@ -137,6 +145,7 @@ class SyncEngine:
 
     def merge(self, fragment: int, round: int) -> None:
         self.merges += 1
+        self.in_flight.pop(fragment, None)
         if not self.transport.ready(fragment, round):
             self.waits += 1
         t0 = time.perf_counter()

@@ -160,6 +160,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
                 )
                 recent.clear()
         train_seconds = time.perf_counter() - t_train0
+        engine.drain()  # only does something with --no-final-sync
         # the global parameters: after the final sync every fragment's mirror equals the masters
         eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
         for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
