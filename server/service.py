@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from streamdiloco.common.codecs import chunk_values
+from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -28,6 +28,13 @@ log = logging.getLogger("streamdiloco.shard")
 
 MAX_NAME = 128
 PENDING_SECONDS = 300.0  # a Join's session id is good for this long
+MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
+MIN_QUEUE_BYTES = 256 << 20  # at least this much may wait for a member that reads slowly
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """Client-supplied text as it goes back into messages and logs: bounded."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 @dataclass
@@ -40,6 +47,8 @@ class _Member:
     last_loss: float | None = None
     msg_in: int = 0
     msg_out: int = 0
+    queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
+    overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
 
 
 @dataclass
@@ -54,7 +63,8 @@ class Counters:
 def check_name(name: str) -> str | None:
     if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
         return (
-            f"worker name must be 1..{MAX_NAME} printable characters without surrounding spaces, got {name!r}"
+            f"worker name must be 1..{MAX_NAME} printable characters without surrounding spaces, "
+            f"got {_short(repr(name), 60)}"
         )
     return None
 
@@ -73,6 +83,9 @@ class ShardService(pb_grpc.ShardServicer):
         self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
         self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
+        down = get_codec(cfg.downlink_codec)
+        update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
+        self.max_queued_bytes = max(MIN_QUEUE_BYTES, 4 * update_bytes)  # four rounds of every fragment
         self.members: dict[str, _Member] = {}
         # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
         self.pending: dict[str, tuple[str, float]] = {}
@@ -93,6 +106,12 @@ class ShardService(pb_grpc.ShardServicer):
             )
         if problem := check_name(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model fingerprint of {len(request.fingerprint_json):,} characters is too large "
+                f"(at most {MAX_FINGERPRINT_BYTES:,})",
+            )
         try:
             theirs = json.loads(request.fingerprint_json)
             if not isinstance(theirs, dict):
@@ -106,6 +125,7 @@ class ShardService(pb_grpc.ShardServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is malformed: {type(e).__name__}: {e}"
             )
         if diff:
+            diff = _short(diff, 1000)
             log.warning("refused %s at Join: %s", request.worker, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
         if request.worker in self.members:
@@ -141,7 +161,8 @@ class ShardService(pb_grpc.ShardServicer):
         name = first.hello.worker
         if self.pending.get(first.hello.session, ("",))[0] != name or not name:
             await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"unknown session for worker {name!r}: call Join first"
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"unknown session for worker {_short(repr(name), 60)}: call Join first",
             )
         if name in self.members:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
@@ -154,15 +175,25 @@ class ShardService(pb_grpc.ShardServicer):
         try:
             yield pb.ShardMessage(welcome=pb.Welcome(rounds=[o.number for o in self.state.open]))
             while True:
+                if member.overflowed:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{name} left more than {self.max_queued_bytes:,} bytes of messages unread",
+                    )
                 getter = asyncio.create_task(member.queue.get())
                 done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the worker closed its side or the call broke
+                if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
-                msg = getter.result()
-                size = msg.ByteSize()
+                msg, size = getter.result()
+                if member.overflowed:
+                    continue  # ends the session at the top of the loop
+                member.queued_bytes -= size
                 member.msg_out += size
                 self.counters.msg_out += size
                 yield msg
+            if reader.done() and not reader.cancelled() and (error := reader.exception()) is not None:
+                log.error("session of %s failed", name, exc_info=error)
+                await context.abort(grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {error}")
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
                 getter.cancel()
@@ -172,8 +203,24 @@ class ShardService(pb_grpc.ShardServicer):
             log.info("%s left (%d members)", name, len(self.members))
             self.close_due()
 
+    def _send(self, member: _Member, msg: pb.ShardMessage) -> None:
+        """Queue a message for a member; one that stops reading is dropped, not buffered for ever."""
+        if member.overflowed:
+            return
+        size = msg.ByteSize()
+        if member.queued_bytes + size > self.max_queued_bytes:
+            member.overflowed = True
+            self.state.remove_member(member.name)  # rounds stop waiting for it; its session is ended
+            log.warning("%s does not read its updates: dropping it from the member set", member.name)
+            member.queue.put_nowait((pb.ShardMessage(), 0))  # wake the writer so that it ends the session
+            return
+        member.queued_bytes += size
+        member.queue.put_nowait((msg, size))
+
     async def _read(self, member: _Member, it) -> None:
         async for msg in it:
+            if member.overflowed:
+                return
             size = msg.ByteSize()
             member.msg_in += size
             self.counters.msg_in += size
@@ -213,20 +260,15 @@ class ShardService(pb_grpc.ShardServicer):
         if done:
             member.pushes += 1
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
-            member.queue.put_nowait(pb.ShardMessage(result=result))
+            self._send(member, pb.ShardMessage(result=result))
             self.close_due()
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
         self.counters.refused[reason] = self.counters.refused.get(reason, 0) + 1
         (log.info if reason == "late" else log.warning)("refused a push from %s: %s", member.name, message)
-        member.queue.put_nowait(
-            pb.ShardMessage(
-                result=pb.PushResult(
-                    fragment=fragment, round=round, accepted=False, reason=reason, message=message
-                )
-            )
-        )
+        result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
+        self._send(member, pb.ShardMessage(result=result))
 
     # --- rounds ----------------------------------------------------------------------------------------
     def close_due(self) -> list[ClosedRound]:
@@ -237,9 +279,9 @@ class ShardService(pb_grpc.ShardServicer):
             c = self.state.close_round(fragment, why)
             closed.append(c)
             chunks = to_chunks(c.update, c.fragment, c.round, self.down_chunk)
-            for m in self.members.values():
+            for m in list(self.members.values()):
                 for chunk in chunks:
-                    m.queue.put_nowait(pb.ShardMessage(update=chunk))
+                    self._send(m, pb.ShardMessage(update=chunk))
                 self.counters.codec_out += c.update.nbytes
             self.history.append(
                 {
@@ -252,7 +294,7 @@ class ShardService(pb_grpc.ShardServicer):
                     "closed_at": time.time(),
                 }
             )
-            log.info(
+            (log.error if c.why == "nonfinite" else log.info)(
                 "fragment %d round %d closed (%s): %d contributors%s",
                 c.fragment,
                 c.round,
@@ -266,7 +308,10 @@ class ShardService(pb_grpc.ShardServicer):
         """Close rounds whose deadline has passed."""
         while True:
             await asyncio.sleep(period)
-            self.close_due()
+            try:
+                self.close_due()
+            except Exception:  # keep closing rounds at their deadlines whatever one close did
+                log.exception("closing rounds failed")
 
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):

@@ -12,9 +12,9 @@ A push that breaks off (its worker died, or a later chunk was bad) therefore lea
 and a refused push changes nothing at all.
 
 Rounds close when every member that was present when the round started (its first whole push) has pushed,
-with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers`; or
-when every expected member has left. `min_workers` is a quorum: with fewer members than that, rounds wait
-for more workers to join. The caller supplies the time (`now`), so tests drive the clock.
+with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers` (or
+with every member's push, when fewer members than `min_workers` are left); or when every expected member
+has left. The caller supplies the time (`now`), so tests drive the clock.
 
 The gRPC servicer and the in-process simulator both drive this class.
 """
@@ -37,6 +37,11 @@ from streamdiloco.common.codecs import (
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
+
+# Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
+# overflow: outer gradients are parameter differences, far below 1e30; weights are token counts.
+MAX_ABS_VALUE = 1e30
+MAX_WEIGHT = float(2**53)
 
 
 class PushRejected(ValueError):
@@ -128,7 +133,8 @@ class ShardState:
         self.open = [self._new_round(f, 0) for f in range(layout.num_fragments)]
         self.members: set[str] = set()
         self.staged: dict[tuple[str, int], _Staged] = {}
-        self.discarding: dict[tuple[str, int], int] = {}  # (worker, fragment) -> round of a refused push
+        # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
+        self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
         self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
         self.pushes_accepted = 0
         self.pushes_refused: dict[str, int] = {}  # reason -> count
@@ -185,9 +191,7 @@ class ShardState:
         False: kept, waiting for more; None: silently dropped (the rest of a push already refused).
         Raises PushRejected, without changing anything, when the chunk is bad; the push is then dropped."""
         key = (worker, fragment)
-        if seq > 0 and self.discarding.get(key) == round:
-            if last:
-                del self.discarding[key]
+        if self._swallow(worker, fragment, round, seq, last):
             return None
         try:
             self._check_chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
@@ -224,18 +228,28 @@ class ShardState:
         """A chunk the caller refused before push_chunk could see it (say, its bytes do not decode): the push
         it belongs to is dropped, as for a chunk push_chunk refuses. False: the chunk belonged to a push that
         was already refused, so nothing more needs saying."""
-        key = (worker, fragment)
-        if seq > 0 and self.discarding.get(key) == round:
-            if last:
-                del self.discarding[key]
+        if self._swallow(worker, fragment, round, seq, last):
             return False
-        self._drop(key, round, last, reason)
+        self._drop((worker, fragment), round, last, reason)
         return True
+
+    def _discard_key(self, worker: str, fragment: int) -> tuple[str, int]:
+        # every fragment id that does not exist shares one entry: at most P + 1 entries per worker
+        return (worker, fragment if 0 <= fragment < self.layout.num_fragments else -1)
+
+    def _swallow(self, worker: str, fragment: int, round: int, seq: int, last: bool) -> bool:
+        """True for a later chunk of a push already refused: it is dropped without a word."""
+        dkey = self._discard_key(worker, fragment)
+        if seq > 0 and self.discarding.get(dkey) == (fragment, round):
+            if last:
+                del self.discarding[dkey]
+            return True
+        return False
 
     def _drop(self, key: tuple[str, int], round: int, last: bool, reason: str) -> None:
         self.staged.pop(key, None)
-        if not last:
-            self.discarding[key] = round  # the push's later chunks are dropped without a word
+        if not last:  # the push's later chunks are dropped without a word
+            self.discarding[self._discard_key(*key)] = (key[1], round)
         self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1
 
     def _check_chunk(self, worker, fragment, round, seq, offset, total, part, last, weight, loss) -> None:
@@ -261,8 +275,10 @@ class ShardState:
                 raise refuse(
                     "bad_chunk", f"a push starts with chunk 0 at offset 0, got chunk {seq} at {offset}"
                 )
-            if weight is None or not (0 < weight < float("inf")):
-                raise refuse("bad_weight", f"push weight must be a positive number of tokens, got {weight}")
+            if weight is None or not (0 < weight <= MAX_WEIGHT):
+                raise refuse(
+                    "bad_weight", f"push weight must be a positive number of tokens, at most 2^53, got {weight}"
+                )
             if loss is not None and not math.isfinite(loss):
                 raise refuse("bad_loss", f"the reported training loss must be a finite number, got {loss}")
         else:  # st.round == round: closing a round drops the pushes still arriving for it
@@ -308,8 +324,22 @@ class ShardState:
         if spec.scaled:
             if not torch.isfinite(part.scales).all():
                 raise refuse("bad_scale", "the chunk has a non-finite scale")
-        elif not torch.isfinite(decode(part)).all():
-            raise refuse("bad_value", "the chunk holds non-finite values")
+            # a value is at most |scale| times the codec's largest level (e3m0: 1, int8: 127)
+            top = (
+                float(part.scales.abs().max()) * (127.0 if part.codec == "int8" else 1.0)
+                if part.scales.numel()
+                else 0.0
+            )
+            if top > MAX_ABS_VALUE:
+                raise refuse(
+                    "bad_scale", f"the chunk's scales allow values up to {top:.3g}, above {MAX_ABS_VALUE:g}"
+                )
+        else:
+            values = decode(part)
+            if not torch.isfinite(values).all():
+                raise refuse("bad_value", "the chunk holds non-finite values")
+            if values.numel() and float(values.abs().max()) > MAX_ABS_VALUE:
+                raise refuse("bad_value", f"the chunk holds values above {MAX_ABS_VALUE:g} in magnitude")
 
     # --- closing rounds --------------------------------------------------------------------------------
     def due(self, now: float) -> list[tuple[int, str]]:
@@ -324,7 +354,9 @@ class ShardState:
                 out.append((f, "all"))
             elif not (rnd.expected & self.members) and not any(k[1] == f for k in self.staged):
                 out.append((f, "empty"))  # everyone expected has left: close with what there is
-            elif n >= self.min_workers and now >= rnd.started_at + self.round_timeout:  # type: ignore[operator]
+            elif (
+                n >= min(self.min_workers, len(self.members)) and now >= rnd.started_at + self.round_timeout  # type: ignore[operator]
+            ):  # the quorum, or all present if fewer are left than the quorum: nobody waits forever
                 out.append((f, "deadline"))
         return out
 
@@ -333,11 +365,13 @@ class ShardState:
         Pushes still arriving for the closed round are dropped (their senders get `late`)."""
         rnd = self.open[fragment]
         opt = self.outer[fragment]
-        if rnd.weight > 0:
-            mean = (rnd.total / rnd.weight).to(torch.float32)
+        mean = (rnd.total / rnd.weight).to(torch.float32) if rnd.weight > 0 else None
+        if mean is not None and torch.isfinite(mean).all():
             update, _ = opt.step(mean)
             mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
-        else:  # nobody pushed: a zero update, so that nobody waits forever
+        else:  # nobody pushed (or, defensively, the mean is not finite): a zero update; nobody waits forever
+            if mean is not None:
+                why = "nonfinite"  # cannot happen with validated pushes; the caller logs it
             update = encode(torch.zeros_like(opt.master), self.cfg.downlink_codec, self.cfg.codec_block_size)
             mean_loss = None
         for key in [k for k in self.staged if k[1] == fragment]:

@@ -590,10 +590,16 @@ REFUSALS = {
     "scale-nan": (_scales(2, math.nan)(_GOOD), "bad_scale", "chunk 2: the chunk has a non-finite scale"),
     "scale-inf": (_scales(0, math.inf)(_GOOD), "bad_scale", "chunk 0: the chunk has a non-finite scale"),
     "scale-neg-inf": (_scales(-1, -math.inf)(_GOOD), "bad_scale", "non-finite scale"),
-    "weight-zero": (push_messages(ENC_A, weight=0.0), "bad_weight", "positive number of tokens, got 0.0"),
+    "scale-huge": (_scales(1, 3e38)(_GOOD), "bad_scale", "allow values up to 3e+38, above 1e+30"),
+    "weight-zero": (
+        push_messages(ENC_A, weight=0.0),
+        "bad_weight",
+        "positive number of tokens, at most 2^53, got 0.0",
+    ),
     "weight-negative": (push_messages(ENC_A, weight=-5.0), "bad_weight", "got -5.0"),
     "weight-nan": (push_messages(ENC_A, weight=math.nan), "bad_weight", "got nan"),
     "weight-inf": (push_messages(ENC_A, weight=math.inf), "bad_weight", "got inf"),
+    "weight-huge": (push_messages(ENC_A, weight=1e308), "bad_weight", "at most 2^53, got 1e+308"),
     "header-missing": (
         [pb.WorkerMessage(push=pb.Push(chunk=m.push.chunk)) for m in _GOOD],
         "bad_weight",
@@ -849,3 +855,22 @@ def test_fetch_refuses_bad_fragments_and_offsets(shard):
     with pytest.raises(grpc.RpcError) as e:
         shard.fetch(offset=2**63)
     assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_a_member_whose_unread_messages_pass_the_bound_is_dropped_and_its_session_ended(shard):
+    a, b = shard.worker("a"), shard.worker("b")
+    # the real bound is 256 MiB or four rounds of updates; here no update chunk (~300 B) fits in it, as if
+    # neither worker read its updates
+    shard.service.max_queued_bytes = 100
+    a.push(push_messages(ENC_A))
+    b.push(push_messages(ENC_B))
+    for w in (a, b):
+        item = w.session.next()
+        while not isinstance(item, grpc.RpcError):  # a PushResult may come first, no update can
+            assert item.WhichOneof("kind") == "result", item
+            item = w.session.next()
+        assert (
+            item.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes of messages unread" in item.details()
+        )
+    shard.wait_for(lambda: not shard.service.members, "both sessions to end")
+    assert shard.on_loop(lambda: (shard.service.state.members, shard.service.state.round_of(0))) == (set(), 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -120,12 +121,25 @@ def test_a_round_does_not_close_early_with_fewer_than_min_workers():
     st = make_state(min_workers=3, round_timeout=10.0, members=("a", "b"))
     push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), now=0.0)
     push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), now=1.0)
-    assert (
-        st.due(5.0) == [] and st.due(1e9) == []
-    )  # everyone pushed, but only 2 of 3: not even at the deadline
+    assert st.due(5.0) == []  # everyone pushed, but only 2 of 3: wait for a third until the deadline
     st.add_member("c")  # a newcomer may still make up the number
     push_chunks(st, "c", 0, 0, enc_for(st, 0, 3), now=2.0)
     assert st.due(2.0) == [(0, "all")]
+
+
+def test_at_the_deadline_a_round_closes_with_every_member_when_fewer_than_min_workers_are_left():
+    st = make_state(min_workers=3, round_timeout=10.0, members=("a", "b", "c"))
+    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), now=0.0)
+    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), now=1.0)
+    st.remove_member("c")  # died before pushing: the quorum of 3 cannot be met
+    assert st.due(9.999) == []
+    assert st.due(10.0) == [(0, "deadline")]
+    assert st.close_round(0, "deadline").contributors == ("a", "b")
+    # with three members present, two contributions are not enough even after the deadline
+    st.add_member("c")
+    push_chunks(st, "a", 0, 1, enc_for(st, 0, 1), now=20.0)
+    push_chunks(st, "b", 0, 1, enc_for(st, 0, 2), now=21.0)
+    assert st.due(1e9) == []
 
 
 def test_a_round_closes_at_its_deadline_with_at_least_min_workers():
@@ -345,7 +359,7 @@ def test_a_bad_chunk_drops_its_push_and_the_rest_of_that_push_is_ignored():
     with pytest.raises(PushRejected, match="chunk 3: offset 1664, expected 1536") as e:
         st.push_chunk("a", 0, 0, seq, offset + 128, total, part, last)
     assert e.value.reason == "bad_offset"
-    assert st.staged == {} and st.discarding == {("a", 0): 0}
+    assert st.staged == {} and st.discarding == {("a", 0): (0, 0)}
     for seq, offset, total, part, last in cs[4:]:  # the rest of the refused push: silently dropped
         assert st.push_chunk("a", 0, 0, seq, offset, total, part, last) is None
     assert st.discarding == {} and _same(_state_of(st), before)
@@ -358,7 +372,7 @@ def test_a_refused_first_chunk_is_forgotten_by_the_next_push():
     enc = enc_for(st, 0, 1)
     with pytest.raises(PushRejected) as e:
         push_chunks(st, "a", 0, 0, enc, weight=float("nan"), upto=1)
-    assert e.value.reason == "bad_weight" and st.discarding == {("a", 0): 0}
+    assert e.value.reason == "bad_weight" and st.discarding == {("a", 0): (0, 0)}
     assert push_chunks(st, "a", 0, 0, enc, weight=2.0)[-1] is True
     assert st.discarding == {} and st.contributors(0) == {"a"}
 
@@ -432,3 +446,45 @@ def test_the_loss_comes_with_the_first_chunk_and_is_token_weighted():
     push_chunks(st, "c", 0, 0, enc_for(st, 0, 3), weight=50.0, loss=None)  # no loss reported
     closed = st.close_round(0)
     assert closed.weight == 450.0 and closed.mean_loss == pytest.approx((200 + 1200) / 400)
+
+
+@pytest.mark.parametrize(
+    "codec, scale, words",
+    [("int8", 1e37, "allow values up to 1.27e+39"), ("e3m0", 3e38, "allow values up to 3e+38")],
+)
+def test_scales_that_could_overflow_the_sum_are_refused(codec, scale, words):
+    st = make_state(members=("a",), uplink_codec=codec)
+    enc = enc_for(st, 0, 1)
+    big = Encoded(enc.codec, enc.numel, enc.payload, torch.full_like(enc.scales, scale), enc.block_size)
+    with pytest.raises(PushRejected, match=re.escape(words)) as e:
+        st.push("a", 0, 0, big, 1.0)
+    assert e.value.reason == "bad_scale" and st.pushes_accepted == 0
+
+
+def test_fp32_values_that_could_overflow_the_sum_are_refused():
+    st = make_state(members=("a",), uplink_codec="fp32")
+    n = slice_len(st, 0)
+    with pytest.raises(PushRejected, match="values above 1e\\+30") as e:
+        st.push("a", 0, 0, encode(torch.full((n,), 3e38), "fp32"), 1.0)
+    assert e.value.reason == "bad_value"
+
+
+def test_a_round_whose_mean_is_not_finite_closes_with_a_zero_update_and_keeps_the_optimizer_clean():
+    st = make_state(members=("a",))
+    st.push("a", 0, 0, enc_for(st, 0, 1), 1.0)
+    st.open[0].total[0] = float("inf")  # cannot happen through push (bounded values and weights)
+    master = st.master(0).clone()
+    closed = st.close_round(0)
+    assert closed.why == "nonfinite" and torch.equal(decode(closed.update), torch.zeros(slice_len(st, 0)))
+    assert torch.equal(st.master(0), master) and st.round_of(0) == 1
+    st.push("a", 0, 1, enc_for(st, 0, 2), 1.0)  # the next round works as usual
+    assert torch.isfinite(decode(st.close_round(0).update)).all()
+
+
+def test_pushes_to_made_up_fragments_keep_the_refusal_table_small():
+    st = make_state(members=("a",))
+    enc = enc_for(st, 0, 1)
+    for fragment in range(3, 1003):
+        with pytest.raises(PushRejected):
+            push_chunks(st, "a", fragment, 0, enc, upto=1)
+    assert len(st.discarding) == 1  # one shared entry for every fragment id that does not exist
