@@ -34,6 +34,14 @@ def forward_flags(args: argparse.Namespace, add_flags, only: tuple[str, ...] = (
     return out
 
 
+def say(text: str) -> None:
+    """Print, unless our stdout has gone away (`launch | head`): the children's logs keep everything."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        pass
+
+
 class Cluster:
     """Child processes with prefixed output; stop() ends them all (SIGTERM, then SIGKILL)."""
 
@@ -57,10 +65,18 @@ class Cluster:
         log = open(self.out / f"{name}.log", "w")  # noqa: SIM115 (closed by the pump thread)
 
         def pump() -> None:
+            echo = True
             with log:
                 for line in proc.stdout:  # type: ignore[union-attr]
                     log.write(line)
-                    print(f"[{name}] {line}", end="", flush=True)
+                    log.flush()
+                    if echo:
+                        try:
+                            print(f"[{name}] {line}", end="", flush=True)
+                        except (
+                            OSError
+                        ):  # our stdout went away (`launch | head`): keep the log, drain the pipe
+                            echo = False
 
         t = threading.Thread(target=pump, daemon=True)
         t.start()
@@ -110,10 +126,21 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
     model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
     run = forward_flags(args, add_run)
     inner = forward_flags(args, add_inner)
+    if args.min_workers > args.workers:
+        raise ValueError(
+            f"--min-workers {args.min_workers} is more than --workers {args.workers}: "
+            "rounds would never close"
+        )
     min_workers = args.min_workers or args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     cluster = Cluster(out)
     t0 = time.monotonic()
+
+    def on_term(signum, frame) -> None:  # `kill` or a closed terminal: stop the children as Ctrl+C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
     try:
         ready = [out / f"shard{s}.ready" for s in range(args.shards)]
         for s in range(args.shards):
@@ -128,10 +155,9 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             )
         ports = _wait_ready(cluster, ready)
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
-        print(
+        say(
             f"[launch] {args.shards} shards up at {', '.join(targets)}; status: "
-            + ", ".join(f"http://127.0.0.1:{p['http_port']}/api/status" for p in ports),
-            flush=True,
+            + ", ".join(f"http://127.0.0.1:{p['http_port']}/api/status" for p in ports)
         )
         workers = []
         for m in range(args.workers):
@@ -140,9 +166,18 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))
-        codes = [w.wait() for w in workers]
+        while any(w.poll() is None for w in workers):
+            failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
+            failed += [
+                name for name, p in cluster.procs.items() if name.startswith("shard") and p.poll() is not None
+            ]
+            if failed:  # the others would wait for it for ever (rounds need every worker)
+                say(f"[launch] {', '.join(failed)} stopped; stopping everything; see {out}/*.log")
+                return 1
+            time.sleep(0.2)
+        codes = [w.returncode for w in workers]
         if any(codes):
-            print(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log", flush=True)
+            say(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log")
             return 1
         statuses = [http_json(f"http://127.0.0.1:{p['http_port']}/api/status") for p in ports]
         if args.save_global:
@@ -155,11 +190,11 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             time.monotonic() - t0,
         )
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(format_summary(summary), flush=True)
-        print(f"[launch] wrote {out / 'summary.json'} and the processes' logs in {out}", flush=True)
+        say(format_summary(summary))
+        say(f"[launch] wrote {out / 'summary.json'} and the processes' logs in {out}")
         return 0 if summary["mirrors_match_masters"] else 1
     except KeyboardInterrupt:
-        print("\n[launch] interrupted: stopping every process", flush=True)
+        say("\n[launch] interrupted: stopping every process")
         return 130
     finally:
         cluster.stop()

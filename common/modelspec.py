@@ -29,8 +29,8 @@ def build_model(spec: str, seed: int = 0, block_size: int | None = None) -> nn.M
         raise ValueError(
             f"--model {spec!r}: give a built-in preset ({', '.join(BUILTIN_PRESETS)}) or module.path:factory"
         )
-    if os.getcwd() not in sys.path:  # like `python -m` and uvicorn: modules in the working directory import
-        sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # modules in the working directory import (after installed ones)
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -31,6 +31,7 @@ CHANNEL_OPTIONS = _COMMON + [
     ("grpc.enable_retries", 0),
 ]
 SERVER_OPTIONS = _COMMON + [
+    ("grpc.so_reuseport", 0),  # a second shard on a port in use must fail, not share the port
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -85,8 +86,16 @@ def from_chunk(chunk: pb.Chunk) -> Encoded:
     Raises ValueError when the scales' bytes are not whole fp32 numbers."""
     if len(chunk.scales) % 4:
         raise ValueError(f"scales must be whole fp32 values, got {len(chunk.scales)} bytes")
-    payload = torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8) if chunk.payload else _EMPTY_U8
-    scales = torch.frombuffer(bytearray(chunk.scales), dtype=torch.float32) if chunk.scales else _EMPTY_F32
+    payload = (
+        torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8)
+        if chunk.payload
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    scales = (
+        torch.frombuffer(bytearray(chunk.scales), dtype=torch.float32)
+        if chunk.scales
+        else torch.empty(0, dtype=torch.float32)
+    )
     return Encoded(chunk.codec, int(chunk.numel), payload, scales, int(chunk.block_size))
 
 
@@ -97,8 +106,4 @@ def values_to_bytes(x: torch.Tensor) -> bytes:
 def bytes_to_values(b: bytes) -> torch.Tensor:
     if len(b) % 4:
         raise ValueError(f"fp32 values must be whole 4-byte numbers, got {len(b)} bytes")
-    return torch.frombuffer(bytearray(b), dtype=torch.float32) if b else _EMPTY_F32.clone()
-
-
-_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
-_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+    return torch.frombuffer(bytearray(b), dtype=torch.float32) if b else torch.empty(0, dtype=torch.float32)

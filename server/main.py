@@ -41,6 +41,8 @@ def build_service(
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given."""
+    if not 0 < chunk_bytes <= 16 << 20:
+        raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
         raise ValueError(f"--round-timeout must be a finite number of seconds, got {round_timeout}")
     model = build_model(model_spec, seed, block_size)
@@ -112,9 +114,14 @@ async def serve(
             pass
     server = make_server()
     pb_grpc.add_ShardServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    except RuntimeError:  # grpc's way of saying the address is in use or not ours
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen for gRPC on {host}:{port}")
+        raise OSError(
+            f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
+        )
     await server.start()
     http_task, http, http_bound = None, None, None
     if http_port is not None:

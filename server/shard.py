@@ -277,7 +277,8 @@ class ShardState:
                 )
             if weight is None or not (0 < weight <= MAX_WEIGHT):
                 raise refuse(
-                    "bad_weight", f"push weight must be a positive number of tokens, at most 2^53, got {weight}"
+                    "bad_weight",
+                    f"push weight must be a positive number of tokens, at most 2^53, got {weight}",
                 )
             if loss is not None and not math.isfinite(loss):
                 raise refuse("bad_loss", f"the reported training loss must be a finite number, got {loss}")

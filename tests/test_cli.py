@@ -157,7 +157,24 @@ def test_help_lists_the_process_commands():
     assert "--min-workers" in r.stdout and "--round-timeout" in r.stdout and "--outer-lr" in r.stdout
 
 
-def test_ctrl_c_stops_every_process_that_launch_started(tmp_path):
+def _pid_of(name: str, out_dir) -> int:
+    """The pid of the `launch` child named `name` (its --name, or its --shard) writing into out_dir."""
+    import os
+
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if name.encode() in args and any(str(out_dir).encode() in a for a in args):
+            return int(pid)
+    raise AssertionError(f"no process {name} for {out_dir}")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "a-worker-dies"])
+def test_launch_stops_every_process_it_started(tmp_path, how):
+    """Ctrl+C (SIGINT to the terminal's process group), SIGTERM to launch alone, or one worker killed
+    (the other would wait for its pushes for ever): every process launch started is gone."""
     import os
     import signal
     import time
@@ -178,10 +195,19 @@ def test_ctrl_c_stops_every_process_that_launch_started(tmp_path):
             if sum("step 20/100000" in s for s in seen) >= 2 or time.monotonic() > deadline:
                 break
         assert sum("step 20/100000" in s for s in seen) >= 2, "".join(seen[-30:])
-        os.killpg(pgid, signal.SIGINT)  # what Ctrl+C in a terminal does
+        if how == "ctrl-c":
+            os.killpg(pgid, signal.SIGINT)  # what Ctrl+C in a terminal does
+        elif how == "sigterm":
+            proc.send_signal(signal.SIGTERM)  # launch alone: it must pass it on
+        else:
+            os.kill(_pid_of("worker-1", tmp_path), signal.SIGKILL)
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out[-2000:]
-        assert "interrupted: stopping every process" in out
+        if how == "a-worker-dies":
+            assert proc.returncode == 1, out[-2000:]
+            assert "worker-1 stopped; stopping everything" in out
+        else:
+            assert proc.returncode == 130, out[-2000:]
+            assert "interrupted: stopping every process" in out
         time.sleep(0.5)
         with pytest.raises(ProcessLookupError):  # nothing of the group is left
             os.killpg(pgid, 0)

@@ -146,3 +146,27 @@ def test_a_shard_started_from_saved_parameters_serves_them(tmp_path):
     torch.save({"nope": torch.zeros(1)}, tmp_path / "bad.pt")
     r = streamdiloco("server", "--model", "nano", "--init", str(tmp_path / "bad.pt"), timeout=120)
     assert r.returncode == 2 and "does not fit the model" in r.stderr, r.stderr
+
+
+def test_a_worker_cannot_join_a_run_in_progress_yet_and_is_told_so(tmp_path):
+    flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
+    with shard_process(tmp_path, *flags) as (target, _, _):
+        cfg = SyncConfig(sync_every=6, num_fragments=3)
+        first = connect(build_gpt("nano"), [target], cfg, name="first")
+        try:
+            for _ in range(3):  # fragment 1 is sent at step 2 and its round closes (min_workers 1)
+                first.step(tokens=1)
+            with pytest.raises(
+                SyncError, match="is in progress .* joining a run in progress is not supported"
+            ):
+                connect(build_gpt("nano"), [target], cfg, name="second")
+        finally:
+            first.close()
+
+
+def test_a_second_shard_on_a_port_in_use_fails_with_one_line(tmp_path):
+    with shard_process(tmp_path, "--model", "nano") as (target, _, _):
+        port = target.rsplit(":", 1)[1]
+        r = streamdiloco("server", "--model", "nano", "--port", port, "--http-port", "0", timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("streamdiloco: error: cannot listen for gRPC")

@@ -62,9 +62,23 @@ class ShardLink:
             )
         except grpc.RpcError as e:
             self.channel.close()
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise SyncError(
+                    f"no answer from a shard at {self.target} within {join_timeout:g} s"
+                ) from None
             raise SyncError(f"shard at {self.target} refused Join: {e.code().name}: {e.details()}") from None
+        try:
+            self.config = SyncConfig.from_dict(json.loads(reply.config_json))
+        except (ValueError, TypeError) as e:
+            self.channel.close()
+            raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+        if any(reply.rounds):
+            self.channel.close()
+            raise SyncError(
+                f"the run at {self.target} is in progress (open rounds {list(reply.rounds)}): joining a run "
+                "in progress is not supported yet; start the workers together, or restart the shards"
+            )
         self.shard, self.num_shards = reply.shard, reply.num_shards
-        self.config = SyncConfig.from_dict(json.loads(reply.config_json))
         self.slices = [(s.offset, s.length) for s in reply.slices]
         self.rounds = list(reply.rounds)
         self.chunk_values = reply.chunk_values
@@ -110,6 +124,8 @@ class ShardLink:
                 )
         except SyncError as e:
             self._fail(str(e))
+        except Exception as e:  # a malformed message must not end the thread silently
+            self._fail(f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}")
 
     def _fail(self, message: str) -> None:
         with self._cond:
@@ -131,9 +147,14 @@ class ShardLink:
         want_total = self.slices[c.fragment][1]
         parts = self._partial.setdefault(key, [])
         at = sum(p.numel for p in parts)
+        if c.codec != self.config.downlink_codec or c.block_size != (
+            self.config.codec_block_size if get_codec(self.config.downlink_codec).scaled else 0
+        ):
+            raise SyncError(
+                f"shard {self.shard} sent an update in {c.codec!r} with block size {c.block_size}"
+            )
         part = from_chunk(c)
-        spec = get_codec(c.codec)
-        payload, scales = expected_sizes(c.codec, c.numel, c.block_size if spec.scaled else 1)
+        payload, scales = expected_sizes(c.codec, c.numel, c.block_size or 1)
         if (
             c.total != want_total
             or c.offset != at
@@ -195,6 +216,7 @@ class ShardLink:
         """The current master slices (fp32), resuming from the last chunk received if the stream breaks."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
         got: dict[int, list[torch.Tensor]] = {f: [] for f in want}
+        rounds: dict[int, int] = {}  # the round each fragment's chunks so far belong to
         done: set[int] = set()
         for attempt in range(attempts):
             todo = [f for f in want if f not in done]
@@ -203,12 +225,24 @@ class ShardLink:
             offset = sum(t.numel() for t in got[todo[0]])
             try:
                 request = pb.FetchRequest(fragments=todo, offset=offset, token=self.token)
-                for m in self.stub.Fetch(request):  # no deadline: big models on slow links take long
+                call = self.stub.Fetch(request)  # no deadline: big models on slow links take long
+                for m in call:
                     self.msg_in += m.ByteSize()
+                    if m.fragment not in got or m.offset != sum(t.numel() for t in got[m.fragment]):
+                        raise SyncError(
+                            f"shard {self.shard} sent fragment {m.fragment} out of order in Fetch"
+                        )
+                    if rounds.setdefault(m.fragment, m.round) != m.round:
+                        # a round closed between a broken stream and its resumption: fetch it anew
+                        got[m.fragment], rounds[m.fragment] = [], m.round
+                        call.cancel()
+                        break
                     got[m.fragment].append(bytes_to_values(m.values))
                     if m.last:
                         done.add(m.fragment)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED:
+                    continue  # we cancelled it, to start the fragment again
                 if attempt + 1 == attempts or e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise SyncError(
                         f"Fetch from shard {self.shard} failed: {e.code().name}: {e.details()}"

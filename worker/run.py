@@ -190,7 +190,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
             "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
             "wall_seconds": time.perf_counter() - t_start,
             "mirror_hashes": digests,
-            "late_refusals": sum(len(link.refusals) for link in transport.links),
+            "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
             "merges": engine.merges,
             "merges_that_waited": engine.waits,
         }
