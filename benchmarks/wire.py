@@ -17,11 +17,11 @@ worker's time goes to training. Each figure is measured beside a reference in th
               the outer step and sends the E3M0 update back to all 8, as the shard does; each round ends
               with the receiver's reply to all 8 senders. Also: the shard's CPU by thread, and a cProfile of
               its event loop in a separate pass.
-(c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50` (what `make demo`
-              runs): per worker compute utilization (training time / wall time of training), blocked
+(c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50` (`make demo`, at half
+              its 800 steps): per worker compute utilization (training time / wall time of training), blocked
               seconds, tokens/s. Reference: the same cluster with H = steps (each fragment syncs at most
-              once before the final sync). Both again with one torch thread per process
-              (OMP_NUM_THREADS=1), since by default each of the 4 processes uses all the cores.
+              once before the final sync). Both again with every worker on all the cores (--threads),
+              torch's default, where launch gives each worker cores / M threads and each shard one.
 
 Timings suffer from anything else running on the machine: before each timed run the benchmark waits (up to
 --max-wait s) for the CPUs to be nearly idle, and it reports the CPU that other processes used.
@@ -1195,24 +1195,23 @@ def run_launch(
 C_RUNS = {
     "demo": "demo, H=30",
     "reference": "reference, H=steps",
-    "demo-1t": "demo, H=30, 1 torch thread per process",
-    "reference-1t": "reference, H=steps, 1 torch thread per process",
+    "demo-all": "demo, H=30, every worker on all cores",
+    "reference-all": "reference, H=steps, every worker on all cores",
 }
 
 
 def part_c(args, procs: Procs, tmp: Path) -> dict:
-    """The demo cluster, and the same with H = steps; and (not --quick) both again with one torch thread per
-    process (OMP_NUM_THREADS=1): by default each of the 4 processes uses as many torch threads as there are
-    cores."""
+    """The demo cluster, and the same with H = steps; and (not --quick) both again with every worker using as
+    many torch threads as the machine has cores (torch's default; launch gives each worker cores / M)."""
     out = {}
-    one = {"OMP_NUM_THREADS": "1"}
-    plan = [("demo", [], None)]
+    every = ["--threads", str(os.cpu_count() or 1)]
+    plan: list[tuple[str, list[str], dict | None]] = [("demo", [], None)]
     if args.c_reference:
         plan.append(("reference", ["--sync-every", str(args.c_steps)], None))
     if args.c_threads:
-        plan.append(("demo-1t", [], one))
+        plan.append(("demo-all", every, None))
         if args.c_reference:
-            plan.append(("reference-1t", ["--sync-every", str(args.c_steps)], one))
+            plan.append(("reference-all", ["--sync-every", str(args.c_steps), *every], None))
     for key, extra, env in plan:
         say(f"[c] {C_RUNS[key]}: launch --shards 2 --workers 2 --steps {args.c_steps} {' '.join(extra)} ...")
         out[key] = run_launch(
@@ -1296,7 +1295,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-threads",
         dest="c_threads",
         action="store_false",
-        help="(c) skip the runs with one torch thread per process",
+        help="(c) skip the runs with every worker on all the cores",
     )
     p.add_argument(
         "--max-wait",
