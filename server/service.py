@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -57,7 +57,7 @@ class Counters:
     msg_in: int = 0  # serialized protobuf bytes of every message received on sessions
     msg_out: int = 0
     fetch_out: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
+    bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
 
 
 def check_name(name: str) -> str | None:
@@ -225,6 +225,7 @@ class ShardService(pb_grpc.ShardServicer):
             member.msg_in += size
             self.counters.msg_in += size
             if msg.WhichOneof("kind") != "push":
+                self.counters.bad_messages += 1
                 self._refuse(member, 0, 0, "bad_message", "only pushes may follow Hello on a session")
                 continue
             self._on_push(member, msg.push)
@@ -265,7 +266,6 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
-        self.counters.refused[reason] = self.counters.refused.get(reason, 0) + 1
         (log.info if reason == "late" else log.warning)("refused a push from %s: %s", member.name, message)
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
         self._send(member, pb.ShardMessage(result=result))
@@ -392,7 +392,8 @@ class ShardService(pb_grpc.ShardServicer):
             ],
             "rounds_closed": st.rounds_closed,
             "pushes_accepted": st.pushes_accepted,
-            "pushes_refused": dict(self.counters.refused),
+            "pushes_refused": dict(st.pushes_refused),
+            "bad_messages": self.counters.bad_messages,
             "bytes": {
                 "codec_in": st.bytes_received,
                 "codec_out": self.counters.codec_out,

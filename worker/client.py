@@ -80,7 +80,6 @@ class ShardLink:
             )
         self.shard, self.num_shards = reply.shard, reply.num_shards
         self.slices = [(s.offset, s.length) for s in reply.slices]
-        self.rounds = list(reply.rounds)
         self.chunk_values = reply.chunk_values
         self._outbox: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
@@ -159,7 +158,6 @@ class ShardLink:
             c.total != want_total
             or c.offset != at
             or c.seq != len(parts)
-            or c.codec != self.config.downlink_codec
             or part.payload.numel() != payload
             or part.scales.numel() != scales
             or c.last != (at + c.numel == want_total)
@@ -268,7 +266,7 @@ class ShardLink:
 class GrpcTransport:
     """The engine's Transport over gRPC: one ShardLink per shard, ordered by shard index."""
 
-    def __init__(self, links: list[ShardLink], update_timeout: float | None = None):
+    def __init__(self, links: list[ShardLink]):
         by_index = sorted(links, key=lambda link: link.shard)
         num = by_index[0].num_shards
         if [link.shard for link in by_index] != list(range(num)) or any(
@@ -276,8 +274,7 @@ class GrpcTransport:
         ):
             got = ", ".join(f"{link.target} is shard {link.shard}/{link.num_shards}" for link in links)
             raise SyncError(f"--servers must list each of the run's shards once: {got}")
-        self.links, self.num_shards, self.update_timeout = by_index, num, update_timeout
-        self.config = by_index[0].config
+        self.links, self.num_shards = by_index, num
 
     @classmethod
     def connect(
@@ -300,7 +297,7 @@ class GrpcTransport:
             link.push(fragment, round, enc, weight, loss)
 
     def update(self, fragment: int, round: int) -> list[Encoded]:
-        return [link.wait_update(fragment, round, self.update_timeout) for link in self.links]
+        return [link.wait_update(fragment, round) for link in self.links]
 
     def ready(self, fragment: int, round: int) -> bool:
         return all(link.has_update(fragment, round) for link in self.links)
