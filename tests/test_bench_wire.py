@@ -1,0 +1,30 @@
+"""The wire benchmark still runs and its numbers add up (slow: ~3 minutes; `make test-slow`)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from procs import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "wire.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").read_text().strip()
+    for run in results["a"]:  # (a): four independent counts of the codec bytes agree, framing is small
+        for direction, d in run["directions"].items():
+            counts = {d[k] for k in ("predicted_codec_bytes", "summary_codec_bytes", "shard_codec_bytes")}
+            assert counts == {d["proxy_codec_bytes"]}, (run["model"], direction, d)
+            assert d["sync_bytes"] > d["predicted_codec_bytes"] and 0 < d["overhead_sync_pct"] < 5
+            assert not d["parse_errors"]
+    assert results["b"] and results["c"]
