@@ -51,11 +51,14 @@ class Codec:
     bits: int  # bits per value in the payload
     scaled: bool  # has one fp32 scale per block
 
+    def sizes(self, numel: int, block_size: int) -> tuple[int, int]:
+        """(payload bytes, number of fp32 scales) that `encode` gives `numel` values."""
+        return (numel * self.bits + 7) // 8, (-(-numel // block_size) if self.scaled else 0)
+
     def encoded_nbytes(self, numel: int, block_size: int) -> int:
         """The size `encode` will produce, without encoding: payload plus scales."""
-        payload = (numel * self.bits + 7) // 8
-        scales = 4 * (-(-numel // block_size)) if self.scaled else 0
-        return payload + scales
+        payload, scales = self.sizes(numel, block_size)
+        return payload + 4 * scales
 
 
 CODECS: dict[str, Codec] = {
@@ -192,10 +195,7 @@ def chunk_values(codec: str, block_size: int, target_bytes: int = CHUNK_BYTES) -
 
 def expected_sizes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
     """(payload bytes, number of scales) that `numel` values take in this codec."""
-    spec = get_codec(codec)
-    payload = (numel * spec.bits + 7) // 8
-    scales = -(-numel // block_size) if spec.scaled else 0
-    return payload, scales
+    return get_codec(codec).sizes(numel, block_size)
 
 
 def split(enc: Encoded, values_per_chunk: int) -> list[tuple[int, Encoded]]:
