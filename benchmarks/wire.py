@@ -170,6 +170,7 @@ def start_shards(
         ready = tmp / f"{tag}-shard{s}.ready"
         argv = ["server", "--shard", str(s), "--num-shards", str(num), "--host", "127.0.0.1"]
         argv += ["--port", "0", "--http-port", "0", "--ready-file", str(ready), *flags]
+        argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-checkpoint"), "--fresh"]
         cmd = (wrap + ["-m", "streamdiloco", *argv]) if wrap else sd(*argv)
         name = f"{tag}-shard{s}"
         out.append((name, procs.start(name, cmd), ready))
@@ -523,6 +524,7 @@ def run_framing(
             argv = ["worker", "--servers", servers, "--name", f"worker-{m}", "--rank", str(m)]
             argv += ["--steps", str(steps), "--batch-size", str(spec["batch_size"]), "--eval-batches", "1"]
             argv += ["--log-every", str(max(1, steps // 3)), "--summary", str(tmp / f"{tag}-worker{m}.json")]
+            argv += ["--checkpoint", str(tmp / f"{tag}-worker{m}.pt")]
             wprocs.append(
                 (f"{tag}-worker{m}", procs.start(f"{tag}-worker{m}", sd(*argv, *model_flags, *sync_flags)))
             )
@@ -731,8 +733,9 @@ def grpc_client_main(a: argparse.Namespace) -> int:
     enc = read_payload(plan, Path(a.payload))
     link = ShardLink(a.target, a.name, plan["fingerprint"])
     try:
+        link.start()
+        r0 = link.ready().rounds[plan["fragment"]]  # every client joins before the first push
         assert link.slices[plan["fragment"]][1] == plan["numel"], link.slices
-        r0 = 0  # a ShardLink joins only a run whose rounds are all still at 0
         cpu0 = _client_go(Path(a.ready))
         starts, ends, cpu = [], [], []
         for k in range(a.rounds):

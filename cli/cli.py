@@ -314,6 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH)",
     )
+    g.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="written every round and on shutdown; a shard started again resumes from it "
+        "(default: checkpoints/shard-S-of-N)",
+    )
+    g.add_argument("--no-checkpoint", action="store_true", help="keep no checkpoint (a restart starts over)")
+    g.add_argument(
+        "--fresh", action="store_true", help="start a new run even if --checkpoint-dir holds one (overwrites it)"
+    )
     _add_shard_flags(g)
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
     _add_sync_flags(sv)
@@ -334,6 +345,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the shards")
     g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
     g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
+    g.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="this worker's checkpoint (default: checkpoints/NAME.pt), written every --checkpoint-every "
+        "steps and when it stops",
+    )
+    g.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints, 0: only when stopping"
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint (with the same --name, or --checkpoint PATH)",
+    )
+    g.add_argument(
+        "--reconnect-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to keep trying to reach a shard that went away (default %(default)s)",
+    )
+    g.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
+    )
     _add_run_flags(wk.add_argument_group("run"))
     _add_sync_flags(wk)
     _add_inner_flags(wk)
@@ -400,6 +438,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
         token=args.token,
         chunk_bytes=args.chunk_bytes,
         init=args.init,
+        checkpoint_dir=None
+        if args.no_checkpoint
+        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
+        fresh=args.fresh,
     )
     asyncio.run(serve(service, args.host, args.port, args.http_port, args.ready_file))
     return 0
@@ -415,7 +457,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     top = {k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers")}
     if top.get("name") is None:
-        top.pop("name", None)
+        if args.resume and not args.checkpoint:
+            raise ValueError("--resume needs the worker's --name (or its --checkpoint PATH)")
+        if args.resume:  # the name the checkpoint was written under
+            from streamdiloco.worker.run import checkpoint_name
+
+            top["name"] = checkpoint_name(args.checkpoint)
+        else:
+            top.pop("name", None)
     cfg = WorkerConfig(
         servers=servers, **top, sync=_sync_config(args), inner=InnerConfig(**_pick(InnerConfig, v))
     )

@@ -83,17 +83,22 @@ class Cluster:
         self.threads.append(t)
         return proc
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, timeout: float = 20.0) -> None:
+        """Workers first (they finish their step, hand in pushes on the wire and write a checkpoint), then
+        shards (which write theirs)."""
+        workers = [p for name, p in self.procs.items() if not name.startswith("shard")]
+        shards = [p for name, p in self.procs.items() if name.startswith("shard")]
+        for group in (workers, shards):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         for t in self.threads:
             t.join(2)
 
@@ -149,6 +154,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
                 ["server", "--shard", str(s), "--num-shards", str(args.shards), "--host", "127.0.0.1"]
                 + ["--port", "0", "--http-port", "0", "--ready-file", str(ready[s])]
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
+                + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + model
                 + sync,
                 threads=1,  # a shard's arithmetic is small next to a worker's
@@ -163,6 +169,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
         for m in range(args.workers):
             argv = ["worker", "--servers", ",".join(targets), "--name", f"worker-{m}", "--rank", str(m)]
             argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
+            argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))

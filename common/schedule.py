@@ -41,6 +41,44 @@ def sends_through(fragment: int, step: int, cfg: SyncConfig) -> int:
     return 0 if step < first else (step - first) // cfg.sync_every + 1
 
 
+def send_step(fragment: int, round: int, cfg: SyncConfig) -> int:
+    """The step at which a fragment sends the given round (its regular sends; not the final sync)."""
+    return _first_send(fragment, cfg) + round * cfg.sync_every
+
+
+def next_send_after(step: int, cfg: SyncConfig) -> int:
+    """The first step after `step` at which some fragment sends."""
+    return min(send_step(f, sends_through(f, step, cfg), cfg) for f in range(cfg.num_scheduled_fragments))
+
+
+def joining_step(views: list[tuple[list[int], list[bool]]], cfg: SyncConfig) -> int:
+    """The step a worker that joins a run in progress starts from (it counts steps from there, so its sends
+    line up with the others'), given each shard's view: every fragment's open round, and whether that round
+    is in progress.
+
+    The latest send any worker made is at step c. If that round is still open, the joiner starts at c - 1
+    and sends it too (at the start of a run, late starters still make the first rounds). Otherwise the
+    others are somewhere before the next send step, and the joiner starts just before it: ahead of them,
+    so that it waits for the others and never the other way round. A run with no send yet starts at 0."""
+    latest: tuple[int, bool] | None = None  # (step of the latest send, whether its round is open)
+    pairs = [
+        (f, r, s) for rounds, started in views for f, (r, s) in enumerate(zip(rounds, started, strict=True))
+    ]
+    for f, r, s in pairs:
+        if s:
+            cand = (send_step(f, r, cfg), True)
+        elif r > 0:
+            cand = (send_step(f, r - 1, cfg), False)
+        else:
+            continue
+        if latest is None or cand > latest:
+            latest = cand
+    if latest is None:
+        return 0
+    c, open_ = latest
+    return c - 1 if open_ else next_send_after(c, cfg) - 1
+
+
 def send_round(fragment: int, step: int, cfg: SyncConfig) -> int | None:
     """The round a fragment sends at this step, or None if it does not send then."""
     first = _first_send(fragment, cfg)

@@ -71,12 +71,18 @@ class Chunk(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., total: _Optional[int] = ..., codec: _Optional[str] = ..., block_size: _Optional[int] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker", "session")
+    __slots__ = ("worker", "session", "passive")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PASSIVE_FIELD_NUMBER: _ClassVar[int]
     worker: str
     session: str
-    def __init__(self, worker: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    passive: bool
+    def __init__(self, worker: _Optional[str] = ..., session: _Optional[str] = ..., passive: _Optional[bool] = ...) -> None: ...
+
+class Ready(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("weight", "has_loss", "loss")
@@ -89,12 +95,14 @@ class PushHeader(_message.Message):
     def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "push")
+    __slots__ = ("hello", "push", "ready")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     push: Push
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., push: _Optional[_Union[Push, _Mapping]] = ...) -> None: ...
+    ready: Ready
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., push: _Optional[_Union[Push, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ...) -> None: ...
 
 class Push(_message.Message):
     __slots__ = ("chunk", "header")
@@ -119,10 +127,14 @@ class PushResult(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("rounds",)
+    __slots__ = ("rounds", "started", "member")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rounds: _Optional[_Iterable[int]] = ...) -> None: ...
+    started: _containers.RepeatedScalarFieldContainer[bool]
+    member: bool
+    def __init__(self, rounds: _Optional[_Iterable[int]] = ..., started: _Optional[_Iterable[bool]] = ..., member: _Optional[bool] = ...) -> None: ...
 
 class ShardMessage(_message.Message):
     __slots__ = ("welcome", "update", "result")

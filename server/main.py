@@ -20,6 +20,7 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.wire import make_server
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.service import ShardService
 from streamdiloco.server.shard import ShardState
 
@@ -38,9 +39,12 @@ def build_service(
     token: str = "",
     chunk_bytes: int = 1 << 20,
     init: str | None = None,
+    checkpoint_dir: str | None = None,
+    fresh: bool = False,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
-    with its parameters then taken from `init` (a saved state_dict) if given."""
+    with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
+    holds a checkpoint of this run (and not `fresh`), restored from it."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -51,7 +55,19 @@ def build_service(
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout)
-    return ShardService(state, model_fingerprint(layout, cfg), token=token, chunk_bytes=chunk_bytes)
+    fingerprint = model_fingerprint(layout, cfg)
+    checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
+    if checkpoint is not None and checkpoint.exists() and not fresh:
+        checkpoint.load(state)
+        log.info(
+            "shard %d: resumed from checkpoint %s at rounds %s",
+            shard,
+            checkpoint_dir,
+            [state.round_of(f) for f in range(layout.num_fragments)],
+        )
+    elif checkpoint is not None:
+        checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
+    return ShardService(state, fingerprint, token=token, chunk_bytes=chunk_bytes, checkpoint=checkpoint)
 
 
 def load_initial(model, path: str) -> None:
@@ -122,6 +138,11 @@ async def serve(
         raise OSError(
             f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
         )
+    ckpt = service.checkpoint
+    if ckpt is not None and ckpt.pending_initial:  # a new run: its starting state and meta.json
+        if not ckpt.save_all(service.state):
+            raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
+        ckpt.pending_initial = False
     await server.start()
     http_task, http, http_bound = None, None, None
     if http_port is not None:
@@ -157,3 +178,5 @@ async def serve(
         if http is not None and http_task is not None:
             http.should_exit = True
             await http_task
+        if service.checkpoint is not None and service.checkpoint.save_all(st):
+            log.info("shard %d: checkpoint written to %s", st.shard, service.checkpoint.dir)

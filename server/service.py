@@ -22,6 +22,7 @@ from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.shard import ClosedRound, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -49,6 +50,7 @@ class _Member:
     msg_out: int = 0
     queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
     overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
+    active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
 
 
 @dataclass
@@ -77,8 +79,10 @@ class ShardService(pb_grpc.ShardServicer):
         token: str = "",
         chunk_bytes: int = 1 << 20,
         clock=time.monotonic,
+        checkpoint: ShardCheckpoint | None = None,
     ):
         self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
+        self.checkpoint = checkpoint
         cfg = state.cfg
         self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
@@ -167,13 +171,15 @@ class ShardService(pb_grpc.ShardServicer):
         if name in self.members:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
         del self.pending[first.hello.session]
-        member = self.members[name] = _Member(name, asyncio.Queue(), time.time())
-        self.state.add_member(name)
-        log.info("%s joined (%d members)", name, len(self.members))
+        member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
+        if first.hello.passive:
+            log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
+        else:
+            self._activate(member)
         reader = asyncio.create_task(self._read(member, it))
         getter: asyncio.Task | None = None
         try:
-            yield pb.ShardMessage(welcome=pb.Welcome(rounds=[o.number for o in self.state.open]))
+            yield self._welcome(member)
             while True:
                 if member.overflowed:
                     await context.abort(
@@ -200,8 +206,24 @@ class ShardService(pb_grpc.ShardServicer):
             reader.cancel()
             del self.members[name]
             self.state.remove_member(name)
-            log.info("%s left (%d members)", name, len(self.members))
+            log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
+
+    def _activate(self, member: _Member) -> None:
+        member.active = True
+        self.state.add_member(member.name)
+        log.info("%s joined (%d members)", member.name, len(self.state.members))
+
+    def _welcome(self, member: _Member) -> pb.ShardMessage:
+        st = self.state
+        nfrag = st.layout.num_fragments
+        return pb.ShardMessage(
+            welcome=pb.Welcome(
+                rounds=[st.round_of(f) for f in range(nfrag)],
+                started=[st.started(f) for f in range(nfrag)],
+                member=member.active,
+            )
+        )
 
     def _send(self, member: _Member, msg: pb.ShardMessage) -> None:
         """Queue a message for a member; one that stops reading is dropped, not buffered for ever."""
@@ -224,9 +246,17 @@ class ShardService(pb_grpc.ShardServicer):
             size = msg.ByteSize()
             member.msg_in += size
             self.counters.msg_in += size
-            if msg.WhichOneof("kind") != "push":
+            kind = msg.WhichOneof("kind")
+            if kind == "ready":
+                if not member.active:
+                    self._activate(member)
+                self._send(member, self._welcome(member))
+                continue
+            if kind != "push":
                 self.counters.bad_messages += 1
-                self._refuse(member, 0, 0, "bad_message", "only pushes may follow Hello on a session")
+                self._refuse(
+                    member, 0, 0, "bad_message", "only pushes and Ready may follow Hello on a session"
+                )
                 continue
             self._on_push(member, msg.push)
 
@@ -278,6 +308,8 @@ class ShardService(pb_grpc.ShardServicer):
             started = self.state.open[fragment].started_at
             c = self.state.close_round(fragment, why)
             closed.append(c)
+            if self.checkpoint is not None:  # on disk before any worker can apply the update
+                self.checkpoint.save_fragment(self.state, fragment)
             chunks = to_chunks(c.update, c.fragment, c.round, self.down_chunk)
             for m in list(self.members.values()):
                 for chunk in chunks:
@@ -371,6 +403,7 @@ class ShardService(pb_grpc.ShardServicer):
             "members": [
                 {
                     "name": m.name,
+                    "state": "member" if m.active else "passive",
                     "joined_at": m.joined_at,
                     "pushes": m.pushes,
                     "refused": m.refused,
@@ -391,6 +424,14 @@ class ShardService(pb_grpc.ShardServicer):
                 for f in range(st.layout.num_fragments)
             ],
             "rounds_closed": st.rounds_closed,
+            "checkpoint": None
+            if self.checkpoint is None
+            else {
+                "dir": str(self.checkpoint.dir),
+                "writes": self.checkpoint.writes,
+                "errors": self.checkpoint.errors,
+                "last_error": self.checkpoint.last_error,
+            },
             "pushes_accepted": st.pushes_accepted,
             "pushes_refused": dict(st.pushes_refused),
             "bad_messages": self.counters.bad_messages,

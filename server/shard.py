@@ -154,6 +154,36 @@ class ShardState:
     def contributors(self, fragment: int) -> set[str]:
         return set(self.open[fragment].contributors)
 
+    def started(self, fragment: int) -> bool:
+        """Whether the open round has had a whole push (it is in progress)."""
+        return self.open[fragment].started_at is not None
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def fragment_state(self, fragment: int) -> dict:
+        """What a checkpoint keeps of a fragment: the open round's number and the outer optimizer (master,
+        momentum, error-feedback residual, rounding generator). The open round's pushes are not kept."""
+        return {
+            "fragment": fragment,
+            "slice": list(self.ranges[fragment]),
+            "round": self.open[fragment].number,
+            "outer": self.outer[fragment].state_dict(),
+        }
+
+    def load_fragment_state(self, fragment: int, saved: dict) -> None:
+        if saved.get("fragment") != fragment or list(saved.get("slice", [])) != list(self.ranges[fragment]):
+            raise ValueError(
+                f"checkpoint of fragment {saved.get('fragment')} slice {saved.get('slice')} does not fit "
+                f"fragment {fragment} slice {list(self.ranges[fragment])}"
+            )
+        master = saved["outer"]["master"]
+        lo, hi = self.ranges[fragment]
+        if master.dtype != torch.float32 or master.shape != (hi - lo,):
+            raise ValueError(
+                f"checkpoint of fragment {fragment} holds a master of {tuple(master.shape)} values"
+            )
+        self.outer[fragment].load_state_dict(saved["outer"])
+        self.open[fragment] = self._new_round(fragment, int(saved["round"]))
+
     # --- members ---------------------------------------------------------------------------------------
     def add_member(self, worker: str) -> None:
         self.members.add(worker)

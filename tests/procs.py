@@ -31,7 +31,7 @@ def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT)
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamdiloco", "server", "--port", "0", "--http-port", "0"]
-        + ["--ready-file", str(ready), *flags],
+        + ["--ready-file", str(ready), "--checkpoint-dir", str(tmp / f"{name}-checkpoint"), *flags],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=cwd,

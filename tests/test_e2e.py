@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 
@@ -12,7 +13,7 @@ from procs import shard_process, streamdiloco
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.sim.simulator import SimConfig, simulate
-from streamdiloco.worker.client import SyncError, connect
+from streamdiloco.worker.client import SyncError, connect, fetch_masters
 from streamdiloco.worker.model import build_gpt
 
 
@@ -148,25 +149,50 @@ def test_a_shard_started_from_saved_parameters_serves_them(tmp_path):
     assert r.returncode == 2 and "does not fit the model" in r.stderr, r.stderr
 
 
-def test_a_worker_cannot_join_a_run_in_progress_yet_and_is_told_so(tmp_path):
+def test_a_worker_joins_a_run_in_progress_at_the_runs_step_and_stays_in_sync(tmp_path):
     flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
-    with shard_process(tmp_path, *flags) as (target, _, _):
-        cfg = SyncConfig(sync_every=6, num_fragments=3)
+    with shard_process(tmp_path, *flags) as (target, http, _):
+        cfg = SyncConfig(sync_every=6, num_fragments=3, final_sync=False)
         first = connect(build_gpt("nano"), [target], cfg, name="first")
+        second = None
         try:
             for _ in range(3):  # fragment 1 is sent at step 2 and its round closes (min_workers 1)
                 first.step(tokens=1)
-            with pytest.raises(
-                SyncError, match="is in progress .* joining a run in progress is not supported"
-            ):
-                connect(build_gpt("nano"), [target], cfg, name="second")
+            torch.manual_seed(1)
+            joiner_model = build_gpt("nano")  # other initial values: the joiner must take the global ones
+            second = connect(joiner_model, [target], cfg, name="second")
+            # the latest send was fragment 1's round 0 at step 2, closed: the next send is at step 4, and
+            # the joiner starts just before it, with its parameters and mirror equal to the masters
+            assert second.step_count == 3
+            assert all(torch.equal(a, b) for a, b in zip(second.mirrors, first.mirrors, strict=True))
+            for _ in range(12):  # steps 4..15: both push every round from here on
+                second_thread = threading.Thread(target=second.step, kwargs={"tokens": 1})
+                second_thread.start()
+                first.step(tokens=1)
+                second_thread.join(60)
+            status = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/api/status").read())
+            assert {m["name"] for m in status["members"]} == {"first", "second"}
+            rounds = status["recent_rounds"]
+            after = [r for r in rounds if r["closed_at"] and "second" in r["contributors"]]
+            # the joiner's first push went into the next round: fragment 2's round 0 (step 4), with both
+            assert after and (after[0]["fragment"], after[0]["round"]) == (2, 0)
+            assert after[0]["contributors"] == ["first", "second"]
+            first.drain()
+            second.drain()
+            masters = fetch_masters([target])
+            for engine in (first, second):
+                assert all(torch.equal(a, b) for a, b in zip(engine.mirrors, masters, strict=True))
         finally:
             first.close()
+            if second is not None:
+                second.close()
 
 
 def test_a_second_shard_on_a_port_in_use_fails_with_one_line(tmp_path):
     with shard_process(tmp_path, "--model", "nano") as (target, _, _):
         port = target.rsplit(":", 1)[1]
-        r = streamdiloco("server", "--model", "nano", "--port", port, "--http-port", "0", timeout=120)
+        r = streamdiloco(
+            "server", "--model", "nano", "--port", port, "--http-port", "0", "--no-checkpoint", timeout=120
+        )
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("streamdiloco: error: cannot listen for gRPC")

@@ -663,7 +663,7 @@ def test_a_message_other_than_a_push_is_refused(shard):
     for _ in range(2):
         r = a.session.result()
         assert (r.accepted, r.reason) == (False, "bad_message")
-        assert "only pushes may follow Hello" in r.message
+        assert "only pushes and Ready may follow Hello" in r.message
     shard.quiesce(a)
     assert shard.snapshot() == before
 

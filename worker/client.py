@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import random
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from streamdiloco.common.codecs import Encoded, concat, expected_sizes, get_codec
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.schedule import joining_step
 from streamdiloco.common.wire import (
     PROTOCOL,
     bytes_to_values,
@@ -34,13 +37,56 @@ log = logging.getLogger("streamdiloco.worker")
 
 
 WAIT_LOG_SECONDS = 30.0  # log while waiting this long for an update
+MAX_BACKOFF = 15.0  # seconds between reconnect attempts, at most (before jitter)
 
 
 class SyncError(RuntimeError):
-    """The session with a shard failed: the worker cannot go on syncing."""
+    """The session with a shard failed for good: the worker cannot go on syncing."""
+
+
+@dataclass(frozen=True)
+class Master:
+    """A master slice fetched to resynchronize: the mirror's slice becomes `values`, which hold every round
+    of the fragment before `round` (in place of the updates this worker missed)."""
+
+    values: torch.Tensor
+    round: int
+
+
+# What an update is, to the engine: an Encoded update to add to the mirror, a Master to replace the mirror's
+# slice with, or None: nothing to do (the mirror already holds that round, from a fetch).
+Update = Encoded | Master | None
+
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,  # shard down or restarting, network gone
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,  # the shard has not noticed yet that our old session is gone
+    grpc.StatusCode.UNAUTHENTICATED,  # only at Hello: the Join's session id expired meanwhile
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # we read too slowly and were dropped: resync
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+class _Retry(Exception):
+    """A step of (re)connecting failed in a way worth another try."""
+
+
+class StopRequested(Exception):
+    """The worker was asked to stop (SIGTERM, Ctrl+C) while it waited for an update; nothing was taken."""
 
 
 class ShardLink:
+    """One shard: Join, a Session that stays open, and its resumption when it breaks.
+
+    Pushes are kept (encoded) until their round's update arrives. When the session breaks, a background
+    thread reconnects with exponential backoff and jitter: Join again, open a passive session, compare the
+    shard's rounds with what this worker holds, fetch any slice it missed rounds of (the engine then takes
+    that Master in place of the missed updates), become a member again, and send again every kept push
+    whose round is still open. A shard restarted from its checkpoint thereby gets back every push it lost.
+    """
+
     def __init__(
         self,
         target: str,
@@ -48,83 +94,260 @@ class ShardLink:
         fingerprint: dict,
         token: str = "",
         join_timeout: float = 60.0,
+        reconnect_timeout: float = 600.0,
     ):
         self.target, self.worker, self.token = parse_target(target), worker, token
+        self.fingerprint, self.join_timeout, self.reconnect_timeout = (
+            fingerprint,
+            join_timeout,
+            reconnect_timeout,
+        )
         self.channel = make_channel(self.target)
         self.stub = pb_grpc.ShardStub(self.channel)
-        try:
-            reply = self.stub.Join(
-                pb.JoinRequest(
-                    worker=worker, token=token, fingerprint_json=json.dumps(fingerprint), protocol=PROTOCOL
-                ),
-                timeout=join_timeout,
-                wait_for_ready=True,  # the shard may still be starting
-            )
-        except grpc.RpcError as e:
-            self.channel.close()
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise SyncError(
-                    f"no answer from a shard at {self.target} within {join_timeout:g} s"
-                ) from None
-            raise SyncError(f"shard at {self.target} refused Join: {e.code().name}: {e.details()}") from None
-        try:
-            self.config = SyncConfig.from_dict(json.loads(reply.config_json))
-        except (ValueError, TypeError) as e:
-            self.channel.close()
-            raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
-        if any(reply.rounds):
-            self.channel.close()
-            raise SyncError(
-                f"the run at {self.target} is in progress (open rounds {list(reply.rounds)}): joining a run "
-                "in progress is not supported yet; start the workers together, or restart the shards"
-            )
-        self.shard, self.num_shards = reply.shard, reply.num_shards
-        self.slices = [(s.offset, s.length) for s in reply.slices]
-        self.chunk_values = reply.chunk_values
-        self._outbox: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._updates: dict[tuple[int, int], Encoded] = {}
         self._partial: dict[tuple[int, int], list[Encoded]] = {}
+        self._masters: dict[int, Master] = {}  # fetched on resync, not yet taken by the engine
+        self._unacked: dict[tuple[int, int], tuple[Encoded, float, float | None]] = {}
+        self._awaiting_result: set[tuple[int, int]] = set()  # sent on this session, no PushResult yet
         self.refusals: list[pb.PushResult] = []
         self.error: str | None = None
         self.msg_out = 0
         self.msg_in = 0
+        self.reconnects = 0
+        self.resent = 0
         self._closing = False
-        self._call = self.stub.Session(self._requests(reply.session))
-        self._receiver = threading.Thread(target=self._receive, name=f"shard{self.shard}-rx", daemon=True)
+        self._closed = threading.Event()  # wakes the reconnect backoff when the link closes
+        self.interrupt: threading.Event | None = None  # set by a stop request: waits for updates give up
+        self._connected = False  # a session is open and this worker is a member on it
+        self._welcome: pb.Welcome | None = None  # the latest Welcome (answer to Hello or Ready)
+        self._welcomes = 0
+        self._outbox: queue.Queue = queue.Queue()
+        self._call = None
+        self._receiver: threading.Thread | None = None
+        self.config: SyncConfig | None = None
+        self.shard = self.num_shards = self.chunk_values = 0
+        self.slices: list[tuple[int, int]] = []
+        self.covered: list[int] = []  # rounds < covered[f] are in the mirror (fetched), per fragment
+        self._applied_cover: list[int] = []  # covered, counting only fetched masters the engine has taken
+        self.merged: list[int] = []  # rounds < merged[f] have been merged by the engine
+
+    # --- connecting ------------------------------------------------------------------------------------
+    def join(self, timeout: float | None = None, wait: bool = True) -> None:
+        """Join the shard; SyncError if it refuses, _Retry (wait=False) if it cannot be reached."""
+        timeout = self.join_timeout if timeout is None else timeout
+        try:
+            reply = self.stub.Join(
+                pb.JoinRequest(
+                    worker=self.worker,
+                    token=self.token,
+                    fingerprint_json=json.dumps(self.fingerprint),
+                    protocol=PROTOCOL,
+                ),
+                timeout=timeout,
+                wait_for_ready=wait,  # the shard may still be starting
+            )
+        except grpc.RpcError as e:
+            code = e.code()
+            if not wait and code in RETRYABLE:
+                raise _Retry(f"Join: {code.name}: {e.details()}") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
+            raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
+        try:
+            config = SyncConfig.from_dict(json.loads(reply.config_json))
+        except (ValueError, TypeError) as e:
+            raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+        slices = [(s.offset, s.length) for s in reply.slices]
+        if self.config is not None and (
+            config != self.config
+            or slices != self.slices
+            or (reply.shard, reply.num_shards) != (self.shard, self.num_shards)
+        ):
+            raise SyncError(
+                f"the shard at {self.target} came back as another run: shard index, slices or config differ"
+            )
+        self.config, self.shard, self.num_shards = config, reply.shard, reply.num_shards
+        self.slices, self.chunk_values = slices, reply.chunk_values
+        if not self.covered:
+            self.covered = [0] * len(slices)
+            self._applied_cover = [0] * len(slices)
+            self.merged = [0] * len(slices)
+        self._session_id = reply.session
+
+    def open_session(self) -> pb.Welcome:
+        """Start a passive session (updates come, no round waits for us) and return the shard's Welcome."""
+        outbox: queue.Queue = queue.Queue()
+        self._outbox.put(None)  # ends the previous session's request stream, if any
+        self._outbox = outbox
+        call = self.stub.Session(self._requests(outbox, self._session_id))
+        try:
+            first = next(call)
+        except StopIteration:
+            raise _Retry("the shard ended the session at once") from None
+        except grpc.RpcError as e:
+            if e.code() in RETRYABLE:
+                raise _Retry(f"Session: {e.code().name}: {e.details()}") from None
+            raise SyncError(
+                f"shard {self.shard} at {self.target} refused the session: {e.code().name}: {e.details()}"
+            ) from None
+        self.msg_in += first.ByteSize()
+        if first.WhichOneof("kind") != "welcome" or len(first.welcome.rounds) != len(self.slices):
+            call.cancel()
+            raise SyncError(f"shard {self.shard} at {self.target} did not start the session with a Welcome")
+        self._call = call
+        return first.welcome
+
+    def start(self) -> None:
+        """Join, open a passive session and start the receiver (first connection)."""
+        self.join()
+        try:
+            self._welcome = self.open_session()
+        except _Retry as e:
+            raise SyncError(f"shard at {self.target}: {e}") from None
+        self._receiver = threading.Thread(target=self._run, name=f"shard{self.shard}-rx", daemon=True)
         self._receiver.start()
 
-    def _requests(self, session: str):
-        hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session))
+    def ready(self, timeout: float = 60.0) -> pb.Welcome:
+        """Become a member (first connection): rounds that start from now on wait for this worker."""
+        with self._cond:
+            seen = self._welcomes
+            self._outbox.put(pb.WorkerMessage(ready=pb.Ready()))
+            deadline = time.monotonic() + timeout
+            while self._welcomes == seen:
+                if self.error:
+                    raise SyncError(self.error)
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    if self._welcomes == seen:
+                        raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready")
+            self._connected = True
+            assert self._welcome is not None
+            return self._welcome
+
+    def _requests(self, outbox: queue.Queue, session: str):
+        hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session, passive=True))
         self.msg_out += hello.ByteSize()
         yield hello
         while True:
-            msg = self._outbox.get()
+            msg = outbox.get()
             if msg is None:
                 return
             self.msg_out += msg.ByteSize()
             yield msg
 
-    def _receive(self) -> None:
+    # --- the receiver thread: read the session; when it breaks, reconnect --------------------------------
+    def _run(self) -> None:
+        while True:
+            problem = self._receive()
+            if self._closing or self.error:
+                return
+            with self._cond:
+                self._connected = False
+                self._awaiting_result.clear()
+            log.warning("%s; reconnecting", problem)
+            try:
+                self._reconnect()
+            except SyncError as e:
+                self._fail(str(e))
+                return
+
+    def _receive(self) -> str:
+        """Read the session until it ends; returns why it ended."""
         try:
-            for msg in self._call:
+            for msg in self._call:  # type: ignore[union-attr]
                 self.msg_in += msg.ByteSize()
                 kind = msg.WhichOneof("kind")
                 if kind == "update":
                     self._on_update(msg.update)
-                elif kind == "result" and not msg.result.accepted:
-                    self._on_refused(msg.result)
-            if not self._closing:
-                self._fail(f"shard {self.shard} at {self.target} ended the session")
+                elif kind == "result":
+                    self._on_result(msg.result)
+                elif kind == "welcome":
+                    self._on_welcome(msg.welcome)
+            return f"shard {self.shard} at {self.target} ended the session"
         except grpc.RpcError as e:
-            if not self._closing:
-                self._fail(
+            if e.code() in RETRYABLE or self._closing:
+                return (
                     f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
                 )
+            self._fail(
+                f"session with shard {self.shard} at {self.target} failed: {e.code().name}: {e.details()}"
+            )
         except SyncError as e:
             self._fail(str(e))
         except Exception as e:  # a malformed message must not end the thread silently
             self._fail(f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}")
+        return "failed"
+
+    def _reconnect(self) -> None:
+        """Join again (with backoff), resynchronize and become a member; SyncError when time runs out."""
+        give_up = time.monotonic() + self.reconnect_timeout
+        delay = 0.5
+        attempt = 0
+        while not self._closing:
+            attempt += 1
+            try:
+                self.join(timeout=min(20.0, max(1.0, give_up - time.monotonic())), wait=False)
+                welcome = self.open_session()
+                self._resync(welcome)
+                self._outbox.put(pb.WorkerMessage(ready=pb.Ready()))  # the answer's Welcome resends pushes
+                self.reconnects += 1
+                log.info("reconnected to shard %d at %s (attempt %d)", self.shard, self.target, attempt)
+                return
+            except _Retry as e:
+                if self._call is not None:
+                    self._call.cancel()
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise SyncError(
+                        f"shard {self.shard} at {self.target} unreachable for {self.reconnect_timeout:g} s "
+                        f"(last: {e}); giving up"
+                    ) from None
+                sleep = min(left, delay * random.uniform(0.5, 1.0))  # jitter: not all workers at once
+                log.info("shard %d at %s: %s; retrying in %.1f s", self.shard, self.target, e, sleep)
+                self._closed.wait(sleep)
+                delay = min(delay * 2, MAX_BACKOFF)
+
+    def _have(self, fragment: int) -> int:
+        """Rounds of a fragment whose effect this worker holds (merged, fetched, or received)."""
+        got = [r + 1 for f, r in self._updates if f == fragment]
+        m = self._masters.get(fragment)
+        return max([self.covered[fragment], self.merged[fragment], m.round if m else 0, *got])
+
+    def _resync(self, welcome: pb.Welcome) -> None:
+        """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
+        with self._cond:
+            have = [self._have(f) for f in range(len(self.slices))]
+        behind = []
+        for f, (theirs, ours) in enumerate(zip(welcome.rounds, have, strict=True)):
+            if theirs < ours:
+                raise SyncError(
+                    f"shard {self.shard} at {self.target} is at round {theirs} of fragment {f}, but this "
+                    f"worker already has round {ours - 1}: the shard restarted from an older checkpoint than "
+                    "its last round; restart the run from the shards' checkpoints and the workers' --resume"
+                )
+            if theirs > ours:
+                behind.append(f)
+        if not behind:
+            return
+        log.info(
+            "shard %d closed rounds of fragment(s) %s while this worker was away: fetching those slices",
+            self.shard,
+            behind,
+        )
+        try:
+            fetched = self.fetch(behind)
+        except SyncError as e:
+            raise _Retry(str(e)) from None
+        with self._cond:
+            for f, (values, rnd) in fetched.items():
+                self._masters[f] = Master(values, rnd)
+                self.covered[f] = rnd
+                for key in [k for k in self._updates if k[0] == f and k[1] < rnd]:
+                    del self._updates[key]
+                for key in [k for k in self._unacked if k[0] == f and k[1] < rnd]:
+                    del self._unacked[key]
+            self._cond.notify_all()
 
     def _fail(self, message: str) -> None:
         with self._cond:
@@ -132,17 +355,42 @@ class ShardLink:
             self._cond.notify_all()
         log.error(message)
 
-    def _on_refused(self, r: pb.PushResult) -> None:
-        self.refusals.append(r)
+    def _on_welcome(self, w: pb.Welcome) -> None:
+        if len(w.rounds) != len(self.slices) or len(w.started) != len(self.slices):
+            raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
+        with self._cond:
+            self._welcome = w
+            self._welcomes += 1
+            if w.member and not self._connected and self._receiver is not None and self.reconnects:
+                # back after a reconnect: send again every kept push whose round is still open
+                for (f, r), (enc, weight, loss) in sorted(self._unacked.items()):
+                    if r >= w.rounds[f]:
+                        self._send_push(f, r, enc, weight, loss)
+                        self.resent += 1
+                self._connected = True
+            self._cond.notify_all()
+
+    def _on_result(self, r: pb.PushResult) -> None:
+        with self._cond:
+            self._awaiting_result.discard((r.fragment, r.round))
+            self._cond.notify_all()
+        if r.accepted:
+            return
         if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
             log.warning("shard %d: %s", self.shard, r.message)
+        elif r.reason == "duplicate":  # sent before a reconnect and already in the round: nothing lost
+            log.info("shard %d already has this worker's push: %s", self.shard, r.message)
         else:
+            self.refusals.append(r)
             self._fail(f"shard {self.shard} refused a push ({r.reason}): {r.message}")
+            return
+        self.refusals.append(r)
 
     def _on_update(self, c: pb.Chunk) -> None:
         key = (c.fragment, c.round)
         if not 0 <= c.fragment < len(self.slices):
             raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+        assert self.config is not None
         want_total = self.slices[c.fragment][1]
         parts = self._partial.setdefault(key, [])
         at = sum(p.numel for p in parts)
@@ -169,49 +417,127 @@ class ShardLink:
         if c.last:
             del self._partial[key]
             with self._cond:
-                self._updates[key] = concat(parts)
+                if c.round >= max(self.covered[c.fragment], self.merged[c.fragment]):
+                    self._updates[key] = concat(parts)  # older rounds are in the mirror already
                 self._cond.notify_all()
 
     # --- what the transport calls ----------------------------------------------------------------------
-    def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
-        if self.error:
-            raise SyncError(self.error)
+    def _send_push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
         header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=loss or 0.0)
         for chunk in to_chunks(enc, fragment, round, self.chunk_values):
             self._outbox.put(
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
             )
+        self._awaiting_result.add((fragment, round))
+
+    def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
+        """Send a push (now, or after the reconnect under way) and keep it until its round's update."""
+        with self._cond:
+            if self.error:
+                raise SyncError(self.error)
+            if round < self.covered[fragment]:
+                return  # the round closed while we were away; the fetched master holds it
+            self._unacked[(fragment, round)] = (enc, weight, loss)
+            if self._connected:
+                self._send_push(fragment, round, enc, weight, loss)
+
+    def _available(self, fragment: int, round: int) -> bool:
+        return round < self.covered[fragment] or (fragment, round) in self._updates
 
     def has_update(self, fragment: int, round: int) -> bool:
         with self._cond:
-            return (fragment, round) in self._updates
+            return self._available(fragment, round)
 
-    def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Encoded:
+    def wait_available(self, fragment: int, round: int, timeout: float | None = None) -> None:
+        """Block until the round's update (or a fetched master holding it) is here. Raises SyncError if the
+        link failed for good, StopRequested if `interrupt` was set meanwhile; takes nothing either way."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        next_log = time.monotonic() + WAIT_LOG_SECONDS
         with self._cond:
-            while (fragment, round) not in self._updates:
+            while not self._available(fragment, round):
                 if self.error:
                     raise SyncError(self.error)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if self.interrupt is not None and self.interrupt.is_set():
+                    raise StopRequested()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
                     raise SyncError(
                         f"no update for fragment {fragment} round {round} from shard {self.shard}"
                     )
-                if not self._cond.wait(min(left, WAIT_LOG_SECONDS) if left is not None else WAIT_LOG_SECONDS):
+                if now >= next_log:
+                    next_log = now + WAIT_LOG_SECONDS
                     log.info(
-                        "still waiting for fragment %d round %d from shard %d (a round waits for every "
+                        "still waiting for fragment %d round %d from shard %d%s (a round waits for every "
                         "member's push or its deadline, and for --min-workers members)",
                         fragment,
                         round,
                         self.shard,
+                        "" if self._connected else ", reconnecting",
                     )
-            enc = self._updates.pop((fragment, round))
-            for key in [k for k in self._updates if k[0] == fragment and k[1] < round]:
-                del self._updates[key]  # rounds we joined too late for
-            return enc
+                self._cond.wait(0.25 if deadline is None else max(0.0, min(0.25, deadline - now)))
 
-    def fetch(self, fragments: list[int] | None = None, attempts: int = 3) -> dict[int, torch.Tensor]:
-        """The current master slices (fp32), resuming from the last chunk received if the stream breaks."""
+    def take(self, fragment: int, round: int) -> Update:
+        """The round's update, once wait_available said it is here: Encoded, a Master (after a resync), or
+        None (the mirror has that round already). The round's push is then answered: it is let go."""
+        with self._cond:
+            out: Update
+            if round < self.covered[fragment]:
+                out = self._masters.pop(fragment, None)
+                if out is not None:
+                    self._applied_cover[fragment] = self.covered[fragment]
+            else:
+                out = self._updates.pop((fragment, round))
+            self.merged[fragment] = max(self.merged[fragment], round + 1)
+            for key in [k for k in self._updates if k[0] == fragment and k[1] <= round]:
+                del self._updates[key]
+            for key in [k for k in self._unacked if k[0] == fragment and k[1] <= round]:
+                del self._unacked[key]
+            return out
+
+    def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Update:
+        self.wait_available(fragment, round, timeout)
+        return self.take(fragment, round)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every push sent on this session has its PushResult (for a clean stop)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._awaiting_result and self._connected and not self.error:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self._awaiting_result
+
+    def state_dict(self) -> dict:
+        """What a worker checkpoint keeps: rounds held and the pushes not yet answered by an update."""
+        with self._cond:
+            return {
+                "target": self.target,
+                "shard": self.shard,
+                "covered": list(self._applied_cover),  # a fetched master not yet taken is not in the mirror
+                "merged": list(self.merged),
+                "unacked": [
+                    {"fragment": f, "round": r, "enc": vars(enc).copy(), "weight": w, "loss": loss}
+                    for (f, r), (enc, w, loss) in sorted(self._unacked.items())
+                ],
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            self.covered = list(state["covered"])
+            self._applied_cover = list(state["covered"])
+            self.merged = list(state["merged"])
+            self._unacked = {
+                (u["fragment"], u["round"]): (Encoded(**u["enc"]), u["weight"], u["loss"])
+                for u in state["unacked"]
+            }
+
+    def fetch(
+        self, fragments: list[int] | None = None, attempts: int = 3
+    ) -> dict[int, tuple[torch.Tensor, int]]:
+        """The current master slices (fp32) and their rounds, resuming from the last chunk received if the
+        stream breaks."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
         got: dict[int, list[torch.Tensor]] = {f: [] for f in want}
         rounds: dict[int, int] = {}  # the round each fragment's chunks so far belong to
@@ -248,17 +574,22 @@ class ShardLink:
                 time.sleep(0.5 * (attempt + 1))
         out = {f: torch.cat(got[f]) if got[f] else torch.empty(0) for f in want}
         for f, t in out.items():
-            if t.numel() != self.slices[f][1]:
+            if t.numel() != self.slices[f][1] or f not in rounds:
                 raise SyncError(
                     f"shard {self.shard} sent {t.numel()} values of fragment {f}, want {self.slices[f][1]}"
                 )
-        return out
+        return {f: (t, rounds[f]) for f, t in out.items()}
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
+        self._closed.set()
         self._outbox.put(None)
-        self._receiver.join(timeout)
-        if self._receiver.is_alive():
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+            if self._receiver.is_alive() and self._call is not None:
+                self._call.cancel()
+                self._receiver.join(timeout)
+        elif self._call is not None:
             self._call.cancel()
         self.channel.close()
 
@@ -277,18 +608,63 @@ class GrpcTransport:
         self.links, self.num_shards = by_index, num
 
     @classmethod
-    def connect(
-        cls, targets: list[str], worker: str, fingerprint: dict, token: str = "", join_timeout: float = 60.0
+    def open(
+        cls,
+        targets: list[str],
+        worker: str,
+        fingerprint: dict,
+        token: str = "",
+        join_timeout: float = 60.0,
+        reconnect_timeout: float = 600.0,
     ) -> GrpcTransport:
+        """Join every shard and open a passive session with each (nobody waits for us yet)."""
         links: list[ShardLink] = []
         try:
             for t in targets:
-                links.append(ShardLink(t, worker, fingerprint, token, join_timeout))
+                links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout))
+                links[-1].start()
             return cls(links)
         except BaseException:
             for link in links:
                 link.close()
             raise
+
+    def join_run(self, fragment_vectors) -> int:
+        """A new worker: fetch every master slice (after the sessions opened, so no update is missed), hand
+        the full fragments to `fragment_vectors(list of tensors)`, become a member of every shard, and
+        return the step to start counting from (0 for a run that has not synced yet)."""
+        assert self.links[0].config is not None
+        parts = [link.fetch() for link in self.links]
+        for link, part in zip(self.links, parts, strict=True):
+            with link._cond:
+                link.covered = [part[f][1] for f in range(len(link.slices))]
+                link._applied_cover = list(link.covered)  # the caller sets the parameters from them
+                for key in [k for k in link._updates if k[1] < link.covered[k[0]]]:
+                    del link._updates[key]  # closed before the fetch: in the master already
+        fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
+        welcomes = [link.ready() for link in self.links]
+        return joining_step([(list(w.rounds), list(w.started)) for w in welcomes], self.links[0].config)
+
+    def resume(self, states: list[dict]) -> None:
+        """A worker restarted from its checkpoint: restore what each link held, fetch the slices of rounds
+        that closed meanwhile, become a member, and send again the pushes whose rounds are still open."""
+        for link, state in zip(self.links, states, strict=True):
+            if state["shard"] != link.shard:
+                raise SyncError(
+                    f"the checkpoint's shard {state['shard']} is not {link.target}'s ({link.shard})"
+                )
+            link.load_state_dict(state)
+            assert link._welcome is not None
+            try:
+                link._resync(link._welcome)
+            except _Retry as e:
+                raise SyncError(str(e)) from None
+        for link in self.links:
+            link.ready()
+
+    def first_rounds(self, num_fragments: int) -> list[int]:
+        """Per fragment, the first round not yet in the mirror on every shard."""
+        return [min(link.covered[f] for link in self.links) for f in range(num_fragments)]
 
     def push(
         self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
@@ -296,16 +672,34 @@ class GrpcTransport:
         for link, enc in zip(self.links, slices, strict=True):
             link.push(fragment, round, enc, weight, loss)
 
-    def update(self, fragment: int, round: int) -> list[Encoded]:
-        return [link.wait_update(fragment, round) for link in self.links]
+    def update(self, fragment: int, round: int) -> list[Update]:
+        for link in self.links:  # wait for every slice first: a stop request then takes nothing at all
+            link.wait_available(fragment, round)
+        return [link.take(fragment, round) for link in self.links]
+
+    def set_interrupt(self, event: threading.Event) -> None:
+        """Waits for updates raise StopRequested once `event` is set (the worker's stop request)."""
+        for link in self.links:
+            link.interrupt = event
 
     def ready(self, fragment: int, round: int) -> bool:
         return all(link.has_update(fragment, round) for link in self.links)
 
-    def fetch(self, num_fragments: int) -> list[torch.Tensor]:
-        """Every fragment's full master vector, joined from all shards' slices."""
-        parts = [link.fetch(list(range(num_fragments))) for link in self.links]
-        return [torch.cat([p[f] for p in parts]) for f in range(num_fragments)]
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (up to `timeout` in all) until every push sent has been answered."""
+        deadline = time.monotonic() + timeout
+        return all([link.flush(max(0.0, deadline - time.monotonic())) for link in self.links])
+
+    def state_dict(self) -> list[dict]:
+        return [link.state_dict() for link in self.links]
+
+    @property
+    def reconnects(self) -> int:
+        return sum(link.reconnects for link in self.links)
+
+    @property
+    def resent(self) -> int:
+        return sum(link.resent for link in self.links)
 
     @property
     def message_bytes(self) -> tuple[int, int]:
@@ -340,13 +734,18 @@ def connect(
     seed: int = 0,
     rank: int = 0,
     join_timeout: float = 60.0,
+    reconnect_timeout: float = 600.0,
+    resume: dict | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
     `step(tokens, loss)` right after every `inner_optimizer.step()`, and `close()` at the end.
 
+    A run in progress is joined too: the engine then starts counting at the run's current step
+    (`engine.step_count`), so that its sends line up with the other workers'; take part from there.
     `sync` must equal the shards' Streaming DiLoCo settings (default: SyncConfig()); `total_steps` lets the
-    engine sync every fragment at the last step (final_sync)."""
+    engine sync every fragment at the last step (final_sync). `resume` is a worker checkpoint's dict (see
+    worker/run.py): the engine and the links continue from it, and the model keeps its parameters."""
     import os
     import socket
 
@@ -358,13 +757,32 @@ def connect(
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
-    transport = GrpcTransport.connect(targets, name, model_fingerprint(layout, sync), token, join_timeout)
+    transport = GrpcTransport.open(
+        targets, name, model_fingerprint(layout, sync), token, join_timeout, reconnect_timeout
+    )
     try:
-        masters = transport.fetch(layout.num_fragments)
-        with torch.no_grad():
-            for frag, vec in zip(layout.fragments, masters, strict=True):
-                unflatten_into(vec, fragment_params(model, frag))
-        return SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
+
+        def set_params(vectors: list[torch.Tensor]) -> None:
+            with torch.no_grad():
+                for frag, vec in zip(layout.fragments, vectors, strict=True):
+                    unflatten_into(vec, fragment_params(model, frag))
+
+        if resume is not None:
+            engine = SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
+            engine.load_state_dict(resume["engine"])
+            transport.resume(resume["links"])
+            log.info("%s resumes at step %d", name, engine.step_count)
+            return engine
+        start = transport.join_run(set_params)
+        if total_steps is not None and start >= total_steps:
+            raise SyncError(f"the run is at step {start}, past total_steps={total_steps}: nothing left to do")
+        engine = SyncEngine(
+            model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank, start_step=start
+        )
+        if start:
+            log.info("%s joins the run in progress at step %d", name, start)
+            engine.catch_up(transport.first_rounds(layout.num_fragments))
+        return engine
     except BaseException:
         transport.close()
         raise

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.wire import parse_target
-from streamdiloco.worker.client import GrpcTransport, connect
+from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.train import (
@@ -58,6 +60,11 @@ class WorkerConfig:
     join_timeout: float = 60.0
     summary: str | None = None  # write the summary JSON here
     save_global: str | None = None  # torch.save the final global fragments (the mirror) here
+    checkpoint: str | None = None  # where this worker's checkpoint goes (default: checkpoints/<name>.pt)
+    checkpoint_every: int = 100  # steps between checkpoints; 0: only when stopping
+    resume: bool = False  # start from the checkpoint instead of joining as a new worker
+    reconnect_timeout: float = 600.0  # give up on a shard unreachable this long
+    step_delay: float = 0.0  # seconds to sleep after every step: makes this worker slow on purpose
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
 
@@ -69,6 +76,18 @@ class WorkerConfig:
         for name in ("steps", "batch_size", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"--checkpoint-every must be 0 (only when stopping) or more, got {self.checkpoint_every}"
+            )
+        if not self.reconnect_timeout > 0:
+            raise ValueError(f"--reconnect-timeout must be positive seconds, got {self.reconnect_timeout}")
+        if not 0 <= self.step_delay < 3600:
+            raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.checkpoint) if self.checkpoint else Path("checkpoints") / f"{self.name}.pt"
 
     @property
     def data_rank(self) -> int:
@@ -83,134 +102,313 @@ def mirror_digests(engine: SyncEngine) -> list[list[str]]:
     ]
 
 
+CHECKPOINT_FORMAT = 1
+
+
+def _checkpoint_key(cfg: WorkerConfig) -> dict:
+    """What must be the same for a checkpoint to be resumed by this configuration."""
+    return {
+        "model": cfg.model,
+        "block_size": cfg.block_size,
+        "seed": cfg.seed,
+        "steps": cfg.steps,
+        "batch_size": cfg.batch_size,
+        "data": cfg.data,
+        "sync": cfg.sync.to_dict(),
+    }
+
+
+def _read_checkpoint(path: Path) -> dict:
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(
+            f"--resume: no checkpoint at {path} (give the --name the worker had, or --checkpoint PATH)"
+        ) from None
+    except Exception as e:  # torch raises many kinds for damaged files
+        raise ValueError(f"--resume: {path} is not a worker checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"--resume: {path} is not a worker checkpoint of format {CHECKPOINT_FORMAT}")
+    return ck
+
+
+def checkpoint_name(path: str) -> str:
+    """The worker name a checkpoint was written under."""
+    return str(_read_checkpoint(Path(path))["name"])
+
+
+def load_checkpoint(cfg: WorkerConfig) -> dict:
+    """Read and check this worker's checkpoint; ValueError (one line) if it cannot be resumed."""
+    path = cfg.checkpoint_path
+    ck = _read_checkpoint(path)
+    want = _checkpoint_key(cfg)
+    changed = sorted(k for k in want if ck["key"].get(k) != want[k])
+    if changed:
+        raise ValueError(
+            f"--resume: {path} was written with other settings ({', '.join(changed)}): "
+            "resume with the same flags"
+        )
+    return ck
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save, atomically: a crash while writing leaves the previous checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class StopFlag:
+    """SIGTERM / SIGINT: the first asks the worker to stop at the end of its step (or while it waits for an
+    update) and write its checkpoint; a second one stops it at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only (a worker run from a test's thread)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+        log.warning(
+            "%s: stopping after this step (send it again to stop at once)", signal.Signals(signum).name
+        )
+
+
 def run_worker(cfg: WorkerConfig) -> dict:
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
+    resume = load_checkpoint(cfg) if cfg.resume else None
+    if resume is not None and resume["name"] != cfg.name:
+        raise ValueError(
+            f"--resume: {cfg.checkpoint_path} belongs to worker {resume['name']!r}, not {cfg.name!r}"
+        )
     model = build_model(cfg.model, cfg.seed, cfg.block_size)
     block = model_block_size(model, cfg.block_size)
     data = ByteDataset.load(cfg.data, block)
     val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
     stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
+    stop = StopFlag()
+    stop.install()
 
     log.info("%s: joining %d shard(s): %s", cfg.name, len(cfg.servers), ", ".join(cfg.servers))
+    if resume is not None:
+        model.load_state_dict(resume["params"])
+        stream.load_state_dict(resume["data"])
     model.to(device)
-    engine = connect(
-        model,
-        list(cfg.servers),
-        cfg.sync,
-        total_steps=cfg.steps,
-        name=cfg.name,
-        token=cfg.token,
-        seed=cfg.seed,
-        rank=cfg.data_rank,
-        join_timeout=cfg.join_timeout,
-    )
+    try:
+        engine = connect(
+            model,
+            list(cfg.servers),
+            cfg.sync,
+            total_steps=cfg.steps,
+            name=cfg.name,
+            token=cfg.token,
+            seed=cfg.seed,
+            rank=cfg.data_rank,
+            join_timeout=cfg.join_timeout,
+            reconnect_timeout=cfg.reconnect_timeout,
+            resume=resume,
+        )
+    except BaseException:
+        stop.restore()
+        raise
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
+    transport.set_interrupt(stop.event)
     try:
-        eval_start = evaluate(model, val, device)  # the global parameters as fetched
-        opt = make_inner_optimizer(model, cfg.inner)
-        log.info(
-            "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
-            "%d steps of %d x %d bytes",
-            cfg.name,
-            f"{sum(p.numel() for p in model.parameters()):,}",
-            engine.layout.num_fragments,
-            transport.num_shards,
-            cfg.sync.sync_every,
-            cfg.sync.fragment_sync_delay,
-            cfg.sync.fragment_update_alpha,
-            cfg.sync.uplink_codec,
-            cfg.sync.downlink_codec,
-            cfg.steps,
-            cfg.batch_size,
-            block,
-        )
-        t_train0 = time.perf_counter()
-        compute = 0.0
-        tokens = 0
-        recent: list[float] = []
-        for step in range(cfg.steps):
-            t0 = time.perf_counter()
-            set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
-            x, y = stream.next()
-            loss = forward_backward(model, x.to(device), y.to(device))
-            optimizer_step(model, opt, cfg.inner)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            compute += time.perf_counter() - t0
-            tokens += x.numel()
-            recent.append(loss)
+        return _train(cfg, model, engine, transport, stream, val, device, stop, resume, t_start)
+    finally:
+        engine.close()
+        stop.restore()
+
+
+def _train(cfg, model, engine, transport, stream, val, device, stop: StopFlag, resume, t_start) -> dict:
+    stats = {"tokens": 0, "compute_seconds": 0.0, "train_seconds": 0.0, "eval_loss_start": None}
+    if resume is not None:
+        stats.update(resume["stats"])
+    else:
+        stats["eval_loss_start"] = evaluate(model, val, device)  # the global parameters as fetched
+    opt = make_inner_optimizer(model, cfg.inner)
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+    first = engine.step_count
+    log.info(
+        "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
+        "steps %d..%d of %d x %d bytes%s",
+        cfg.name,
+        f"{sum(p.numel() for p in model.parameters()):,}",
+        engine.layout.num_fragments,
+        transport.num_shards,
+        cfg.sync.sync_every,
+        cfg.sync.fragment_sync_delay,
+        cfg.sync.fragment_update_alpha,
+        cfg.sync.uplink_codec,
+        cfg.sync.downlink_codec,
+        first + 1,
+        cfg.steps,
+        cfg.batch_size,
+        stream.block_size,
+        f" (resumed from {cfg.checkpoint_path})" if resume is not None else "",
+    )
+    path = cfg.checkpoint_path
+
+    def checkpoint(train_seconds: float) -> None:
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "name": cfg.name,
+            "rank": cfg.data_rank,
+            "key": _checkpoint_key(cfg),
+            "params": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "data": stream.state_dict(),
+            "engine": engine.state_dict(),
+            "links": transport.state_dict(),
+            "stats": {**stats, "train_seconds": train_seconds},
+        }
+        save_checkpoint(path, state)
+
+    t_train0 = time.perf_counter() - stats["train_seconds"]
+    recent: list[float] = []
+    stopped = False
+    step = first
+    try:
+        engine.finish_step()  # a step's syncs that a stop interrupted, before the checkpoint was written
+    except StopRequested:
+        stopped = True
+    while step < cfg.steps and not stopped:
+        if stop.event.is_set():
+            stopped = True
+            break
+        t0 = time.perf_counter()
+        set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
+        x, y = stream.next()
+        loss = forward_backward(model, x.to(device), y.to(device))
+        optimizer_step(model, opt, cfg.inner)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats["compute_seconds"] += time.perf_counter() - t0
+        stats["tokens"] += x.numel()
+        recent.append(loss)
+        step += 1
+        try:
             engine.step(tokens=x.numel(), loss=loss)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                el = time.perf_counter() - t_train0
-                log.info(
-                    "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
-                    "sent %s B  received %s B",
-                    cfg.name,
-                    step + 1,
-                    cfg.steps,
-                    sum(recent) / len(recent),
-                    f"{tokens / el:,.0f}",
-                    engine.blocked_seconds,
-                    engine.waits,
-                    engine.merges,
-                    f"{engine.bytes_sent:,}",
-                    f"{engine.bytes_received:,}",
-                )
-                recent.clear()
-        train_seconds = time.perf_counter() - t_train0
-        engine.drain()  # only does something with --no-final-sync
-        # the global parameters: after the final sync every fragment's mirror equals the masters
-        eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
-        for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
-            unflatten_into(vec, fragment_params(eval_model, frag))
-        eval_loss = evaluate(eval_model, val, device)
-        digests = mirror_digests(engine)
-        for f, hs in enumerate(digests):
+        except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
+            stopped = True
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            el = time.perf_counter() - t_train0
             log.info(
-                "%s mirror fragment %d: %s", cfg.name, f, " ".join(f"shard{s}={h}" for s, h in enumerate(hs))
+                "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
+                "sent %s B  received %s B",
+                cfg.name,
+                step,
+                cfg.steps,
+                sum(recent) / len(recent),
+                f"{stats['tokens'] / el:,.0f}",
+                engine.blocked_seconds,
+                engine.waits,
+                engine.merges,
+                f"{engine.bytes_sent:,}",
+                f"{engine.bytes_received:,}",
             )
-        msg_out, msg_in = transport.message_bytes
+            recent.clear()
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps and not stopped:
+            checkpoint(time.perf_counter() - t_train0)
+    train_seconds = time.perf_counter() - t_train0
+    if stopped:
+        answered = transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
+        checkpoint(train_seconds)
+        log.info(
+            "%s: stopped at step %d of %d%s; checkpoint in %s: continue with --resume --name %s",
+            cfg.name,
+            engine.step_count,
+            cfg.steps,
+            "" if answered else " (some pushes unanswered: they are sent again on resume)",
+            path,
+            cfg.name,
+        )
         summary = {
             "worker": cfg.name,
-            "rank": cfg.data_rank,
+            "stopped_at_step": engine.step_count,
             "steps": cfg.steps,
-            "tokens": tokens,
-            "eval_loss_start": eval_start,
-            "eval_loss": eval_loss,
-            "bytes_sent": engine.bytes_sent,
-            "bytes_received": engine.bytes_received,
-            "message_bytes_sent": msg_out,  # protobuf messages, without gRPC/HTTP/2 framing
-            "message_bytes_received": msg_in,  # including the Fetch of the masters
-            "pushes": engine.pushes,
-            "blocked_seconds": engine.blocked_seconds,
-            "compute_seconds": compute,
-            "train_seconds": train_seconds,
-            "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
-            "wall_seconds": time.perf_counter() - t_start,
-            "mirror_hashes": digests,
-            "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
-            "merges": engine.merges,
-            "merges_that_waited": engine.waits,
+            "checkpoint": str(path),
         }
-        log.info(
-            "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
-            "compute %.0f%% of %.0fs",
-            cfg.name,
-            eval_loss,
-            f"{tokens:,}",
-            f"{engine.bytes_sent:,}",
-            f"{engine.bytes_received:,}",
-            engine.blocked_seconds,
-            100 * summary["compute_utilization"],
-            train_seconds,
-        )
         if cfg.summary:
             Path(cfg.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.summary).write_text(json.dumps(summary, indent=2))
-        if cfg.save_global:
-            torch.save([m.clone() for m in engine.mirrors], cfg.save_global)
         return summary
-    finally:
-        engine.close()
+    engine.drain()  # only does something with --no-final-sync
+    checkpoint(train_seconds)  # the finished state: --resume then has nothing left to do
+    # the global parameters: after the final sync every fragment's mirror equals the masters
+    eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
+    for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
+        unflatten_into(vec, fragment_params(eval_model, frag))
+    eval_loss = evaluate(eval_model, val, device)
+    digests = mirror_digests(engine)
+    for f, hs in enumerate(digests):
+        log.info(
+            "%s mirror fragment %d: %s", cfg.name, f, " ".join(f"shard{s}={h}" for s, h in enumerate(hs))
+        )
+    msg_out, msg_in = transport.message_bytes
+    tokens, compute = stats["tokens"], stats["compute_seconds"]
+    summary = {
+        "worker": cfg.name,
+        "rank": cfg.data_rank,
+        "steps": cfg.steps,
+        "first_step": first,
+        "resumed": resume is not None,
+        "tokens": tokens,
+        "eval_loss_start": stats["eval_loss_start"],
+        "eval_loss": eval_loss,
+        "bytes_sent": engine.bytes_sent,
+        "bytes_received": engine.bytes_received,
+        "message_bytes_sent": msg_out,  # protobuf messages, without gRPC/HTTP/2 framing
+        "message_bytes_received": msg_in,  # including the Fetch of the masters
+        "pushes": engine.pushes,
+        "blocked_seconds": engine.blocked_seconds,
+        "compute_seconds": compute,
+        "train_seconds": train_seconds,
+        "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
+        "wall_seconds": time.perf_counter() - t_start,
+        "mirror_hashes": digests,
+        "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
+        "reconnects": transport.reconnects,
+        "pushes_resent": transport.resent,
+        "merges": engine.merges,
+        "merges_that_waited": engine.waits,
+    }
+    log.info(
+        "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
+        "compute %.0f%% of %.0fs",
+        cfg.name,
+        eval_loss,
+        f"{tokens:,}",
+        f"{engine.bytes_sent:,}",
+        f"{engine.bytes_received:,}",
+        engine.blocked_seconds,
+        100 * summary["compute_utilization"],
+        train_seconds,
+    )
+    if cfg.summary:
+        Path(cfg.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.summary).write_text(json.dumps(summary, indent=2))
+    if cfg.save_global:
+        torch.save([m.clone() for m in engine.mirrors], cfg.save_global)
+    return summary

@@ -1,0 +1,132 @@
+"""A shard's checkpoint: one directory, one file per fragment, each replaced atomically.
+
+    meta.json          the run it belongs to: shard, number of shards, sync config, model fingerprint
+    fragment-<p>.pt    fragment p's slice: the open round, the master, the outer momentum, the downlink's
+                       error-feedback residual and the rounding generator
+
+A round's file is written (write, fsync, rename, fsync the directory) when the round closes and before its
+update goes to any worker, so a shard restarted from its checkpoint has every round a worker may have
+applied. Pushes of the round still open are not saved: workers keep each push until its round's update
+arrives and send it again to the restarted shard. Files of different fragments need not agree on anything,
+which is why every round writes only its own fragment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from streamdiloco.common.fingerprint import fingerprint_diff
+from streamdiloco.server.shard import ShardState
+
+log = logging.getLogger("streamdiloco.shard")
+
+FORMAT = 1
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write a file so that a crash leaves either the old or the new one: `write(f)` fills a temporary
+    file beside it, which is flushed, fsynced and renamed over `path`; then the directory is fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardCheckpoint:
+    def __init__(self, directory: str | Path, fingerprint: dict):
+        self.dir = Path(directory)
+        self.fingerprint = fingerprint
+        self.writes = 0
+        self.pending_initial = False  # a new run: write every file before the first worker comes
+        self.errors = 0
+        self.last_error: str | None = None
+
+    def _meta(self, state: ShardState) -> dict:
+        return {
+            "format": FORMAT,
+            "shard": state.shard,
+            "num_shards": state.num_shards,
+            "config": state.cfg.to_dict(),
+            "fingerprint": self.fingerprint,
+        }
+
+    def exists(self) -> bool:
+        return (self.dir / "meta.json").exists()
+
+    def load(self, state: ShardState) -> None:
+        """Restore every fragment of `state` from the directory; ValueError (one line) when the checkpoint
+        belongs to another run or is incomplete."""
+        where = f"checkpoint {self.dir}"
+        try:
+            meta = json.loads((self.dir / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where}: cannot read meta.json ({e}); use --fresh to start over") from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{where} has format {meta.get('format')!r}, this shard reads {FORMAT}")
+        if (meta.get("shard"), meta.get("num_shards")) != (state.shard, state.num_shards):
+            raise ValueError(
+                f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
+                f"not shard {state.shard} of {state.num_shards}: give each shard its own --checkpoint-dir"
+            )
+        if meta.get("config") != state.cfg.to_dict():
+            changed = sorted(
+                k
+                for k in set(meta.get("config") or {}) | set(state.cfg.to_dict())
+                if (meta.get("config") or {}).get(k) != state.cfg.to_dict().get(k)
+            )
+            raise ValueError(
+                f"{where} was written by a run with other sync settings ({', '.join(changed)}): start with "
+                "the same flags, or use --fresh (or another --checkpoint-dir) to start a new run"
+            )
+        diff = fingerprint_diff(
+            meta.get("fingerprint") or {}, self.fingerprint, us="checkpoint", them="model"
+        )
+        if diff:
+            raise ValueError(f"{where} was written for another model: {diff}; use --fresh to start over")
+        for f in range(state.layout.num_fragments):
+            path = self.dir / f"fragment-{f}.pt"
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+            except FileNotFoundError:
+                raise ValueError(f"{where} is incomplete: {path.name} is missing; use --fresh") from None
+            except Exception as e:  # torch raises many kinds for damaged files
+                raise ValueError(f"{where}: {path.name} is damaged ({type(e).__name__}: {e})") from None
+            state.load_fragment_state(f, saved)
+
+    def save_fragment(self, state: ShardState, fragment: int) -> bool:
+        """Write one fragment's file; False (and an error in the log) if it could not be written."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            saved = state.fragment_state(fragment)
+            atomic_write(self.dir / f"fragment-{fragment}.pt", lambda f: torch.save(saved, f))
+            self.writes += 1
+            return True
+        except OSError as e:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.error("checkpoint of fragment %d to %s failed: %s", fragment, self.dir, self.last_error)
+            return False
+
+    def save_all(self, state: ShardState) -> bool:
+        ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
+        try:
+            meta = json.dumps(self._meta(state), indent=1).encode()
+            atomic_write(self.dir / "meta.json", lambda f: f.write(meta))
+        except OSError as e:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.error("checkpoint meta.json to %s failed: %s", self.dir, self.last_error)
+            return False
+        return ok
