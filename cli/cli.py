@@ -323,7 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-checkpoint", action="store_true", help="keep no checkpoint (a restart starts over)")
     g.add_argument(
-        "--fresh", action="store_true", help="start a new run even if --checkpoint-dir holds one (overwrites it)"
+        "--fresh",
+        action="store_true",
+        help="start a new run even if --checkpoint-dir holds one (replaces it)",
     )
     _add_shard_flags(g)
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))

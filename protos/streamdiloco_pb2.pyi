@@ -81,8 +81,10 @@ class Hello(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., session: _Optional[str] = ..., passive: _Optional[bool] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("from_rounds",)
+    FROM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    from_rounds: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, from_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("weight", "has_loss", "loss")

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Query
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -21,7 +21,7 @@ from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.wire import make_server
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.service import ShardService
+from streamdiloco.server.service import HISTORY, ShardService
 from streamdiloco.server.shard import ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -98,8 +98,10 @@ def make_app(service: ShardService) -> FastAPI:
         return {"ok": True}
 
     @app.get("/api/status")
-    async def status() -> dict:
-        return service.status()
+    async def status(
+        rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
+    ) -> dict:
+        return service.status(rounds)
 
     return app
 
@@ -154,6 +156,7 @@ async def serve(
             http._serve(sockets=[sock])
         )  # uvicorn's serve() minus its signal capture
     tick = asyncio.create_task(service.tick())
+    service.on_fatal = stop.set
     st = service.state
     log.info(
         "shard %d/%d: gRPC on %s:%d%s; %d fragments, %s values in this shard's slices",
@@ -173,10 +176,13 @@ async def serve(
         await stop.wait()
     finally:
         log.info("shard %d stopping", st.shard)
+        service.stopping = True  # sessions end now: that must not close rounds with partial pushes
         tick.cancel()
         await server.stop(grace=1.0)
         if http is not None and http_task is not None:
             http.should_exit = True
             await http_task
+        if service.fatal:
+            raise OSError(service.fatal)
         if service.checkpoint is not None and service.checkpoint.save_all(st):
             log.info("shard %d: checkpoint written to %s", st.shard, service.checkpoint.dir)

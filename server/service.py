@@ -30,6 +30,8 @@ log = logging.getLogger("streamdiloco.shard")
 MAX_NAME = 128
 PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
+HISTORY = 500  # closed rounds kept for /api/status
+MAX_ROUND = 1 << 53
 MIN_QUEUE_BYTES = 256 << 20  # at least this much may wait for a member that reads slowly
 
 
@@ -83,6 +85,9 @@ class ShardService(pb_grpc.ShardServicer):
     ):
         self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
         self.checkpoint = checkpoint
+        self.stopping = False  # shutting down: sessions end, but no round closes because of that
+        self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
+        self.on_fatal = lambda: None  # serve() sets this to stop the shard
         cfg = state.cfg
         self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
@@ -94,7 +99,7 @@ class ShardService(pb_grpc.ShardServicer):
         # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
         self.pending: dict[str, tuple[str, float]] = {}
         self.counters = Counters()
-        self.history: deque[dict] = deque(maxlen=200)  # recent closed rounds
+        self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
         self._digests: dict[int, tuple[int, str]] = {}  # fragment -> (open round, hash of the master)
 
@@ -209,9 +214,9 @@ class ShardService(pb_grpc.ShardServicer):
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
-    def _activate(self, member: _Member) -> None:
+    def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
         member.active = True
-        self.state.add_member(member.name)
+        self.state.add_member(member.name, from_rounds)
         log.info("%s joined (%d members)", member.name, len(self.state.members))
 
     def _welcome(self, member: _Member) -> pb.ShardMessage:
@@ -248,9 +253,7 @@ class ShardService(pb_grpc.ShardServicer):
             self.counters.msg_in += size
             kind = msg.WhichOneof("kind")
             if kind == "ready":
-                if not member.active:
-                    self._activate(member)
-                self._send(member, self._welcome(member))
+                self._on_ready(member, list(msg.ready.from_rounds))
                 continue
             if kind != "push":
                 self.counters.bad_messages += 1
@@ -260,8 +263,29 @@ class ShardService(pb_grpc.ShardServicer):
                 continue
             self._on_push(member, msg.push)
 
+    def _on_ready(self, member: _Member, from_rounds: list[int]) -> None:
+        nfrag = self.state.layout.num_fragments
+        if from_rounds and (len(from_rounds) != nfrag or max(from_rounds) > MAX_ROUND):
+            self.counters.bad_messages += 1
+            self._refuse(
+                member,
+                0,
+                0,
+                "bad_message",
+                f"Ready must name the first round of each of the {nfrag} fragments (or none), "
+                f"got {len(from_rounds)} values",
+            )
+            return
+        if not member.active:
+            self._activate(member, from_rounds or None)
+        self._send(member, self._welcome(member))
+
     def _on_push(self, member: _Member, push: pb.Push) -> None:
         c, h = push.chunk, push.header
+        if not member.active:  # no round may count on a worker that has not said it is ready
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
+                self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
+            return
         try:
             part = from_chunk(c)
         except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole
@@ -302,14 +326,21 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- rounds ----------------------------------------------------------------------------------------
     def close_due(self) -> list[ClosedRound]:
-        closed = []
+        closed: list[ClosedRound] = []
+        if self.stopping or self.fatal:
+            return closed
         now = self.clock()
         for fragment, why in self.state.due(now):
             started = self.state.open[fragment].started_at
             c = self.state.close_round(fragment, why)
             closed.append(c)
-            if self.checkpoint is not None:  # on disk before any worker can apply the update
-                self.checkpoint.save_fragment(self.state, fragment)
+            if self.checkpoint is not None and not self.checkpoint.save_fragment(self.state, fragment):
+                # no worker may apply an update that a restart would not have: stop instead; workers keep
+                # their pushes and send them again to the shard restarted from its last good checkpoint
+                self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
+                log.critical(self.fatal)
+                self.on_fatal()
+                return closed
             chunks = to_chunks(c.update, c.fragment, c.round, self.down_chunk)
             for m in list(self.members.values()):
                 for chunk in chunks:
@@ -391,7 +422,7 @@ class ShardService(pb_grpc.ShardServicer):
             cached = self._digests[fragment] = (key, tensor_digest(self.state.master(fragment)))
         return cached[1]
 
-    def status(self) -> dict:
+    def status(self, rounds: int = 20) -> dict:
         st = self.state
         return {
             "shard": st.shard,
@@ -410,6 +441,11 @@ class ShardService(pb_grpc.ShardServicer):
                     "last_loss": m.last_loss,
                     "message_bytes_in": m.msg_in,
                     "message_bytes_out": m.msg_out,
+                    "receiving": [  # pushes whose chunks are arriving
+                        {"fragment": f, "round": p.round, "values": p.next_offset, "of": p.total}
+                        for (w, f), p in sorted(st.staged.items())
+                        if w == m.name
+                    ],
                 }
                 for m in self.members.values()
             ],
@@ -443,7 +479,7 @@ class ShardService(pb_grpc.ShardServicer):
                 "fetch_out": self.counters.fetch_out,
             },
             "round_seconds": _stats([r["seconds"] for r in self.history if r["seconds"] is not None]),
-            "recent_rounds": list(self.history)[-20:],
+            "recent_rounds": list(self.history)[-rounds:] if rounds else [],
         }
 
 

@@ -132,6 +132,7 @@ class ShardState:
             )
         self.open = [self._new_round(f, 0) for f in range(layout.num_fragments)]
         self.members: set[str] = set()
+        self.member_from: dict[str, list[int]] = {}  # member -> first round of each fragment it pushes
         self.staged: dict[tuple[str, int], _Staged] = {}
         # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
         self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
@@ -185,12 +186,28 @@ class ShardState:
         self.open[fragment] = self._new_round(fragment, int(saved["round"]))
 
     # --- members ---------------------------------------------------------------------------------------
-    def add_member(self, worker: str) -> None:
+    def add_member(self, worker: str, from_rounds: list[int] | None = None) -> None:
+        """Rounds that start from now on wait for this worker; with `from_rounds`, only rounds
+        >= from_rounds[fragment] (a worker that joins a run in progress skips the rounds before)."""
+        if from_rounds is not None and len(from_rounds) != self.layout.num_fragments:
+            raise ValueError(
+                f"from_rounds has {len(from_rounds)} entries, this run {self.layout.num_fragments}"
+            )
         self.members.add(worker)
+        if from_rounds is not None:
+            self.member_from[worker] = list(from_rounds)
+        else:
+            self.member_from.pop(worker, None)
+
+    def _expected(self, fragment: int, number: int) -> frozenset[str]:
+        return frozenset(
+            m for m in self.members if m not in self.member_from or self.member_from[m][fragment] <= number
+        )
 
     def remove_member(self, worker: str) -> None:
         """The worker's session ended: it leaves, and any push it had half-sent is dropped."""
         self.members.discard(worker)
+        self.member_from.pop(worker, None)
         for key in [k for k in self.staged if k[0] == worker]:
             del self.staged[key]
         for key in [k for k in self.discarding if k[0] == worker]:
@@ -242,7 +259,7 @@ class ShardState:
         del self.staged[key]
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
-            rnd.expected = frozenset(self.members | {worker})
+            rnd.expected = self._expected(fragment, rnd.number) | {worker}
         for p, piece in zip(_offsets(st.parts), st.parts, strict=True):
             rnd.total[p : p + piece.numel].add_(decode(piece).to(torch.float64), alpha=st.weight)
         rnd.weight += st.weight

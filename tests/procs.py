@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,3 +59,98 @@ def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT)
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+def http_json(port: int, path: str = "/api/status") -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_until(what: str, pred, timeout: float = 60.0, every: float = 0.05):
+    """Poll `pred()` until it returns something truthy (returned); AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = pred()
+        except (OSError, ValueError):  # a process not serving yet
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+class Cluster:
+    """Shard and worker processes of one test, each logging to tmp/NAME.log; every one of them is stopped
+    (SIGKILL) when the `with` block ends, however it ends."""
+
+    def __init__(self, tmp: Path, env: dict | None = None):
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "a")  # noqa: SIM115 (the child holds it; closed below)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamdiloco", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=self.env,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def shard(self, name: str, *flags: str, port: int = 0) -> tuple[str, int]:
+        """Start (or restart, on the same port) a shard; returns (target, http port) once it serves."""
+        ready = self.tmp / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        proc = self.start(
+            name,
+            "server",
+            *("--host", "127.0.0.1", "--port", str(port), "--http-port", "0", "--ready-file", str(ready)),
+            *("--checkpoint-dir", str(self.tmp / f"{name}-checkpoint")),
+            *flags,
+        )
+
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited with {proc.returncode}: {self.log(name)[-3000:]}")
+            return ready.exists() and json.loads(ready.read_text())
+
+        ports = wait_until(f"{name} to serve", up, timeout=60)
+        return f"127.0.0.1:{ports['grpc_port']}", ports["http_port"]
+
+    def worker(self, name: str, servers: list[str], *flags: str) -> subprocess.Popen:
+        return self.start(
+            name,
+            "worker",
+            *("--servers", ",".join(servers), "--name", name),
+            *("--summary", str(self.tmp / f"{name}.json"), "--checkpoint", str(self.tmp / f"{name}.pt")),
+            *flags,
+        )
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.tmp / f"{name}.json").read_text())
+
+    def wait(self, name: str, timeout: float = 300) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{name} still running after {timeout:g} s: {self.log(name)[-3000:]}"
+            ) from None

@@ -21,7 +21,7 @@ import torch
 
 from streamdiloco.common.codecs import Encoded, concat, expected_sizes, get_codec
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.schedule import joining_step
+from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.wire import (
     PROTOCOL,
     bytes_to_values,
@@ -57,11 +57,13 @@ class Master:
 # slice with, or None: nothing to do (the mirror already holds that round, from a fetch).
 Update = Encoded | Master | None
 
-RETRYABLE = {
+JOIN_RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,  # shard down or restarting, network gone
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.ALREADY_EXISTS,  # the shard has not noticed yet that our old session is gone
-    grpc.StatusCode.UNAUTHENTICATED,  # only at Hello: the Join's session id expired meanwhile
+}
+RETRYABLE = JOIN_RETRYABLE | {
+    grpc.StatusCode.UNAUTHENTICATED,  # at Hello: the Join's session id expired meanwhile
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # we read too slowly and were dropped: resync
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
@@ -121,7 +123,9 @@ class ShardLink:
         self.interrupt: threading.Event | None = None  # set by a stop request: waits for updates give up
         self._connected = False  # a session is open and this worker is a member on it
         self._welcome: pb.Welcome | None = None  # the latest Welcome (answer to Hello or Ready)
-        self._welcomes = 0
+        self._want_member = False  # ready() was called: a reconnect makes us a member again
+        self.join_from: list[int] | None = None  # first rounds a joining worker pushes (see join_run)
+        self.schedule = None  # () -> the next round each fragment sends (the engine's, once there is one)
         self._outbox: queue.Queue = queue.Queue()
         self._call = None
         self._receiver: threading.Thread | None = None
@@ -136,24 +140,33 @@ class ShardLink:
     def join(self, timeout: float | None = None, wait: bool = True) -> None:
         """Join the shard; SyncError if it refuses, _Retry (wait=False) if it cannot be reached."""
         timeout = self.join_timeout if timeout is None else timeout
-        try:
-            reply = self.stub.Join(
-                pb.JoinRequest(
-                    worker=self.worker,
-                    token=self.token,
-                    fingerprint_json=json.dumps(self.fingerprint),
-                    protocol=PROTOCOL,
-                ),
-                timeout=timeout,
-                wait_for_ready=wait,  # the shard may still be starting
-            )
-        except grpc.RpcError as e:
-            code = e.code()
-            if not wait and code in RETRYABLE:
-                raise _Retry(f"Join: {code.name}: {e.details()}") from None
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
-            raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
+        give_up = time.monotonic() + timeout
+        request = pb.JoinRequest(
+            worker=self.worker,
+            token=self.token,
+            fingerprint_json=json.dumps(self.fingerprint),
+            protocol=PROTOCOL,
+        )
+        while True:
+            try:
+                reply = self.stub.Join(
+                    request,
+                    timeout=max(0.1, give_up - time.monotonic()),
+                    wait_for_ready=wait,  # the shard may still be starting
+                )
+                break
+            except grpc.RpcError as e:
+                code = e.code()
+                if wait and code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
+                    # our own session from before a crash, not yet noticed by the shard (keepalive: < 1 min)
+                    log.info("shard at %s: %s; trying again", self.target, e.details())
+                    self._closed.wait(1.0)
+                    continue
+                if not wait and code in JOIN_RETRYABLE:
+                    raise _Retry(f"Join: {code.name}: {e.details()}") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
+                raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
         try:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
         except (ValueError, TypeError) as e:
@@ -198,9 +211,16 @@ class ShardLink:
         self._call = call
         return first.welcome
 
-    def start(self) -> None:
-        """Join, open a passive session and start the receiver (first connection)."""
+    def start(self, state: dict | None = None) -> None:
+        """Join, restore a checkpoint's `state` if given, open a passive session and start the receiver."""
         self.join()
+        if state is not None:
+            if state["shard"] != self.shard:
+                raise SyncError(
+                    f"{self.target} is shard {self.shard}, the checkpoint's link to it was shard "
+                    f"{state['shard']}: give --servers in the same order as before"
+                )
+            self.load_state_dict(state)
         try:
             self._welcome = self.open_session()
         except _Retry as e:
@@ -208,20 +228,30 @@ class ShardLink:
         self._receiver = threading.Thread(target=self._run, name=f"shard{self.shard}-rx", daemon=True)
         self._receiver.start()
 
+    def _ready_message(self) -> pb.WorkerMessage:
+        """Ready, naming the first round of each fragment this worker will push (none: every round)."""
+        if self.schedule is not None:
+            first = list(self.schedule())
+            for f, r in self._unacked:
+                first[f] = min(first[f], r)
+        else:
+            first = list(self.join_from or [])
+        return pb.WorkerMessage(ready=pb.Ready(from_rounds=first))
+
     def ready(self, timeout: float = 60.0) -> pb.Welcome:
-        """Become a member (first connection): rounds that start from now on wait for this worker."""
+        """Become a member: rounds that start from now on wait for this worker's pushes (from the rounds
+        `_ready_message` names). Pushes kept from before are sent again when the shard says so."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            seen = self._welcomes
-            self._outbox.put(pb.WorkerMessage(ready=pb.Ready()))
-            deadline = time.monotonic() + timeout
-            while self._welcomes == seen:
+            self._want_member = True
+            self._outbox.put(self._ready_message())
+            while not self._connected:
                 if self.error:
                     raise SyncError(self.error)
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    if self._welcomes == seen:
-                        raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready")
-            self._connected = True
+                if left <= 0:
+                    raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready")
+                self._cond.wait(min(left, 0.25))
             assert self._welcome is not None
             return self._welcome
 
@@ -245,6 +275,7 @@ class ShardLink:
             with self._cond:
                 self._connected = False
                 self._awaiting_result.clear()
+                self._partial.clear()  # half an update: it comes again whole, or a fetch replaces it
             log.warning("%s; reconnecting", problem)
             try:
                 self._reconnect()
@@ -290,7 +321,9 @@ class ShardLink:
                 self.join(timeout=min(20.0, max(1.0, give_up - time.monotonic())), wait=False)
                 welcome = self.open_session()
                 self._resync(welcome)
-                self._outbox.put(pb.WorkerMessage(ready=pb.Ready()))  # the answer's Welcome resends pushes
+                with self._cond:
+                    if self._want_member:  # the answer's Welcome sends the kept pushes again
+                        self._outbox.put(self._ready_message())
                 self.reconnects += 1
                 log.info("reconnected to shard %d at %s (attempt %d)", self.shard, self.target, attempt)
                 return
@@ -309,24 +342,30 @@ class ShardLink:
                 delay = min(delay * 2, MAX_BACKOFF)
 
     def _have(self, fragment: int) -> int:
-        """Rounds of a fragment whose effect this worker holds (merged, fetched, or received)."""
-        got = [r + 1 for f, r in self._updates if f == fragment]
+        """Rounds of a fragment this worker holds the effect of, without gaps: merged, fetched, or here."""
         m = self._masters.get(fragment)
-        return max([self.covered[fragment], self.merged[fragment], m.round if m else 0, *got])
+        h = max(self.covered[fragment], self.merged[fragment], m.round if m else 0)
+        while (fragment, h) in self._updates:
+            h += 1
+        return h
 
     def _resync(self, welcome: pb.Welcome) -> None:
         """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
         with self._cond:
             have = [self._have(f) for f in range(len(self.slices))]
+            # updates that came on this session after its Welcome say the shard is further on
+            theirs = list(welcome.rounds)
+            for f, r in self._updates:
+                theirs[f] = max(theirs[f], r + 1)
         behind = []
-        for f, (theirs, ours) in enumerate(zip(welcome.rounds, have, strict=True)):
-            if theirs < ours:
+        for f, (t, ours) in enumerate(zip(theirs, have, strict=True)):
+            if t < ours:
                 raise SyncError(
-                    f"shard {self.shard} at {self.target} is at round {theirs} of fragment {f}, but this "
+                    f"shard {self.shard} at {self.target} is at round {t} of fragment {f}, but this "
                     f"worker already has round {ours - 1}: the shard restarted from an older checkpoint than "
                     "its last round; restart the run from the shards' checkpoints and the workers' --resume"
                 )
-            if theirs > ours:
+            if t > ours:
                 behind.append(f)
         if not behind:
             return
@@ -360,9 +399,9 @@ class ShardLink:
             raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
         with self._cond:
             self._welcome = w
-            self._welcomes += 1
-            if w.member and not self._connected and self._receiver is not None and self.reconnects:
-                # back after a reconnect: send again every kept push whose round is still open
+            if w.member and not self._connected:
+                # a member (again): send every kept push whose round is still open (after a reconnect or
+                # a resume; the shard had them only if it says "duplicate")
                 for (f, r), (enc, weight, loss) in sorted(self._unacked.items()):
                     if r >= w.rounds[f]:
                         self._send_push(f, r, enc, weight, loss)
@@ -525,6 +564,9 @@ class ShardLink:
 
     def load_state_dict(self, state: dict) -> None:
         with self._cond:
+            self._updates.clear()
+            self._masters.clear()
+            self._partial.clear()
             self.covered = list(state["covered"])
             self._applied_cover = list(state["covered"])
             self.merged = list(state["merged"])
@@ -616,13 +658,21 @@ class GrpcTransport:
         token: str = "",
         join_timeout: float = 60.0,
         reconnect_timeout: float = 600.0,
+        states: list[dict] | None = None,
+        interrupt: threading.Event | None = None,
     ) -> GrpcTransport:
-        """Join every shard and open a passive session with each (nobody waits for us yet)."""
+        """Join every shard and open a passive session with each (nobody waits for us yet); with `states`
+        (a worker checkpoint's links, in shard order), each link first takes back what it held."""
+        if states is not None and len(states) != len(targets):
+            raise SyncError(
+                f"the checkpoint has links to {len(states)} shards, --servers names {len(targets)}"
+            )
         links: list[ShardLink] = []
         try:
-            for t in targets:
+            for i, t in enumerate(targets):
                 links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout))
-                links[-1].start()
+                links[-1].interrupt = interrupt
+                links[-1].start(None if states is None else states[i])
             return cls(links)
         except BaseException:
             for link in links:
@@ -631,29 +681,42 @@ class GrpcTransport:
 
     def join_run(self, fragment_vectors) -> int:
         """A new worker: fetch every master slice (after the sessions opened, so no update is missed), hand
-        the full fragments to `fragment_vectors(list of tensors)`, become a member of every shard, and
-        return the step to start counting from (0 for a run that has not synced yet)."""
-        assert self.links[0].config is not None
+        the full fragments to `fragment_vectors(list of tensors)`, pick the step to start counting from (0
+        for a run that has not synced yet) and become a member of every shard from the first round it will
+        push. Returns that step."""
+        cfg = self.links[0].config
+        assert cfg is not None
         parts = [link.fetch() for link in self.links]
+        views = []
         for link, part in zip(self.links, parts, strict=True):
             with link._cond:
                 link.covered = [part[f][1] for f in range(len(link.slices))]
                 link._applied_cover = list(link.covered)  # the caller sets the parameters from them
+                link._masters.clear()  # a reconnect meanwhile may have fetched older ones
                 for key in [k for k in link._updates if k[1] < link.covered[k[0]]]:
                     del link._updates[key]  # closed before the fetch: in the master already
+                # where the shard is: its Welcome, moved on by the updates that came since
+                w = link._welcome
+                assert w is not None
+                rounds, started = list(w.rounds), list(w.started)
+                for f, r in [*link._updates, *((f, c - 1) for f, c in enumerate(link.covered) if c > 0)]:
+                    if r + 1 > rounds[f]:
+                        rounds[f], started[f] = r + 1, False
+                views.append((rounds, started))
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
-        welcomes = [link.ready() for link in self.links]
-        return joining_step([(list(w.rounds), list(w.started)) for w in welcomes], self.links[0].config)
+        start = joining_step(views, cfg)
+        first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
+        for link in self.links:
+            link.join_from = first  # rounds before these: no shard waits for us; we take their updates
+            link.ready()
+        return start
 
-    def resume(self, states: list[dict]) -> None:
-        """A worker restarted from its checkpoint: restore what each link held, fetch the slices of rounds
-        that closed meanwhile, become a member, and send again the pushes whose rounds are still open."""
-        for link, state in zip(self.links, states, strict=True):
-            if state["shard"] != link.shard:
-                raise SyncError(
-                    f"the checkpoint's shard {state['shard']} is not {link.target}'s ({link.shard})"
-                )
-            link.load_state_dict(state)
+    def resume(self, schedule) -> None:
+        """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
+        that closed meanwhile, become a member from the next round it pushes (`schedule()`: the engine's
+        next round of each fragment), and send again the kept pushes whose rounds are still open."""
+        for link in self.links:
+            link.schedule = schedule
             assert link._welcome is not None
             try:
                 link._resync(link._welcome)
@@ -661,6 +724,11 @@ class GrpcTransport:
                 raise SyncError(str(e)) from None
         for link in self.links:
             link.ready()
+
+    def follow(self, schedule) -> None:
+        """After a reconnect, become a member from the next round `schedule()` says each fragment sends."""
+        for link in self.links:
+            link.schedule = schedule
 
     def first_rounds(self, num_fragments: int) -> list[int]:
         """Per fragment, the first round not yet in the mirror on every shard."""
@@ -676,11 +744,6 @@ class GrpcTransport:
         for link in self.links:  # wait for every slice first: a stop request then takes nothing at all
             link.wait_available(fragment, round)
         return [link.take(fragment, round) for link in self.links]
-
-    def set_interrupt(self, event: threading.Event) -> None:
-        """Waits for updates raise StopRequested once `event` is set (the worker's stop request)."""
-        for link in self.links:
-            link.interrupt = event
 
     def ready(self, fragment: int, round: int) -> bool:
         return all(link.has_update(fragment, round) for link in self.links)
@@ -736,6 +799,7 @@ def connect(
     join_timeout: float = 60.0,
     reconnect_timeout: float = 600.0,
     resume: dict | None = None,
+    interrupt: threading.Event | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -758,7 +822,14 @@ def connect(
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
     transport = GrpcTransport.open(
-        targets, name, model_fingerprint(layout, sync), token, join_timeout, reconnect_timeout
+        targets,
+        name,
+        model_fingerprint(layout, sync),
+        token,
+        join_timeout,
+        reconnect_timeout,
+        states=None if resume is None else resume["links"],
+        interrupt=interrupt,
     )
     try:
 
@@ -770,7 +841,7 @@ def connect(
         if resume is not None:
             engine = SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
             engine.load_state_dict(resume["engine"])
-            transport.resume(resume["links"])
+            transport.resume(engine.next_rounds)
             log.info("%s resumes at step %d", name, engine.step_count)
             return engine
         start = transport.join_run(set_params)
@@ -779,6 +850,7 @@ def connect(
         engine = SyncEngine(
             model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank, start_step=start
         )
+        transport.follow(engine.next_rounds)
         if start:
             log.info("%s joins the run in progress at step %d", name, start)
             engine.catch_up(transport.first_rounds(layout.num_fragments))

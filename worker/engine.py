@@ -86,6 +86,10 @@ class SyncEngine:
         self.waits = 0  # merges whose update had not arrived yet
         self.pending: list[Event] = []  # this step's events not done yet (see finish_step)
 
+    def next_rounds(self) -> list[int]:
+        """The next round each fragment sends (the rounds a shard may expect this worker in from now on)."""
+        return [sends_through(f, self.step_count, self.cfg) for f in range(self.layout.num_fragments)]
+
     def catch_up(self, first_rounds: list[int]) -> None:
         """For a worker that starts at step > 0: merge the rounds from `first_rounds` (the first round of
         each fragment not in the fetched masters) whose merge step is already behind us."""

@@ -224,13 +224,17 @@ def run_worker(cfg: WorkerConfig) -> dict:
             join_timeout=cfg.join_timeout,
             reconnect_timeout=cfg.reconnect_timeout,
             resume=resume,
+            interrupt=stop.event,
         )
+    except StopRequested:  # stopped while it joined: nothing trained, nothing to save
+        stop.restore()
+        log.info("%s: stopped before training started", cfg.name)
+        return {"worker": cfg.name, "stopped_at_step": None, "steps": cfg.steps}
     except BaseException:
         stop.restore()
         raise
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
-    transport.set_interrupt(stop.event)
     try:
         return _train(cfg, model, engine, transport, stream, val, device, stop, resume, t_start)
     finally:

@@ -1,0 +1,195 @@
+"""Faults with real processes on loopback: workers that join, die, stall or come back; shards that die and
+restart from their checkpoints. Every test bounds its waits and kills what it started."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+from netproxy import ThrottledProxy
+from procs import Cluster, http_json, wait_until
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.schedule import next_send_after, send_step
+
+NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
+
+
+def _masters_hashes(http_ports: list[int]) -> list[list[str]]:
+    statuses = [http_json(p) for p in http_ports]
+    return [
+        [st["fragments"][f]["master_hash"] for st in statuses] for f in range(len(statuses[0]["fragments"]))
+    ]
+
+
+def _run_two_workers(tmp, steps: int, kill_shard: bool) -> tuple[list[torch.Tensor], dict]:
+    """2 shards, 2 workers (worker-b slow, so rounds stay open with one push for a while); with
+    `kill_shard`, shard 0 is killed with SIGKILL while one of its rounds holds worker-a's push only, and
+    started again from its checkpoint on the same port."""
+    shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "2", "--round-timeout", "300"]
+    work = [*NANO, "--steps", str(steps), "--log-every", "6", "--checkpoint-every", "0"]
+    with Cluster(tmp) as c:
+        t0, h0 = c.shard("shard0", "--shard", "0", *shard_flags)
+        t1, h1 = c.shard("shard1", "--shard", "1", *shard_flags)
+        c.worker(
+            "worker-a",
+            [t0, t1],
+            *work,
+            "--rank",
+            "0",
+            "--step-delay",
+            "0.02",
+            "--save-global",
+            str(tmp / "a.pt"),
+        )
+        c.worker(
+            "worker-b",
+            [t0, t1],
+            *work,
+            "--rank",
+            "1",
+            "--step-delay",
+            "0.25",
+            "--save-global",
+            str(tmp / "b.pt"),
+        )
+        killed_round = None
+        if kill_shard:
+
+            def half_open():  # a round of shard 0 that has worker-a's push and waits for worker-b's
+                st = http_json(h0)
+                for fr in st["fragments"]:
+                    if fr["round"] >= 1 and fr["contributors"] == ["worker-a"]:
+                        return fr["fragment"], fr["round"]
+                return None
+
+            killed_round = wait_until("a half-full round on shard 0", half_open, timeout=120)
+            c.procs["shard0"].send_signal(signal.SIGKILL)
+            c.procs["shard0"].wait()
+            _, h0 = c.shard("shard0", "--shard", "0", *shard_flags, port=int(t0.rsplit(":", 1)[1]))
+        for name in ("worker-a", "worker-b"):
+            assert c.wait(name, timeout=240) == 0, c.log(name)[-4000:]
+        summaries = {name: c.summary(name) for name in ("worker-a", "worker-b")}
+        masters = _masters_hashes([h0, h1])
+        for s in summaries.values():  # every mirror equals the masters, bit for bit
+            assert s["mirror_hashes"] == masters
+        mirrors = torch.load(tmp / "a.pt")
+        assert all(torch.equal(x, y) for x, y in zip(mirrors, torch.load(tmp / "b.pt"), strict=True))
+        return mirrors, {"summaries": summaries, "killed_round": killed_round, "log0": c.log("shard0")}
+
+
+def test_a_shard_killed_mid_round_restarts_from_its_checkpoint_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "kill").mkdir()
+    want, _ = _run_two_workers(tmp_path / "ref", steps=30, kill_shard=False)
+    got, info = _run_two_workers(tmp_path / "kill", steps=30, kill_shard=True)
+    a, b = info["summaries"]["worker-a"], info["summaries"]["worker-b"]
+    assert a["reconnects"] >= 1 and b["reconnects"] >= 1
+    # worker-a's push of the round that was open when shard 0 died was lost with it, and sent again
+    assert a["pushes_resent"] >= 1, info
+    assert "resumed from checkpoint" in info["log0"]
+    # the same config and seeds: the same global parameters as the run nobody interrupted, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool) -> list[torch.Tensor]:
+    flags = [*NANO, "--chunk-bytes", "256", "--min-workers", "1", "--round-timeout", "120"]
+    work = [*NANO, "--steps", "24", "--checkpoint-every", "0", "--log-every", "6"]
+    with Cluster(tmp) as c:
+        target, http = c.shard("shard", *flags)
+        if with_b:
+            port = int(target.rsplit(":", 1)[1])
+            with ThrottledProxy(port, up_bytes_per_second=1500) as proxy:
+                c.worker("worker-b", [f"127.0.0.1:{proxy.port}"], *work, "--rank", "1")
+                wait_until(
+                    "worker-b to become a member",
+                    lambda: any(
+                        m["name"] == "worker-b" and m["state"] == "member" for m in http_json(http)["members"]
+                    ),
+                    timeout=120,
+                )
+                c.worker(
+                    "worker-a",
+                    [target],
+                    *work,
+                    "--rank",
+                    "0",
+                    "--step-delay",
+                    "0.1",
+                    "--save-global",
+                    str(tmp / "a.pt"),
+                )
+
+                def b_mid_push():
+                    for m in http_json(http)["members"]:
+                        if m["name"] == "worker-b" and m["receiving"] and m["receiving"][0]["values"] > 0:
+                            return m
+                    return None
+
+                b = wait_until("worker-b in the middle of a push", b_mid_push, timeout=120)
+                assert b["pushes"] == 0  # nothing of worker-b's is in any round
+                c.procs["worker-b"].send_signal(signal.SIGKILL)
+                c.procs["worker-b"].wait()
+                wait_until(
+                    "worker-b to leave",
+                    lambda: all(m["name"] != "worker-b" for m in http_json(http)["members"]),
+                )
+        else:
+            c.worker("worker-a", [target], *work, "--rank", "0", "--save-global", str(tmp / "a.pt"))
+        assert c.wait("worker-a", timeout=240) == 0, c.log("worker-a")[-4000:]
+        status = http_json(http)
+        assert status["pushes_accepted"] == c.summary("worker-a")["pushes"]  # worker-a's only
+        assert all(r["contributors"] == ["worker-a"] for r in status["recent_rounds"])
+        assert c.summary("worker-a")["mirror_hashes"] == [[f["master_hash"]] for f in status["fragments"]]
+        return torch.load(tmp / "a.pt")
+
+
+def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path):
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "kill").mkdir()
+    want = _worker_a_alone_or_with_a_dying_b(tmp_path / "alone", with_b=False)
+    got = _worker_a_alone_or_with_a_dying_b(tmp_path / "kill", with_b=True)
+    # the round closed with worker-a's push alone, and no chunk of worker-b's half push got into the
+    # masters: the run ends exactly where worker-a alone ends
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+def test_workers_that_join_a_running_run_take_part_from_the_next_round(tmp_path):
+    shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "1", "--round-timeout", "60"]
+    work = [*NANO, "--steps", "72", "--checkpoint-every", "0", "--log-every", "12", "--step-delay", "0.05"]
+    cfg = SyncConfig(sync_every=6, num_fragments=3)
+    with Cluster(tmp_path) as c:
+        t0, h0 = c.shard("shard0", "--shard", "0", *shard_flags)
+        t1, h1 = c.shard("shard1", "--shard", "1", *shard_flags)
+        for m, name in enumerate(("worker-a", "worker-b")):
+            c.worker(name, [t0, t1], *work, "--rank", str(m))
+        wait_until(
+            "the run to be under way", lambda: http_json(h0)["fragments"][0]["round"] >= 2, timeout=120
+        )
+        for m, name in enumerate(("worker-c", "worker-d"), start=2):  # two at once
+            c.worker(name, [t0, t1], *work, "--rank", str(m))
+        names = ("worker-a", "worker-b", "worker-c", "worker-d")
+        for name in names:
+            assert c.wait(name, timeout=300) == 0, c.log(name)[-4000:]
+        s = {name: c.summary(name) for name in names}
+        history = http_json(h0, "/api/status?rounds=500")["recent_rounds"]
+        assert history[0]["round"] == 0  # all of it
+        masters = _masters_hashes([h0, h1])
+    for name in ("worker-c", "worker-d"):
+        j = s[name]
+        assert j["first_step"] > 6  # it started counting at the run's step, not at 0
+        assert j["tokens"] == (72 - j["first_step"]) * 16 * 32
+        # its first contribution is in the next round: the first one to start after it joined (a joiner
+        # also tries the round in progress, if there is one, and that push may come too late)
+        mine = [r for r in history if name in r["contributors"]]
+        first = min(mine, key=lambda r: send_step(r["fragment"], r["round"], cfg))
+        assert send_step(first["fragment"], first["round"], cfg) <= next_send_after(j["first_step"] + 1, cfg)
+        assert j["late_refusals"] <= 2  # that one push, refused by each of the 2 shards
+        # and from then on it is in every round of every fragment
+        later = [r for r in history if send_step(r["fragment"], r["round"], cfg) > j["first_step"] + 6]
+        assert later and all(name in r["contributors"] for r in later)
+        # it joined from the global parameters of the time, which were better than the initial ones
+        assert j["eval_loss_start"] < s["worker-a"]["eval_loss_start"] - 0.1
+    for j in s.values():  # the run's eval loss kept falling; every mirror equals the masters
+        assert j["eval_loss"] < s["worker-c"]["eval_loss_start"]
+        assert j["mirror_hashes"] == masters
