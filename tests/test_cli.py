@@ -136,6 +136,30 @@ def test_help_lists_the_flags():
         (["worker", "--servers", ",", "--model", "nano"], "--servers: give at least one shard"),
         (["worker", "--servers", "127.0.0.1:1", "--steps", "0"], "--steps must be at least 1"),
         (["launch", "--uplink-codec", "fp4"], "unknown uplink_codec 'fp4'"),
+        (["worker", "--servers", "127.0.0.1:1", "--resume"], "--resume needs the worker's --name"),
+        (
+            ["worker", "--servers", "127.0.0.1:1", "--resume", "--checkpoint", "/nonexistent/w.pt"],
+            "--resume: no checkpoint at /nonexistent/w.pt",
+        ),
+        (
+            [
+                "worker",
+                "--servers",
+                "127.0.0.1:1",
+                "--name",
+                "w",
+                "--resume",
+                "--checkpoint",
+                "/nonexistent/w.pt",
+            ],
+            "--resume: no checkpoint at /nonexistent/w.pt",
+        ),
+        (["worker", "--servers", "127.0.0.1:1", "--checkpoint-every", "-1"], "--checkpoint-every must be 0"),
+        (["worker", "--servers", "127.0.0.1:1", "--step-delay", "-1"], "--step-delay must be in [0, 3600)"),
+        (
+            ["worker", "--servers", "127.0.0.1:1", "--reconnect-timeout", "0"],
+            "--reconnect-timeout must be positive",
+        ),
     ],
 )
 def test_bad_server_and_worker_flags_are_one_line(args, expect):
@@ -216,3 +240,25 @@ def test_launch_stops_every_process_it_started(tmp_path, how):
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_shard_resumes_only_a_checkpoint_of_the_same_run_and_fresh_starts_over(tmp_path):
+    from procs import http_json, shard_process
+
+    ckpt = tmp_path / "ckpt"
+    flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--checkpoint-dir", str(ckpt)]
+    with shard_process(tmp_path, *flags, name="first"):
+        pass  # stopped with SIGTERM: it writes its checkpoint
+    assert (ckpt / "meta.json").exists() and len(list(ckpt.glob("fragment-*.pt"))) == 3
+    with shard_process(tmp_path, *flags, name="again") as (_, http, _):
+        assert http_json(http)["checkpoint"]["dir"] == str(ckpt)
+    assert "resumed from checkpoint" in (tmp_path / "again.log").read_text()
+    other = [*flags[:3], "12", *flags[4:]]  # another H
+    r = run("server", *other, "--port", "0", "--http-port", "0", timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was written by a run with other sync settings (sync_every)" in lines[0], lines
+    assert "--fresh" in lines[0]
+    with shard_process(tmp_path, *other, "--fresh", name="fresh") as (_, http, _):
+        assert all(f["round"] == 0 for f in http_json(http)["fragments"])
+    assert json.loads((ckpt / "meta.json").read_text())["config"]["sync_every"] == 12

@@ -193,3 +193,84 @@ def test_workers_that_join_a_running_run_take_part_from_the_next_round(tmp_path)
     for j in s.values():  # the run's eval loss kept falling; every mirror equals the masters
         assert j["eval_loss"] < s["worker-c"]["eval_loss_start"]
         assert j["mirror_hashes"] == masters
+
+
+def _two_workers_one_stops(tmp, how: str | None) -> tuple[list[torch.Tensor], dict]:
+    """1 shard, 2 workers; worker-b is stopped mid-run (SIGTERM or SIGKILL) and started again with --resume,
+    or (how=None) runs through."""
+    flags = [*NANO, "--min-workers", "2", "--round-timeout", "300"]
+    work = [*NANO, "--steps", "36", "--log-every", "6", "--checkpoint-every", "6", "--step-delay", "0.1"]
+    with Cluster(tmp) as c:
+        target, http = c.shard("shard", *flags)
+        c.worker("worker-a", [target], *work, "--rank", "0", "--save-global", str(tmp / "a.pt"))
+        b_flags = [*work, "--rank", "1", "--save-global", str(tmp / "b.pt")]
+        c.worker("worker-b", [target], *b_flags)
+        info: dict = {}
+        if how is not None:
+            ckpt = tmp / "worker-b.pt"
+            wait_until("worker-b's first checkpoint", ckpt.exists, timeout=120)
+            wait_until("a few more steps", lambda: http_json(http)["fragments"][1]["round"] >= 3, timeout=120)
+            c.procs["worker-b"].send_signal(signal.SIGTERM if how == "term" else signal.SIGKILL)
+            info["code"] = c.procs["worker-b"].wait(60)
+            info["stopped"] = c.summary("worker-b") if how == "term" else None
+            c.worker("worker-b", [target], *b_flags, "--resume")
+        for name in ("worker-a", "worker-b"):
+            assert c.wait(name, timeout=240) == 0, c.log(name)[-4000:]
+        info["a"], info["b"] = c.summary("worker-a"), c.summary("worker-b")
+        info["log_b"] = c.log("worker-b")
+        status = http_json(http)
+        for s in (info["a"], info["b"]):
+            assert s["mirror_hashes"] == [[f["master_hash"]] for f in status["fragments"]]
+        return torch.load(tmp / "a.pt"), info
+
+
+def test_a_worker_stopped_with_sigterm_resumes_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "term").mkdir()
+    want, _ = _two_workers_one_stops(tmp_path / "ref", None)
+    got, info = _two_workers_one_stops(tmp_path / "term", "term")
+    assert info["code"] == 0  # a clean stop: it finished its step, handed in its pushes, wrote a checkpoint
+    stopped_at = info["stopped"]["stopped_at_step"]
+    assert 6 <= stopped_at < 36
+    assert "stopping after this step" in info["log_b"] and "continue with --resume" in info["log_b"]
+    b = info["b"]
+    assert b["resumed"] and b["first_step"] == stopped_at  # it went on from the very step it stopped at
+    assert b["tokens"] == 36 * 16 * 32  # every step once: none lost, none done twice
+    # the same config and seeds: the same global parameters as the run in which nobody stopped, bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+def test_a_worker_killed_with_sigkill_resumes_from_its_last_checkpoint(tmp_path):
+    _, info = _two_workers_one_stops(tmp_path, "kill")
+    assert info["code"] == -signal.SIGKILL
+    b = info["b"]
+    assert b["resumed"] and b["first_step"] > 0 and b["first_step"] % 6 == 0  # a periodic checkpoint's step
+    assert b["tokens"] >= 36 * 16 * 32  # the steps after the checkpoint were done again
+    assert b["eval_loss"] < b["eval_loss_start"] - 0.5
+
+
+def test_a_slow_worker_does_not_hold_the_others_beyond_the_deadline(tmp_path):
+    timeout = 1.0
+    flags = [*NANO, "--min-workers", "1", "--round-timeout", str(timeout)]
+    work = [*NANO, "--steps", "18", "--log-every", "6", "--checkpoint-every", "0"]
+    with Cluster(tmp_path) as c:
+        target, http = c.shard("shard", *flags)
+        c.worker("worker-a", [target], *work, "--rank", "0")
+        c.worker("worker-slow", [target], *work, "--rank", "1", "--step-delay", "0.7")
+        assert c.wait("worker-a", timeout=120) == 0, c.log("worker-a")[-4000:]
+        a_done = http_json(http, "/api/status?rounds=500")
+        assert c.wait("worker-slow", timeout=120) == 0, c.log("worker-slow")[-4000:]
+        a, slow = c.summary("worker-a"), c.summary("worker-slow")
+        status = http_json(http, "/api/status?rounds=500")
+    rounds = a_done["recent_rounds"]
+    by_deadline = [r for r in rounds if r["why"] == "deadline"]
+    assert by_deadline, rounds  # rounds closed without the slow worker's push ...
+    assert all(r["contributors"] == ["worker-a"] for r in by_deadline)
+    # ... none later than the deadline (plus the shard's 0.2 s tick and some slack for a busy machine)
+    assert max(r["seconds"] for r in rounds) < timeout + 0.7
+    assert a["blocked_seconds"] < len(rounds) * (timeout + 0.7)
+    # the slow worker's pushes for closed rounds were refused as late; it applied those updates anyway,
+    # finished, and its mirror equals the masters, as does worker-a's
+    assert slow["late_refusals"] >= 1
+    masters = [[f["master_hash"]] for f in status["fragments"]]
+    assert a["mirror_hashes"] == masters == slow["mirror_hashes"]
