@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -101,8 +102,11 @@ class ShardCheckpoint:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
             except FileNotFoundError:
                 raise ValueError(f"{where} is incomplete: {path.name} is missing; use --fresh") from None
-            except Exception as e:  # torch raises many kinds for damaged files
-                raise ValueError(f"{where}: {path.name} is damaged ({type(e).__name__}: {e})") from None
+            except Exception as e:  # torch raises many kinds, some with pages of advice, for damaged files
+                first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[:1] or [""]
+                raise ValueError(
+                    f"{where}: {path.name} is damaged ({type(e).__name__}: {first[0]})"
+                ) from None
             state.load_fragment_state(f, saved)
 
     def save_fragment(self, state: ShardState, fragment: int) -> bool:

@@ -171,19 +171,37 @@ class ShardState:
         }
 
     def load_fragment_state(self, fragment: int, saved: dict) -> None:
+        """Restore a fragment from `fragment_state`'s dict; ValueError, with nothing changed, if it does not
+        fit this shard's slice of the fragment."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("outer"), dict):
+            raise ValueError(f"checkpoint of fragment {fragment} is not a fragment's state")
         if saved.get("fragment") != fragment or list(saved.get("slice", [])) != list(self.ranges[fragment]):
             raise ValueError(
                 f"checkpoint of fragment {saved.get('fragment')} slice {saved.get('slice')} does not fit "
                 f"fragment {fragment} slice {list(self.ranges[fragment])}"
             )
-        master = saved["outer"]["master"]
         lo, hi = self.ranges[fragment]
-        if master.dtype != torch.float32 or master.shape != (hi - lo,):
+        outer = saved["outer"]
+        try:
+            tensors = [("master", outer["master"]), ("residual", outer["residual"])]
+            for s in outer["sgd"]["state"].values():
+                if s.get("momentum_buffer") is not None:
+                    tensors.append(("momentum", s["momentum_buffer"]))
+            rnd = int(saved["round"])
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(
-                f"checkpoint of fragment {fragment} holds a master of {tuple(master.shape)} values"
-            )
-        self.outer[fragment].load_state_dict(saved["outer"])
-        self.open[fragment] = self._new_round(fragment, int(saved["round"]))
+                f"checkpoint of fragment {fragment} is incomplete ({type(e).__name__}: {e})"
+            ) from None
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (hi - lo,):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"checkpoint of fragment {fragment} holds a {name} of {got}, want ({hi - lo},)"
+                )
+        if rnd < 0:
+            raise ValueError(f"checkpoint of fragment {fragment} has round {rnd}")
+        self.outer[fragment].load_state_dict(outer)
+        self.open[fragment] = self._new_round(fragment, rnd)
 
     # --- members ---------------------------------------------------------------------------------------
     def add_member(self, worker: str, from_rounds: list[int] | None = None) -> None:
@@ -403,8 +421,10 @@ class ShardState:
             elif not (rnd.expected & self.members) and not any(k[1] == f for k in self.staged):
                 out.append((f, "empty"))  # everyone expected has left: close with what there is
             elif (
-                n >= min(self.min_workers, len(self.members)) and now >= rnd.started_at + self.round_timeout  # type: ignore[operator]
-            ):  # the quorum, or all present if fewer are left than the quorum: nobody waits forever
+                n >= min(self.min_workers, len(self._expected(f, rnd.number)))
+                and now >= rnd.started_at + self.round_timeout  # type: ignore[operator]
+            ):  # the quorum, or all who may still push if fewer are left than the quorum (members that
+                # joined for later rounds cannot help): nobody waits forever
                 out.append((f, "deadline"))
         return out
 

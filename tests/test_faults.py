@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 from netproxy import ThrottledProxy
 from procs import Cluster, http_json, wait_until
@@ -274,3 +275,48 @@ def test_a_slow_worker_does_not_hold_the_others_beyond_the_deadline(tmp_path):
     assert slow["late_refusals"] >= 1
     masters = [[f["master_hash"]] for f in status["fragments"]]
     assert a["mirror_hashes"] == masters == slow["mirror_hashes"]
+
+
+@pytest.mark.slow
+def test_a_long_run_survives_every_fault_in_turn(tmp_path):
+    """2 shards, workers joining, dying, stopping and resuming, a shard killed and restarted, one after
+    another in one run: it finishes, every mirror equals the masters, and the eval loss fell."""
+    shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "1", "--round-timeout", "20"]
+    work = [*NANO, "--steps", "240", "--log-every", "24", "--checkpoint-every", "12", "--step-delay", "0.05"]
+    with Cluster(tmp_path) as c:
+        t0, h0 = c.shard("shard0", "--shard", "0", *shard_flags)
+        t1, h1 = c.shard("shard1", "--shard", "1", *shard_flags)
+        servers = [t0, t1]
+
+        def at_round(r: int) -> None:
+            wait_until(f"round {r}", lambda: http_json(h1)["fragments"][0]["round"] >= r, timeout=180)
+
+        for m in range(2):
+            c.worker(f"w{m}", servers, *work, "--rank", str(m))
+        at_round(4)
+        c.worker("w2", servers, *work, "--rank", "2")  # joins
+        at_round(8)
+        c.procs["w0"].send_signal(signal.SIGKILL)  # dies, comes back from its last checkpoint
+        c.procs["w0"].wait()
+        c.worker("w0", servers, *work, "--rank", "0", "--resume")
+        at_round(12)
+        c.procs["shard0"].send_signal(signal.SIGKILL)  # a shard dies and restarts from its checkpoint
+        c.procs["shard0"].wait()
+        _, h0 = c.shard("shard0", "--shard", "0", *shard_flags, port=int(t0.rsplit(":", 1)[1]))
+        at_round(18)
+        c.procs["w1"].send_signal(signal.SIGTERM)  # stops cleanly, resumes
+        assert c.procs["w1"].wait(60) == 0
+        c.worker("w1", servers, *work, "--rank", "1", "--resume")
+        at_round(24)
+        c.procs["shard1"].send_signal(signal.SIGTERM)  # a clean shard restart
+        assert c.procs["shard1"].wait(60) == 0
+        _, h1 = c.shard("shard1", "--shard", "1", *shard_flags, port=int(t1.rsplit(":", 1)[1]))
+        for name in ("w0", "w1", "w2"):
+            assert c.wait(name, timeout=600) == 0, c.log(name)[-4000:]
+        masters = _masters_hashes([h0, h1])
+        summaries = [c.summary(n) for n in ("w0", "w1", "w2")]
+    for s in summaries:
+        assert s["mirror_hashes"] == masters
+        assert s["eval_loss"] < summaries[0]["eval_loss_start"] - 1.0
+    assert summaries[0]["resumed"] and summaries[1]["resumed"]
+    assert summaries[2]["first_step"] > 0
