@@ -51,32 +51,36 @@ def next_send_after(step: int, cfg: SyncConfig) -> int:
     return min(send_step(f, sends_through(f, step, cfg), cfg) for f in range(cfg.num_scheduled_fragments))
 
 
-def joining_step(views: list[tuple[list[int], list[bool]]], cfg: SyncConfig) -> int:
+def joining_step(views: list[tuple], cfg: SyncConfig) -> int:
     """The step a worker that joins a run in progress starts from (it counts steps from there, so its sends
-    line up with the others'), given each shard's view: every fragment's open round, and whether that round
-    is in progress.
+    line up with the others'), given each shard's view: every fragment's open round, whether that round is
+    in progress, and (optionally) whether it is short of its quorum (fewer pushes than --min-workers).
 
-    The latest send any worker made is at step c. If that round is still open, the joiner starts at c - 1
-    and sends it too (at the start of a run, late starters still make the first rounds). Otherwise the
-    others are somewhere before the next send step, and the joiner starts just before it: ahead of them,
-    so that it waits for the others and never the other way round. A run with no send yet starts at 0."""
-    latest: tuple[int, bool] | None = None  # (step of the latest send, whether its round is open)
-    pairs = [
-        (f, r, s) for rounds, started in views for f, (r, s) in enumerate(zip(rounds, started, strict=True))
-    ]
-    for f, r, s in pairs:
-        if s:
-            cand = (send_step(f, r, cfg), True)
-        elif r > 0:
-            cand = (send_step(f, r - 1, cfg), False)
-        else:
-            continue
-        if latest is None or cand > latest:
-            latest = cand
+    The latest send any worker made is at step c. If that round is still open and short of its quorum, the
+    joiner starts at c - 1 and sends it too: at the start of a run, a worker that starts a little late still
+    makes the first rounds, which wait for it. Otherwise the others are somewhere before the next send step,
+    and the joiner starts just before it: ahead of them, so that it waits for the others and never the other
+    way round. A run with no send yet starts at 0. Without the quorum flags, a round in progress counts as
+    short."""
+    latest: tuple[int, bool] | None = None  # (step of the latest send, whether its round needs pushes)
+    for view in views:
+        rounds, started = view[0], view[1]
+        short = view[2] if len(view) > 2 else started
+        if not len(rounds) == len(started) == len(short):
+            raise ValueError("a shard's view lists rounds, started and short flags of different lengths")
+        for f, (r, s, n) in enumerate(zip(rounds, started, short, strict=True)):
+            if s:
+                cand = (send_step(f, r, cfg), bool(n))
+            elif r > 0:
+                cand = (send_step(f, r - 1, cfg), False)
+            else:
+                continue
+            if latest is None or cand > latest:
+                latest = cand
     if latest is None:
         return 0
-    c, open_ = latest
-    return c - 1 if open_ else next_send_after(c, cfg) - 1
+    c, needs_us = latest
+    return c - 1 if needs_us else next_send_after(c, cfg) - 1
 
 
 def send_round(fragment: int, step: int, cfg: SyncConfig) -> int | None:

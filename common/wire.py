@@ -29,6 +29,11 @@ CHANNEL_OPTIONS = _COMMON + [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
+    # after a lost connection, try again within 0.25 .. 4 s (grpc adds jitter): a restarted shard is found
+    # within seconds by calls that wait for the channel (the worker's reconnecting Join)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 4000),
 ]
 SERVER_OPTIONS = _COMMON + [
     ("grpc.so_reuseport", 0),  # a second shard on a port in use must fail, not share the port

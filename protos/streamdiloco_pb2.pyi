@@ -129,14 +129,18 @@ class PushResult(_message.Message):
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("rounds", "started", "member")
+    __slots__ = ("rounds", "started", "member", "pushes", "min_workers")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORKERS_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedScalarFieldContainer[int]
     started: _containers.RepeatedScalarFieldContainer[bool]
     member: bool
-    def __init__(self, rounds: _Optional[_Iterable[int]] = ..., started: _Optional[_Iterable[bool]] = ..., member: _Optional[bool] = ...) -> None: ...
+    pushes: _containers.RepeatedScalarFieldContainer[int]
+    min_workers: int
+    def __init__(self, rounds: _Optional[_Iterable[int]] = ..., started: _Optional[_Iterable[bool]] = ..., member: _Optional[bool] = ..., pushes: _Optional[_Iterable[int]] = ..., min_workers: _Optional[int] = ...) -> None: ...
 
 class ShardMessage(_message.Message):
     __slots__ = ("welcome", "update", "result")

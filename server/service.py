@@ -227,6 +227,8 @@ class ShardService(pb_grpc.ShardServicer):
                 rounds=[st.round_of(f) for f in range(nfrag)],
                 started=[st.started(f) for f in range(nfrag)],
                 member=member.active,
+                pushes=[len(st.open[f].contributors) for f in range(nfrag)],
+                min_workers=st.min_workers,
             )
         )
 

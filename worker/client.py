@@ -37,7 +37,7 @@ log = logging.getLogger("streamdiloco.worker")
 
 
 WAIT_LOG_SECONDS = 30.0  # log while waiting this long for an update
-MAX_BACKOFF = 15.0  # seconds between reconnect attempts, at most (before jitter)
+MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
 
 
 class SyncError(RuntimeError):
@@ -137,8 +137,9 @@ class ShardLink:
         self.merged: list[int] = []  # rounds < merged[f] have been merged by the engine
 
     # --- connecting ------------------------------------------------------------------------------------
-    def join(self, timeout: float | None = None, wait: bool = True) -> None:
-        """Join the shard; SyncError if it refuses, _Retry (wait=False) if it cannot be reached."""
+    def join(self, timeout: float | None = None, reconnecting: bool = False) -> None:
+        """Join the shard, waiting up to `timeout` for it to be reachable. SyncError if it refuses; when
+        `reconnecting`, _Retry if it cannot be reached (or still holds our old session)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
         request = pb.JoinRequest(
@@ -152,18 +153,18 @@ class ShardLink:
                 reply = self.stub.Join(
                     request,
                     timeout=max(0.1, give_up - time.monotonic()),
-                    wait_for_ready=wait,  # the shard may still be starting
+                    wait_for_ready=True,  # the shard may be starting: the call waits for the channel
                 )
                 break
             except grpc.RpcError as e:
                 code = e.code()
-                if wait and code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
+                if reconnecting and code in JOIN_RETRYABLE:
+                    raise _Retry(f"Join: {code.name}: {e.details()}") from None
+                if code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
                     # our own session from before a crash, not yet noticed by the shard (keepalive: < 1 min)
                     log.info("shard at %s: %s; trying again", self.target, e.details())
                     self._closed.wait(1.0)
                     continue
-                if not wait and code in JOIN_RETRYABLE:
-                    raise _Retry(f"Join: {code.name}: {e.details()}") from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
@@ -205,7 +206,9 @@ class ShardLink:
                 f"shard {self.shard} at {self.target} refused the session: {e.code().name}: {e.details()}"
             ) from None
         self.msg_in += first.ByteSize()
-        if first.WhichOneof("kind") != "welcome" or len(first.welcome.rounds) != len(self.slices):
+        w = first.welcome
+        n = len(self.slices)
+        if first.WhichOneof("kind") != "welcome" or not len(w.rounds) == len(w.started) == len(w.pushes) == n:
             call.cancel()
             raise SyncError(f"shard {self.shard} at {self.target} did not start the session with a Welcome")
         self._call = call
@@ -311,14 +314,20 @@ class ShardLink:
         return "failed"
 
     def _reconnect(self) -> None:
-        """Join again (with backoff), resynchronize and become a member; SyncError when time runs out."""
+        """Join again, resynchronize and become a member (if we were one); SyncError when time runs out.
+
+        Attempts are spaced by exponential backoff with jitter (0.5 s doubling to MAX_BACKOFF, each times
+        a random 0.5..1), so that many workers do not all come at once; during each, the Join waits for the
+        channel, which connects as soon as the shard is back (gRPC retries the connection every 0.25..4 s)."""
         give_up = time.monotonic() + self.reconnect_timeout
         delay = 0.5
         attempt = 0
         while not self._closing:
             attempt += 1
+            window = max(0.5, min(delay * random.uniform(0.5, 1.0), give_up - time.monotonic()))
+            t0 = time.monotonic()
             try:
-                self.join(timeout=min(20.0, max(1.0, give_up - time.monotonic())), wait=False)
+                self.join(timeout=window, reconnecting=True)
                 welcome = self.open_session()
                 self._resync(welcome)
                 with self._cond:
@@ -330,15 +339,16 @@ class ShardLink:
             except _Retry as e:
                 if self._call is not None:
                     self._call.cancel()
-                left = give_up - time.monotonic()
-                if left <= 0:
+                if time.monotonic() >= give_up:
                     raise SyncError(
                         f"shard {self.shard} at {self.target} unreachable for {self.reconnect_timeout:g} s "
                         f"(last: {e}); giving up"
                     ) from None
-                sleep = min(left, delay * random.uniform(0.5, 1.0))  # jitter: not all workers at once
-                log.info("shard %d at %s: %s; retrying in %.1f s", self.shard, self.target, e, sleep)
-                self._closed.wait(sleep)
+                if attempt == 1 or attempt % 10 == 0:
+                    log.info(
+                        "shard %d at %s: %s; still trying (attempt %d)", self.shard, self.target, e, attempt
+                    )
+                self._closed.wait(max(0.0, window - (time.monotonic() - t0)))  # a quick refusal: wait it out
                 delay = min(delay * 2, MAX_BACKOFF)
 
     def _have(self, fragment: int) -> int:
@@ -395,7 +405,8 @@ class ShardLink:
         log.error(message)
 
     def _on_welcome(self, w: pb.Welcome) -> None:
-        if len(w.rounds) != len(self.slices) or len(w.started) != len(self.slices):
+        n = len(self.slices)
+        if len(w.rounds) != n or len(w.started) != n or len(w.pushes) != n:
             raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
         with self._cond:
             self._welcome = w
@@ -699,10 +710,11 @@ class GrpcTransport:
                 w = link._welcome
                 assert w is not None
                 rounds, started = list(w.rounds), list(w.started)
+                short = [s and n < w.min_workers for s, n in zip(w.started, w.pushes, strict=True)]
                 for f, r in [*link._updates, *((f, c - 1) for f, c in enumerate(link.covered) if c > 0)]:
                     if r + 1 > rounds[f]:
-                        rounds[f], started[f] = r + 1, False
-                views.append((rounds, started))
+                        rounds[f], started[f], short[f] = r + 1, False, False
+                views.append((rounds, started, short))
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
         start = joining_step(views, cfg)
         first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
