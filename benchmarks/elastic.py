@@ -400,7 +400,7 @@ def main() -> int:
             results["bc"] = part_b_c(procs, tmp, 120 if a.quick else 240, 1 if a.quick else 3, a.max_wait)
             md += ["## (b, c) checkpoint overhead and recovery", "", table_b(results["bc"]), ""]
         if "d" in parts:
-            steps = 60 if a.quick else 120
+            steps = 90 if a.quick else 150
             results["d"] = []
             for k in (0, 2, 4):
                 wait_quiet(f"join{k}", a.max_wait)

@@ -411,7 +411,9 @@ def _setup_logging() -> None:
     import logging
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        level=logging.INFO,
+        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
     )
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
 

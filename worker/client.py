@@ -690,7 +690,7 @@ class GrpcTransport:
                 link.close()
             raise
 
-    def join_run(self, fragment_vectors) -> int:
+    def join_run(self, fragment_vectors, prepare=None) -> int:
         """A new worker: fetch every master slice (after the sessions opened, so no update is missed), hand
         the full fragments to `fragment_vectors(list of tensors)`, pick the step to start counting from (0
         for a run that has not synced yet) and become a member of every shard from the first round it will
@@ -716,6 +716,8 @@ class GrpcTransport:
                         rounds[f], started[f], short[f] = r + 1, False, False
                 views.append((rounds, started, short))
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
+        if prepare is not None:  # what the caller does before its first step, done before anyone waits for us
+            prepare()
         start = joining_step(views, cfg)
         first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
         for link in self.links:
@@ -812,6 +814,7 @@ def connect(
     reconnect_timeout: float = 600.0,
     resume: dict | None = None,
     interrupt: threading.Event | None = None,
+    prepare=None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -821,7 +824,9 @@ def connect(
     (`engine.step_count`), so that its sends line up with the other workers'; take part from there.
     `sync` must equal the shards' Streaming DiLoCo settings (default: SyncConfig()); `total_steps` lets the
     engine sync every fragment at the last step (final_sync). `resume` is a worker checkpoint's dict (see
-    worker/run.py): the engine and the links continue from it, and the model keeps its parameters."""
+    worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
+    `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
+    for this worker (say, to evaluate them): slow work there does not hold up the others."""
     import os
     import socket
 
@@ -856,7 +861,7 @@ def connect(
             transport.resume(engine.next_rounds)
             log.info("%s resumes at step %d", name, engine.step_count)
             return engine
-        start = transport.join_run(set_params)
+        start = transport.join_run(set_params, prepare)
         if total_steps is not None and start >= total_steps:
             raise SyncError(f"the run is at step {start}, past total_steps={total_steps}: nothing left to do")
         engine = SyncEngine(

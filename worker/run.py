@@ -211,6 +211,10 @@ def run_worker(cfg: WorkerConfig) -> dict:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
     model.to(device)
+    # made now, not after joining: building AdamW the first time takes about a second, which a joiner
+    # must not spend while the others already wait for its first push
+    opt = make_inner_optimizer(model, cfg.inner)
+    eval_start: list[float] = []
     try:
         engine = connect(
             model,
@@ -225,6 +229,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
             reconnect_timeout=cfg.reconnect_timeout,
             resume=resume,
             interrupt=stop.event,
+            prepare=lambda: eval_start.append(evaluate(model, val, device)),  # the global params as fetched
         )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()
@@ -236,19 +241,22 @@ def run_worker(cfg: WorkerConfig) -> dict:
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
     try:
-        return _train(cfg, model, engine, transport, stream, val, device, stop, resume, t_start)
+        return _train(
+            cfg, model, opt, engine, transport, stream, val, device, stop, resume, t_start, eval_start
+        )
     finally:
         engine.close()
         stop.restore()
 
 
-def _train(cfg, model, engine, transport, stream, val, device, stop: StopFlag, resume, t_start) -> dict:
+def _train(
+    cfg, model, opt, engine, transport, stream, val, device, stop: StopFlag, resume, t_start, eval_start
+) -> dict:
     stats = {"tokens": 0, "compute_seconds": 0.0, "train_seconds": 0.0, "eval_loss_start": None}
     if resume is not None:
         stats.update(resume["stats"])
     else:
-        stats["eval_loss_start"] = evaluate(model, val, device)  # the global parameters as fetched
-    opt = make_inner_optimizer(model, cfg.inner)
+        stats["eval_loss_start"] = eval_start[0]
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
     first = engine.step_count
