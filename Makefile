@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow lint bench-quality bench-wire protos clean
+.PHONY: demo compare test test-slow lint bench-quality bench-wire bench-elastic protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench-quality: $(STAMP)
 
 bench-wire: $(STAMP)
 	$(BIN)/python benchmarks/wire.py
+
+bench-elastic: $(STAMP)
+	$(BIN)/python benchmarks/elastic.py
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
 protos: $(STAMP)
