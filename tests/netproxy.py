@@ -14,6 +14,7 @@ class ThrottledProxy:
         self.port = 0
         self.bytes_up = 0
         self._writers: list[asyncio.StreamWriter] = []
+        self._flowing: asyncio.Event | None = None
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
         self.thread.start()
@@ -22,6 +23,8 @@ class ThrottledProxy:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
         self.port = self.server.sockets[0].getsockname()[1]
         started.set()
@@ -35,6 +38,7 @@ class ThrottledProxy:
             try:
                 while data := await src.read(self.chunk if throttle else 1 << 16):
                     if throttle:
+                        await self._flowing.wait()  # type: ignore[union-attr]
                         self.bytes_up += len(data)
                         await asyncio.sleep(len(data) / self.rate)
                     dst.write(data)
@@ -46,11 +50,23 @@ class ThrottledProxy:
 
         await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
 
+    def pause(self) -> None:
+        """Stop forwarding what the client sends (a link that stalls; the connection stays open)."""
+        self.loop.call_soon_threadsafe(self._flowing.clear)  # type: ignore[union-attr]
+
+    def resume(self) -> None:
+        self.loop.call_soon_threadsafe(self._flowing.set)  # type: ignore[union-attr]
+
     def close(self) -> None:
         async def shut() -> None:
+            self._flowing.set()  # type: ignore[union-attr]
             self.server.close()
             for w in self._writers:
                 w.close()
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in others:
+                t.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

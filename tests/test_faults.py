@@ -93,8 +93,11 @@ def test_a_shard_killed_mid_round_restarts_from_its_checkpoint_and_the_run_ends_
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
-def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool) -> list[torch.Tensor]:
-    flags = [*NANO, "--chunk-bytes", "256", "--min-workers", "1", "--round-timeout", "120"]
+def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool, stall: bool = False) -> list[torch.Tensor]:
+    """Worker-a trains; worker-b, behind a slow uplink, is caught in the middle of its first push and then
+    killed (its session ends at once), or (stall) its link stops passing anything (the session stays open)
+    until the round has closed at its deadline, and then it is killed."""
+    flags = [*NANO, "--chunk-bytes", "256", "--min-workers", "1", "--round-timeout", "3" if stall else "120"]
     work = [*NANO, "--steps", "24", "--checkpoint-every", "0", "--log-every", "6"]
     with Cluster(tmp) as c:
         target, http = c.shard("shard", *flags)
@@ -129,6 +132,19 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool) -> list[torch.Tensor]:
 
                 b = wait_until("worker-b in the middle of a push", b_mid_push, timeout=120)
                 assert b["pushes"] == 0  # nothing of worker-b's is in any round
+                if stall:
+                    proxy.pause()
+                    half = b["receiving"][0]
+
+                    def closed_without_b():
+                        for r in http_json(http, "/api/status?rounds=500")["recent_rounds"]:
+                            if (r["fragment"], r["round"]) == (half["fragment"], half["round"]):
+                                return r
+                        return None
+
+                    r = wait_until("the round to close at its deadline", closed_without_b, timeout=60)
+                    assert r["why"] == "deadline" and r["contributors"] == ["worker-a"]
+                    assert 3.0 <= r["seconds"] < 5.0
                 c.procs["worker-b"].send_signal(signal.SIGKILL)
                 c.procs["worker-b"].wait()
                 wait_until(
@@ -145,11 +161,12 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool) -> list[torch.Tensor]:
         return torch.load(tmp / "a.pt")
 
 
-def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("stall", [False, True], ids=["killed", "link-stalls"])
+def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path, stall):
     (tmp_path / "alone").mkdir()
     (tmp_path / "kill").mkdir()
     want = _worker_a_alone_or_with_a_dying_b(tmp_path / "alone", with_b=False)
-    got = _worker_a_alone_or_with_a_dying_b(tmp_path / "kill", with_b=True)
+    got = _worker_a_alone_or_with_a_dying_b(tmp_path / "kill", with_b=True, stall=stall)
     # the round closed with worker-a's push alone, and no chunk of worker-b's half push got into the
     # masters: the run ends exactly where worker-a alone ends
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
