@@ -85,6 +85,8 @@ class ShardService(pb_grpc.ShardServicer):
     ):
         self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
         self.checkpoint = checkpoint
+        if state.restored_members:  # restarted: the checkpoint's members are waited for a while
+            state.expect_back(clock() + state.round_timeout)
         self.stopping = False  # shutting down: sessions end, but no round closes because of that
         self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
         self.on_fatal = lambda: None  # serve() sets this to stop the shard
@@ -105,6 +107,8 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        if self.stopping or self.fatal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         if self.token and not secrets.compare_digest(request.token, self.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         if request.protocol != PROTOCOL:
@@ -210,7 +214,8 @@ class ShardService(pb_grpc.ShardServicer):
                 getter.cancel()
             reader.cancel()
             del self.members[name]
-            self.state.remove_member(name)
+            if not self.stopping:  # a shard on its way down keeps its members: its checkpoint names them
+                self.state.remove_member(name)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
@@ -381,6 +386,8 @@ class ShardService(pb_grpc.ShardServicer):
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
         st = self.state
+        if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         if self.token and not secrets.compare_digest(request.token, self.token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         fragments = list(request.fragments) or list(range(st.layout.num_fragments))
@@ -403,6 +410,8 @@ class ShardService(pb_grpc.ShardServicer):
             start = request.offset if i == 0 else 0
             los = list(range(start, n, self.fetch_chunk)) or [n]
             for lo in los:
+                if self.fatal:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
                 hi = min(n, lo + self.fetch_chunk)
                 msg = pb.MasterChunk(
                     fragment=f,
@@ -432,6 +441,7 @@ class ShardService(pb_grpc.ShardServicer):
             "uptime_seconds": round(time.time() - self.started, 1),
             "config": st.cfg.to_dict(),
             "min_workers": st.min_workers,
+            "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
             "round_timeout": st.round_timeout,
             "members": [
                 {

@@ -133,6 +133,11 @@ class ShardState:
         self.open = [self._new_round(f, 0) for f in range(layout.num_fragments)]
         self.members: set[str] = set()
         self.member_from: dict[str, list[int]] = {}  # member -> first round of each fragment it pushes
+        # after a restart: the members the checkpoint names, waited for as members until they are back or
+        # `returning_until` passes (without them a round could close without a push it had acknowledged)
+        self.restored_members: set[str] = set()
+        self.returning: set[str] = set()
+        self.returning_until: float | None = None
         self.staged: dict[tuple[str, int], _Staged] = {}
         # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
         self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
@@ -168,6 +173,7 @@ class ShardState:
             "slice": list(self.ranges[fragment]),
             "round": self.open[fragment].number,
             "outer": self.outer[fragment].state_dict(),
+            "members": sorted(self.members | self.returning),
         }
 
     def load_fragment_state(self, fragment: int, saved: dict) -> None:
@@ -200,8 +206,17 @@ class ShardState:
                 )
         if rnd < 0:
             raise ValueError(f"checkpoint of fragment {fragment} has round {rnd}")
+        members = saved.get("members", [])
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            raise ValueError(f"checkpoint of fragment {fragment} has a malformed member list")
         self.outer[fragment].load_state_dict(outer)
         self.open[fragment] = self._new_round(fragment, rnd)
+        self.restored_members.update(members)
+
+    def expect_back(self, until: float) -> None:
+        """After a restart: wait for the checkpoint's members as if they were here, until `until`."""
+        self.returning = set(self.restored_members) - self.members
+        self.returning_until = until if self.returning else None
 
     # --- members ---------------------------------------------------------------------------------------
     def add_member(self, worker: str, from_rounds: list[int] | None = None) -> None:
@@ -212,15 +227,17 @@ class ShardState:
                 f"from_rounds has {len(from_rounds)} entries, this run {self.layout.num_fragments}"
             )
         self.members.add(worker)
+        self.returning.discard(worker)
         if from_rounds is not None:
             self.member_from[worker] = list(from_rounds)
         else:
             self.member_from.pop(worker, None)
 
     def _expected(self, fragment: int, number: int) -> frozenset[str]:
-        return frozenset(
+        here = frozenset(
             m for m in self.members if m not in self.member_from or self.member_from[m][fragment] <= number
         )
+        return here | self.returning
 
     def remove_member(self, worker: str) -> None:
         """The worker's session ended: it leaves, and any push it had half-sent is dropped."""
@@ -411,14 +428,18 @@ class ShardState:
     def due(self, now: float) -> list[tuple[int, str]]:
         """(fragment, why) of every open round that should close now."""
         out = []
+        if self.returning_until is not None and now >= self.returning_until:
+            self.returning.clear()  # those who did not come back in time have left
+            self.returning_until = None
+        present = self.members | self.returning
         for f, rnd in enumerate(self.open):
             if rnd.expected is None:
                 continue  # not started: nobody has pushed yet
             n = len(rnd.contributors)
-            pending = (rnd.expected & self.members) - rnd.contributors
+            pending = (rnd.expected & present) - rnd.contributors
             if not pending and n >= self.min_workers:
                 out.append((f, "all"))
-            elif not (rnd.expected & self.members) and not any(k[1] == f for k in self.staged):
+            elif not (rnd.expected & present) and not any(k[1] == f for k in self.staged):
                 out.append((f, "empty"))  # everyone expected has left: close with what there is
             elif (
                 n >= min(self.min_workers, len(self._expected(f, rnd.number)))

@@ -403,6 +403,62 @@ def test_a_round_that_only_a_skipping_joiner_could_complete_still_closes_at_its_
     assert st.due(100.0) == [(1, "deadline")]
 
 
+def _restarted(st: ShardState, until: float) -> ShardState:
+    """A new state loaded from `st`'s fragment states, as a shard restarted from its checkpoint."""
+    again = make_state(min_workers=st.min_workers, round_timeout=st.round_timeout)
+    for f in range(st.layout.num_fragments):
+        again.load_fragment_state(f, st.fragment_state(f))
+    again.expect_back(until)
+    return again
+
+
+def test_a_restarted_shard_waits_for_the_members_its_checkpoint_names_before_closing_a_round():
+    # a and b are members; b's push of fragment 0 round 0 was accepted, then the shard died before a pushed
+    st = make_state(min_workers=1, round_timeout=30.0)
+    st.add_member("a")
+    st.add_member("b")
+    push_whole(st, "b", 0, 0, 1)
+    again = _restarted(st, until=60.0)
+    assert again.returning == {"a", "b"} and again.round_of(0) == 0  # the open round's pushes are not saved
+    again.add_member("a")  # a comes back first and pushes: the round must wait for b's push again
+    push_whole(again, "a", 0, 0, 2, now=1.0)
+    assert again.due(1.0) == []
+    again.add_member("b")
+    push_whole(again, "b", 0, 0, 1, now=2.0)  # b sends again the push it kept
+    assert again.due(2.0) == [(0, "all")]
+    assert again.close_round(0).contributors == ("a", "b")
+
+
+def test_a_member_that_does_not_come_back_is_waited_for_only_until_its_time_is_up():
+    st = make_state(min_workers=1, round_timeout=30.0)
+    st.add_member("a")
+    st.add_member("gone")
+    again = _restarted(st, until=20.0)
+    again.add_member("a")
+    push_whole(again, "a", 0, 0, 2, now=1.0)
+    assert again.due(19.0) == []
+    assert again.due(20.0) == [(0, "all")] and again.returning == set()
+
+
+def test_the_next_rounds_a_worker_names_count_the_sends_of_its_step_not_done_yet():
+    # H=6, P=3, tau=2: step 4 merges fragment 1's round 0 and sends fragment 2's round 0; a worker that is
+    # stopped or reconnects while it waits for that merge has not sent fragment 2's round 0 yet
+    from streamdiloco.common.schedule import events
+    from streamdiloco.worker.engine import SyncEngine
+
+    class NoWire:
+        num_shards = 1
+
+    cfg = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=2)
+    engine = SyncEngine(build_gpt("nano"), _LAYOUT, cfg, NoWire())  # type: ignore[arg-type]
+    engine.step_count = 4
+    engine.pending = events(4, cfg)
+    assert [e.kind for e in engine.pending] == ["merge", "send"]
+    assert engine.next_rounds() == [0, 1, 0]
+    engine.pending = []  # once the step's events are done
+    assert engine.next_rounds() == [0, 1, 1]
+
+
 # === 3. ShardCheckpoint ===================================================================================
 def _one_line(e: pytest.ExceptionInfo) -> str:
     text = str(e.value)
@@ -1055,9 +1111,12 @@ def test_a_kept_push_is_sent_again_to_a_shard_restarted_from_its_checkpoint(make
         assert s1.status()["checkpoint"]["writes"] >= 4 and s1.status()["checkpoint"]["errors"] == 0
 
         s1.shutdown(stop_first=True)  # the shard stops; the push in its open round is lost with it
-        s2 = make_shard(min_workers=1, checkpoint_dir=ckdir, port=s1.port)
+        s2 = make_shard(min_workers=1, round_timeout=2.0, checkpoint_dir=ckdir, port=s1.port)
         assert s2.on_loop(lambda: [s2.service.state.round_of(f) for f in range(3)]) == [0, 1, 0]
         assert s2.status()["fragments"][1]["master_hash"] == hash1
+        # the checkpoint names the members of the time (b's session had ended before the shard stopped):
+        # rounds wait for them until they are back, or for a round timeout
+        assert s2.status()["returning"] == ["L"]
 
         # the link reconnects, becomes a member again and sends the kept push; the round closes with it
         update = link.wait_update(0, 0, timeout=15)

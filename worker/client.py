@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from streamdiloco.common.codecs import Encoded, concat, expected_sizes, get_codec
+from streamdiloco.common.codecs import Encoded, chunk_alignment, concat, expected_sizes, get_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.wire import (
@@ -107,6 +107,7 @@ class ShardLink:
         self.channel = make_channel(self.target)
         self.stub = pb_grpc.ShardStub(self.channel)
         self._cond = threading.Condition()
+        self._sync_lock = threading.Lock()  # one resync (or a joiner's install of its fetch) at a time
         self._updates: dict[tuple[int, int], Encoded] = {}
         self._partial: dict[tuple[int, int], list[Encoded]] = {}
         self._masters: dict[int, Master] = {}  # fetched on resync, not yet taken by the engine
@@ -180,6 +181,17 @@ class ShardLink:
         ):
             raise SyncError(
                 f"the shard at {self.target} came back as another run: shard index, slices or config differ"
+            )
+        align = chunk_alignment(config.uplink_codec, config.codec_block_size)
+        if (
+            not reply.num_shards
+            or reply.shard >= reply.num_shards
+            or not reply.chunk_values
+            or reply.chunk_values % align
+        ):
+            raise SyncError(
+                f"shard at {self.target} sent an unusable Join reply (shard {reply.shard} of "
+                f"{reply.num_shards}, {reply.chunk_values} values per chunk)"
             )
         self.config, self.shard, self.num_shards = config, reply.shard, reply.num_shards
         self.slices, self.chunk_values = slices, reply.chunk_values
@@ -285,6 +297,11 @@ class ShardLink:
             except SyncError as e:
                 self._fail(str(e))
                 return
+            except Exception as e:  # never end silently: the training thread would wait for ever
+                self._fail(
+                    f"reconnecting to shard {self.shard} at {self.target} failed: {type(e).__name__}: {e}"
+                )
+                return
 
     def _receive(self) -> str:
         """Read the session until it ends; returns why it ended."""
@@ -361,6 +378,10 @@ class ShardLink:
 
     def _resync(self, welcome: pb.Welcome) -> None:
         """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
+        with self._sync_lock:
+            self._resync_locked(welcome)
+
+    def _resync_locked(self, welcome: pb.Welcome) -> None:
         with self._cond:
             have = [self._have(f) for f in range(len(self.slices))]
             # updates that came on this session after its Welcome say the shard is further on
@@ -390,6 +411,8 @@ class ShardLink:
             raise _Retry(str(e)) from None
         with self._cond:
             for f, (values, rnd) in fetched.items():
+                if rnd <= self.covered[f]:
+                    continue  # what we hold is as new already
                 self._masters[f] = Master(values, rnd)
                 self.covered[f] = rnd
                 for key in [k for k in self._updates if k[0] == f and k[1] < rnd]:
@@ -452,8 +475,10 @@ class ShardLink:
             )
         part = from_chunk(c)
         payload, scales = expected_sizes(c.codec, c.numel, c.block_size or 1)
+        align = chunk_alignment(c.codec, self.config.codec_block_size)
         if (
-            c.total != want_total
+            (not c.last and c.numel % align)  # a chunk boundary inside a block would shift the codes
+            or c.total != want_total
             or c.offset != at
             or c.seq != len(parts)
             or part.payload.numel() != payload
@@ -698,15 +723,35 @@ class GrpcTransport:
         cfg = self.links[0].config
         assert cfg is not None
         parts = [link.fetch() for link in self.links]
-        views = []
         for link, part in zip(self.links, parts, strict=True):
-            with link._cond:
-                link.covered = [part[f][1] for f in range(len(link.slices))]
-                link._applied_cover = list(link.covered)  # the caller sets the parameters from them
-                link._masters.clear()  # a reconnect meanwhile may have fetched older ones
+            with link._sync_lock, link._cond:
+                for f in range(len(link.slices)):
+                    rnd = part[f][1]
+                    link._applied_cover[f] = rnd  # the caller sets the parameters from these
+                    if link.covered[f] > rnd:
+                        continue  # a reconnect meanwhile fetched a newer master: the engine takes it later
+                    link.covered[f] = rnd
+                    link._masters.pop(f, None)  # older than what we fetched, if any
                 for key in [k for k in link._updates if k[1] < link.covered[k[0]]]:
                     del link._updates[key]  # closed before the fetch: in the master already
-                # where the shard is: its Welcome, moved on by the updates that came since
+        fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
+        if prepare is not None:  # what the caller does before its first step, done before anyone waits for us
+            prepare()
+        start = joining_step([self._view()], cfg)
+        first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
+        for link in self.links:
+            link.join_from = first  # rounds before these: no shard waits for us; we take their updates
+            link.ready()
+        return start
+
+    def _view(self) -> tuple[list[int], list[bool], list[bool]]:
+        """Where the run is, as of now: per fragment the open round, whether it is in progress and whether it
+        is short of its quorum, from each shard's Welcome moved on by the updates that came since. Shards
+        can disagree (a push that reached one shard and not another, from a worker that died between):
+        then the shard that is behind counts, so that a joiner pushes the round it still needs."""
+        per_shard = []
+        for link in self.links:
+            with link._cond:
                 w = link._welcome
                 assert w is not None
                 rounds, started = list(w.rounds), list(w.started)
@@ -714,16 +759,15 @@ class GrpcTransport:
                 for f, r in [*link._updates, *((f, c - 1) for f, c in enumerate(link.covered) if c > 0)]:
                     if r + 1 > rounds[f]:
                         rounds[f], started[f], short[f] = r + 1, False, False
-                views.append((rounds, started, short))
-        fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
-        if prepare is not None:  # what the caller does before its first step, done before anyone waits for us
-            prepare()
-        start = joining_step(views, cfg)
-        first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
-        for link in self.links:
-            link.join_from = first  # rounds before these: no shard waits for us; we take their updates
-            link.ready()
-        return start
+                per_shard.append((rounds, started, short))
+        out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
+        for f in range(len(per_shard[0][0])):
+            low = min(v[0][f] for v in per_shard)
+            behind = [v for v in per_shard if v[0][f] == low]
+            out[0].append(low)
+            out[1].append(all(v[1][f] for v in behind))
+            out[2].append(any(v[2][f] for v in behind))
+        return out
 
     def resume(self, schedule) -> None:
         """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
@@ -831,7 +875,7 @@ def connect(
     import socket
 
     from streamdiloco.common.fingerprint import model_fingerprint
-    from streamdiloco.common.fragments import build_layout, fragment_params, unflatten_into
+    from streamdiloco.common.fragments import build_layout, fragment_params, slice_ranges, unflatten_into
     from streamdiloco.worker.engine import SyncEngine
 
     sync = sync or SyncConfig()
@@ -849,6 +893,10 @@ def connect(
         interrupt=interrupt,
     )
     try:
+        for link in transport.links:
+            want = [slice_ranges(frag.numel, link.num_shards)[link.shard] for frag in layout.fragments]
+            if [(lo, lo + n) for lo, n in link.slices] != want:
+                raise SyncError(f"shard {link.shard} at {link.target} sent slices that do not fit this model")
 
         def set_params(vectors: list[torch.Tensor]) -> None:
             with torch.no_grad():

@@ -87,8 +87,16 @@ class SyncEngine:
         self.pending: list[Event] = []  # this step's events not done yet (see finish_step)
 
     def next_rounds(self) -> list[int]:
-        """The next round each fragment sends (the rounds a shard may expect this worker in from now on)."""
-        return [sends_through(f, self.step_count, self.cfg) for f in range(self.layout.num_fragments)]
+        """The next round each fragment sends (the rounds a shard may expect this worker in from now on),
+        counting the sends of the current step that are not done yet. Read from other threads: step()
+        sets `pending` before it moves `step_count` on, and this reads them in the other order."""
+        step = self.step_count
+        pending = list(self.pending)
+        out = [sends_through(f, step, self.cfg) for f in range(self.layout.num_fragments)]
+        for ev in pending:
+            if ev.kind == "send":
+                out[ev.fragment] = min(out[ev.fragment], ev.round)
+        return out
 
     def catch_up(self, first_rounds: list[int]) -> None:
         """For a worker that starts at step > 0: merge the rounds from `first_rounds` (the first round of
@@ -153,8 +161,9 @@ class SyncEngine:
     # --- the hook ------------------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
-        evs = self.advance(tokens, loss)
+        evs = events(self.step_count + 1, self.cfg, self.total_steps)
         self.pending = list(evs)
+        self._count(tokens, loss)
         self.finish_step()
         return evs
 
@@ -168,13 +177,17 @@ class SyncEngine:
 
     def advance(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
         """Count one inner step; returns the events due now without doing them (for lock-step drivers)."""
+        evs = events(self.step_count + 1, self.cfg, self.total_steps)
+        self._count(tokens, loss)
+        return evs
+
+    def _count(self, tokens: int, loss: float | None) -> None:
         self.step_count += 1
         for f in range(self.layout.num_fragments):
             self.tokens_since_sync[f] += tokens
             if loss is not None:
                 total, count = self.loss_since_sync[f]
                 self.loss_since_sync[f] = (total + loss, count + 1)
-        return events(self.step_count, self.cfg, self.total_steps)
 
     def execute(self, ev: Event) -> None:
         if ev.kind == "send":
