@@ -147,6 +147,7 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool, stall: bool = False) ->
                     assert 3.0 <= r["seconds"] < 5.0
                 c.procs["worker-b"].send_signal(signal.SIGKILL)
                 c.procs["worker-b"].wait()
+                proxy.resume()  # so that the proxy sees the connection end and ends the shard's side
                 wait_until(
                     "worker-b to leave",
                     lambda: all(m["name"] != "worker-b" for m in http_json(http)["members"]),
