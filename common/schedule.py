@@ -56,31 +56,34 @@ def joining_step(views: list[tuple], cfg: SyncConfig) -> int:
     line up with the others'), given each shard's view: every fragment's open round, whether that round is
     in progress, and (optionally) whether it is short of its quorum (fewer pushes than --min-workers).
 
-    The latest send any worker made is at step c. If that round is still open and short of its quorum, the
-    joiner starts at c - 1 and sends it too: at the start of a run, a worker that starts a little late still
-    makes the first rounds, which wait for it. Otherwise the others are somewhere before the next send step,
-    and the joiner starts just before it: ahead of them, so that it waits for the others and never the other
-    way round. A run with no send yet starts at 0. Without the quorum flags, a round in progress counts as
-    short."""
-    latest: tuple[int, bool] | None = None  # (step of the latest send, whether its round needs pushes)
+    If some round in progress is short of its quorum, the others wait for more pushes: the joiner starts
+    right after the latest send whose round has closed (at 0 if none has: at the start of a run, a worker
+    that starts a little late does every step, as if it had been on time), and no later than just before
+    the earliest short round, so that it sends every round that waits for it. Otherwise the others are
+    somewhere between the latest send and the next send step, and the joiner starts just before the next:
+    ahead of them, so that it waits for the others and never the other way round. A run with no send yet
+    starts at 0. Without the quorum flags, a round in progress counts as short."""
+    latest = 0  # step of the latest send (of a round in progress or closed)
+    closed = 0  # step of the latest send whose round has closed
+    short_at: int | None = None  # step of the earliest send whose round waits for more pushes
     for view in views:
         rounds, started = view[0], view[1]
         short = view[2] if len(view) > 2 else started
         if not len(rounds) == len(started) == len(short):
             raise ValueError("a shard's view lists rounds, started and short flags of different lengths")
         for f, (r, s, n) in enumerate(zip(rounds, started, short, strict=True)):
+            if r > 0:
+                closed = max(closed, send_step(f, r - 1, cfg))
             if s:
-                cand = (send_step(f, r, cfg), bool(n))
-            elif r > 0:
-                cand = (send_step(f, r - 1, cfg), False)
-            else:
-                continue
-            if latest is None or cand > latest:
-                latest = cand
-    if latest is None:
-        return 0
-    c, needs_us = latest
-    return c - 1 if needs_us else next_send_after(c, cfg) - 1
+                latest = max(latest, send_step(f, r, cfg))
+                if n:
+                    short_at = (
+                        send_step(f, r, cfg) if short_at is None else min(short_at, send_step(f, r, cfg))
+                    )
+    latest = max(latest, closed)
+    if short_at is not None:
+        return min(closed, short_at - 1)
+    return next_send_after(latest, cfg) - 1 if latest else 0
 
 
 def send_round(fragment: int, step: int, cfg: SyncConfig) -> int | None:

@@ -188,6 +188,37 @@ def test_a_worker_joins_a_run_in_progress_at_the_runs_step_and_stays_in_sync(tmp
                 second.close()
 
 
+def test_a_worker_that_starts_late_at_the_start_of_a_run_still_does_every_step(tmp_path):
+    # --min-workers 2: the first worker's push of fragment 1's round 0 (step 2) waits for the second one
+    flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--min-workers", "2"]
+    with shard_process(tmp_path, *flags) as (target, http, _):
+        cfg = SyncConfig(sync_every=6, num_fragments=3, final_sync=False)
+        first = connect(build_gpt("nano"), [target], cfg, name="first")
+        second = None
+        try:
+            ahead = threading.Thread(target=lambda: [first.step(tokens=1) for _ in range(3)])
+            ahead.start()  # steps 1, 2 (pushes fragment 1's round 0), 3 (waits for that round's update)
+            deadline = time.monotonic() + 30
+            while not json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/api/status").read())[
+                "fragments"
+            ][1]["contributors"]:
+                assert time.monotonic() < deadline, "the first worker's push never arrived"
+                time.sleep(0.05)
+            second = connect(build_gpt("nano"), [target], cfg, name="second")
+            assert (
+                second.step_count == 0
+            )  # no round has closed: it does every step, as if it had been on time
+            for _ in range(3):
+                second.step(tokens=1)
+            ahead.join(30)
+            assert not ahead.is_alive() and first.step_count == second.step_count == 3
+            assert all(torch.equal(a, b) for a, b in zip(first.mirrors, second.mirrors, strict=True))
+        finally:
+            first.close()
+            if second is not None:
+                second.close()
+
+
 def test_a_second_shard_on_a_port_in_use_fails_with_one_line(tmp_path):
     with shard_process(tmp_path, "--model", "nano") as (target, _, _):
         port = target.rsplit(":", 1)[1]
