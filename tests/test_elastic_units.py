@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import queue
 import random
 import threading
 import time
 
-import grpc
 import pytest
 import torch
+from inthread import RPC_TIMEOUT, WAIT, Session, Worker, push_messages
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -49,8 +48,6 @@ CFG = SyncConfig(sync_every=6, num_fragments=3)  # first sends: fragment 1 at 2,
 CFG30 = SyncConfig(sync_every=30, num_fragments=5, fragment_sync_delay=1)  # 1 at 6, 2 at 12, ... 0 at 30
 CFG_TAU3 = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=3)  # two sends in flight
 CHUNK_BYTES = 256  # e3m0: 512 values a chunk; shard 0's slice of fragment 0 spans 25 chunks
-RPC_TIMEOUT = 10.0
-WAIT = 5.0
 
 torch.manual_seed(0)
 _MODEL = build_gpt("nano")
@@ -653,85 +650,6 @@ def fingerprint_json() -> str:
 
 
 GOOD_FP = fingerprint_json()
-_END = object()
-
-
-class Session:
-    """A Session call fed from a queue; a thread moves what the shard sends into an inbox."""
-
-    def __init__(self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage):
-        self.out: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue = queue.Queue()
-        self.sent = 0
-        self.call = stub.Session(self._requests(), timeout=RPC_TIMEOUT * 3)
-        self.thread = threading.Thread(target=self._receive, daemon=True)
-        self.thread.start()
-        self.out.put(hello)
-
-    def _requests(self):
-        while True:
-            msg = self.out.get()
-            if msg is None:
-                return
-            yield msg
-
-    def _receive(self) -> None:
-        try:
-            for msg in self.call:
-                self.inbox.put(msg)
-            self.inbox.put(_END)
-        except grpc.RpcError as e:
-            self.inbox.put(e)
-
-    def send(self, msg: pb.WorkerMessage) -> None:
-        self.sent += msg.ByteSize()
-        self.out.put(msg)
-
-    def next_message(self, kind: str | None = None) -> pb.ShardMessage:
-        try:
-            item = self.inbox.get(timeout=WAIT)
-        except queue.Empty:
-            raise AssertionError(f"nothing from the shard within {WAIT} s") from None
-        if isinstance(item, grpc.RpcError):
-            raise AssertionError(f"the session failed: {item.code().name}: {item.details()}")
-        assert item is not _END, "the shard ended the session"
-        if kind is not None:
-            assert item.WhichOneof("kind") == kind, f"expected {kind}, got {item}"
-        return item
-
-    def result(self) -> pb.PushResult:
-        return self.next_message("result").result
-
-    def update(self) -> list[pb.Chunk]:
-        chunks = [self.next_message("update").update]
-        while not chunks[-1].last:
-            chunks.append(self.next_message("update").update)
-        return chunks
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self.out.put(None)
-        self.thread.join(WAIT)
-
-
-def push_messages(enc: Encoded, fragment=0, round=0, weight=100.0, loss=3.0) -> list[pb.WorkerMessage]:
-    header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=0.0 if loss is None else loss)
-    return [
-        pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None))
-        for c in to_chunks(enc, fragment, round, 512)
-    ]
-
-
-class Worker:
-    def __init__(self, name: str, session: Session):
-        self.name, self.session = name, session
-
-    def push(self, msgs: list[pb.WorkerMessage]) -> None:
-        for m in msgs:
-            self.session.send(m)
-
-    def ready(self, from_rounds=()) -> None:
-        self.session.send(pb.WorkerMessage(ready=pb.Ready(from_rounds=list(from_rounds))))
 
 
 class Shard:

@@ -11,20 +11,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import pytest
 import torch
+from inthread import END, RPC_TIMEOUT, WAIT, Session, Worker, push_messages
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk, make_channel, to_chunks
+from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service, serve
@@ -34,8 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)
 CHUNK_BYTES = 256  # e3m0: 512 values a chunk, so shard 0's 12352-value slice of fragment 0 is 25 chunks
-RPC_TIMEOUT = 10.0  # every call carries a deadline: nothing here can hang
-WAIT = 5.0  # seconds to wait for a message or a server-side condition
 
 
 def fingerprint(cfg: SyncConfig = CFG, **model_kw) -> dict:
@@ -60,112 +57,6 @@ def build(token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
 
 
 # --- the client side ------------------------------------------------------------------------------------
-_END = object()
-
-
-class Session:
-    """A Session call fed from a queue; a thread moves what the shard sends into an inbox."""
-
-    def __init__(self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage | None = None):
-        self.out: queue.Queue = queue.Queue()
-        self.inbox: queue.Queue = queue.Queue()
-        self.sent = 0  # serialized bytes sent after Hello: what the shard counts as the member's msg_in
-        self.call = stub.Session(self._requests(), timeout=RPC_TIMEOUT * 3)
-        self.thread = threading.Thread(target=self._receive, daemon=True)
-        self.thread.start()
-        if hello is not None:
-            self.out.put(hello)
-
-    def _requests(self):
-        while True:
-            msg = self.out.get()
-            if msg is None:
-                return
-            yield msg
-
-    def _receive(self) -> None:
-        try:
-            for msg in self.call:
-                self.inbox.put(msg)
-            self.inbox.put(_END)
-        except grpc.RpcError as e:
-            self.inbox.put(e)
-
-    def send(self, msg: pb.WorkerMessage) -> None:
-        self.sent += msg.ByteSize()
-        self.out.put(msg)
-
-    def next(self, timeout: float = WAIT):
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"nothing from the shard within {timeout} s") from None
-
-    def next_message(self, kind: str | None = None) -> pb.ShardMessage:
-        item = self.next()
-        if isinstance(item, grpc.RpcError):
-            raise AssertionError(f"the session failed: {item.code().name}: {item.details()}")
-        assert item is not _END, "the shard ended the session"
-        if kind is not None:
-            assert item.WhichOneof("kind") == kind, f"expected {kind}, got {item}"
-        return item
-
-    def result(self) -> pb.PushResult:
-        return self.next_message("result").result
-
-    def update(self) -> list[pb.Chunk]:
-        """The chunks of one update, up to and including the one marked last."""
-        chunks = [self.next_message("update").update]
-        while not chunks[-1].last:
-            chunks.append(self.next_message("update").update)
-        return chunks
-
-    def error(self) -> grpc.RpcError:
-        item = self.next()
-        assert isinstance(item, grpc.RpcError), f"expected the session to be refused, got {item}"
-        return item
-
-    def close(self) -> None:
-        """Half-close (the worker leaves cleanly); cancel if the call does not end."""
-        self.out.put(None)
-        self.thread.join(WAIT)
-        if self.thread.is_alive():
-            self.call.cancel()
-            self.thread.join(WAIT)
-
-    def cancel(self) -> None:
-        """Break the call, as a worker that dies does."""
-        self.call.cancel()
-        self.out.put(None)  # unblock gRPC's request-consumer thread
-        self.thread.join(WAIT)
-
-
-def push_messages(
-    enc: Encoded,
-    fragment: int = 0,
-    round: int = 0,
-    weight: float = 100.0,
-    loss: float | None = 3.0,
-    values_per_chunk: int = 512,
-) -> list[pb.WorkerMessage]:
-    header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=0.0 if loss is None else loss)
-    return [
-        pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None))
-        for c in to_chunks(enc, fragment, round, values_per_chunk)
-    ]
-
-
-@dataclass
-class Worker:
-    name: str
-    join: pb.JoinReply
-    session: Session
-
-    def push(self, msgs: list[pb.WorkerMessage]) -> None:
-        for m in msgs:
-            self.session.send(m)
-
-
 # --- the shard, in a thread of its own ------------------------------------------------------------------
 class Shard:
     def __init__(self, tmp_path, token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
@@ -273,7 +164,7 @@ class Shard:
         reply = self.join(name)
         s = self.open_session(pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session)))
         assert list(s.next_message("welcome").welcome.rounds) == list(reply.rounds)
-        return Worker(name, reply, s)
+        return Worker(name, s, reply)
 
     def fetch(self, fragments=(), offset: int = 0, token: str | None = None) -> list[pb.MasterChunk]:
         request = pb.FetchRequest(
@@ -486,7 +377,7 @@ def test_session_needs_a_hello_with_a_session_from_join(shard):
 def test_a_session_that_sends_nothing_ends_quietly(shard):
     s = shard.open_session(None)
     s.close()
-    assert s.next() is _END
+    assert s.next() is END
     assert shard.on_loop(lambda: dict(shard.service.members)) == {}
 
 
