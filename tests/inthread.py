@@ -1,19 +1,25 @@
-"""A worker's side of a Session, driven by hand from a test: the messages it sends and what the shard
-answers, against a shard running in the test's process (tests/test_service.py, tests/test_elastic_units.py).
+"""A shard serving in a thread of the test's process, and a worker's side of a Session driven by hand:
+the messages it sends and what the shard answers (tests/test_service.py, tests/test_elastic_units.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import queue
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.common.wire import to_chunks
+from streamdiloco.common.wire import PROTOCOL, make_channel, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.main import serve
+from streamdiloco.server.service import ShardService
 
 RPC_TIMEOUT = 10.0  # every call carries a deadline: nothing here can hang
 WAIT = 5.0  # seconds to wait for a message or a server-side condition
@@ -118,6 +124,7 @@ class Worker:
     name: str
     session: Session
     join: pb.JoinReply | None = None
+    welcome: pb.Welcome | None = None  # what the shard answered the Hello
 
     def push(self, msgs: list[pb.WorkerMessage]) -> None:
         for m in msgs:
@@ -125,3 +132,141 @@ class Worker:
 
     def ready(self, from_rounds=()) -> None:
         self.session.send(pb.WorkerMessage(ready=pb.Ready(from_rounds=list(from_rounds))))
+
+
+class InThreadShard:
+    """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any), without HTTP."""
+
+    def __init__(self, service: ShardService, tmp_path: Path, fingerprint_json: str, token: str = "", port=0):
+        self.service, self.fingerprint_json, self.token = service, fingerprint_json, token
+        self.loop = asyncio.new_event_loop()
+        self.stop: asyncio.Event | None = None
+        self.failure: BaseException | None = None
+        self.down = False
+        ready = tmp_path / f"ready-{id(self)}-{time.monotonic_ns()}.json"
+        self.thread = threading.Thread(target=self._run, args=(str(ready), port), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert self.failure is None, f"the shard failed to start: {self.failure!r}"
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the shard did not start"
+            time.sleep(0.01)
+        self.port = json.loads(ready.read_text())["grpc_port"]
+        self.target = f"127.0.0.1:{self.port}"
+        self.channel = make_channel(self.target)
+        self.stub = pb_grpc.ShardStub(self.channel)
+        self.sessions: list[Session] = []
+
+    def _run(self, ready: str, port: int) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            self.stop = asyncio.Event()
+            await serve(self.service, "127.0.0.1", port, http_port=None, ready_file=ready, stop=self.stop)
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as e:  # noqa: BLE001 - reported by the test that waits for the shard
+            self.failure = e
+        finally:  # as asyncio.run does: end what is left (the shard's own cancelled tasks), then close
+            left = asyncio.all_tasks(self.loop)
+            for task in left:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def shutdown(self, stop_first: bool = False) -> None:
+        """End the test's sessions and stop the shard; `stop_first`: stop the shard while the sessions are
+        open, as a shard that is killed does (no session's end closes a round then)."""
+        if self.down:
+            return
+        self.down = True
+        if not stop_first:
+            for s in self.sessions:
+                s.cancel()
+        self.channel.close()
+        if self.stop is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(15)
+        for s in self.sessions:
+            s.cancel()
+        assert not self.thread.is_alive(), "the shard did not stop"
+        assert self.failure is None, f"the shard failed: {self.failure!r}"
+
+    # --- reading the shard's state on its own loop ---
+    def on_loop(self, fn):
+        async def call():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(WAIT)
+
+    def wait_for(self, cond, what: str) -> None:
+        deadline = time.monotonic() + WAIT
+        while not self.on_loop(cond):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    def quiesce(self, w: Worker) -> None:
+        """Wait until the shard has read everything this worker sent on its session."""
+        self.wait_for(
+            lambda: w.name in self.service.members and self.service.members[w.name].msg_in == w.session.sent,
+            f"the shard to read all of {w.name}'s messages",
+        )
+
+    def status(self, **kw) -> dict:
+        return self.on_loop(lambda: self.service.status(**kw))
+
+    def member_state(self, name: str) -> str:
+        return next(m["state"] for m in self.status()["members"] if m["name"] == name)
+
+    def snapshot(self) -> dict:
+        """Everything a refused push must leave unchanged."""
+
+        def snap() -> dict:
+            st, status = self.service.state, self.service.status()
+            json.dumps(status, allow_nan=False)  # what /api/status serves stays valid JSON
+            return {
+                "fragments": [(f["round"], f["master_hash"], f["contributors"]) for f in status["fragments"]],
+                "sums": [
+                    (r.total.numpy().tobytes(), r.weight, r.loss_sum, r.loss_weight, r.expected, r.started_at)
+                    for r in st.open
+                ],
+                "staged": sorted(st.staged),
+                "accepted": st.pushes_accepted,
+                "codec_in": st.bytes_received,
+                "rounds_closed": st.rounds_closed,
+                "members": sorted(st.members),
+            }
+
+        return self.on_loop(snap)
+
+    # --- clients ---
+    def join(self, name: str, fp: str | None = None, token: str | None = None, protocol: int = PROTOCOL):
+        request = pb.JoinRequest(
+            worker=name,
+            token=self.token if token is None else token,
+            fingerprint_json=self.fingerprint_json if fp is None else fp,
+            protocol=protocol,
+        )
+        return self.stub.Join(request, timeout=RPC_TIMEOUT)
+
+    def open_session(self, hello: pb.WorkerMessage | None) -> Session:
+        s = Session(self.stub, hello)
+        self.sessions.append(s)
+        return s
+
+    def worker(self, name: str, passive: bool = False) -> Worker:
+        """Join and open a session (a member at once, or passive until it sends Ready)."""
+        reply = self.join(name)
+        hello = pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session, passive=passive))
+        s = self.open_session(hello)
+        welcome = s.next_message("welcome").welcome
+        assert list(welcome.rounds) == list(reply.rounds)
+        return Worker(name, s, reply, welcome)
+
+    def fetch(self, fragments=(), offset: int = 0, token: str | None = None) -> list[pb.MasterChunk]:
+        request = pb.FetchRequest(
+            fragments=list(fragments), offset=offset, token=self.token if token is None else token
+        )
+        return list(self.stub.Fetch(request, timeout=RPC_TIMEOUT))

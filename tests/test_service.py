@@ -11,22 +11,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
-import time
 
 import grpc
 import pytest
 import torch
-from inthread import END, RPC_TIMEOUT, WAIT, Session, Worker, push_messages
+from inthread import END, InThreadShard, push_messages
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk, make_channel
+from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service, serve
+from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,121 +53,10 @@ def build(token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
     )
 
 
-# --- the client side ------------------------------------------------------------------------------------
 # --- the shard, in a thread of its own ------------------------------------------------------------------
-class Shard:
+class Shard(InThreadShard):
     def __init__(self, tmp_path, token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
-        self.service = build(token, min_workers, round_timeout)
-        self.token = token
-        self.loop = asyncio.new_event_loop()
-        self.stop: asyncio.Event | None = None
-        self.failure: BaseException | None = None
-        ready = tmp_path / f"ready-{id(self)}.json"
-        self.thread = threading.Thread(target=self._run, args=(str(ready),), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert self.failure is None, f"the shard failed to start: {self.failure!r}"
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the shard did not start"
-            time.sleep(0.01)
-        self.target = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
-        self.channel = make_channel(self.target)
-        self.stub = pb_grpc.ShardStub(self.channel)
-        self.sessions: list[Session] = []
-
-    def _run(self, ready: str) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def main() -> None:
-            self.stop = asyncio.Event()
-            await serve(self.service, "127.0.0.1", 0, http_port=None, ready_file=ready, stop=self.stop)
-
-        try:
-            self.loop.run_until_complete(main())
-        except BaseException as e:  # noqa: BLE001 - reported by the test that waits for the shard
-            self.failure = e
-        finally:  # as asyncio.run does: end what is left (the shard's own cancelled tasks), then close
-            left = asyncio.all_tasks(self.loop)
-            for task in left:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-
-    def shutdown(self) -> None:
-        for s in self.sessions:
-            s.cancel()
-        self.channel.close()
-        if self.stop is not None and self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(15)
-        assert not self.thread.is_alive(), "the shard did not stop"
-        assert self.failure is None, f"the shard failed: {self.failure!r}"
-
-    # --- reading the shard's state on its own loop ---
-    def on_loop(self, fn):
-        async def call():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(WAIT)
-
-    def wait_for(self, cond, what: str) -> None:
-        deadline = time.monotonic() + WAIT
-        while not self.on_loop(cond):
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.01)
-
-    def quiesce(self, w: Worker) -> None:
-        """Wait until the shard has read everything this worker sent on its session."""
-        self.wait_for(
-            lambda: w.name in self.service.members and self.service.members[w.name].msg_in == w.session.sent,
-            f"the shard to read all of {w.name}'s messages",
-        )
-
-    def snapshot(self) -> dict:
-        """Everything a refused push must leave unchanged."""
-
-        def snap() -> dict:
-            st, status = self.service.state, self.service.status()
-            json.dumps(status, allow_nan=False)  # what /api/status serves stays valid JSON
-            return {
-                "fragments": [(f["round"], f["master_hash"], f["contributors"]) for f in status["fragments"]],
-                "sums": [(r.total.numpy().tobytes(), r.weight, r.loss_sum, r.loss_weight) for r in st.open],
-                "staged": sorted(st.staged),
-                "accepted": st.pushes_accepted,
-                "codec_in": st.bytes_received,
-                "rounds_closed": st.rounds_closed,
-                "members": sorted(st.members),
-            }
-
-        return self.on_loop(snap)
-
-    # --- clients ---
-    def join(self, name: str, fp: str = GOOD_FP, token: str | None = None, protocol: int = PROTOCOL):
-        request = pb.JoinRequest(
-            worker=name,
-            token=self.token if token is None else token,
-            fingerprint_json=fp,
-            protocol=protocol,
-        )
-        return self.stub.Join(request, timeout=RPC_TIMEOUT)
-
-    def open_session(self, hello: pb.WorkerMessage | None) -> Session:
-        s = Session(self.stub, hello)
-        self.sessions.append(s)
-        return s
-
-    def worker(self, name: str) -> Worker:
-        reply = self.join(name)
-        s = self.open_session(pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session)))
-        assert list(s.next_message("welcome").welcome.rounds) == list(reply.rounds)
-        return Worker(name, s, reply)
-
-    def fetch(self, fragments=(), offset: int = 0, token: str | None = None) -> list[pb.MasterChunk]:
-        request = pb.FetchRequest(
-            fragments=list(fragments), offset=offset, token=self.token if token is None else token
-        )
-        return list(self.stub.Fetch(request, timeout=RPC_TIMEOUT))
+        super().__init__(build(token, min_workers, round_timeout), tmp_path, GOOD_FP, token=token)
 
 
 @pytest.fixture
