@@ -363,6 +363,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the checkpoint (with the same --name, or --checkpoint PATH)",
     )
     g.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume if the checkpoint exists, else join as a new worker (for restart policies)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port at /metrics (default: none; 0 picks a free port)",
+    )
+    g.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
+    )
+    g.add_argument(
         "--reconnect-timeout",
         type=float,
         default=600.0,
@@ -399,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads per worker (default: this machine's cores / M; shards get 1)",
     )
     g.add_argument("--out", default="runs/launch", help="folder for logs and summary.json")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="shard s serves its dashboard, /metrics and /api/status on this port + s (default: free ports)",
+    )
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
     _add_run_flags(la.add_argument_group("run"))
     _add_sync_flags(la)
@@ -430,24 +450,28 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from streamdiloco.server.main import build_service, serve
 
     _setup_logging()
-    service = build_service(
-        _sync_config(args),
-        args.model,
-        args.shard,
-        args.num_shards,
-        seed=args.seed,
-        block_size=args.block_size,
-        min_workers=args.min_workers,
-        round_timeout=args.round_timeout,
-        token=args.token,
-        chunk_bytes=args.chunk_bytes,
-        init=args.init,
-        checkpoint_dir=None
-        if args.no_checkpoint
-        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
-        fresh=args.fresh,
-    )
-    asyncio.run(serve(service, args.host, args.port, args.http_port, args.ready_file))
+    cfg = _sync_config(args)  # a one-line error before anything listens
+
+    def build():  # in serve()'s thread, while HTTP already answers /healthz
+        return build_service(
+            cfg,
+            args.model,
+            args.shard,
+            args.num_shards,
+            seed=args.seed,
+            block_size=args.block_size,
+            min_workers=args.min_workers,
+            round_timeout=args.round_timeout,
+            token=args.token,
+            chunk_bytes=args.chunk_bytes,
+            init=args.init,
+            checkpoint_dir=None
+            if args.no_checkpoint
+            else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
+            fresh=args.fresh,
+        )
+
+    asyncio.run(serve(build, args.host, args.port, args.http_port, args.ready_file))
     return 0
 
 

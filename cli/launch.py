@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -115,6 +116,22 @@ def _wait_ready(cluster: Cluster, files: list[Path], timeout: float = 120.0) -> 
     return [json.loads(f.read_text()) for f in files]
 
 
+def free_port() -> int:
+    """A port that nothing listens on now (a worker binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_targets(path: Path, shards: list[int], workers: list[int]) -> None:
+    """Prometheus file_sd targets for this cluster: `file_sd_configs: [{files: [PATH]}]` scrapes it."""
+    groups = [
+        {"targets": [f"127.0.0.1:{p}" for p in shards], "labels": {"role": "shard"}},
+        {"targets": [f"127.0.0.1:{p}" for p in workers], "labels": {"role": "worker"}},
+    ]
+    path.write_text(json.dumps(groups, indent=2))
+
+
 def http_json(url: str, timeout: float = 10.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -152,7 +169,8 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             cluster.start(
                 f"shard{s}",
                 ["server", "--shard", str(s), "--num-shards", str(args.shards), "--host", "127.0.0.1"]
-                + ["--port", "0", "--http-port", "0", "--ready-file", str(ready[s])]
+                + ["--port", "0", "--http-port", str(args.http_port + s if args.http_port else 0)]
+                + ["--ready-file", str(ready[s])]
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + model
@@ -161,13 +179,17 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             )
         ports = _wait_ready(cluster, ready)
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
+        metrics_ports = [free_port() for _ in range(args.workers)]
+        write_targets(out / "prometheus-targets.json", [p["http_port"] for p in ports], metrics_ports)
         say(
-            f"[launch] {args.shards} shards up at {', '.join(targets)}; status: "
-            + ", ".join(f"http://127.0.0.1:{p['http_port']}/api/status" for p in ports)
+            f"[launch] {args.shards} shards up at {', '.join(targets)}; dashboards: "
+            + ", ".join(f"http://127.0.0.1:{p['http_port']}/" for p in ports)
+            + f"; Prometheus targets in {out / 'prometheus-targets.json'}"
         )
         workers = []
         for m in range(args.workers):
             argv = ["worker", "--servers", ",".join(targets), "--name", f"worker-{m}", "--rank", str(m)]
+            argv += ["--metrics-port", str(metrics_ports[m])]
             argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
             if args.save_global:

@@ -87,14 +87,18 @@ class Ready(_message.Message):
     def __init__(self, from_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("weight", "has_loss", "loss")
+    __slots__ = ("weight", "has_loss", "loss", "step", "blocked_seconds")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weight: float
     has_loss: bool
     loss: float
-    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+    step: int
+    blocked_seconds: float
+    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., step: _Optional[int] = ..., blocked_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "push", "ready")

@@ -1,5 +1,7 @@
 """The shard process: `streamdiloco server`. gRPC (grpc.aio) for workers, HTTP (FastAPI on uvicorn) for
-status, both on one event loop. SIGINT/SIGTERM stop it cleanly."""
+health, metrics, status and the dashboard page, both on one event loop. HTTP comes up first, so that
+/healthz answers while the model and the checkpoint load (/readyz says when they have). SIGINT/SIGTERM
+stop it cleanly."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import logging
 import math
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Query
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -89,20 +95,67 @@ def load_initial(model, path: str) -> None:
         raise ValueError(f"--init {path} does not fit the model: {' '.join(first[1:2] or first)}") from None
 
 
-def make_app(service: ShardService) -> FastAPI:
-    app = FastAPI(title=f"streamdiloco shard {service.state.shard}", docs_url=None, redoc_url=None)
+STATIC = Path(__file__).parent / "static"
+LOADING_METRICS = (
+    b"# HELP streamdiloco_shard_ready 1 while the shard takes workers (0 while stopping)\n"
+    b"# TYPE streamdiloco_shard_ready gauge\n"
+    b"streamdiloco_shard_ready 0.0\n"
+)
+
+
+class Holder:
+    """The shard's service once it is built; `phase` says where the process is: loading, serving,
+    stopping, failed."""
+
+    def __init__(self, service: ShardService | None = None):
+        self.service = service
+        self.phase = "serving" if service is not None else "loading"
+
+
+def make_app(source: ShardService | Holder) -> FastAPI:
+    holder = source if isinstance(source, Holder) else Holder(source)
+    app = FastAPI(title="streamdiloco shard", docs_url=None, redoc_url=None)
+
+    def not_yet() -> JSONResponse:
+        return JSONResponse({"detail": f"the shard is {holder.phase}"}, status_code=503)
 
     # async handlers run on the event loop that owns the shard's state: a consistent snapshot, no locks
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"ok": True}
+        """The process is up and its event loop answers (also while it loads)."""
+        return {"ok": True, "phase": holder.phase}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """200 once the model and the checkpoint are loaded and workers can join; 503 before and while
+        stopping."""
+        ready = holder.service is not None and holder.service.ready
+        return JSONResponse({"ready": ready, "phase": holder.phase}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = holder.service.metrics.render() if holder.service is not None else LOADING_METRICS
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/status")
     async def status(
         rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
-    ) -> dict:
-        return service.status(rounds)
+    ):
+        return holder.service.status(rounds) if holder.service is not None else not_yet()
 
+    @app.get("/api/series")
+    async def series(
+        since: float = Query(
+            0.0, ge=0.0, allow_inf_nan=False, description="only points after this Unix time"
+        ),
+    ):
+        return holder.service.series(since) if holder.service is not None else not_yet()
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 
@@ -116,14 +169,16 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    service: ShardService,
+    service: ShardService | Callable[[], ShardService],
     host: str = "127.0.0.1",
     port: int = 0,
     http_port: int | None = 0,
     ready_file: str | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports."""
+    """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
+    `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
+    /healthz while it runs, in a thread."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -131,6 +186,54 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
+    holder = Holder(service if isinstance(service, ShardService) else None)
+    http_task, http, http_bound = None, None, None
+    if http_port is not None:
+        sock = _bind(host, http_port)
+        http_bound = sock.getsockname()[1]
+        config = uvicorn.Config(make_app(holder), log_level="warning", lifespan="off")
+        http = uvicorn.Server(config)
+        http_task = asyncio.create_task(
+            http._serve(sockets=[sock])
+        )  # uvicorn's serve() minus its signal capture
+
+    async def stop_http() -> None:
+        if http is not None and http_task is not None:
+            http.should_exit = True
+            await http_task
+
+    if holder.service is None:
+        slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
+            2.0,
+            log.info,
+            "loading the model and the checkpoint%s",
+            f"; health on http://{host}:{http_bound}/healthz" if http_bound else "",
+        )
+        try:
+            holder.service = await asyncio.to_thread(service)  # type: ignore[arg-type]
+        except BaseException:
+            holder.phase = "failed"
+            await stop_http()
+            raise
+        finally:
+            slow.cancel()
+        holder.phase = "serving"
+    service = holder.service
+    try:
+        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop)
+    finally:
+        await stop_http()
+
+
+async def _serve_grpc(
+    service: ShardService,
+    holder: Holder,
+    host: str,
+    port: int,
+    http_bound: int | None,
+    ready_file: str | None,
+    stop: asyncio.Event,
+) -> None:
     server = make_server()
     pb_grpc.add_ShardServicer_to_server(service, server)
     try:
@@ -147,15 +250,7 @@ async def serve(
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
     await server.start()
-    http_task, http, http_bound = None, None, None
-    if http_port is not None:
-        sock = _bind(host, http_port)
-        http_bound = sock.getsockname()[1]
-        config = uvicorn.Config(make_app(service), log_level="warning", lifespan="off")
-        http = uvicorn.Server(config)
-        http_task = asyncio.create_task(
-            http._serve(sockets=[sock])
-        )  # uvicorn's serve() minus its signal capture
+    service.serving = True
     tick = asyncio.create_task(service.tick())
     service.on_fatal = stop.set
     st = service.state
@@ -165,7 +260,7 @@ async def serve(
         st.num_shards,
         host,
         bound,
-        f", status on http://{host}:{http_bound}/api/status" if http_bound else "",
+        f", dashboard on http://{host}:{http_bound}/" if http_bound else "",
         st.layout.num_fragments,
         f"{sum(hi - lo for lo, hi in st.ranges):,}",
     )
@@ -178,11 +273,9 @@ async def serve(
     finally:
         log.info("shard %d stopping", st.shard)
         service.stopping = True  # sessions end now: that must not close rounds with partial pushes
+        holder.phase = "stopping"
         tick.cancel()
         await server.stop(grace=1.0)
-        if http is not None and http_task is not None:
-            http.should_exit = True
-            await http_task
         if service.fatal:
             raise OSError(service.fatal)
         if service.checkpoint is not None and service.checkpoint.save_all(st):

@@ -23,6 +23,7 @@ from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import ClosedRound, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -33,6 +34,11 @@ MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shape
 HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
 MIN_QUEUE_BYTES = 256 << 20  # at least this much may wait for a member that reads slowly
+SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second,
+SAMPLES = 900  # for the last 15 minutes
+PROGRESS_POINTS = 600  # per worker: its latest reports (step, loss, blocked time), one per push
+PROGRESS_WORKERS = 64  # workers whose reports are kept; the longest silent is forgotten first
+MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -53,6 +59,8 @@ class _Member:
     queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
     overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
+    step: int | None = None  # the progress it reported with its latest push
+    blocked_seconds: float | None = None
 
 
 @dataclass
@@ -104,6 +112,18 @@ class ShardService(pb_grpc.ShardServicer):
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
         self._digests: dict[int, tuple[int, str]] = {}  # fragment -> (open round, hash of the master)
+        self.serving = False  # serve() sets it once gRPC listens: /readyz
+        self.last_loss: float | None = None  # mean training loss of the latest round closed with losses
+        self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=SAMPLES)
+        self.progress: dict[str, deque[tuple[float, int, float | None, float]]] = {}
+        self._push_started: dict[tuple[str, int], float] = {}  # (worker, fragment) -> its first chunk
+        self.metrics = ShardMetrics(self)
+        self.sample()
+
+    @property
+    def ready(self) -> bool:
+        """Serving, with its state loaded, and not on its way down."""
+        return self.serving and not self.stopping and not self.fatal
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
@@ -300,6 +320,17 @@ class ShardService(pb_grpc.ShardServicer):
                 message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
                 self._refuse(member, c.fragment, c.round, "bad_length", message)
             return
+        if c.seq == 0 and (problem := _check_progress(h)):
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_header"):
+                self._refuse(
+                    member,
+                    c.fragment,
+                    c.round,
+                    "bad_header",
+                    f"fragment {c.fragment} round {c.round}: {problem}",
+                )
+            return
+        before = self.state.bytes_received
         try:
             done = self.state.push_chunk(
                 member.name,
@@ -317,13 +348,38 @@ class ShardService(pb_grpc.ShardServicer):
         except PushRejected as e:
             self._refuse(member, c.fragment, c.round, e.reason, str(e))
             return
-        if c.seq == 0 and h.has_loss:  # only a loss that came with a chunk the shard took (it is finite)
-            member.last_loss = h.loss
+        now = self.clock()
+        if c.seq == 0:  # a header the shard took (its loss is finite): the worker's progress
+            self._push_started[(member.name, c.fragment)] = now
+            if h.has_loss:
+                member.last_loss = h.loss
+            member.step, member.blocked_seconds = h.step, h.blocked_seconds
+            self._record_progress(member.name, h.step, h.loss if h.has_loss else None, h.blocked_seconds)
         if done:
             member.pushes += 1
+            self.metrics.push_size.observe(self.state.bytes_received - before)
+            started = self._push_started.pop((member.name, c.fragment), None)
+            if started is not None:
+                self.metrics.push_transfer.observe(max(0.0, now - started))
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
             self._send(member, pb.ShardMessage(result=result))
             self.close_due()
+
+    def _record_progress(self, name: str, step: int, loss: float | None, blocked: float) -> None:
+        series = self.progress.get(name)
+        if series is None:
+            if len(self.progress) >= PROGRESS_WORKERS:  # forget the worker silent the longest
+                del self.progress[min(self.progress, key=lambda w: self.progress[w][-1][0])]
+            series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
+        series.append((time.time(), step, loss, blocked))
+
+    def sample(self) -> None:
+        """One point of the dashboard's time series: cumulative bytes and the member count."""
+        c = self.counters
+        passive = sum(not m.active for m in self.members.values())
+        self.samples.append(
+            (time.time(), c.msg_in, c.msg_out + c.fetch_out, len(self.state.members), passive)
+        )
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
@@ -341,7 +397,14 @@ class ShardService(pb_grpc.ShardServicer):
             started = self.state.open[fragment].started_at
             c = self.state.close_round(fragment, why)
             closed.append(c)
-            if self.checkpoint is not None and not self.checkpoint.save_fragment(self.state, fragment):
+            for key in [k for k in self._push_started if k[1] == fragment]:
+                del self._push_started[key]  # pushes still arriving for the closed round are late now
+            t0 = time.perf_counter()
+            saved = self.checkpoint is None or self.checkpoint.save_fragment(self.state, fragment)
+            if self.checkpoint is not None:
+                self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
+            if not saved:
+                assert self.checkpoint is not None
                 # no worker may apply an update that a restart would not have: stop instead; workers keep
                 # their pushes and send them again to the shard restarted from its last good checkpoint
                 self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
@@ -353,13 +416,17 @@ class ShardService(pb_grpc.ShardServicer):
                 for chunk in chunks:
                     self._send(m, pb.ShardMessage(update=chunk))
                 self.counters.codec_out += c.update.nbytes
+            seconds = now - started if started is not None else None
+            self.metrics.round_closed(c.why, seconds, c.update.nbytes)
+            if c.mean_loss is not None:
+                self.last_loss = c.mean_loss
             self.history.append(
                 {
                     "fragment": c.fragment,
                     "round": c.round,
                     "contributors": list(c.contributors),
                     "why": c.why,
-                    "seconds": round(now - started, 3) if started is not None else None,
+                    "seconds": round(seconds, 3) if seconds is not None else None,
                     "mean_loss": c.mean_loss,
                     "closed_at": time.time(),
                 }
@@ -375,9 +442,11 @@ class ShardService(pb_grpc.ShardServicer):
         return closed
 
     async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed."""
+        """Close rounds whose deadline has passed; sample the dashboard's time series."""
         while True:
             await asyncio.sleep(period)
+            if time.time() - self.samples[-1][0] >= SAMPLE_SECONDS:
+                self.sample()
             try:
                 self.close_due()
             except Exception:  # keep closing rounds at their deadlines whatever one close did
@@ -439,6 +508,7 @@ class ShardService(pb_grpc.ShardServicer):
             "shard": st.shard,
             "num_shards": st.num_shards,
             "uptime_seconds": round(time.time() - self.started, 1),
+            "ready": self.ready,
             "config": st.cfg.to_dict(),
             "min_workers": st.min_workers,
             "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
@@ -451,6 +521,8 @@ class ShardService(pb_grpc.ShardServicer):
                     "pushes": m.pushes,
                     "refused": m.refused,
                     "last_loss": m.last_loss,
+                    "step": m.step,
+                    "blocked_seconds": m.blocked_seconds,
                     "message_bytes_in": m.msg_in,
                     "message_bytes_out": m.msg_out,
                     "receiving": [  # pushes whose chunks are arriving
@@ -490,9 +562,47 @@ class ShardService(pb_grpc.ShardServicer):
                 "message_bytes_out": self.counters.msg_out,
                 "fetch_out": self.counters.fetch_out,
             },
+            "training_loss": self.last_loss,
             "round_seconds": _stats([r["seconds"] for r in self.history if r["seconds"] is not None]),
             "recent_rounds": list(self.history)[-rounds:] if rounds else [],
         }
+
+    def series(self, since: float = 0.0) -> dict:
+        """The dashboard's time series after `since` (a time.time()): the shard's samples, the closed rounds,
+        and each worker's reported progress. The page asks for what is new since its last poll."""
+        return {
+            "now": time.time(),
+            "samples": [
+                {"t": t, "bytes_in": bi, "bytes_out": bo, "members": m, "passive": p}
+                for t, bi, bo, m, p in self.samples
+                if t > since
+            ],
+            "rounds": [
+                {k: r[k] for k in ("closed_at", "fragment", "round", "seconds", "mean_loss", "why")}
+                | {"contributors": len(r["contributors"])}
+                for r in self.history
+                if r["closed_at"] > since
+            ],
+            "workers": {
+                name: [
+                    {"t": t, "step": step, "loss": loss, "blocked_seconds": blocked}
+                    for t, step, loss, blocked in points
+                    if t > since
+                ]
+                for name, points in self.progress.items()
+            },
+        }
+
+
+def _check_progress(h: pb.PushHeader) -> str | None:
+    """The progress a push reports (step, blocked time): what the dashboard plots must be numbers."""
+    if h.step > MAX_ROUND:
+        return f"the reported step must be at most 2^53, got {h.step}"
+    if not (0.0 <= h.blocked_seconds <= MAX_BLOCKED_SECONDS):  # also refuses NaN
+        return (
+            f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
+        )
+    return None
 
 
 def _stats(xs: list[float]) -> dict:

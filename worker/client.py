@@ -14,6 +14,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,7 @@ import torch
 
 from streamdiloco.common.codecs import Encoded, chunk_alignment, concat, expected_sizes, get_codec
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.wire import (
     PROTOCOL,
@@ -119,6 +121,8 @@ class ShardLink:
         self.msg_in = 0
         self.reconnects = 0
         self.resent = 0
+        self.results = dict.fromkeys(PUSH_OUTCOMES, 0)  # answers to pushes, by outcome (for /metrics)
+        self.progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)  # (step, blocked s) for headers
         self._closing = False
         self._closed = threading.Event()  # wakes the reconnect backoff when the link closes
         self.interrupt: threading.Event | None = None  # set by a stop request: waits for updates give up
@@ -446,6 +450,7 @@ class ShardLink:
     def _on_result(self, r: pb.PushResult) -> None:
         with self._cond:
             self._awaiting_result.discard((r.fragment, r.round))
+            self.results[push_outcome(None if r.accepted else r.reason)] += 1
             self._cond.notify_all()
         if r.accepted:
             return
@@ -498,7 +503,10 @@ class ShardLink:
 
     # --- what the transport calls ----------------------------------------------------------------------
     def _send_push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
-        header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=loss or 0.0)
+        step, blocked = self.progress()
+        header = pb.PushHeader(
+            weight=weight, has_loss=loss is not None, loss=loss or 0.0, step=step, blocked_seconds=blocked
+        )
         for chunk in to_chunks(enc, fragment, round, self.chunk_values):
             self._outbox.put(
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
@@ -821,6 +829,16 @@ class GrpcTransport:
     @property
     def resent(self) -> int:
         return sum(link.resent for link in self.links)
+
+    def report_progress(self, progress: Callable[[], tuple[int, float]]) -> None:
+        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard."""
+        for link in self.links:
+            link.progress = progress
+
+    @property
+    def results(self) -> dict[str, int]:
+        """Answers to this worker's pushes, by outcome, over all shards."""
+        return {k: sum(link.results[k] for link in self.links) for k in PUSH_OUTCOMES}
 
     @property
     def message_bytes(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ connection to the shards' logic in the simulator. The engine does not know which
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -84,6 +84,7 @@ class SyncEngine:
         self.merges = 0
         self.in_flight: dict[int, int] = {}  # fragment -> round sent and not merged yet
         self.waits = 0  # merges whose update had not arrived yet
+        self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
         self.pending: list[Event] = []  # this step's events not done yet (see finish_step)
 
     def next_rounds(self) -> list[int]:
@@ -225,7 +226,10 @@ class SyncEngine:
         waited = not self.transport.ready(fragment, round)
         t0 = time.perf_counter()
         slices = self.transport.update(fragment, round)  # may raise (a stop request): nothing changed yet
-        self.blocked_seconds += time.perf_counter() - t0
+        wait = time.perf_counter() - t0
+        self.blocked_seconds += wait
+        if self.on_merge_wait is not None:
+            self.on_merge_wait(wait)
         self.merges += 1
         self.waits += waited
         self.in_flight.pop(fragment, None)

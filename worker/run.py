@@ -29,6 +29,7 @@ from streamdiloco.common.wire import parse_target
 from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.train import (
     InnerConfig,
     evaluate,
@@ -65,6 +66,9 @@ class WorkerConfig:
     resume: bool = False  # start from the checkpoint instead of joining as a new worker
     reconnect_timeout: float = 600.0  # give up on a shard unreachable this long
     step_delay: float = 0.0  # seconds to sleep after every step: makes this worker slow on purpose
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free port)
+    metrics_host: str = "127.0.0.1"
+    auto_resume: bool = False  # resume if the checkpoint exists, else join as a new worker (restarts)
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
 
@@ -84,6 +88,8 @@ class WorkerConfig:
             raise ValueError(f"--reconnect-timeout must be positive seconds, got {self.reconnect_timeout}")
         if not 0 <= self.step_delay < 3600:
             raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
 
     @property
     def checkpoint_path(self) -> Path:
@@ -193,7 +199,16 @@ class StopFlag:
 def run_worker(cfg: WorkerConfig) -> dict:
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
-    resume = load_checkpoint(cfg) if cfg.resume else None
+    resuming = cfg.resume or (cfg.auto_resume and cfg.checkpoint_path.exists())
+    if cfg.auto_resume and not cfg.resume:
+        log.info(
+            "%s: %s",
+            cfg.name,
+            f"resuming from {cfg.checkpoint_path}"
+            if resuming
+            else f"no checkpoint at {cfg.checkpoint_path} yet",
+        )
+    resume = load_checkpoint(cfg) if resuming else None
     if resume is not None and resume["name"] != cfg.name:
         raise ValueError(
             f"--resume: {cfg.checkpoint_path} belongs to worker {resume['name']!r}, not {cfg.name!r}"
@@ -203,6 +218,16 @@ def run_worker(cfg: WorkerConfig) -> dict:
     data = ByteDataset.load(cfg.data, block)
     val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
     stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
+    metrics = WorkerMetrics(cfg.name, cfg.model, str(device), cfg.steps)
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port, cfg.metrics_host)
+    try:
+        return _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics)
+    finally:
+        metrics.close()
+
+
+def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics: WorkerMetrics) -> dict:
     stop = StopFlag()
     stop.install()
 
@@ -233,6 +258,7 @@ def run_worker(cfg: WorkerConfig) -> dict:
         )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()
+        metrics.phase = "stopped"
         log.info("%s: stopped before training started", cfg.name)
         return {"worker": cfg.name, "stopped_at_step": None, "steps": cfg.steps}
     except BaseException:
@@ -240,9 +266,26 @@ def run_worker(cfg: WorkerConfig) -> dict:
         raise
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
+    transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
+    engine.on_merge_wait = metrics.merge_wait.observe
+    metrics.engine, metrics.transport = engine, transport
+    if eval_start:
+        metrics.eval_loss = eval_start[0]
     try:
         return _train(
-            cfg, model, opt, engine, transport, stream, val, device, stop, resume, t_start, eval_start
+            cfg,
+            model,
+            opt,
+            engine,
+            transport,
+            stream,
+            val,
+            device,
+            stop,
+            resume,
+            t_start,
+            eval_start,
+            metrics,
         )
     finally:
         engine.close()
@@ -250,9 +293,27 @@ def run_worker(cfg: WorkerConfig) -> dict:
 
 
 def _train(
-    cfg, model, opt, engine, transport, stream, val, device, stop: StopFlag, resume, t_start, eval_start
+    cfg,
+    model,
+    opt,
+    engine,
+    transport,
+    stream,
+    val,
+    device,
+    stop: StopFlag,
+    resume,
+    t_start,
+    eval_start,
+    metrics,
 ) -> dict:
-    stats = {"tokens": 0, "compute_seconds": 0.0, "train_seconds": 0.0, "eval_loss_start": None}
+    stats = {
+        "tokens": 0,
+        "inner_steps": 0,
+        "compute_seconds": 0.0,
+        "train_seconds": 0.0,
+        "eval_loss_start": None,
+    }
     if resume is not None:
         stats.update(resume["stats"])
     else:
@@ -296,6 +357,7 @@ def _train(
         save_checkpoint(path, state)
 
     t_train0 = time.perf_counter() - stats["train_seconds"]
+    metrics.stats, metrics.train_started, metrics.step, metrics.phase = stats, t_train0, first, "training"
     recent: list[float] = []
     stopped = False
     step = first
@@ -316,8 +378,10 @@ def _train(
             torch.cuda.synchronize(device)
         stats["compute_seconds"] += time.perf_counter() - t0
         stats["tokens"] += x.numel()
+        stats["inner_steps"] = stats.get("inner_steps", 0) + 1
         recent.append(loss)
         step += 1
+        metrics.step, metrics.loss = step, loss
         try:
             engine.step(tokens=x.numel(), loss=loss)
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
@@ -345,6 +409,7 @@ def _train(
             checkpoint(time.perf_counter() - t_train0)
     train_seconds = time.perf_counter() - t_train0
     if stopped:
+        metrics.phase = "stopped"
         answered = transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
         checkpoint(train_seconds)
         log.info(
@@ -373,6 +438,7 @@ def _train(
     for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
         unflatten_into(vec, fragment_params(eval_model, frag))
     eval_loss = evaluate(eval_model, val, device)
+    metrics.eval_loss, metrics.phase = eval_loss, "finished"
     digests = mirror_digests(engine)
     for f, hs in enumerate(digests):
         log.info(

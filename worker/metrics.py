@@ -1,0 +1,150 @@
+"""The worker's Prometheus metrics: `streamdiloco worker --metrics-port PORT` serves them at /metrics.
+
+Counters and gauges are read from the training loop's own counters when Prometheus scrapes (the same
+numbers as the progress lines and the summary); the merge-wait histogram is observed as merges happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from streamdiloco import __version__
+from streamdiloco.common.metrics import PREFIX, PUSH_OUTCOMES, WAN_SECONDS
+
+log = logging.getLogger("streamdiloco.worker")
+
+P = f"{PREFIX}_worker"
+
+
+class WorkerMetrics:
+    """Set `engine`, `transport` and `stats` as they come into being; until then the run's counters read 0."""
+
+    def __init__(self, name: str, model: str, device: str, steps: int):
+        self.labels = {"worker": name, "model": model, "device": device, "version": __version__}
+        self.steps = steps
+        self.engine: Any = None
+        self.transport: Any = None
+        self.stats: dict | None = None  # the training loop's: tokens, compute_seconds, ...
+        self.train_started: float | None = None  # time.perf_counter() at the loop's start, less time resumed
+        self.step = 0
+        self.loss: float | None = None  # the latest inner step's
+        self.eval_loss: float | None = None
+        self.phase = "joining"
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.merge_wait = Histogram(
+            f"{P}_merge_wait_seconds",
+            "Seconds each merge waited for its fragment's update (0 when it had arrived: the overlap worked)",
+            buckets=WAN_SECONDS,
+            registry=self.registry,
+        )
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry, namespace=PREFIX)
+        self.server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics in a background thread; returns the bound port (port 0 picks one)."""
+        self.server, _ = start_http_server(port, host, registry=self.registry)
+        bound = self.server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    def __init__(self, m: WorkerMetrics):
+        self.m = m
+
+    def collect(self):
+        m = self.m
+        eng, tr, stats = m.engine, m.transport, m.stats or {}
+        info = InfoMetricFamily(P, "This worker")
+        info.add_metric([], m.labels)
+        yield info
+        phase = GaugeMetricFamily(
+            f"{P}_phase", "1 for the phase the worker is in", labels=["phase"]
+        )  # a state set: a handful of values
+        for p in ("joining", "training", "finished", "stopped"):
+            phase.add_metric([p], float(p == m.phase))
+        yield phase
+        yield GaugeMetricFamily(f"{P}_step", "Inner steps done (counting from the run's start)", value=m.step)
+        yield GaugeMetricFamily(f"{P}_steps", "Inner steps this worker is to do in all", value=m.steps)
+        yield CounterMetricFamily(
+            f"{P}_inner_steps",
+            "Inner steps this worker has trained (a joiner starts at the run's step, not 0)",
+            value=stats.get("inner_steps", 0),
+        )
+        yield CounterMetricFamily(f"{P}_tokens", "Tokens trained on", value=stats.get("tokens", 0))
+        if m.loss is not None:
+            yield GaugeMetricFamily(
+                f"{P}_training_loss", "The latest inner step's training loss", value=m.loss
+            )
+        if m.eval_loss is not None:
+            yield GaugeMetricFamily(
+                f"{P}_eval_loss",
+                "The latest evaluation's loss (at the start, and of the global parameters at the end)",
+                value=m.eval_loss,
+            )
+        compute = stats.get("compute_seconds", 0.0)
+        yield CounterMetricFamily(
+            f"{P}_compute_seconds", "Seconds spent in forward, backward and the optimizer step", value=compute
+        )
+        wall = time.perf_counter() - m.train_started if m.train_started is not None else 0.0
+        yield GaugeMetricFamily(
+            f"{P}_compute_utilization",
+            "Fraction of the training time spent computing (the rest: blocked, syncing, logging)",
+            value=compute / wall if wall > 0 else 0.0,
+        )
+        yield CounterMetricFamily(
+            f"{P}_blocked_seconds",
+            "Seconds the training loop waited for updates to merge",
+            value=eng.blocked_seconds if eng is not None else 0.0,
+        )
+        yield CounterMetricFamily(f"{P}_merges", "Fragment updates merged", value=eng.merges if eng else 0)
+        sent, received = tr.message_bytes if tr is not None else (0, 0)
+        yield CounterMetricFamily(
+            f"{P}_sent_bytes", "Bytes of protobuf messages sent to the shards", value=sent
+        )
+        yield CounterMetricFamily(
+            f"{P}_received_bytes",
+            "Bytes of protobuf messages received from the shards (updates and the fetched masters)",
+            value=received,
+        )
+        yield CounterMetricFamily(
+            f"{P}_payload_sent_bytes",
+            "Encoded bytes (payload and scales) of the pushes",
+            value=eng.bytes_sent if eng is not None else 0,
+        )
+        pushes = CounterMetricFamily(
+            f"{P}_pushes",
+            "Answers to this worker's pushes, summed over shards: accepted, late, duplicate, refused",
+            labels=["outcome"],
+        )
+        results = tr.results if tr is not None else dict.fromkeys(PUSH_OUTCOMES, 0)
+        for outcome in PUSH_OUTCOMES:
+            pushes.add_metric([outcome], results[outcome])
+        yield pushes
+        yield CounterMetricFamily(
+            f"{P}_reconnects", "Sessions with a shard re-established", value=tr.reconnects if tr else 0
+        )
+        yield CounterMetricFamily(
+            f"{P}_pushes_resent", "Pushes sent again after a reconnect", value=tr.resent if tr else 0
+        )
