@@ -7,6 +7,10 @@ on counters, and no label whose values grow with the run (no step, worker, param
 
 from __future__ import annotations
 
+from prometheus_client import disable_created_metrics
+
+disable_created_metrics()  # no `_created` series beside every counter and histogram: they only add noise
+
 PREFIX = "streamdiloco"
 
 

@@ -62,7 +62,7 @@ class ShardMetrics:
         )
         self.rounds: dict[str, int] = dict.fromkeys(ROUND_OUTCOMES.values(), 0)
         r.register(_Collector(service, self))
-        ProcessCollector(registry=r, namespace=PREFIX)
+        ProcessCollector(registry=r)  # the standard process_* names
 
     def round_closed(self, why: str, seconds: float | None, update_bytes: int) -> None:
         self.rounds[ROUND_OUTCOMES.get(why, why)] += 1

@@ -373,13 +373,14 @@ class ShardService(pb_grpc.ShardServicer):
             series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
         series.append((time.time(), step, loss, blocked))
 
-    def sample(self) -> None:
-        """One point of the dashboard's time series: cumulative bytes and the member count."""
+    def _sample_now(self) -> tuple[float, int, int, int, int]:
         c = self.counters
         passive = sum(not m.active for m in self.members.values())
-        self.samples.append(
-            (time.time(), c.msg_in, c.msg_out + c.fetch_out, len(self.state.members), passive)
-        )
+        return time.time(), c.msg_in, c.msg_out + c.fetch_out, len(self.state.members), passive
+
+    def sample(self) -> None:
+        """One point of the dashboard's time series: cumulative bytes and the member count."""
+        self.samples.append(self._sample_now())
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
@@ -568,13 +569,14 @@ class ShardService(pb_grpc.ShardServicer):
         }
 
     def series(self, since: float = 0.0) -> dict:
-        """The dashboard's time series after `since` (a time.time()): the shard's samples, the closed rounds,
-        and each worker's reported progress. The page asks for what is new since its last poll."""
+        """The dashboard's time series after `since` (a time.time()): the shard's samples (one a second, and
+        one of this moment), the closed rounds, and each worker's reported progress. The page asks for what
+        is new since its last poll."""
         return {
             "now": time.time(),
             "samples": [
                 {"t": t, "bytes_in": bi, "bytes_out": bo, "members": m, "passive": p}
-                for t, bi, bo, m, p in self.samples
+                for t, bi, bo, m, p in [*self.samples, self._sample_now()]  # and the values of this moment
                 if t > since
             ],
             "rounds": [

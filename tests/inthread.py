@@ -111,8 +111,16 @@ def push_messages(
     weight: float = 100.0,
     loss: float | None = 3.0,
     values_per_chunk: int = 512,
+    step: int = 0,
+    blocked: float = 0.0,
 ) -> list[pb.WorkerMessage]:
-    header = pb.PushHeader(weight=weight, has_loss=loss is not None, loss=0.0 if loss is None else loss)
+    header = pb.PushHeader(
+        weight=weight,
+        has_loss=loss is not None,
+        loss=0.0 if loss is None else loss,
+        step=step,
+        blocked_seconds=blocked,
+    )
     return [
         pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None))
         for c in to_chunks(enc, fragment, round, values_per_chunk)
@@ -135,34 +143,47 @@ class Worker:
 
 
 class InThreadShard:
-    """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any), without HTTP."""
+    """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any); with `http`, its
+    HTTP app too, on `http_port`."""
 
-    def __init__(self, service: ShardService, tmp_path: Path, fingerprint_json: str, token: str = "", port=0):
+    def __init__(
+        self,
+        service: ShardService,
+        tmp_path: Path,
+        fingerprint_json: str,
+        token: str = "",
+        port=0,
+        http: bool = False,
+    ):
         self.service, self.fingerprint_json, self.token = service, fingerprint_json, token
         self.loop = asyncio.new_event_loop()
         self.stop: asyncio.Event | None = None
         self.failure: BaseException | None = None
         self.down = False
         ready = tmp_path / f"ready-{id(self)}-{time.monotonic_ns()}.json"
-        self.thread = threading.Thread(target=self._run, args=(str(ready), port), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(str(ready), port, http), daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not ready.exists():
             assert self.failure is None, f"the shard failed to start: {self.failure!r}"
             assert self.thread.is_alive() and time.monotonic() < deadline, "the shard did not start"
             time.sleep(0.01)
-        self.port = json.loads(ready.read_text())["grpc_port"]
+        ports = json.loads(ready.read_text())
+        self.port, self.http_port = ports["grpc_port"], ports["http_port"]
         self.target = f"127.0.0.1:{self.port}"
         self.channel = make_channel(self.target)
         self.stub = pb_grpc.ShardStub(self.channel)
         self.sessions: list[Session] = []
 
-    def _run(self, ready: str, port: int) -> None:
+    def _run(self, ready: str, port: int, http: bool) -> None:
         asyncio.set_event_loop(self.loop)
 
         async def main() -> None:
             self.stop = asyncio.Event()
-            await serve(self.service, "127.0.0.1", port, http_port=None, ready_file=ready, stop=self.stop)
+            http_port = 0 if http else None
+            await serve(
+                self.service, "127.0.0.1", port, http_port=http_port, ready_file=ready, stop=self.stop
+            )
 
         try:
             self.loop.run_until_complete(main())
@@ -237,6 +258,7 @@ class InThreadShard:
                 "codec_in": st.bytes_received,
                 "rounds_closed": st.rounds_closed,
                 "members": sorted(st.members),
+                "progress": {w: list(points) for w, points in self.service.progress.items()},
             }
 
         return self.on_loop(snap)

@@ -384,6 +384,10 @@ REFUSALS = {
     ),
     "loss-nan": (push_messages(ENC_A, loss=math.nan), "bad_loss", "finite number, got nan"),
     "loss-inf": (push_messages(ENC_A, loss=math.inf), "bad_loss", "finite number, got inf"),
+    "step-huge": (push_messages(ENC_A, step=2**53 + 1), "bad_header", "step must be at most 2^53"),
+    "blocked-nan": (push_messages(ENC_A, blocked=math.nan), "bad_header", "blocked time must be 0..1e+09"),
+    "blocked-negative": (push_messages(ENC_A, blocked=-1.0), "bad_header", "seconds, got -1.0"),
+    "blocked-inf": (push_messages(ENC_A, blocked=math.inf), "bad_header", "seconds, got inf"),
     "chunk-repeated": (_GOOD[:2] + _GOOD[1:], "bad_chunk", "chunk 1 repeated (next expected is 2)"),
     "chunk-restarted": (_GOOD[:3] + _GOOD, "bad_chunk", "chunk 0 repeated (next expected is 3)"),
     "chunk-out-of-order": (

@@ -123,6 +123,8 @@ class ShardLink:
         self.resent = 0
         self.results = dict.fromkeys(PUSH_OUTCOMES, 0)  # answers to pushes, by outcome (for /metrics)
         self.progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)  # (step, blocked s) for headers
+        self.on_answer: Callable[[float], None] | None = None  # gets seconds from a push's send to its answer
+        self._sent_at: dict[tuple[int, int], float] = {}
         self._closing = False
         self._closed = threading.Event()  # wakes the reconnect backoff when the link closes
         self.interrupt: threading.Event | None = None  # set by a stop request: waits for updates give up
@@ -294,6 +296,7 @@ class ShardLink:
             with self._cond:
                 self._connected = False
                 self._awaiting_result.clear()
+                self._sent_at.clear()
                 self._partial.clear()  # half an update: it comes again whole, or a fetch replaces it
             log.warning("%s; reconnecting", problem)
             try:
@@ -451,7 +454,10 @@ class ShardLink:
         with self._cond:
             self._awaiting_result.discard((r.fragment, r.round))
             self.results[push_outcome(None if r.accepted else r.reason)] += 1
+            sent = self._sent_at.pop((r.fragment, r.round), None)
             self._cond.notify_all()
+        if sent is not None and r.accepted and self.on_answer is not None:
+            self.on_answer(time.perf_counter() - sent)
         if r.accepted:
             return
         if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
@@ -512,6 +518,7 @@ class ShardLink:
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
             )
         self._awaiting_result.add((fragment, round))
+        self._sent_at[(fragment, round)] = time.perf_counter()
 
     def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
         """Send a push (now, or after the reconnect under way) and keep it until its round's update."""
@@ -830,10 +837,13 @@ class GrpcTransport:
     def resent(self) -> int:
         return sum(link.resent for link in self.links)
 
-    def report_progress(self, progress: Callable[[], tuple[int, float]]) -> None:
-        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard."""
+    def report_progress(
+        self, progress: Callable[[], tuple[int, float]], on_answer: Callable[[float], None] | None = None
+    ) -> None:
+        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard;
+        `on_answer` gets the seconds from each push's send to the shard's acceptance."""
         for link in self.links:
-            link.progress = progress
+            link.progress, link.on_answer = progress, on_answer
 
     @property
     def results(self) -> dict[str, int]:

@@ -48,8 +48,14 @@ class WorkerMetrics:
             buckets=WAN_SECONDS,
             registry=self.registry,
         )
+        self.push_answer = Histogram(
+            f"{P}_push_seconds",
+            "Seconds from sending a push to a shard to its acceptance (upload, queueing, the shard's check)",
+            buckets=WAN_SECONDS,
+            registry=self.registry,
+        )
         self.registry.register(_Collector(self))
-        ProcessCollector(registry=self.registry, namespace=PREFIX)
+        ProcessCollector(registry=self.registry)  # the standard process_* names
         self.server = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

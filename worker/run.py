@@ -266,7 +266,9 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         raise
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
-    transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
+    transport.report_progress(
+        lambda: (engine.step_count, engine.blocked_seconds), metrics.push_answer.observe
+    )
     engine.on_merge_wait = metrics.merge_wait.observe
     metrics.engine, metrics.transport = engine, transport
     if eval_start:
