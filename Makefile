@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow lint bench-quality bench-wire bench-elastic protos clean
+.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,10 @@ demo: $(STAMP)
 compare: $(STAMP)
 	$(BIN)/streamdiloco compare --setups dp,full --workers 2 --steps 300 --eval-every 50 --out runs/compare
 
-test: $(STAMP)
+system-deps:
+	bash scripts/system-deps.sh
+
+test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/mypy common
 	$(BIN)/pytest -q
