@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -238,6 +239,23 @@ def test_worker_metrics_before_training_and_when_served(tmp_path):
     finally:
         m.close()
     nobody_listens(port)  # close() let the port go
+
+
+def test_compute_utilization_is_that_of_the_last_window(monkeypatch):
+    from streamdiloco.worker import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "UTILIZATION_WINDOW", 0.3)
+    m = WorkerMetrics("w1", "nano", "cpu", 50)
+    assert m.utilization() == 0.0  # before the first step
+    m.mark(0.0)
+    time.sleep(0.2)
+    m.mark(0.2)  # all computing
+    assert 0.8 < m.utilization() <= 1.0
+    time.sleep(0.4)
+    m.mark(0.2)  # then blocked for longer than the window: the busy start falls out of it
+    time.sleep(0.1)
+    m.mark(0.2)
+    assert m.utilization() < 0.5
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from prometheus_client import (
@@ -25,6 +26,7 @@ from streamdiloco.common.metrics import PREFIX, PUSH_OUTCOMES, WAN_SECONDS
 log = logging.getLogger("streamdiloco.worker")
 
 P = f"{PREFIX}_worker"
+UTILIZATION_WINDOW = 60.0  # seconds: compute utilization is that of the last minute, not of the whole run
 
 
 class WorkerMetrics:
@@ -36,7 +38,8 @@ class WorkerMetrics:
         self.engine: Any = None
         self.transport: Any = None
         self.stats: dict | None = None  # the training loop's: tokens, compute_seconds, ...
-        self.train_started: float | None = None  # time.perf_counter() at the loop's start, less time resumed
+        # (time.perf_counter(), compute seconds so far) at steps: the oldest is at least a window ago
+        self._marks: deque[tuple[float, float]] = deque()
         self.step = 0
         self.loss: float | None = None  # the latest inner step's
         self.eval_loss: float | None = None
@@ -57,6 +60,21 @@ class WorkerMetrics:
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the standard process_* names
         self.server = None
+
+    def mark(self, compute_seconds: float) -> None:
+        """The training loop's compute seconds so far, at the start and after every step."""
+        now = time.perf_counter()
+        self._marks.append((now, compute_seconds))
+        while len(self._marks) > 1 and self._marks[1][0] <= now - UTILIZATION_WINDOW:
+            self._marks.popleft()
+
+    def utilization(self) -> float:
+        """Share of the last minute (since the start, if younger) spent computing."""
+        if not self._marks:
+            return 0.0
+        (t0, c0), (_, c1) = self._marks[0], self._marks[-1]
+        wall = time.perf_counter() - t0
+        return min(1.0, (c1 - c0) / wall) if wall > 0 else 0.0
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics in a background thread; returns the bound port (port 0 picks one)."""
@@ -113,11 +131,10 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_compute_seconds", "Seconds spent in forward, backward and the optimizer step", value=compute
         )
-        wall = time.perf_counter() - m.train_started if m.train_started is not None else 0.0
         yield GaugeMetricFamily(
             f"{P}_compute_utilization",
-            "Fraction of the training time spent computing (the rest: blocked, syncing, logging)",
-            value=compute / wall if wall > 0 else 0.0,
+            "Share of the last minute spent computing (the rest: blocked on updates, syncing, logging)",
+            value=m.utilization(),
         )
         yield CounterMetricFamily(
             f"{P}_blocked_seconds",

@@ -359,7 +359,8 @@ def _train(
         save_checkpoint(path, state)
 
     t_train0 = time.perf_counter() - stats["train_seconds"]
-    metrics.stats, metrics.train_started, metrics.step, metrics.phase = stats, t_train0, first, "training"
+    metrics.stats, metrics.step, metrics.phase = stats, first, "training"
+    metrics.mark(stats["compute_seconds"])
     recent: list[float] = []
     stopped = False
     step = first
@@ -384,6 +385,7 @@ def _train(
         recent.append(loss)
         step += 1
         metrics.step, metrics.loss = step, loss
+        metrics.mark(stats["compute_seconds"])
         try:
             engine.step(tokens=x.numel(), loss=loss)
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
