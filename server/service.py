@@ -116,7 +116,8 @@ class ShardService(pb_grpc.ShardServicer):
         self.last_loss: float | None = None  # mean training loss of the latest round closed with losses
         self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=SAMPLES)
         self.progress: dict[str, deque[tuple[float, int, float | None, float]]] = {}
-        self._push_started: dict[tuple[str, int], float] = {}  # (worker, fragment) -> its first chunk
+        # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
+        self._push_started: dict[tuple[str, int], tuple[float, int, float | None, float]] = {}
         self.metrics = ShardMetrics(self)
         self.sample()
 
@@ -234,6 +235,8 @@ class ShardService(pb_grpc.ShardServicer):
                 getter.cancel()
             reader.cancel()
             del self.members[name]
+            for key in [k for k in self._push_started if k[0] == name]:
+                del self._push_started[key]
             if not self.stopping:  # a shard on its way down keeps its members: its checkpoint names them
                 self.state.remove_member(name)
             log.info("%s left (%d members)", name, len(self.state.members))
@@ -349,18 +352,24 @@ class ShardService(pb_grpc.ShardServicer):
             self._refuse(member, c.fragment, c.round, e.reason, str(e))
             return
         now = self.clock()
-        if c.seq == 0:  # a header the shard took (its loss is finite): the worker's progress
-            self._push_started[(member.name, c.fragment)] = now
-            if h.has_loss:
-                member.last_loss = h.loss
-            member.step, member.blocked_seconds = h.step, h.blocked_seconds
-            self._record_progress(member.name, h.step, h.loss if h.has_loss else None, h.blocked_seconds)
+        if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
+            self._push_started[(member.name, c.fragment)] = (
+                now,
+                h.step,
+                h.loss if h.has_loss else None,
+                h.blocked_seconds,
+            )
         if done:
             member.pushes += 1
             self.metrics.push_size.observe(self.state.bytes_received - before)
             started = self._push_started.pop((member.name, c.fragment), None)
-            if started is not None:
-                self.metrics.push_transfer.observe(max(0.0, now - started))
+            if started is not None:  # the worker's progress, reported with an accepted push
+                t0, step, loss, blocked = started
+                self.metrics.push_transfer.observe(max(0.0, now - t0))
+                member.step, member.blocked_seconds = step, blocked
+                if loss is not None:
+                    member.last_loss = loss
+                self._record_progress(member.name, step, loss, blocked)
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
             self._send(member, pb.ShardMessage(result=result))
             self.close_due()
