@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic protos clean
+.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,9 @@ bench-wire: $(STAMP)
 
 bench-elastic: $(STAMP)
 	$(BIN)/python benchmarks/elastic.py
+
+bench-monitoring: $(STAMP)
+	$(BIN)/python benchmarks/monitoring.py
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
 protos: $(STAMP)

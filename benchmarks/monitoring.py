@@ -1,0 +1,270 @@
+"""Monitoring benchmark: what watching a run costs. Each figure is measured beside a reference in the same
+run.
+
+(a) endpoints   In this process: a shard (tiny GPT, one shard of two) whose dashboard buffers are full
+                (16 workers' progress at 600 points each, 500 closed rounds, 15 minutes of samples): the
+                time to render the bodies of /metrics, /api/status and /api/series (all of it: a page
+                that opens; the last 2 seconds: what the page asks for at each poll) as the handlers do,
+                on the shard's event loop, and the bytes served. Reference: one round's close (average,
+                outer step, E3M0 update) of one fragment.
+(b) overhead    `streamdiloco server` x2 and `streamdiloco worker` x2 (tiny GPT), every process serving
+                /metrics: the workers' tokens/s and blocked seconds while a scraper fetches every shard's
+                /metrics, /api/status and /api/series and every worker's /metrics once a second (a
+                1-second Prometheus plus an open dashboard page), against the same cluster not watched.
+
+    python benchmarks/monitoring.py              # the recorded run (BENCHMARKS.md), about 8 minutes
+    python benchmarks/monitoring.py --quick      # fewer steps and repeats
+    python benchmarks/monitoring.py --parts a    # some parts
+
+Writes results.md and results.json under --out (default benchmarks/results/monitoring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic import Run  # noqa: E402
+from wire import Procs, machine, say, wait_quiet  # noqa: E402
+
+from streamdiloco.common.codecs import encode  # noqa: E402
+from streamdiloco.common.config import SyncConfig  # noqa: E402
+from streamdiloco.server import service as service_module  # noqa: E402
+from streamdiloco.server.main import build_service  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- (a) ----------------------------------------------------------------------------------------------------
+def _median_ms(fn, reps: int) -> tuple[float, int]:
+    times, size = [], 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        size = len(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), size
+
+
+def part_a(reps: int) -> dict:
+    cfg = SyncConfig()
+    svc = build_service(cfg, "tiny", 0, 2, min_workers=1)
+    st = svc.state
+    now = time.time()
+    n = service_module.PROGRESS_POINTS
+    for w in range(16):  # full buffers: what a long run with many workers has, a push a second each
+        svc._record_progress(f"site-{w:02d}", 0, 2.5, 0.0)
+        svc.progress[f"site-{w:02d}"].extend((now - n + i, i * 30, 2.5, 0.01 * i) for i in range(n))
+    for i in range(service_module.SAMPLES):
+        svc.samples.append((now - service_module.SAMPLES + i, i * 10**6, i * 2 * 10**6, 16, 0))
+    for i in range(service_module.HISTORY):
+        svc.history.append(
+            {
+                "fragment": i % 5,
+                "round": i // 5,
+                "contributors": [f"site-{w:02d}" for w in range(16)],
+                "why": "all",
+                "seconds": 0.2,
+                "mean_loss": 2.5,
+                "closed_at": now - service_module.HISTORY + i,
+            }
+        )
+    since = time.time() - 2.0
+    rows = []
+    for name, fn in [
+        ("/metrics", svc.metrics.render),
+        ("/api/status", lambda: JSONResponse(svc.status(20)).body),
+        ("/api/series (all)", lambda: JSONResponse(svc.series(0.0)).body),
+        ("/api/series (last 2 s)", lambda: JSONResponse(svc.series(since)).body),
+        # what FastAPI does with a returned dict (the first version did that): jsonable_encoder, then dumps
+        (
+            "/api/series (all), FastAPI's encoder",
+            lambda: JSONResponse(jsonable_encoder(svc.series(0.0))).body,
+        ),
+    ]:
+        ms, size = _median_ms(fn, reps)
+        rows.append({"endpoint": name, "ms": ms, "bytes": size})
+    # reference: one fragment's round close on the same shard state
+    g = torch.Generator().manual_seed(0)
+    closes = []
+    for r in range(reps):
+        lo, hi = st.ranges[0]
+        st.add_member("w")
+        st.push(
+            "w", 0, r, encode(torch.randn(hi - lo, generator=g) * 1e-3, "e3m0", cfg.codec_block_size), 1.0
+        )
+        t0 = time.perf_counter()
+        st.close_round(0, "all")
+        closes.append((time.perf_counter() - t0) * 1e3)
+    ref = statistics.median(closes)
+    for row in rows:
+        row["vs_close"] = row["ms"] / ref
+    return {"rows": rows, "close_ms": ref, "values_per_fragment_slice": st.ranges[0][1] - st.ranges[0][0]}
+
+
+def table_a(a: dict) -> str:
+    out = [
+        f"Reference: one round's close of one fragment on this shard, {a['close_ms']:.2f} ms "
+        f"({a['values_per_fragment_slice']:,} values).",
+        "",
+        "| endpoint | median ms | bytes | ÷ a round's close |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in a["rows"]:
+        out.append(f"| `{r['endpoint']}` | {r['ms']:.2f} | {r['bytes']:,} | {r['vs_close']:.2f}× |")
+    return "\n".join(out)
+
+
+# --- (b) ----------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Scraper:
+    """Fetches every URL once a second in a thread; counts requests and failures."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.ok, self.failed, self.bytes = urls, 0, 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(1.0):
+            for url in self.urls:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as r:
+                        self.bytes += len(r.read())
+                    self.ok += 1
+                except OSError:  # a worker that finished and stopped serving
+                    self.failed += 1
+
+
+def cluster_run(procs: Procs, tmp: Path, tag: str, steps: int, watched: bool) -> dict:
+    sync = ["--model", "tiny", "--sync-every", "30", "--num-fragments", "5"]
+    run = Run(procs, tmp, tag)
+    ports = [run.shard(s, 2, [*sync, "--min-workers", "2", "--no-checkpoint"]) for s in range(2)]
+    servers = ",".join(f"127.0.0.1:{p['grpc_port']}" for p in ports)
+    metrics = [_free_port() for _ in range(2)]
+    for m in range(2):
+        flags = [*sync, "--steps", str(steps), "--log-every", "50", "--checkpoint-every", "0"]
+        flags += ["--eval-batches", "2", "--metrics-port", str(metrics[m])]
+        run.worker(m, servers, flags, threads=1)
+    scraper = None
+    if watched:
+        urls = [
+            f"http://127.0.0.1:{p['http_port']}{path}" for p in ports for path in ("/metrics", "/api/status")
+        ]
+        urls += [f"http://127.0.0.1:{p['http_port']}/api/series?since={time.time() - 2:.0f}" for p in ports]
+        urls += [f"http://127.0.0.1:{port}/metrics" for port in metrics]
+        scraper = Scraper(urls)
+        scraper.thread.start()
+    try:
+        ws = run.wait_workers(["w0", "w1"])
+    finally:
+        if scraper is not None:
+            scraper.stop.set()
+            scraper.thread.join(10)
+        for name, p in list(run.p.items()):
+            if "shard" in name:
+                procs.stop(p)  # type: ignore[arg-type]
+    out = {
+        "tag": tag,
+        "watched": watched,
+        "tok_s": statistics.mean(w["tokens"] / w["train_seconds"] for w in ws),
+        "blocked": statistics.mean(w["blocked_seconds"] for w in ws),
+        "eval_loss": ws[0]["eval_loss"],
+    }
+    if scraper is not None:
+        out.update(requests=scraper.ok, failed=scraper.failed, scraped_bytes=scraper.bytes)
+    return out
+
+
+def part_b(procs: Procs, tmp: Path, steps: int, reps: int, max_wait: float) -> dict:
+    rows: dict[str, list[dict]] = {"quiet": [], "watched": []}
+    for i in range(reps):
+        for kind in ("quiet", "watched"):
+            wait_quiet(f"{kind}{i}", max_wait)
+            r = cluster_run(procs, tmp, f"{kind}{i}", steps, watched=kind == "watched")
+            rows[kind].append(r)
+            extra = f", {r['requests']} requests ({r['failed']} failed)" if kind == "watched" else ""
+            say(f"[b] {kind} #{i}: {r['tok_s']:,.0f} tok/s per worker, blocked {r['blocked']:.2f}s{extra}")
+    return {"rows": rows, "steps": steps}
+
+
+def table_b(b: dict) -> str:
+    q, w = b["rows"]["quiet"], b["rows"]["watched"]
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def runs(rows: list[dict]) -> str:
+        return ", ".join(f"{r['tok_s']:,.0f}" for r in rows)
+
+    return "\n".join(
+        [
+            f"2 shards × 2 workers, tiny GPT, {b['steps']} steps, {len(q)} runs each, alternating; medians.",
+            "",
+            "| cluster | tokens/s per worker | blocked s per worker | requests served |",
+            "|---|---:|---:|---:|",
+            f"| not watched (reference) | {med(q, 'tok_s'):,.0f} | {med(q, 'blocked'):.2f} | 0 |",
+            f"| watched every second | {med(w, 'tok_s'):,.0f} | {med(w, 'blocked'):.2f} | "
+            f"{med(w, 'requests'):,.0f} |",
+            "",
+            f"Ratio watched ÷ not watched, tokens/s: {med(w, 'tok_s') / med(q, 'tok_s'):.3f} "
+            f"(runs: {runs(q)} vs {runs(w)}).",
+        ]
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="a,b", help="a, b")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/monitoring"))
+    ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="monitoring-"))
+    procs = Procs(tmp)
+    results: dict = {"machine": machine(), "argv": sys.argv[1:]}
+    mach = results["machine"]
+    md = [f"Machine: {mach['cpus']} CPUs ({mach['cpu']}), torch {torch.__version__}", ""]
+    try:
+        if "a" in parts:
+            results["a"] = part_a(20 if a.quick else 50)
+            md += ["## (a) endpoint cost on a shard with full buffers", "", table_a(results["a"]), ""]
+            say(table_a(results["a"]))
+        if "b" in parts:
+            results["b"] = part_b(procs, tmp, 120 if a.quick else 240, 1 if a.quick else 3, a.max_wait)
+            md += ["## (b) training watched every second vs not watched", "", table_b(results["b"]), ""]
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
