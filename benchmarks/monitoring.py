@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from wire import Procs, machine, say, wait_quiet  # noqa: E402
 
 from streamdiloco.common.codecs import encode  # noqa: E402
 from streamdiloco.common.config import SyncConfig  # noqa: E402
+from streamdiloco.launch import free_ports  # noqa: E402
 from streamdiloco.server import service as service_module  # noqa: E402
 from streamdiloco.server.main import build_service  # noqa: E402
 
@@ -129,12 +129,6 @@ def table_a(a: dict) -> str:
 
 
 # --- (b) ----------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Scraper:
     """Fetches every URL once a second in a thread; counts requests and failures."""
 
@@ -159,7 +153,7 @@ def cluster_run(procs: Procs, tmp: Path, tag: str, steps: int, watched: bool) ->
     run = Run(procs, tmp, tag)
     ports = [run.shard(s, 2, [*sync, "--min-workers", "2", "--no-checkpoint"]) for s in range(2)]
     servers = ",".join(f"127.0.0.1:{p['grpc_port']}" for p in ports)
-    metrics = [_free_port() for _ in range(2)]
+    metrics = free_ports(2)
     for m in range(2):
         flags = [*sync, "--steps", str(steps), "--log-every", "50", "--checkpoint-every", "0"]
         flags += ["--eval-batches", "2", "--metrics-port", str(metrics[m])]

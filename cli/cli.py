@@ -451,6 +451,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     _setup_logging()
     cfg = _sync_config(args)  # a one-line error before anything listens
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"{flag} must be 0..65535, got {port}")
 
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
@@ -485,12 +488,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     top = {k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers")}
     if top.get("name") is None:
-        if args.resume and not args.checkpoint:
-            raise ValueError("--resume needs the worker's --name (or its --checkpoint PATH)")
-        if args.resume:  # the name the checkpoint was written under
+        flag = "--resume" if args.resume else "--auto-resume" if args.auto_resume else None
+        if flag and not args.checkpoint:  # the default name (host-pid) changes from one start to the next
+            raise ValueError(f"{flag} needs the worker's --name (or its --checkpoint PATH)")
+        if args.resume or (args.auto_resume and Path(args.checkpoint).exists()):
             from streamdiloco.worker.run import checkpoint_name
 
-            top["name"] = checkpoint_name(args.checkpoint)
+            top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
         else:
             top.pop("name", None)
     cfg = WorkerConfig(

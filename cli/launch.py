@@ -116,11 +116,16 @@ def _wait_ready(cluster: Cluster, files: list[Path], timeout: float = 120.0) -> 
     return [json.loads(f.read_text()) for f in files]
 
 
-def free_port() -> int:
-    """A port that nothing listens on now (a worker binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n different ports that nothing listens on now (workers bind them a moment later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:  # all held open until all are picked: no port comes twice
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def write_targets(path: Path, shards: list[int], workers: list[int]) -> None:
@@ -153,6 +158,10 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             f"--min-workers {args.min_workers} is more than --workers {args.workers}: "
             "rounds would never close"
         )
+    if args.http_port and not 0 < args.http_port <= 65536 - args.shards:
+        raise ValueError(
+            f"--http-port {args.http_port}: shard ports {args.http_port}.. must be at most 65535"
+        )
     min_workers = args.min_workers or args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     cluster = Cluster(out)
@@ -179,7 +188,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
             )
         ports = _wait_ready(cluster, ready)
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
-        metrics_ports = [free_port() for _ in range(args.workers)]
+        metrics_ports = free_ports(args.workers)
         write_targets(out / "prometheus-targets.json", [p["http_port"] for p in ports], metrics_ports)
         say(
             f"[launch] {args.shards} shards up at {', '.join(targets)}; dashboards: "

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
 from collections.abc import Callable
@@ -140,9 +141,12 @@ def make_app(source: ShardService | Holder) -> FastAPI:
     @app.get("/api/status")
     async def status(
         rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
+        hashes: bool = Query(True, description="each fragment's master hash (a hash of its slice)"),
     ):
         # a JSONResponse as it is: FastAPI's jsonable_encoder would walk every value (5x json.dumps' time)
-        return JSONResponse(holder.service.status(rounds)) if holder.service is not None else not_yet()
+        return (
+            JSONResponse(holder.service.status(rounds, hashes)) if holder.service is not None else not_yet()
+        )
 
     @app.get("/api/series")
     async def series(
@@ -182,12 +186,20 @@ async def serve(
     /healthz while it runs, in a thread."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    holder = Holder(service if isinstance(service, ShardService) else None)
+
+    def on_signal() -> None:
+        if holder.phase == "loading" and stop.is_set():  # a second signal while loading: nothing to save
+            os._exit(130)
+        if holder.phase == "loading":
+            log.info("stopping once the model has loaded (a second signal stops now)")
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    holder = Holder(service if isinstance(service, ShardService) else None)
     http_task, http, http_bound = None, None, None
     if http_port is not None:
         sock = _bind(host, http_port)
@@ -218,7 +230,10 @@ async def serve(
             raise
         finally:
             slow.cancel()
-        holder.phase = "serving"
+        if stop.is_set():  # stopped while loading: no gRPC, no checkpoint written
+            holder.phase = "stopping"
+            await stop_http()
+            return
     service = holder.service
     try:
         await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop)
@@ -252,6 +267,7 @@ async def _serve_grpc(
         ckpt.pending_initial = False
     await server.start()
     service.serving = True
+    holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
     service.on_fatal = stop.set
     st = service.state

@@ -389,6 +389,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
+        self._sampled_at = time.monotonic()
         self.samples.append(self._sample_now())
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
@@ -455,7 +456,7 @@ class ShardService(pb_grpc.ShardServicer):
         """Close rounds whose deadline has passed; sample the dashboard's time series."""
         while True:
             await asyncio.sleep(period)
-            if time.time() - self.samples[-1][0] >= SAMPLE_SECONDS:
+            if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
                 self.sample()
             try:
                 self.close_due()
@@ -512,7 +513,9 @@ class ShardService(pb_grpc.ShardServicer):
             cached = self._digests[fragment] = (key, tensor_digest(self.state.master(fragment)))
         return cached[1]
 
-    def status(self, rounds: int = 20) -> dict:
+    def status(self, rounds: int = 20, hashes: bool = True) -> dict:
+        """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
+        page, which polls, leaves it out)."""
         st = self.state
         return {
             "shard": st.shard,
@@ -548,7 +551,7 @@ class ShardService(pb_grpc.ShardServicer):
                     "fragment": f,
                     "round": st.round_of(f),
                     "slice": list(st.ranges[f]),
-                    "master_hash": self._digest(f),
+                    "master_hash": self._digest(f) if hashes else None,
                     "contributors": sorted(st.contributors(f)),
                 }
                 for f in range(st.layout.num_fragments)

@@ -362,8 +362,13 @@ class ShardState:
                     "bad_weight",
                     f"push weight must be a positive number of tokens, at most 2^53, got {weight}",
                 )
-            if loss is not None and not math.isfinite(loss):
-                raise refuse("bad_loss", f"the reported training loss must be a finite number, got {loss}")
+            if loss is not None and not (math.isfinite(loss) and abs(loss) <= MAX_ABS_VALUE):
+                # bounded, so that the round's token-weighted sum of losses cannot overflow
+                raise refuse(
+                    "bad_loss",
+                    f"the reported training loss must be a finite number of magnitude at most "
+                    f"{MAX_ABS_VALUE:g}, got {loss}",
+                )
         else:  # st.round == round: closing a round drops the pushes still arriving for it
             if seq < st.next_seq:
                 raise refuse("bad_chunk", f"chunk {seq} repeated (next expected is {st.next_seq})")

@@ -24,6 +24,7 @@ from procs import Cluster, http_json, streamdiloco, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
+from streamdiloco.launch import free_ports
 from streamdiloco.server import service as service_module
 from streamdiloco.server.main import serve
 from streamdiloco.worker.metrics import WorkerMetrics
@@ -42,9 +43,7 @@ def nobody_listens(port: int) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def get(port: int, path: str) -> tuple[int, str]:
@@ -133,6 +132,10 @@ def test_metrics_and_series_count_what_the_shard_did(shard):
     assert [(x["step"], x["loss"], x["blocked_seconds"]) for x in b_points] == [(12, 3.5, 1.5)]
     assert [x["step"] for x in series["workers"]["a"]] == [12]  # late and refused pushes report nothing
     assert series["samples"] and series["samples"][-1]["members"] == 2
+    assert all(f["master_hash"] for f in status["fragments"])
+    assert all(
+        f["master_hash"] is None for f in http_json(shard.http_port, "/api/status?hashes=0")["fragments"]
+    )
     later = http_json(shard.http_port, f"/api/series?since={series['now']}")
     assert later["rounds"] == [] and later["workers"] == {"a": [], "b": []}
     code, body = get(shard.http_port, "/api/series?since=nan")
@@ -214,6 +217,22 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
         t.join(20)
     assert not t.is_alive() and not failure, failure
 
+    # stopped while it loads: once loaded it stops, without opening gRPC or writing the ready file
+    loaded = []
+
+    def build_then_stop():
+        loaded.append(build(min_workers=1))
+        return loaded[0]
+
+    async def stop_during_load():
+        stopping = asyncio.Event()
+        stopping.set()
+        await serve(build_then_stop, "127.0.0.1", 0, http_port, str(tmp_path / "ready2.json"), stopping)
+
+    asyncio.run(stop_during_load())
+    assert loaded and not (tmp_path / "ready2.json").exists() and not loaded[0].serving
+    nobody_listens(http_port)
+
     def broken_build():
         raise ValueError("--init x: no such file")
 
@@ -277,7 +296,14 @@ def test_auto_resume_resumes_only_when_the_checkpoint_exists(tmp_path):
     assert r.returncode == 1 and "no checkpoint at" in r.stderr and "--resume" not in r.stderr, r.stderr
     ckpt.write_bytes(b"not a checkpoint")
     r = streamdiloco(*common, "--model", "nano", timeout=120)
-    assert r.returncode == 2 and f"--resume: {ckpt} is not a worker checkpoint" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"--auto-resume: {ckpt} is not a worker checkpoint" in r.stderr, r.stderr
+    # without --name the checkpoint names the worker (the default name, host-pid, changes every start)
+    r = streamdiloco(
+        "worker", "--servers", "127.0.0.1:1", "--checkpoint", str(ckpt), "--auto-resume", timeout=120
+    )
+    assert r.returncode == 2 and f"--auto-resume: {ckpt} is not a worker checkpoint" in r.stderr, r.stderr
+    r = streamdiloco("worker", "--servers", "127.0.0.1:1", "--auto-resume", timeout=120)
+    assert r.returncode == 2 and "--auto-resume needs the worker's --name" in r.stderr, r.stderr
 
 
 # === a real Prometheus scraping real processes =========================================================
@@ -295,7 +321,7 @@ def test_prometheus_scrapes_the_shards_and_workers_of_a_running_system(tmp_path)
         model = ("--model", "nano", "--num-shards", "2", "--sync-every", "6", "--num-fragments", "2")
         shards = [c.shard(f"shard{s}", "--shard", str(s), *model, "--min-workers", "2") for s in range(2)]
         targets = [t for t, _ in shards]
-        metrics_ports = [free_port(), free_port()]
+        metrics_ports = free_ports(2)
         for i, port in enumerate(metrics_ports):
             c.worker(
                 f"worker-{i}",

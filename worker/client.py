@@ -837,13 +837,15 @@ class GrpcTransport:
     def resent(self) -> int:
         return sum(link.resent for link in self.links)
 
-    def report_progress(
-        self, progress: Callable[[], tuple[int, float]], on_answer: Callable[[float], None] | None = None
-    ) -> None:
-        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard;
-        `on_answer` gets the seconds from each push's send to the shard's acceptance."""
+    def report_progress(self, progress: Callable[[], tuple[int, float]]) -> None:
+        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard."""
         for link in self.links:
-            link.progress, link.on_answer = progress, on_answer
+            link.progress = progress
+
+    def on_push_answered(self, on_answer: Callable[[float], None]) -> None:
+        """`on_answer` gets the seconds from each push's send to the shard's acceptance (for /metrics)."""
+        for link in self.links:
+            link.on_answer = on_answer
 
     @property
     def results(self) -> dict[str, int]:
@@ -934,6 +936,8 @@ def connect(
         if resume is not None:
             engine = SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
             engine.load_state_dict(resume["engine"])
+            # before resume(): the pushes it sends again report the resumed step, not 0
+            transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
             transport.resume(engine.next_rounds)
             log.info("%s resumes at step %d", name, engine.step_count)
             return engine
@@ -943,6 +947,7 @@ def connect(
         engine = SyncEngine(
             model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank, start_step=start
         )
+        transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
         transport.follow(engine.next_rounds)
         if start:
             log.info("%s joins the run in progress at step %d", name, start)

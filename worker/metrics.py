@@ -113,7 +113,7 @@ class _Collector:
         yield GaugeMetricFamily(f"{P}_steps", "Inner steps this worker is to do in all", value=m.steps)
         yield CounterMetricFamily(
             f"{P}_inner_steps",
-            "Inner steps this worker has trained (a joiner starts at the run's step, not 0)",
+            "Inner steps this worker has trained (from 0 for a joiner, whose _step starts at the run's step)",
             value=stats.get("inner_steps", 0),
         )
         yield CounterMetricFamily(f"{P}_tokens", "Tokens trained on", value=stats.get("tokens", 0))

@@ -124,35 +124,36 @@ def _checkpoint_key(cfg: WorkerConfig) -> dict:
     }
 
 
-def _read_checkpoint(path: Path) -> dict:
+def _read_checkpoint(path: Path, flag: str = "--resume") -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ValueError(
-            f"--resume: no checkpoint at {path} (give the --name the worker had, or --checkpoint PATH)"
+            f"{flag}: no checkpoint at {path} (give the --name the worker had, or --checkpoint PATH)"
         ) from None
     except Exception as e:  # torch raises many kinds for damaged files
-        raise ValueError(f"--resume: {path} is not a worker checkpoint ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{flag}: {path} is not a worker checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"--resume: {path} is not a worker checkpoint of format {CHECKPOINT_FORMAT}")
+        raise ValueError(f"{flag}: {path} is not a worker checkpoint of format {CHECKPOINT_FORMAT}")
     return ck
 
 
-def checkpoint_name(path: str) -> str:
+def checkpoint_name(path: str, flag: str = "--resume") -> str:
     """The worker name a checkpoint was written under."""
-    return str(_read_checkpoint(Path(path))["name"])
+    return str(_read_checkpoint(Path(path), flag)["name"])
 
 
 def load_checkpoint(cfg: WorkerConfig) -> dict:
     """Read and check this worker's checkpoint; ValueError (one line) if it cannot be resumed."""
     path = cfg.checkpoint_path
-    ck = _read_checkpoint(path)
+    flag = "--resume" if cfg.resume else "--auto-resume"
+    ck = _read_checkpoint(path, flag)
     want = _checkpoint_key(cfg)
     changed = sorted(k for k in want if ck["key"].get(k) != want[k])
     if changed:
         raise ValueError(
-            f"--resume: {path} was written with other settings ({', '.join(changed)}): "
-            "resume with the same flags"
+            f"{flag}: {path} was written with other settings ({', '.join(changed)}): "
+            "resume with the same flags, or remove the checkpoint to start this worker anew"
         )
     return ck
 
@@ -211,7 +212,8 @@ def run_worker(cfg: WorkerConfig) -> dict:
     resume = load_checkpoint(cfg) if resuming else None
     if resume is not None and resume["name"] != cfg.name:
         raise ValueError(
-            f"--resume: {cfg.checkpoint_path} belongs to worker {resume['name']!r}, not {cfg.name!r}"
+            f"{'--resume' if cfg.resume else '--auto-resume'}: {cfg.checkpoint_path} belongs to worker "
+            f"{resume['name']!r}, not {cfg.name!r}"
         )
     model = build_model(cfg.model, cfg.seed, cfg.block_size)
     block = model_block_size(model, cfg.block_size)
@@ -266,9 +268,7 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         raise
     transport = engine.transport
     assert isinstance(transport, GrpcTransport)
-    transport.report_progress(
-        lambda: (engine.step_count, engine.blocked_seconds), metrics.push_answer.observe
-    )
+    transport.on_push_answered(metrics.push_answer.observe)
     engine.on_merge_wait = metrics.merge_wait.observe
     metrics.engine, metrics.transport = engine, transport
     if eval_start:

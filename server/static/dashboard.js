@@ -9,7 +9,7 @@
   const RETRY_MS = 2000; // while the shard does not answer
   const FETCH_TIMEOUT_MS = 5000;
   const WINDOW_S = 900; // points older than this are dropped: the shard keeps 15 minutes of samples too
-  const MAX_SAMPLES = 1000; // the shard samples once a second
+  const MAX_SAMPLES = 1800; // the shard samples once a second, and each poll adds the moment's values
   const MAX_ROUNDS = 5000;
   const MAX_WORKER_POINTS = 600; // per worker, as many as the shard keeps
   const MAX_GAP_S = 5; // no byte rate across a gap in the samples (the shard was down or restarted)
@@ -75,7 +75,7 @@
   async function poll() {
     try {
       const [status, series] = await Promise.all([
-        getJSON("api/status?rounds=0"),
+        getJSON("api/status?rounds=0&hashes=0"),
         getJSON(`api/series?since=${store.since}`),
       ]);
       Object.assign(conn, { up: true, phase: status.ready ? "ready" : "not ready", error: null });
@@ -109,7 +109,7 @@
       if (points.length && !store.workers.has(name)) store.workers.set(name, []);
     }
     for (const [name, mine] of store.workers) {
-      append(mine, series.workers[name] || [], MAX_WORKER_POINTS, oldest, (p) => p.t);
+      append(mine, (Object.hasOwn(series.workers, name) ? series.workers[name] : []), MAX_WORKER_POINTS, oldest, (p) => p.t);
       if (!mine.length) store.workers.delete(name); // silent for the whole window: off the charts
     }
   }
