@@ -51,14 +51,19 @@ def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT)
         ports = json.loads(ready.read_text())
         yield f"127.0.0.1:{ports['grpc_port']}", ports["http_port"], proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.close()
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def http_json(port: int, path: str = "/api/status") -> dict:

@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 from inthread import InThreadShard, push_messages
-from procs import Cluster, http_json, streamdiloco, wait_until
+from procs import Cluster, http_json, stop, streamdiloco, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
@@ -168,7 +168,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
     http_port = free_port()
     ready_file = tmp_path / "ready.json"
     loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
+    stop_event = asyncio.Event()
     failure: list[BaseException] = []
 
     def slow_build():
@@ -178,7 +178,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
 
     def run() -> None:
         try:
-            loop.run_until_complete(serve(slow_build, "127.0.0.1", 0, http_port, str(ready_file), stop))
+            loop.run_until_complete(serve(slow_build, "127.0.0.1", 0, http_port, str(ready_file), stop_event))
         except BaseException as e:  # noqa: BLE001
             failure.append(e)
 
@@ -213,7 +213,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
         assert samples(get(http_port, "/metrics")[1])[("streamdiloco_shard_ready", ())] == 0
     finally:
         release.set()
-        loop.call_soon_threadsafe(stop.set)
+        loop.call_soon_threadsafe(stop_event.set)
         t.join(20)
     assert not t.is_alive() and not failure, failure
 
@@ -408,12 +408,7 @@ def test_prometheus_scrapes_the_shards_and_workers_of_a_running_system(tmp_path)
                 assert code == 200
                 promtool_check_metrics(text)
         finally:
-            prom.terminate()
-            try:
-                prom.wait(10)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait()
+            stop(prom)
             log.close()
         for i in range(2):
             assert c.wait(f"worker-{i}", timeout=240) == 0, c.log(f"worker-{i}")[-3000:]

@@ -266,14 +266,14 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
     except BaseException:
         stop.restore()
         raise
-    transport = engine.transport
-    assert isinstance(transport, GrpcTransport)
-    transport.on_push_answered(metrics.push_answer.observe)
-    engine.on_merge_wait = metrics.merge_wait.observe
-    metrics.engine, metrics.transport = engine, transport
-    if eval_start:
-        metrics.eval_loss = eval_start[0]
-    try:
+    try:  # from here on, whatever happens, the sessions are closed (their threads would keep us alive)
+        transport = engine.transport
+        assert isinstance(transport, GrpcTransport)
+        transport.on_push_answered(metrics.push_answer.observe)
+        engine.on_merge_wait = metrics.merge_wait.observe
+        metrics.engine, metrics.transport = engine, transport
+        if eval_start:
+            metrics.eval_loss = eval_start[0]
         return _train(
             cfg,
             model,
