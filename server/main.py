@@ -28,6 +28,7 @@ from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.wire import make_server
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.service import HISTORY, ShardService
 from streamdiloco.server.shard import ShardState
 
@@ -97,11 +98,6 @@ def load_initial(model, path: str) -> None:
 
 
 STATIC = Path(__file__).parent / "static"
-LOADING_METRICS = (
-    b"# HELP streamdiloco_shard_ready 1 while the shard takes workers (0 while stopping)\n"
-    b"# TYPE streamdiloco_shard_ready gauge\n"
-    b"streamdiloco_shard_ready 0.0\n"
-)
 
 
 class Holder:
@@ -135,7 +131,7 @@ def make_app(source: ShardService | Holder) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body = holder.service.metrics.render() if holder.service is not None else LOADING_METRICS
+        body = holder.service.metrics.render() if holder.service is not None else loading_metrics()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/status")

@@ -74,6 +74,27 @@ class ShardMetrics:
         return generate_latest(self.registry)
 
 
+def ready_gauge(ready: bool) -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        f"{P}_ready", "1 while the shard takes workers (0 while loading or stopping)", value=float(ready)
+    )
+
+
+def loading_metrics() -> bytes:
+    """/metrics while the model and the checkpoint load: the shard is up, and not ready."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_Static([ready_gauge(False)]))
+    return generate_latest(registry)
+
+
+class _Static:
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        yield from self.families
+
+
 class _Collector:
     """Reads the shard's counters at scrape time."""
 
@@ -94,16 +115,14 @@ class _Collector:
             },
         )
         yield info
-        yield GaugeMetricFamily(
-            f"{P}_ready", "1 while the shard takes workers (0 while stopping)", value=float(svc.ready)
-        )
+        yield ready_gauge(svc.ready)
         yield GaugeMetricFamily(
             f"{P}_members", "Workers in the member set (rounds wait for them)", value=len(st.members)
         )
         yield GaugeMetricFamily(
             f"{P}_passive_sessions",
             "Connected workers that receive updates but are not members yet (joining)",
-            value=sum(not m.active for m in svc.members.values()),
+            value=svc.passive_sessions,
         )
         yield GaugeMetricFamily(
             f"{P}_returning_members",

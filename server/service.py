@@ -382,10 +382,15 @@ class ShardService(pb_grpc.ShardServicer):
             series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
         series.append((time.time(), step, loss, blocked))
 
+    @property
+    def passive_sessions(self) -> int:
+        """Connected workers that are not members yet (joining)."""
+        return sum(not m.active for m in self.members.values())
+
     def _sample_now(self) -> tuple[float, int, int, int, int]:
         c = self.counters
-        passive = sum(not m.active for m in self.members.values())
-        return time.time(), c.msg_in, c.msg_out + c.fetch_out, len(self.state.members), passive
+        n = len(self.state.members)
+        return time.time(), c.msg_in, c.msg_out + c.fetch_out, n, self.passive_sessions
 
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
