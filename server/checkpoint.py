@@ -111,9 +111,12 @@ class ShardCheckpoint:
 
     def save_fragment(self, state: ShardState, fragment: int) -> bool:
         """Write one fragment's file; False (and an error in the log) if it could not be written."""
+        return self.save(fragment, state.fragment_state(fragment))
+
+    def save(self, fragment: int, saved: dict) -> bool:
+        """Write a fragment's state (ShardState.fragment_state, or a close job's, on the job's thread)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            saved = state.fragment_state(fragment)
             atomic_write(self.dir / f"fragment-{fragment}.pt", lambda f: torch.save(saved, f))
             self.writes += 1
             return True

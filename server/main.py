@@ -26,10 +26,9 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.wire import make_server
-from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import loading_metrics
-from streamdiloco.server.service import HISTORY, ShardService
+from streamdiloco.server.service import HISTORY, ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -116,7 +115,8 @@ def make_app(source: ShardService | Holder) -> FastAPI:
     def not_yet() -> JSONResponse:
         return JSONResponse({"detail": f"the shard is {holder.phase}"}, status_code=503)
 
-    # async handlers run on the event loop that owns the shard's state: a consistent snapshot, no locks
+    # async handlers run on the event loop that owns the shard's state: a consistent snapshot, no locks;
+    # what takes long (hashing masters) goes to the shard's compute threads
     @app.get("/healthz")
     async def healthz() -> dict:
         """The process is up and its event loop answers (also while it loads)."""
@@ -139,10 +139,12 @@ def make_app(source: ShardService | Holder) -> FastAPI:
         rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
         hashes: bool = Query(True, description="each fragment's master hash (a hash of its slice)"),
     ):
+        if holder.service is None:
+            return not_yet()
+        if hashes:
+            await holder.service.hash_masters()
         # a JSONResponse as it is: FastAPI's jsonable_encoder would walk every value (5x json.dumps' time)
-        return (
-            JSONResponse(holder.service.status(rounds, hashes)) if holder.service is not None else not_yet()
-        )
+        return JSONResponse(holder.service.status(rounds, hashes))
 
     @app.get("/api/series")
     async def series(
@@ -247,7 +249,7 @@ async def _serve_grpc(
     stop: asyncio.Event,
 ) -> None:
     server = make_server()
-    pb_grpc.add_ShardServicer_to_server(service, server)
+    add_to_server(service, server)
     try:
         bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     except RuntimeError:  # grpc's way of saying the address is in use or not ours
@@ -289,6 +291,7 @@ async def _serve_grpc(
         holder.phase = "stopping"
         tick.cancel()
         await server.stop(grace=1.0)
+        await service.drain()  # jobs still out give their fragments back: the checkpoint sees whole state
         if service.fatal:
             raise OSError(service.fatal)
         if service.checkpoint is not None and service.checkpoint.save_all(st):

@@ -1,8 +1,18 @@
 """The shard's gRPC servicer: validate, translate, hand off to the pure ShardState.
 
-Everything runs on one asyncio event loop, so ShardState needs no locks. Each worker session has one
-outgoing queue and one writer (the response generator); a reader task takes the worker's chunks. When a
-round closes, its quantized update is cut into chunks once and queued to every member.
+Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
+runs on the loop, so ShardState needs no locks. Those calls are bookkeeping (a chunk is checked and kept,
+still encoded; a round is marked closed): microseconds. The arithmetic runs beside the loop on a small
+thread pool (torch releases the GIL): a closing round's fold of its pushes into the mean, the outer step,
+encoding the update, writing the checkpoint and serializing the update's messages are one job
+(ShardState.begin_close hands it out with everything it needs and the fragment's optimizer; end_close
+takes it back on the loop), as is folding pushes ahead of a close when many are kept. So health, status
+and other sessions are answered while a round closes, and the next round's pushes are taken meanwhile.
+
+Each worker session has one outgoing queue and one writer (the response generator); a reader task takes
+the worker's chunks. When a round closes, its update is cut into chunks and serialized once, on the job's
+thread, and the same bytes are queued to every member (Session's serializer passes bytes through: see
+`add_to_server`).
 """
 
 from __future__ import annotations
@@ -13,9 +23,12 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
@@ -24,7 +37,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import ShardMetrics
-from streamdiloco.server.shard import ClosedRound, PushRejected, ShardState
+from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -39,6 +52,7 @@ SAMPLES = 900  # for the last 15 minutes
 PROGRESS_POINTS = 600  # per worker: its latest reports (step, loss, blocked time), one per push
 PROGRESS_WORKERS = 64  # workers whose reports are kept; the longest silent is forgotten first
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
+COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -70,6 +84,7 @@ class Counters:
     msg_out: int = 0
     fetch_out: int = 0
     bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
+    fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
 
 
 def check_name(name: str) -> str | None:
@@ -111,7 +126,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
-        self._digests: dict[int, tuple[int, str]] = {}  # fragment -> (open round, hash of the master)
+        self._digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
         self.serving = False  # serve() sets it once gRPC listens: /readyz
         self.last_loss: float | None = None  # mean training loss of the latest round closed with losses
         self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=SAMPLES)
@@ -119,6 +134,9 @@ class ShardService(pb_grpc.ShardServicer):
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
         self._push_started: dict[tuple[str, int], tuple[float, int, float | None, float]] = {}
         self.metrics = ShardMetrics(self)
+        self.pool = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
+        self._jobs: set[asyncio.Task] = set()  # fold and close jobs out (awaited before a final checkpoint)
+        self._closing: dict[int, asyncio.Task] = {}  # fragment -> its close job, while it runs
         self.sample()
 
     @property
@@ -260,11 +278,12 @@ class ShardService(pb_grpc.ShardServicer):
             )
         )
 
-    def _send(self, member: _Member, msg: pb.ShardMessage) -> None:
-        """Queue a message for a member; one that stops reading is dropped, not buffered for ever."""
+    def _send(self, member: _Member, msg: pb.ShardMessage | bytes) -> None:
+        """Queue a message (or its serialized bytes) for a member; one that stops reading is dropped, not
+        buffered for ever."""
         if member.overflowed:
             return
-        size = msg.ByteSize()
+        size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
         if member.queued_bytes + size > self.max_queued_bytes:
             member.overflowed = True
             self.state.remove_member(member.name)  # rounds stop waiting for it; its session is ended
@@ -404,58 +423,116 @@ class ShardService(pb_grpc.ShardServicer):
         self._send(member, pb.ShardMessage(result=result))
 
     # --- rounds ----------------------------------------------------------------------------------------
-    def close_due(self) -> list[ClosedRound]:
-        closed: list[ClosedRound] = []
+    def close_due(self) -> None:
+        """Start a close job for every round that is due, and a fold job where pushes wait to be folded."""
         if self.stopping or self.fatal:
-            return closed
+            return
         now = self.clock()
         for fragment, why in self.state.due(now):
             started = self.state.open[fragment].started_at
-            c = self.state.close_round(fragment, why)
-            closed.append(c)
+            job = self.state.begin_close(fragment, why)
             for key in [k for k in self._push_started if k[1] == fragment]:
                 del self._push_started[key]  # pushes still arriving for the closed round are late now
+            self._closing[fragment] = self._start(self._close(job, started))
+        for fragment in self.state.fold_due():
+            self._start(self._fold(self.state.begin_fold(fragment)))
+
+    def _start(self, work: Coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(work)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait for the jobs that are out (before a final checkpoint: the state is whole again)."""
+        while self._jobs:
+            await asyncio.wait(set(self._jobs))
+
+    def _job_failed(self, what: str, error: BaseException) -> None:
+        # a bug, not bad input: the fragment cannot go on, so the shard stops; workers keep their pushes and
+        # send them again to the shard restarted from its checkpoint
+        log.error("%s failed", what, exc_info=error)
+        if not self.fatal:
+            self.fatal = f"{what} failed ({type(error).__name__}: {error}): stopping the shard"
+            self.on_fatal()
+
+    async def _fold(self, job: FoldJob) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.pool, job.run)
+        except Exception as e:
+            self._job_failed(f"folding pushes of fragment {job.fragment} round {job.round}", e)
+            return
+        self.state.end_fold(job)
+        self.close_due()
+
+    def _compute_close(self, job: CloseJob) -> tuple[bool, list[bytes], float | None]:
+        """On a pool thread: the round's arithmetic, its checkpoint, and its update's messages."""
+        job.run()
+        saved, seconds = True, None
+        if self.checkpoint is not None:
             t0 = time.perf_counter()
-            saved = self.checkpoint is None or self.checkpoint.save_fragment(self.state, fragment)
-            if self.checkpoint is not None:
-                self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
-            if not saved:
-                assert self.checkpoint is not None
-                # no worker may apply an update that a restart would not have: stop instead; workers keep
-                # their pushes and send them again to the shard restarted from its last good checkpoint
-                self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
-                log.critical(self.fatal)
-                self.on_fatal()
-                return closed
-            chunks = to_chunks(c.update, c.fragment, c.round, self.down_chunk)
-            for m in list(self.members.values()):
-                for chunk in chunks:
-                    self._send(m, pb.ShardMessage(update=chunk))
-                self.counters.codec_out += c.update.nbytes
-            seconds = now - started if started is not None else None
-            self.metrics.round_closed(c.why, seconds, c.update.nbytes)
-            if c.mean_loss is not None:
-                self.last_loss = c.mean_loss
-            self.history.append(
-                {
-                    "fragment": c.fragment,
-                    "round": c.round,
-                    "contributors": list(c.contributors),
-                    "why": c.why,
-                    "seconds": round(seconds, 3) if seconds is not None else None,
-                    "mean_loss": c.mean_loss,
-                    "closed_at": time.time(),
-                }
+            saved = self.checkpoint.save(job.fragment, job.fragment_state())
+            seconds = time.perf_counter() - t0
+        assert job.update is not None
+        messages = (
+            [
+                pb.ShardMessage(update=c).SerializeToString()
+                for c in to_chunks(job.update, job.fragment, job.round, self.down_chunk)
+            ]
+            if saved
+            else []
+        )
+        return saved, messages, seconds
+
+    async def _close(self, job: CloseJob, started: float | None) -> None:
+        try:
+            saved, messages, seconds = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self._compute_close, job
             )
-            (log.error if c.why == "nonfinite" else log.info)(
-                "fragment %d round %d closed (%s): %d contributors%s",
-                c.fragment,
-                c.round,
-                c.why,
-                len(c.contributors),
-                f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
-            )
-        return closed
+        except Exception as e:
+            self._job_failed(f"closing fragment {job.fragment} round {job.round}", e)
+            return
+        finally:
+            del self._closing[job.fragment]
+        c = self.state.end_close(job)
+        if seconds is not None:
+            self.metrics.checkpoint_write.observe(seconds)
+        if not saved:
+            assert self.checkpoint is not None
+            # no worker may apply an update that a restart would not have: stop instead; workers keep
+            # their pushes and send them again to the shard restarted from its last good checkpoint
+            self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
+            log.critical(self.fatal)
+            self.on_fatal()
+            return
+        for m in list(self.members.values()):
+            for data in messages:  # the same bytes for every member
+                self._send(m, data)
+            self.counters.codec_out += c.update.nbytes
+        seconds = self.clock() - started if started is not None else None
+        self.metrics.round_closed(c.why, seconds, c.update.nbytes)
+        if c.mean_loss is not None:
+            self.last_loss = c.mean_loss
+        self.history.append(
+            {
+                "fragment": c.fragment,
+                "round": c.round,
+                "contributors": list(c.contributors),
+                "why": c.why,
+                "seconds": round(seconds, 3) if seconds is not None else None,
+                "mean_loss": c.mean_loss,
+                "closed_at": time.time(),
+            }
+        )
+        (log.error if c.why == "nonfinite" else log.info)(
+            "fragment %d round %d closed (%s): %d contributors%s",
+            c.fragment,
+            c.round,
+            c.why,
+            len(c.contributors),
+            f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
+        )
+        self.close_due()  # a round may have become due while this one was out
 
     async def tick(self, period: float = 0.2) -> None:
         """Close rounds whose deadline has passed; sample the dashboard's time series."""
@@ -490,7 +567,10 @@ class ShardService(pb_grpc.ShardServicer):
                 f"{first_len}-value slice",
             )
         for i, f in enumerate(fragments):
-            master, rnd = st.master(f).clone(), st.round_of(f)  # a snapshot: a round may close meanwhile
+            while (closing := self._closing.get(f)) is not None:  # its master and round are changing
+                self.counters.fetch_waits += 1
+                await asyncio.wait({closing})
+            master, rnd = st.master(f), st.round_of(f)  # a master is never changed in place: a snapshot
             n = master.numel()
             start = request.offset if i == 0 else 0
             los = list(range(start, n, self.fetch_chunk)) or [n]
@@ -512,11 +592,22 @@ class ShardService(pb_grpc.ShardServicer):
     # --- status ----------------------------------------------------------------------------------------
     def _digest(self, fragment: int) -> str:
         """The master's hash, computed once per round: a master changes only when its round closes."""
-        key = self.state.round_of(fragment)
+        master = self.state.master(fragment)
         cached = self._digests.get(fragment)
-        if cached is None or cached[0] != key:
-            cached = self._digests[fragment] = (key, tensor_digest(self.state.master(fragment)))
+        if cached is None or cached[0] is not master:
+            cached = self._digests[fragment] = (master, tensor_digest(master))
         return cached[1]
+
+    async def hash_masters(self) -> None:
+        """Compute on a pool thread the masters' hashes that status() would otherwise compute on the loop
+        (a hash reads the whole slice)."""
+        loop = asyncio.get_running_loop()
+        for f in range(self.state.layout.num_fragments):
+            master = self.state.master(f)
+            cached = self._digests.get(f)
+            if cached is None or cached[0] is not master:
+                digest = await loop.run_in_executor(self.pool, tensor_digest, master)
+                self._digests[f] = (master, digest)
 
     def status(self, rounds: int = 20, hashes: bool = True) -> dict:
         """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
@@ -544,7 +635,7 @@ class ShardService(pb_grpc.ShardServicer):
                     "message_bytes_in": m.msg_in,
                     "message_bytes_out": m.msg_out,
                     "receiving": [  # pushes whose chunks are arriving
-                        {"fragment": f, "round": p.round, "values": p.next_offset, "of": p.total}
+                        {"fragment": f, "round": p.round, "values": p.asm.received, "of": p.asm.total}
                         for (w, f), p in sorted(st.staged.items())
                         if w == m.name
                     ],
@@ -630,3 +721,35 @@ def _stats(xs: list[float]) -> dict:
         return {"rounds": 0, "median": None, "max": None}
     ys = sorted(xs)
     return {"rounds": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]}
+
+
+def _serialize(msg: pb.ShardMessage | bytes) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def rpc_handlers(service: ShardService) -> dict[str, grpc.RpcMethodHandler]:
+    """The servicer's methods as the generated add_ShardServicer_to_server registers them, except that a
+    Session reply may also be bytes already serialized (an update's chunks: serialized once per round, the
+    same bytes written to every member)."""
+    return {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            service.Join,
+            request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinReply.SerializeToString,
+        ),
+        "Session": grpc.stream_stream_rpc_method_handler(
+            service.Session, request_deserializer=pb.WorkerMessage.FromString, response_serializer=_serialize
+        ),
+        "Fetch": grpc.unary_stream_rpc_method_handler(
+            service.Fetch,
+            request_deserializer=pb.FetchRequest.FromString,
+            response_serializer=pb.MasterChunk.SerializeToString,
+        ),
+    }
+
+
+def add_to_server(service: ShardService, server: grpc.aio.Server) -> None:
+    name = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+    handlers = rpc_handlers(service)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

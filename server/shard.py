@@ -1,20 +1,30 @@
-"""A shard's state and aggregation, as pure logic: no networking, no files, no clocks of its own.
+"""A shard's state and aggregation, as pure logic: no networking, no files, no clocks or threads of its own.
 
 Shard s of S owns slice s of every fragment's flat vector. Per fragment it keeps the master slice, the
-outer optimizer (Nesterov SGD plus the downlink's error-feedback residual), the open round and its
-accumulator: every accepted push is dequantized and added, weighted by its tokens, into an fp64 sum, so
-memory does not grow with the number of workers and the mean does not depend on arrival order (the sum is
-fp64, the mean is rounded once to fp32).
+outer optimizer (Nesterov SGD plus the downlink's error-feedback residual) and the open round.
 
-Pushes arrive in chunks. Each chunk is validated the moment it arrives and kept in its encoded form (4-bit
-for E3M0); when the push's last chunk has arrived, the chunks are dequantized and added to the round's sum.
-A push that breaks off (its worker died, or a later chunk was bad) therefore leaves nothing half-applied,
-and a refused push changes nothing at all.
+Pushes arrive in chunks, which one `common.chunks.Assembly` per push validates the moment they arrive and
+keeps in their encoded form (4-bit for E3M0). A push that breaks off (its worker died, or a later chunk was
+bad) leaves nothing half-applied, and a refused push changes nothing at all. A whole push stays encoded in
+the round (a 4-bit push is 1/16 of an fp64 sum's size) until the round closes; then the round's pushes are
+folded into the weighted mean block by block (`FOLD_VALUES` values at a time, so that the fp64 sum of a
+block stays in cache while every push is added into it), in the order of the workers' names: the mean does
+not depend on the order in which pushes arrived, and costs a read of each push's bytes instead of 16 bytes
+of memory traffic per value and push. So that memory stays bounded with many workers, once the pushes kept
+reach the size of an fp64 sum of the slice they become a group that is folded into the round's fp64 sum
+(`partial`) ahead of the close (a fold job); groups are folded in the order they formed, so the result is
+the same whenever a fold runs, and depends on arrival order only when there are that many pushes.
 
 Rounds close when every member that was present when the round started (its first whole push) has pushed,
 with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers` (or
 with every member's push, when fewer members than `min_workers` are left); or when every expected member
 has left. The caller supplies the time (`now`), so tests drive the clock.
+
+The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
+hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
+pushes it took, so the caller may run it on another thread while it goes on taking pushes; the fragment is
+`busy` meanwhile (no second job, and it is not due). `close_round` does all three at once. A master tensor
+is never changed in place (a close replaces it), so a reader may keep one while rounds go on.
 
 The gRPC servicer and the in-process simulator both drive this class.
 """
@@ -26,22 +36,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamdiloco.common.codecs import (
-    Encoded,
-    chunk_alignment,
-    decode,
-    encode,
-    expected_sizes,
-    get_codec,
-)
+from streamdiloco.common.chunks import MAX_ABS_VALUE, Assembly, ChunkError
+from streamdiloco.common.codecs import Encoded, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
 
+__all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
+
 # Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
-# overflow: outer gradients are parameter differences, far below 1e30; weights are token counts.
-MAX_ABS_VALUE = 1e30
+# overflow: values are bounded by the chunk assembler (MAX_ABS_VALUE); weights are token counts.
 MAX_WEIGHT = float(2**53)
+# Values per block when folding pushes into a mean: the block's fp64 sum (512 KiB) stays in a core's L2.
+FOLD_VALUES = 1 << 16
 
 
 class PushRejected(ValueError):
@@ -53,9 +60,21 @@ class PushRejected(ValueError):
 
 
 @dataclass
+class _Push:
+    """A whole push, still encoded."""
+
+    worker: str
+    weight: float
+    asm: Assembly
+
+
+@dataclass
 class _OpenRound:
     number: int
-    total: torch.Tensor  # fp64 sum of weight * delta
+    kept: list[_Push] = field(default_factory=list)  # whole pushes, not yet folded
+    kept_bytes: int = 0
+    groups: list[list[_Push]] = field(default_factory=list)  # to fold into `partial`, in this order
+    partial: torch.Tensor | None = None  # fp64 sum of weight * delta of the groups folded so far
     weight: float = 0.0
     contributors: set[str] = field(default_factory=set)
     loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
@@ -66,15 +85,12 @@ class _OpenRound:
 
 @dataclass
 class _Staged:
-    """A push whose chunks are arriving: validated pieces, not yet in the round's sum."""
+    """A push whose chunks are arriving: validated pieces, not yet in the round."""
 
     round: int
-    total: int
     weight: float
     loss: float | None
-    parts: list[Encoded] = field(default_factory=list)
-    next_seq: int = 0
-    next_offset: int = 0
+    asm: Assembly
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,89 @@ class ClosedRound:
     weight: float
     mean_loss: float | None
     why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left
+
+
+def _ordered(pushes: list[_Push]) -> list[_Push]:
+    return sorted(pushes, key=lambda p: p.worker)  # a worker pushes once per round: names are unique
+
+
+def fold(n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0):
+    """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
+    block of values at a time (out may be start itself, or fp32: the division is rounded once)."""
+    align = max([p.asm.align for p in pushes] + [1])
+    step = max(align, FOLD_VALUES // align * align)
+    buf = torch.empty(min(n, step), dtype=torch.float64)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        acc = buf[: hi - lo]
+        if start is None:
+            acc.zero_()
+        else:
+            acc.copy_(start[lo:hi])
+        for p in pushes:
+            p.asm.accumulate_into(acc, p.weight, lo)
+        if divisor == 1.0:
+            out[lo:hi].copy_(acc)
+        else:
+            torch.div(acc, divisor, out=out[lo:hi])
+
+
+@dataclass
+class FoldJob:
+    """Groups of a round's pushes to fold into its fp64 sum ahead of the close (memory bound)."""
+
+    fragment: int
+    round: int
+    n: int
+    groups: list[list[_Push]]
+    partial: torch.Tensor | None
+
+    def run(self) -> FoldJob:
+        if self.partial is None:
+            self.partial = torch.zeros(self.n, dtype=torch.float64)
+        for group in self.groups:
+            fold(self.n, group, self.partial, self.partial)
+        return self
+
+
+@dataclass
+class CloseJob:
+    """A closed round's arithmetic: the weighted mean of its pushes, the outer step, the encoded update.
+    Holds everything it needs: `run` may go on another thread while the shard takes other pushes."""
+
+    fragment: int
+    round: int
+    why: str
+    n: int
+    pushes: list[_Push]  # groups not folded yet, then the kept pushes, in folding order
+    partial: torch.Tensor | None
+    weight: float
+    contributors: tuple[str, ...]
+    mean_loss: float | None
+    opt: OuterOptimizer
+    downlink: tuple[str, int]  # codec, block size: the zero update's
+    saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
+    update: Encoded | None = None
+
+    def run(self) -> CloseJob:
+        mean = None
+        if self.weight > 0:
+            mean = torch.empty(self.n, dtype=torch.float32)
+            fold(self.n, self.pushes, mean, self.partial, self.weight)
+        if mean is not None and torch.isfinite(mean).all():
+            self.update, _ = self.opt.step(mean)
+        else:  # nobody pushed (or, defensively, the mean is not finite): a zero update; nobody waits forever
+            if mean is not None:
+                self.why = "nonfinite"  # cannot happen with validated pushes; the caller logs it
+            self.mean_loss = None
+            codec, block_size = self.downlink
+            self.update = encode(torch.zeros_like(self.opt.master), codec, block_size)
+        self.pushes, self.partial = [], None  # let the pushes' bytes go
+        return self
+
+    def fragment_state(self) -> dict:
+        """The fragment as a checkpoint keeps it once the round has closed (call after `run`)."""
+        return {**self.saved, "outer": self.opt.state_dict()}
 
 
 class ShardState:
@@ -130,7 +229,10 @@ class ShardState:
                     seed=seed * 1_000_003 + shard * 1009 + f,
                 )
             )
-        self.open = [self._new_round(f, 0) for f in range(layout.num_fragments)]
+        self.open = [_OpenRound(0) for _ in range(layout.num_fragments)]
+        self.busy: set[int] = set()  # fragments whose fold or close job is out (see begin_close)
+        self._masters = [opt.master for opt in self.outer]  # as of the last round closed (never changed)
+        self.fold_bytes = [8 * (hi - lo) for lo, hi in self.ranges]  # kept pushes beyond an fp64 sum: fold
         self.members: set[str] = set()
         self.member_from: dict[str, list[int]] = {}  # member -> first round of each fragment it pushes
         # after a restart: the members the checkpoint names, waited for as members until they are back or
@@ -146,12 +248,19 @@ class ShardState:
         self.pushes_refused: dict[str, int] = {}  # reason -> count
         self.rounds_closed = 0
 
-    def _new_round(self, fragment: int, number: int) -> _OpenRound:
-        lo, hi = self.ranges[fragment]
-        return _OpenRound(number, torch.zeros(hi - lo, dtype=torch.float64))
-
     def master(self, fragment: int) -> torch.Tensor:
-        return self.outer[fragment].master
+        """The fragment's master slice as of its last closed round (a tensor never changed in place)."""
+        return self._masters[fragment]
+
+    def sum(self, fragment: int) -> torch.Tensor:
+        """The open round's fp64 sum of weight * delta over its whole pushes so far (for tests and checks:
+        the round itself keeps the pushes encoded until it closes)."""
+        rnd = self.open[fragment]
+        lo, hi = self.ranges[fragment]
+        out = torch.zeros(hi - lo, dtype=torch.float64)
+        pushes = [p for g in rnd.groups for p in _ordered(g)] + _ordered(rnd.kept)
+        fold(hi - lo, pushes, out, rnd.partial)
+        return out
 
     def round_of(self, fragment: int) -> int:
         """The number of the round that is open for this fragment."""
@@ -168,11 +277,18 @@ class ShardState:
     def fragment_state(self, fragment: int) -> dict:
         """What a checkpoint keeps of a fragment: the open round's number and the outer optimizer (master,
         momentum, error-feedback residual, rounding generator). The open round's pushes are not kept."""
+        if fragment in self.busy:
+            raise RuntimeError(f"fragment {fragment} is being closed: its state is the close job's")
+        return {
+            **self._saved(fragment, self.open[fragment].number),
+            "outer": self.outer[fragment].state_dict(),
+        }
+
+    def _saved(self, fragment: int, round: int) -> dict:
         return {
             "fragment": fragment,
             "slice": list(self.ranges[fragment]),
-            "round": self.open[fragment].number,
-            "outer": self.outer[fragment].state_dict(),
+            "round": round,
             "members": sorted(self.members | self.returning),
         }
 
@@ -209,8 +325,11 @@ class ShardState:
         members = saved.get("members", [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(f"checkpoint of fragment {fragment} has a malformed member list")
+        if fragment in self.busy:
+            raise RuntimeError(f"fragment {fragment} is being closed: cannot load its state now")
         self.outer[fragment].load_state_dict(outer)
-        self.open[fragment] = self._new_round(fragment, rnd)
+        self._masters[fragment] = self.outer[fragment].master
+        self.open[fragment] = _OpenRound(rnd)
         self.restored_members.update(members)
 
     def expect_back(self, until: float) -> None:
@@ -275,34 +394,38 @@ class ShardState:
         key = (worker, fragment)
         if self._swallow(worker, fragment, round, seq, last):
             return None
+        st = self.staged.get(key)
         try:
-            self._check_chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
+            asm = self._check(worker, fragment, round, seq, offset, st, weight, loss)
+            asm.add(seq, offset, total, part, last)
+        except ChunkError as e:
+            self._drop(key, round, last, e.reason)
+            raise PushRejected(e.reason, f"fragment {fragment} round {round} chunk {seq}: {e}") from None
         except PushRejected as e:
             self._drop(key, round, last, e.reason)
             raise
         self.discarding.pop(key, None)
-        rnd = self.open[fragment]
-        st = self.staged.get(key)
         if st is None:
             assert weight is not None
-            st = self.staged[key] = _Staged(round, total, weight, loss)
-        st.parts.append(part)
-        st.next_seq += 1
-        st.next_offset += part.numel
+            st = self.staged[key] = _Staged(round, weight, loss, asm)
         if not last:
             return False
         del self.staged[key]
+        rnd = self.open[fragment]
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
             rnd.expected = self._expected(fragment, rnd.number) | {worker}
-        for p, piece in zip(_offsets(st.parts), st.parts, strict=True):
-            rnd.total[p : p + piece.numel].add_(decode(piece).to(torch.float64), alpha=st.weight)
+        rnd.kept.append(_Push(worker, st.weight, asm))
+        rnd.kept_bytes += asm.nbytes
+        if rnd.kept_bytes >= self.fold_bytes[fragment]:  # as big as an fp64 sum: fold them (memory bound)
+            rnd.groups.append(_ordered(rnd.kept))
+            rnd.kept, rnd.kept_bytes = [], 0
         rnd.weight += st.weight
         rnd.contributors.add(worker)
         if st.loss is not None:
             rnd.loss_sum += st.loss * st.weight
             rnd.loss_weight += st.weight
-        self.bytes_received += sum(p.nbytes for p in st.parts)
+        self.bytes_received += asm.nbytes
         self.pushes_accepted += 1
         return True
 
@@ -334,7 +457,19 @@ class ShardState:
             self.discarding[self._discard_key(*key)] = (key[1], round)
         self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1
 
-    def _check_chunk(self, worker, fragment, round, seq, offset, total, part, last, weight, loss) -> None:
+    def _check(
+        self,
+        worker: str,
+        fragment: int,
+        round: int,
+        seq: int,
+        offset: int,
+        st: _Staged | None,
+        weight: float | None,
+        loss: float | None,
+    ) -> Assembly:
+        """The push's own checks (fragment, round, worker, header); the assembly that checks the chunk."""
+
         def refuse(reason: str, message: str) -> PushRejected:
             return PushRejected(reason, f"fragment {fragment} round {round} chunk {seq}: {message}")
 
@@ -351,12 +486,9 @@ class ShardState:
             raise refuse("bad_round", f"the round is ahead of the open round {rnd.number}")
         if worker in rnd.contributors:
             raise refuse("duplicate", f"{worker} already pushed this round")
-        st = self.staged.get((worker, fragment))
-        if st is None:
-            if seq != 0 or offset != 0:
-                raise refuse(
-                    "bad_chunk", f"a push starts with chunk 0 at offset 0, got chunk {seq} at {offset}"
-                )
+        if st is not None:  # st.round == round: closing a round drops the pushes still arriving for it
+            return st.asm
+        if seq == 0 and offset == 0:  # a push's first chunk carries its header (else: refused as bad_chunk)
             if weight is None or not (0 < weight <= MAX_WEIGHT):
                 raise refuse(
                     "bad_weight",
@@ -369,65 +501,9 @@ class ShardState:
                     f"the reported training loss must be a finite number of magnitude at most "
                     f"{MAX_ABS_VALUE:g}, got {loss}",
                 )
-        else:  # st.round == round: closing a round drops the pushes still arriving for it
-            if seq < st.next_seq:
-                raise refuse("bad_chunk", f"chunk {seq} repeated (next expected is {st.next_seq})")
-            if seq != st.next_seq:
-                raise refuse("bad_chunk", f"chunk out of order: expected chunk {st.next_seq}")
-            if offset != st.next_offset:
-                raise refuse("bad_offset", f"offset {offset}, expected {st.next_offset}")
         lo, hi = self.ranges[fragment]
-        if total != hi - lo:
-            raise refuse("bad_length", f"slice {self.shard} has {hi - lo} values, the push says {total}")
-        if part.codec != self.cfg.uplink_codec:
-            raise refuse(
-                "bad_codec", f"this run's uplink codec is {self.cfg.uplink_codec}, got {part.codec!r}"
-            )
-        spec = get_codec(part.codec)
-        bs = self.cfg.codec_block_size if spec.scaled else 0
-        if part.block_size != bs:
-            raise refuse("bad_codec", f"block size must be {bs}, got {part.block_size}")
-        if part.numel < 1 or offset + part.numel > total:
-            raise refuse(
-                "bad_length", f"values [{offset}, {offset + part.numel}) do not fit a {total}-value slice"
-            )
-        if last != (offset + part.numel == total):
-            raise refuse(
-                "bad_length",
-                f"chunk ends at {offset + part.numel} of {total} but last is {str(last).lower()}",
-            )
-        if not last and part.numel % chunk_alignment(part.codec, self.cfg.codec_block_size):
-            raise refuse(
-                "bad_length",
-                f"a chunk other than the last must hold a multiple of "
-                f"{chunk_alignment(part.codec, self.cfg.codec_block_size)} values, got {part.numel}",
-            )
-        want_payload, want_scales = expected_sizes(part.codec, part.numel, self.cfg.codec_block_size)
-        if part.payload.numel() != want_payload or part.scales.numel() != want_scales:
-            raise refuse(
-                "bad_length",
-                f"{part.numel} {part.codec} values need {want_payload} payload bytes and {want_scales} "
-                f"scales, got {part.payload.numel()} and {part.scales.numel()}",
-            )
-        if spec.scaled:
-            if not torch.isfinite(part.scales).all():
-                raise refuse("bad_scale", "the chunk has a non-finite scale")
-            # a value is at most |scale| times the codec's largest level (e3m0: 1, int8: 127)
-            top = (
-                float(part.scales.abs().max()) * (127.0 if part.codec == "int8" else 1.0)
-                if part.scales.numel()
-                else 0.0
-            )
-            if top > MAX_ABS_VALUE:
-                raise refuse(
-                    "bad_scale", f"the chunk's scales allow values up to {top:.3g}, above {MAX_ABS_VALUE:g}"
-                )
-        else:
-            values = decode(part)
-            if not torch.isfinite(values).all():
-                raise refuse("bad_value", "the chunk holds non-finite values")
-            if values.numel() and float(values.abs().max()) > MAX_ABS_VALUE:
-                raise refuse("bad_value", f"the chunk holds values above {MAX_ABS_VALUE:g} in magnitude")
+        cfg = self.cfg
+        return Assembly(hi - lo, cfg.uplink_codec, cfg.codec_block_size, where=f"slice {self.shard}")
 
     # --- closing rounds --------------------------------------------------------------------------------
     def due(self, now: float) -> list[tuple[int, str]]:
@@ -438,8 +514,8 @@ class ShardState:
             self.returning_until = None
         present = self.members | self.returning
         for f, rnd in enumerate(self.open):
-            if rnd.expected is None:
-                continue  # not started: nobody has pushed yet
+            if rnd.expected is None or f in self.busy:
+                continue  # not started (nobody has pushed yet), or its fold job is out: due when it is back
             n = len(rnd.contributors)
             pending = (rnd.expected & present) - rnd.contributors
             if not pending and n >= self.min_workers:
@@ -457,29 +533,63 @@ class ShardState:
     def close_round(self, fragment: int, why: str = "all") -> ClosedRound:
         """Close the open round: average, outer step, quantized update; opens the next round.
         Pushes still arriving for the closed round are dropped (their senders get `late`)."""
+        return self.end_close(self.begin_close(fragment, why).run())
+
+    def begin_close(self, fragment: int, why: str = "all") -> CloseJob:
+        """Close the open round and open the next one (pushes for the closed round are `late` from now on);
+        the returned job computes the update. Until `end_close` takes it back, the job owns the fragment's
+        optimizer: the fragment is busy, `master` is the one before the round."""
+        if fragment in self.busy:
+            raise RuntimeError(f"fragment {fragment} already has a job out")
         rnd = self.open[fragment]
-        opt = self.outer[fragment]
-        mean = (rnd.total / rnd.weight).to(torch.float32) if rnd.weight > 0 else None
-        if mean is not None and torch.isfinite(mean).all():
-            update, _ = opt.step(mean)
-            mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
-        else:  # nobody pushed (or, defensively, the mean is not finite): a zero update; nobody waits forever
-            if mean is not None:
-                why = "nonfinite"  # cannot happen with validated pushes; the caller logs it
-            update = encode(torch.zeros_like(opt.master), self.cfg.downlink_codec, self.cfg.codec_block_size)
-            mean_loss = None
+        lo, hi = self.ranges[fragment]
         for key in [k for k in self.staged if k[1] == fragment]:
             del self.staged[key]
-        self.open[fragment] = self._new_round(fragment, rnd.number + 1)
-        self.rounds_closed += 1
-        return ClosedRound(
-            fragment, rnd.number, update, tuple(sorted(rnd.contributors)), rnd.weight, mean_loss, why
+        self.open[fragment] = _OpenRound(rnd.number + 1)
+        self.busy.add(fragment)
+        return CloseJob(
+            fragment,
+            rnd.number,
+            why,
+            hi - lo,
+            [p for g in rnd.groups for p in g] + _ordered(rnd.kept),
+            rnd.partial,
+            rnd.weight,
+            tuple(sorted(rnd.contributors)),
+            rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None,
+            self.outer[fragment],
+            (self.cfg.downlink_codec, self.cfg.codec_block_size),
+            self._saved(fragment, rnd.number + 1),
         )
 
+    def end_close(self, job: CloseJob) -> ClosedRound:
+        """Take back a close job that has run: the fragment's master is the new one."""
+        assert job.update is not None, "end_close needs a job that has run"
+        self.busy.discard(job.fragment)
+        self._masters[job.fragment] = job.opt.master
+        self.rounds_closed += 1
+        return ClosedRound(
+            job.fragment, job.round, job.update, job.contributors, job.weight, job.mean_loss, job.why
+        )
 
-def _offsets(parts: list[Encoded]) -> list[int]:
-    out, at = [], 0
-    for p in parts:
-        out.append(at)
-        at += p.numel
-    return out
+    def fold_due(self) -> list[int]:
+        """Fragments whose open round has groups of pushes to fold (and no job out)."""
+        return [f for f, rnd in enumerate(self.open) if rnd.groups and f not in self.busy]
+
+    def begin_fold(self, fragment: int) -> FoldJob:
+        """Hand out the open round's groups of pushes to fold into its fp64 sum; the fragment is busy (its
+        round does not close) until `end_fold`. Pushes go on arriving meanwhile."""
+        if fragment in self.busy:
+            raise RuntimeError(f"fragment {fragment} already has a job out")
+        rnd = self.open[fragment]
+        lo, hi = self.ranges[fragment]
+        job = FoldJob(fragment, rnd.number, hi - lo, rnd.groups, rnd.partial)
+        rnd.groups, rnd.partial = [], None
+        self.busy.add(fragment)
+        return job
+
+    def end_fold(self, job: FoldJob) -> None:
+        rnd = self.open[job.fragment]
+        assert rnd.number == job.round and rnd.partial is None and job.partial is not None
+        rnd.partial = job.partial
+        self.busy.discard(job.fragment)

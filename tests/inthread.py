@@ -250,8 +250,15 @@ class InThreadShard:
             return {
                 "fragments": [(f["round"], f["master_hash"], f["contributors"]) for f in status["fragments"]],
                 "sums": [
-                    (r.total.numpy().tobytes(), r.weight, r.loss_sum, r.loss_weight, r.expected, r.started_at)
-                    for r in st.open
+                    (
+                        st.sum(f).numpy().tobytes(),
+                        r.weight,
+                        r.loss_sum,
+                        r.loss_weight,
+                        r.expected,
+                        r.started_at,
+                    )
+                    for f, r in enumerate(st.open)
                 ],
                 "staged": sorted(st.staged),
                 "accepted": st.pushes_accepted,

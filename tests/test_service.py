@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+import urllib.request
 
 import grpc
 import pytest
 import torch
-from inthread import END, InThreadShard, push_messages
+from inthread import END, RPC_TIMEOUT, InThreadShard, push_messages
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -660,3 +662,53 @@ def test_a_member_whose_unread_messages_pass_the_bound_is_dropped_and_its_sessio
         )
     shard.wait_for(lambda: not shard.service.members, "both sessions to end")
     assert shard.on_loop(lambda: (shard.service.state.members, shard.service.state.round_of(0))) == (set(), 1)
+
+
+# === the event loop stays free while a round's arithmetic runs ============================================
+def _http_json(port: int, path: str) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=RPC_TIMEOUT) as r:
+        return json.loads(r.read())
+
+
+def test_health_status_and_pushes_are_answered_while_a_round_closes(tmp_path):
+    """A close job held on its thread (as a big model's fold and outer step would take long): the loop
+    still answers /healthz and /api/status and takes the next round's pushes; Fetch waits for the new
+    master; once the job goes on, everyone gets the update."""
+    s = InThreadShard(build(), tmp_path, GOOD_FP, http=True)
+    try:
+        entered, release = threading.Event(), threading.Event()
+        compute = s.service._compute_close
+
+        def held(job):
+            entered.set()
+            assert release.wait(RPC_TIMEOUT), "the test never let the close job go on"
+            return compute(job)
+
+        s.service._compute_close = held
+        a, b = s.worker("a"), s.worker("b")
+        a.push(push_messages(ENC_A, weight=100.0, loss=2.5))
+        b.push(push_messages(ENC_B, weight=300.0, loss=3.5))
+        assert a.session.result().accepted and b.session.result().accepted
+        assert entered.wait(RPC_TIMEOUT), "the round did not start closing"
+
+        assert _http_json(s.http_port, "/healthz")["ok"] is True
+        status = _http_json(s.http_port, "/api/status")
+        assert status["fragments"][0]["round"] == 1 and status["rounds_closed"] == 0
+        a.push(push_messages(ENC_B, round=1))  # the next round's push is taken meanwhile
+        assert (r := a.session.result()).accepted and r.round == 1
+        fetched: list = []
+        fetcher = threading.Thread(target=lambda: fetched.append(s.fetch([0])))
+        fetcher.start()
+        s.wait_for(lambda: s.service.counters.fetch_waits == 1, "Fetch to wait for the new master")
+        assert not fetched
+        release.set()
+
+        closed, master = reference_round([("a", ENC_A, 100.0, 2.5), ("b", ENC_B, 300.0, 3.5)])
+        for w in (a, b):
+            assert_update_matches(w.session.update(), closed)
+        fetcher.join(RPC_TIMEOUT)
+        assert all(c.round == 1 for c in fetched[0]) and torch.equal(_values(fetched[0], 0), master)
+        status = _http_json(s.http_port, "/api/status")
+        assert status["rounds_closed"] == 1 and status["fragments"][0]["master_hash"] == tensor_digest(master)
+    finally:
+        s.shutdown()

@@ -91,7 +91,7 @@ def push_chunks(
 
 
 def total_of(st: ShardState, fragment: int) -> torch.Tensor:
-    return st.open[fragment].total.clone()
+    return st.sum(fragment)
 
 
 # === when rounds close ===================================================================================
@@ -342,7 +342,7 @@ def test_aggregation_does_not_depend_on_the_order_chunks_arrive_in():
 # === refusals at chunk level =============================================================================
 def _state_of(st: ShardState, f: int = 0):
     r = st.open[f]
-    return (r.number, r.total.clone(), r.weight, set(r.contributors), r.loss_sum, st.bytes_received)
+    return (r.number, st.sum(f), r.weight, set(r.contributors), r.loss_sum, st.bytes_received)
 
 
 def _same(a, b) -> bool:
@@ -472,7 +472,8 @@ def test_fp32_values_that_could_overflow_the_sum_are_refused():
 def test_a_round_whose_mean_is_not_finite_closes_with_a_zero_update_and_keeps_the_optimizer_clean():
     st = make_state(members=("a",))
     st.push("a", 0, 0, enc_for(st, 0, 1), 1.0)
-    st.open[0].total[0] = float("inf")  # cannot happen through push (bounded values and weights)
+    st.open[0].partial = torch.zeros(slice_len(st, 0), dtype=torch.float64)
+    st.open[0].partial[0] = float("inf")  # cannot happen through push (bounded values and weights)
     master = st.master(0).clone()
     closed = st.close_round(0)
     assert closed.why == "nonfinite" and torch.equal(decode(closed.update), torch.zeros(slice_len(st, 0)))
@@ -488,3 +489,78 @@ def test_pushes_to_made_up_fragments_keep_the_refusal_table_small():
         with pytest.raises(PushRejected):
             push_chunks(st, "a", fragment, 0, enc, upto=1)
     assert len(st.discarding) == 1  # one shared entry for every fragment id that does not exist
+
+
+# === the arithmetic as jobs: folds ahead of the close, closes while pushes go on ==========================
+def _closed_bits(closed) -> tuple:
+    return closed.update.payload.numpy().tobytes(), closed.update.scales.numpy().tobytes(), closed.weight
+
+
+def test_pushes_beyond_an_fp64_sum_fold_early_to_the_same_result_whenever_the_fold_runs():
+    names = [f"w{i}" for i in range(7)]
+    encs = {n: enc_for(make_state(), 0, i + 1) for i, n in enumerate(names)}
+
+    def run(fold_after: set[int]) -> tuple:
+        st = make_state(members=names)
+        st.fold_bytes[0] = 2 * encs["w0"].nbytes  # every two pushes make a group
+        for i, n in enumerate(names):
+            push_chunks(st, "w" + str(i), 0, 0, encs[n], weight=10.0 + i)
+            if i in fold_after:
+                for f in st.fold_due():
+                    st.end_fold(st.begin_fold(f).run())
+        kept = sum(len(g) for g in st.open[0].groups) + len(st.open[0].kept)
+        return _closed_bits(st.close_round(0)), kept, st.master(0).clone()
+
+    never, kept, master = run(set())
+    assert kept == 7  # nothing folded: three groups of two wait, and one push
+    for when in ({1}, {3}, {1, 3, 5}, set(range(7))):
+        again, kept, m = run(when)
+        assert again == never and torch.equal(m, master), when
+        assert kept < 7
+
+
+def test_a_fold_job_out_keeps_the_round_open_and_pushes_coming():
+    st = make_state(members=("a", "b", "c"))
+    st.fold_bytes[0] = 1  # every push is a group of its own
+    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
+    assert st.fold_due() == [0]
+    job = st.begin_fold(0)
+    assert st.fold_due() == [] and 0 in st.busy
+    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
+    push_chunks(st, "c", 0, 0, enc_for(st, 0, 3))
+    assert st.due(0.0) == []  # complete, but the fold is out
+    st.end_fold(job.run())
+    assert st.due(0.0) == [(0, "all")] and st.fold_due() == [0]
+    ref = make_state(members=("a", "b", "c"))
+    for n, seed in (("a", 1), ("b", 2), ("c", 3)):
+        push_chunks(ref, n, 0, 0, enc_for(ref, 0, seed))
+    assert torch.equal(total_of(st, 0), total_of(ref, 0))
+    assert _closed_bits(st.close_round(0)) == _closed_bits(ref.close_round(0))
+
+
+def test_a_close_job_out_takes_pushes_for_the_next_round_and_publishes_the_master_when_it_is_back():
+    st = make_state(members=("a",))
+    enc = enc_for(st, 0, 1)
+    push_chunks(st, "a", 0, 0, enc)
+    before = st.master(0)
+    job = st.begin_close(0)
+    assert st.round_of(0) == 1 and 0 in st.busy
+    with pytest.raises(PushRejected) as e:  # the closed round's pushes are late at once
+        push_chunks(st, "a", 0, 0, enc)
+    assert e.value.reason == "late"
+    assert push_chunks(st, "a", 0, 1, enc)[-1] is True  # the next round's are taken
+    assert st.due(0.0) == []  # complete, but round 0's job is out
+    with pytest.raises(RuntimeError, match="being closed"):
+        st.fragment_state(0)
+    with pytest.raises(RuntimeError, match="already has a job out"):
+        st.begin_close(0)
+    job.run()
+    assert st.master(0) is before  # readers see the old master until the job is taken back
+    closed = st.end_close(job)
+    assert closed.round == 0 and closed.contributors == ("a",) and not st.busy
+    assert not torch.equal(st.master(0), before) and job.fragment_state()["round"] == 1
+    assert st.due(0.0) == [(0, "all")]
+    ref = make_state(members=("a",))
+    ref.push("a", 0, 0, enc, 1.0)
+    assert _closed_bits(ref.close_round(0)) == _closed_bits(closed)
+    assert torch.equal(st.master(0), ref.master(0))
