@@ -12,6 +12,7 @@ import copy
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class InProcessCluster:
     ):
         self.shards = [ShardState(s, num_shards, layout, cfg, initial, seed) for s in range(num_shards)]
         self.members = set(members)
-        self.updates: dict[tuple[int, int], list[Encoded]] = {}
+        self.updates: dict[tuple[int, int], Future] = {}  # each round's update, one Encoded per shard
         self.round_losses: list[tuple[int, int, float]] = []
 
     def push(
@@ -93,17 +94,13 @@ class InProcessCluster:
             shard.push(worker, fragment, round, enc, weight, loss)
         if self.shards[0].contributors(fragment) == self.members:
             closed = [shard.close_round(fragment) for shard in self.shards]
-            self.updates[(fragment, round)] = [c.update for c in closed]
             if closed[0].mean_loss is not None:
                 self.round_losses.append((fragment, round, closed[0].mean_loss))
+            self.update(fragment, round).set_result([c.update for c in closed])  # workers' merges go on
 
-    def update(self, fragment: int, round: int) -> list[Encoded]:
-        try:
-            return self.updates[(fragment, round)]
-        except KeyError:
-            raise RuntimeError(
-                f"round {round} of fragment {fragment} has not closed: lock-step order broken"
-            ) from None
+    def update(self, fragment: int, round: int) -> Future:
+        """The round's update (one Encoded per shard), once every worker has pushed."""
+        return self.updates.setdefault((fragment, round), Future())
 
     def master(self, fragment: int) -> torch.Tensor:
         return torch.cat([s.master(fragment) for s in self.shards])
@@ -116,11 +113,8 @@ class InProcessTransport:
     def push(self, fragment, round, slices, weight, loss) -> None:
         self.cluster.push(self.worker, fragment, round, slices, weight, loss)
 
-    def update(self, fragment, round) -> list[Encoded]:
+    def update(self, fragment, round) -> Future:
         return self.cluster.update(fragment, round)
-
-    def ready(self, fragment, round) -> bool:
-        return (fragment, round) in self.cluster.updates
 
 
 def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.Tensor]) -> None:
@@ -216,6 +210,7 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
             total_steps=cfg.steps,
             seed=cfg.seed,
             rank=m,
+            background=False,  # lock-step: each job is done when the driver says
         )
         for m, (r, n) in enumerate(zip(replicas, names, strict=True))
     ]

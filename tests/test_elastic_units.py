@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.checkpoint import ShardCheckpoint, atomic_write
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
-from streamdiloco.worker.client import Master, ShardLink
+from streamdiloco.worker.client import ShardLink
+from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)
@@ -845,24 +847,62 @@ def test_status_shows_a_half_received_push(make_shard):
 
 # === 5. the worker's ShardLink ============================================================================
 def test_have_counts_held_rounds_without_gaps():
-    link = ShardLink("127.0.0.1:1", "w", FP)  # never connected: the bookkeeping alone
-    try:
-        link.covered, link.merged = [0, 0, 0], [0, 0, 0]
-        dummy = ENC[0, 0]
-        link._updates = {(0, 0): dummy, (0, 2): dummy, (1, 3): dummy}
-        assert [link._have(f) for f in range(3)] == [1, 0, 0]  # round 1 of fragment 0 is missing
-        link._updates[(0, 1)] = dummy
-        assert link._have(0) == 3
-        link.merged = [0, 3, 0]  # rounds 0..2 of fragment 1 merged, round 3 here
-        assert link._have(1) == 4
-        link.covered = [0, 0, 5]  # a fetched master holds rounds 0..4 of fragment 2
-        link._updates[(2, 6)] = dummy
-        assert link._have(2) == 5
-        link._masters[2] = Master(torch.zeros(1), 6)
-        link._updates[(2, 7)] = dummy
-        assert link._have(2) == 8
-    finally:
-        link.close()
+    state = LinkState(3)  # the link's bookkeeping alone
+    dummy = [(0, ENC[0, 0])]
+    state.arrived = {(0, 0): dummy, (0, 2): dummy, (1, 3): dummy}
+    assert [state.have(f) for f in range(3)] == [1, 0, 0]  # round 1 of fragment 0 is missing
+    state.arrived[(0, 1)] = dummy
+    assert state.have(0) == 3
+    state.held = [0, 3, 0]  # rounds 0..2 of fragment 1 taken, round 3 here
+    assert state.have(1) == 4
+    state.covered = [0, 0, 5]  # a fetched master holds rounds 0..4 of fragment 2
+    state.arrived[(2, 6)] = dummy
+    assert state.have(2) == 5
+    state.masters[2] = Master(torch.zeros(1), 6)
+    state.arrived[(2, 7)] = dummy
+    assert state.have(2) == 8
+
+
+def test_link_state_takes_updates_masters_and_lets_kept_pushes_go():
+    state = LinkState(2)
+    push = Kept(ENC[0, 0], 10.0, None)
+    assert state.keep(0, 0, push) and state.keep(0, 1, push)
+    assert state.first_rounds([2, 0]) == [0, 0]
+    assert state.on_update(0, 0, [(0, ENC[0, 0])])
+    assert state.available(0, 0) and not state.available(0, 1)
+    assert state.take(0, 0) == [(0, ENC[0, 0])]
+    assert list(state.kept) == [(0, 1)] and state.held == [1, 0]  # round 0's push is answered
+    assert not state.on_update(0, 0, [(0, ENC[0, 0])])  # older than what the mirror holds: dropped
+    assert [(f, r) for f, r, _ in state.to_resend([1, 0])] == [(0, 1)]
+    assert state.to_resend([2, 0]) == []  # the round closed meanwhile: nothing to send again
+    # a resync: the shard has closed rounds 1..3 of fragment 0 meanwhile
+    assert state.behind([4, 0]) == [0]
+    state.on_fetched(0, torch.ones(3), 4)
+    assert state.kept == {} and state.available(0, 1) and state.available(0, 3)
+    assert isinstance(state.take(0, 1), Master)
+    assert state.take(0, 2) is None and state.take(0, 3) is None  # the master held them
+    assert state.behind([4, 0]) == []
+    with pytest.raises(ShardBehind):
+        state.behind([3, 0])  # a shard restarted from an older checkpoint than what we hold
+    assert not state.keep(0, 3, push)  # in the fetched master already: nothing to send
+    # a checkpoint keeps the pushes; the rounds held come from the engine's checkpoint
+    state.keep(1, 5, push)
+    other = LinkState(2)
+    other.load_state_dict(state.state_dict(), held=[4, 5])
+    assert list(other.kept) == [(1, 5)] and other.held == [4, 5] and other.available(1, 4)
+    assert other.take(1, 4) is None
+
+
+def _link_state(link: ShardLink, fn):
+    """Ask the link's own thread to run fn(state) and return its result."""
+    return link._ask(lambda: fn(link.state)).result(timeout=WAIT)
+
+
+def _wait_link(link: ShardLink, cond, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not _link_state(link, cond):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def test_a_link_missing_an_update_between_two_it_holds_fetches_the_master(make_shard):
@@ -875,16 +915,16 @@ def test_a_link_missing_an_update_between_two_it_holds_fetches_the_master(make_s
             a.push(push_messages(ENC[0, r], round=r))
             assert a.session.result().accepted
             a.session.update()
-            link.wait_available(0, r, timeout=WAIT)
-        with link._cond:
-            del link._updates[(0, 1)]  # as if round 1's update were lost
-            assert link._have(0) == 1
-        link._resync(link._welcome)
+        _wait_link(link, lambda st: (0, 2) in st.arrived, "the link to have round 2's update")
+        _link_state(link, lambda st: st.arrived.pop((0, 1)))  # as if round 1's update were lost
+        assert _link_state(link, lambda st: st.have(0)) == 1
+        link._ask(link._resync, link._welcome).result(timeout=WAIT)
         master = s.on_loop(lambda: s.service.state.master(0).clone())
-        assert link.covered[0] == 3 and link._masters[0].round == 3
-        assert torch.equal(link._masters[0].values, master)
-        assert link.has_update(0, 1) and isinstance(link.take(0, 1), Master)
-        assert link.take(0, 2) is None  # the fetched master holds round 2 already
+        assert _link_state(link, lambda st: (st.covered[0], st.masters[0].round)) == (3, 3)
+        assert torch.equal(_link_state(link, lambda st: st.masters[0].values), master)
+        fetched = link.wait_update(0, 1, timeout=WAIT)
+        assert isinstance(fetched, Master) and torch.equal(fetched.values, master)
+        assert link.wait_update(0, 2, timeout=WAIT) is None  # the fetched master holds round 2 already
     finally:
         link.close()
 
@@ -901,7 +941,7 @@ def test_a_kept_push_is_sent_again_to_a_shard_restarted_from_its_checkpoint(make
         link.push(1, 0, ENC[1, 0], 100.0, 2.0)
         b.push(push_messages(ENC[1, 1], fragment=1))
         assert b.session.result().accepted
-        link.wait_available(1, 0, timeout=WAIT)
+        link.wait_update(1, 0, timeout=WAIT)
         link.push(0, 0, ENC[0, 0], 50.0, 1.5)
         s1.wait_for(lambda: s1.service.state.contributors(0) == {"L"}, "L's push of fragment 0")
         hash1 = s1.status()["fragments"][1]["master_hash"]
@@ -917,9 +957,10 @@ def test_a_kept_push_is_sent_again_to_a_shard_restarted_from_its_checkpoint(make
         assert "L" in returning and set(returning) <= {"L", "b"}
 
         # the link reconnects, becomes a member again and sends the kept push; the round closes with it
-        update = link.wait_update(0, 0, timeout=15)
+        parts = link.wait_update(0, 0, timeout=15)
         closed = reference_round([("L", ENC[0, 0], 50.0, 1.5)])
-        assert isinstance(update, Encoded)
+        assert isinstance(parts, list)
+        update = concat([p for _, p in parts])
         assert torch.equal(update.payload, closed.update.payload) and torch.equal(
             update.scales, closed.update.scales
         )

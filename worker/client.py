@@ -1,9 +1,13 @@
-"""The worker's side of the wire: one background session per shard, and the Transport the engine uses.
+"""The worker's side of the wire: one background link per shard, and the Transport the engine uses.
 
-Each ShardLink joins its shard, then keeps a bidirectional Session open: pushes are cut into chunks and
-queued (the training thread never waits for the network), and a receiver thread assembles the updates that
-come down and wakes whoever waits for them. GrpcTransport bundles the links of all S shards, ordered by
-shard index, and is what SyncEngine calls.
+Each ShardLink joins its shard, then keeps a bidirectional Session open. Its threads:
+- the link's own thread owns what the link holds (worker/linkstate.py: rounds held, kept pushes, arrived
+  updates, the resync diff) and is the only one that changes it; everything else posts work to it (`_post`)
+  or asks it and gets a future (`_ask`). It sends pushes, hands updates over as they arrive (one future per
+  (fragment, round) that the engine waits on), and reconnects when a session breaks;
+- a reader per session reads the shard's messages, assembles update chunks (common/chunks.py, the same
+  assembler as the shard's) and posts whole updates, results and Welcomes to the link's thread.
+GrpcTransport bundles the links of all S shards, ordered by shard index, and is what SyncEngine calls.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import grpc
 import torch
 
-from streamdiloco.common.codecs import Encoded, chunk_alignment, concat, expected_sizes, get_codec
+from streamdiloco.common.chunks import Assembly, ChunkError, MasterAssembly
+from streamdiloco.common.codecs import Encoded, chunk_alignment
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
@@ -34,30 +41,28 @@ from streamdiloco.common.wire import (
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.worker.engine import StopRequested, SyncEngine
+from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind, Update
+
+__all__ = [
+    "GrpcTransport",
+    "Master",
+    "ShardLink",
+    "StopRequested",
+    "SyncError",
+    "Update",
+    "connect",
+    "fetch_masters",
+]
 
 log = logging.getLogger("streamdiloco.worker")
 
-
-WAIT_LOG_SECONDS = 30.0  # log while waiting this long for an update
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
 
 
 class SyncError(RuntimeError):
     """The session with a shard failed for good: the worker cannot go on syncing."""
 
-
-@dataclass(frozen=True)
-class Master:
-    """A master slice fetched to resynchronize: the mirror's slice becomes `values`, which hold every round
-    of the fragment before `round` (in place of the updates this worker missed)."""
-
-    values: torch.Tensor
-    round: int
-
-
-# What an update is, to the engine: an Encoded update to add to the mirror, a Master to replace the mirror's
-# slice with, or None: nothing to do (the mirror already holds that round, from a fetch).
-Update = Encoded | Master | None
 
 JOIN_RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,  # shard down or restarting, network gone
@@ -77,14 +82,13 @@ class _Retry(Exception):
     """A step of (re)connecting failed in a way worth another try."""
 
 
-class StopRequested(Exception):
-    """The worker was asked to stop (SIGTERM, Ctrl+C) while it waited for an update; nothing was taken."""
+_STOP = object()  # ends the link's thread
 
 
 class ShardLink:
     """One shard: Join, a Session that stays open, and its resumption when it breaks.
 
-    Pushes are kept (encoded) until their round's update arrives. When the session breaks, a background
+    Pushes are kept (encoded) until their round's update is taken. When the session breaks, the link's
     thread reconnects with exponential backoff and jitter: Join again, open a passive session, compare the
     shard's rounds with what this worker holds, fetch any slice it missed rounds of (the engine then takes
     that Master in place of the missed updates), become a member again, and send again every kept push
@@ -108,40 +112,51 @@ class ShardLink:
         )
         self.channel = make_channel(self.target)
         self.stub = pb_grpc.ShardStub(self.channel)
-        self._cond = threading.Condition()
-        self._sync_lock = threading.Lock()  # one resync (or a joiner's install of its fetch) at a time
-        self._updates: dict[tuple[int, int], Encoded] = {}
-        self._partial: dict[tuple[int, int], list[Encoded]] = {}
-        self._masters: dict[int, Master] = {}  # fetched on resync, not yet taken by the engine
-        self._unacked: dict[tuple[int, int], tuple[Encoded, float, float | None]] = {}
-        self._awaiting_result: set[tuple[int, int]] = set()  # sent on this session, no PushResult yet
-        self.refusals: list[pb.PushResult] = []
+        # set by Join (the caller's thread before start(), then only the link's thread)
+        self.config: SyncConfig | None = None
+        self.shard = self.num_shards = self.chunk_values = 0
+        self.slices: list[tuple[int, int]] = []
+        self.state: LinkState | None = None
+        self._session_id = ""
+        # the link's thread and what only it touches
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._call: Any = None
+        self._session = 0  # the current session's number: messages of an older one are ignored
+        self._connected = False  # a session is open and this worker is a member on it
+        self._welcome: pb.Welcome | None = None  # the latest Welcome (answer to Hello or Ready)
+        self._want_member = False  # ready() was called: a reconnect makes us a member again
+        self._wanted: dict[tuple[int, int], list[Future]] = {}  # the engine's requests for updates
+        self._on_member: list[Future] = []  # ready() calls waiting for the shard's Welcome as a member
+        self._on_flushed: list[Future] = []  # flush() calls waiting for every push's answer
+        self._sent_at: dict[tuple[int, int], float] = {}
+        self.join_from: list[int] | None = None  # first rounds a joining worker pushes (see join_run)
+        self.schedule: Callable[[], list[int]] | None = None  # the engine's next round of each fragment
+        # read from any thread
         self.error: str | None = None
-        self.msg_out = 0
-        self.msg_in = 0
+        self.refusals: list[pb.PushResult] = []
         self.reconnects = 0
         self.resent = 0
         self.results = dict.fromkeys(PUSH_OUTCOMES, 0)  # answers to pushes, by outcome (for /metrics)
         self.progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)  # (step, blocked s) for headers
         self.on_answer: Callable[[float], None] | None = None  # gets seconds from a push's send to its answer
-        self._sent_at: dict[tuple[int, int], float] = {}
+        self._bytes = {"out": 0, "in": 0}
+        self._bytes_lock = threading.Lock()
         self._closing = False
         self._closed = threading.Event()  # wakes the reconnect backoff when the link closes
-        self.interrupt: threading.Event | None = None  # set by a stop request: waits for updates give up
-        self._connected = False  # a session is open and this worker is a member on it
-        self._welcome: pb.Welcome | None = None  # the latest Welcome (answer to Hello or Ready)
-        self._want_member = False  # ready() was called: a reconnect makes us a member again
-        self.join_from: list[int] | None = None  # first rounds a joining worker pushes (see join_run)
-        self.schedule = None  # () -> the next round each fragment sends (the engine's, once there is one)
-        self._outbox: queue.Queue = queue.Queue()
-        self._call = None
-        self._receiver: threading.Thread | None = None
-        self.config: SyncConfig | None = None
-        self.shard = self.num_shards = self.chunk_values = 0
-        self.slices: list[tuple[int, int]] = []
-        self.covered: list[int] = []  # rounds < covered[f] are in the mirror (fetched), per fragment
-        self._applied_cover: list[int] = []  # covered, counting only fetched masters the engine has taken
-        self.merged: list[int] = []  # rounds < merged[f] have been merged by the engine
+
+    @property
+    def msg_out(self) -> int:
+        return self._bytes["out"]
+
+    @property
+    def msg_in(self) -> int:
+        return self._bytes["in"]
+
+    def _count(self, direction: str, n: int) -> None:
+        with self._bytes_lock:
+            self._bytes[direction] += n
 
     # --- connecting ------------------------------------------------------------------------------------
     def join(self, timeout: float | None = None, reconnecting: bool = False) -> None:
@@ -201,16 +216,15 @@ class ShardLink:
             )
         self.config, self.shard, self.num_shards = config, reply.shard, reply.num_shards
         self.slices, self.chunk_values = slices, reply.chunk_values
-        if not self.covered:
-            self.covered = [0] * len(slices)
-            self._applied_cover = [0] * len(slices)
-            self.merged = [0] * len(slices)
+        if self.state is None:
+            self.state = LinkState(len(slices))
         self._session_id = reply.session
 
     def open_session(self) -> pb.Welcome:
-        """Start a passive session (updates come, no round waits for us) and return the shard's Welcome."""
-        outbox: queue.Queue = queue.Queue()
+        """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
+        the session's reader."""
         self._outbox.put(None)  # ends the previous session's request stream, if any
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox = outbox
         call = self.stub.Session(self._requests(outbox, self._session_id))
         try:
@@ -223,126 +237,238 @@ class ShardLink:
             raise SyncError(
                 f"shard {self.shard} at {self.target} refused the session: {e.code().name}: {e.details()}"
             ) from None
-        self.msg_in += first.ByteSize()
+        self._count("in", first.ByteSize())
         w = first.welcome
         n = len(self.slices)
         if first.WhichOneof("kind") != "welcome" or not len(w.rounds) == len(w.started) == len(w.pushes) == n:
             call.cancel()
             raise SyncError(f"shard {self.shard} at {self.target} did not start the session with a Welcome")
         self._call = call
-        return first.welcome
+        self._session += 1
+        self._welcome = w
+        threading.Thread(
+            target=self._read, args=(self._session, call), name=f"shard{self.shard}-rx", daemon=True
+        ).start()
+        return w
 
-    def start(self, state: dict | None = None) -> None:
-        """Join, restore a checkpoint's `state` if given, open a passive session and start the receiver."""
+    def start(self, state: dict | None = None, held: list[int] | None = None) -> None:
+        """Join, restore a checkpoint's `state` (and the rounds `held` in the mirror) if given, open a
+        passive session and start the link's thread."""
         self.join()
+        assert self.state is not None
         if state is not None:
             if state["shard"] != self.shard:
                 raise SyncError(
                     f"{self.target} is shard {self.shard}, the checkpoint's link to it was shard "
                     f"{state['shard']}: give --servers in the same order as before"
                 )
-            self.load_state_dict(state)
+            assert held is not None
+            self.state.load_state_dict(state, held)
         try:
-            self._welcome = self.open_session()
+            self.open_session()
         except _Retry as e:
             raise SyncError(f"shard at {self.target}: {e}") from None
-        self._receiver = threading.Thread(target=self._run, name=f"shard{self.shard}-rx", daemon=True)
-        self._receiver.start()
+        self._thread = threading.Thread(target=self._loop, name=f"shard{self.shard}-link", daemon=True)
+        self._thread.start()
 
-    def _ready_message(self) -> pb.WorkerMessage:
-        """Ready, naming the first round of each fragment this worker will push (none: every round)."""
-        if self.schedule is not None:
-            first = list(self.schedule())
-            for f, r in self._unacked:
-                first[f] = min(first[f], r)
-        else:
-            first = list(self.join_from or [])
-        return pb.WorkerMessage(ready=pb.Ready(from_rounds=first))
-
-    def ready(self, timeout: float = 60.0) -> pb.Welcome:
-        """Become a member: rounds that start from now on wait for this worker's pushes (from the rounds
-        `_ready_message` names). Pushes kept from before are sent again when the shard says so."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            self._want_member = True
-            self._outbox.put(self._ready_message())
-            while not self._connected:
-                if self.error:
-                    raise SyncError(self.error)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready")
-                self._cond.wait(min(left, 0.25))
-            assert self._welcome is not None
-            return self._welcome
-
-    def _requests(self, outbox: queue.Queue, session: str):
+    def _requests(self, outbox: queue.SimpleQueue, session: str):
         hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session, passive=True))
-        self.msg_out += hello.ByteSize()
+        self._count("out", hello.ByteSize())
         yield hello
         while True:
             msg = outbox.get()
             if msg is None:
                 return
-            self.msg_out += msg.ByteSize()
+            self._count("out", msg.ByteSize())
             yield msg
 
-    # --- the receiver thread: read the session; when it breaks, reconnect --------------------------------
-    def _run(self) -> None:
-        while True:
-            problem = self._receive()
-            if self._closing or self.error:
-                return
-            with self._cond:
-                self._connected = False
-                self._awaiting_result.clear()
-                self._sent_at.clear()
-                self._partial.clear()  # half an update: it comes again whole, or a fetch replaces it
-            log.warning("%s; reconnecting", problem)
-            try:
-                self._reconnect()
-            except SyncError as e:
-                self._fail(str(e))
-                return
-            except Exception as e:  # never end silently: the training thread would wait for ever
-                self._fail(
-                    f"reconnecting to shard {self.shard} at {self.target} failed: {type(e).__name__}: {e}"
-                )
-                return
+    # --- the link's thread -----------------------------------------------------------------------------
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Have the link's thread run fn(*args), after what was posted before."""
+        self._inbox.put((fn, args, None))
 
-    def _receive(self) -> str:
-        """Read the session until it ends; returns why it ended."""
+    def _ask(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """A future of fn(*args), run on the link's thread."""
+        fut: Future = Future()
+        if self._thread is None:  # not started (or a test driving the state alone): run it here
+            fut.set_result(fn(*args))
+        else:
+            self._inbox.put((fn, args, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                break
+            fn, args, fut = item
+            try:
+                result = fn(*args)
+                if fut is not None:
+                    fut.set_result(result)
+            except BaseException as e:  # never end silently: the engine would wait for ever
+                if fut is not None:
+                    fut.set_exception(e)
+                elif not self._closing:
+                    self._fail(
+                        e.args[0]
+                        if isinstance(e, SyncError)
+                        else f"shard {self.shard} at {self.target}: {type(e).__name__}: {e}"
+                    )
+        self._fail_waiters(self.error or f"the link to shard {self.shard} is closed")
+
+    def _read(self, session: int, call: Any) -> None:
+        """A session's reader: assembles update chunks and posts what it reads to the link's thread."""
+        partial: dict[tuple[int, int], Assembly] = {}
+        why = f"shard {self.shard} at {self.target} ended the session"
         try:
-            for msg in self._call:  # type: ignore[union-attr]
-                self.msg_in += msg.ByteSize()
+            for msg in call:
+                self._count("in", msg.ByteSize())
                 kind = msg.WhichOneof("kind")
                 if kind == "update":
-                    self._on_update(msg.update)
+                    done = self._assemble(partial, msg.update)
+                    if done is not None:
+                        self._post(self._on_update, session, *done)
                 elif kind == "result":
-                    self._on_result(msg.result)
+                    self._post(self._on_result, session, msg.result)
                 elif kind == "welcome":
-                    self._on_welcome(msg.welcome)
-            return f"shard {self.shard} at {self.target} ended the session"
+                    self._post(self._on_welcome, session, msg.welcome)
         except grpc.RpcError as e:
-            if e.code() in RETRYABLE or self._closing:
-                return (
-                    f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
-                )
-            self._fail(
-                f"session with shard {self.shard} at {self.target} failed: {e.code().name}: {e.details()}"
-            )
+            why = f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
+            if e.code() not in RETRYABLE and not self._closing:
+                why = why.replace("broke", "failed")
+                self._post(self._fail_session, session, why)
+                return
         except SyncError as e:
-            self._fail(str(e))
+            self._post(self._fail_session, session, str(e))
+            return
         except Exception as e:  # a malformed message must not end the thread silently
-            self._fail(f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}")
-        return "failed"
+            self._post(
+                self._fail_session,
+                session,
+                f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}",
+            )
+            return
+        self._post(self._on_ended, session, why)
 
+    def _assemble(self, partial: dict[tuple[int, int], Assembly], c: pb.Chunk) -> tuple | None:
+        """Reader: take one update chunk; (fragment, round, parts) once the update is whole."""
+        if not 0 <= c.fragment < len(self.slices):
+            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+        assert self.config is not None
+        key = (c.fragment, c.round)
+        asm = partial.get(key)
+        if asm is None:
+            asm = partial[key] = Assembly(
+                self.slices[c.fragment][1],
+                self.config.downlink_codec,
+                self.config.codec_block_size,
+                what="update",
+                role="downlink",
+                where=f"slice {self.shard} of fragment {c.fragment}",
+            )
+        try:
+            if not asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last):
+                return None
+        except (ChunkError, ValueError) as e:
+            raise SyncError(
+                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round "
+                f"{c.round}: {e}"
+            ) from None
+        del partial[key]
+        return c.fragment, c.round, asm.parts
+
+    # --- on the link's thread: what the shard says -----------------------------------------------------
+    def _on_update(self, session: int, fragment: int, round: int, parts: list) -> None:
+        assert self.state is not None
+        if session == self._session and self.state.on_update(fragment, round, parts):
+            self._hand_over()
+
+    def _on_welcome(self, session: int, w: pb.Welcome) -> None:
+        assert self.state is not None
+        n = len(self.slices)
+        if session != self._session:
+            return
+        if len(w.rounds) != n or len(w.started) != n or len(w.pushes) != n:
+            raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
+        self._welcome = w
+        if w.member and not self._connected:
+            # a member (again): send every kept push whose round is still open (after a reconnect or a
+            # resume; the shard had them only if it says "duplicate")
+            for f, r, push in self.state.to_resend(list(w.rounds)):
+                self._send_push(f, r, push)
+                self.resent += 1
+            self._connected = True
+            for fut in self._on_member:
+                _settle(fut, w)
+            self._on_member.clear()
+
+    def _on_result(self, session: int, r: pb.PushResult) -> None:
+        assert self.state is not None
+        if session != self._session:
+            return
+        self.state.awaiting.discard((r.fragment, r.round))
+        self.results[push_outcome(None if r.accepted else r.reason)] += 1
+        sent = self._sent_at.pop((r.fragment, r.round), None)
+        self._check_flushed()
+        if sent is not None and r.accepted and self.on_answer is not None:
+            self.on_answer(time.perf_counter() - sent)
+        if r.accepted:
+            return
+        self.refusals.append(r)
+        if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
+            log.warning("shard %d: %s", self.shard, r.message)
+        elif r.reason == "duplicate":  # sent before a reconnect and already in the round: nothing lost
+            log.info("shard %d already has this worker's push: %s", self.shard, r.message)
+        else:
+            self._fail(f"shard {self.shard} refused a push ({r.reason}): {r.message}")
+
+    def _on_ended(self, session: int, why: str) -> None:
+        if session != self._session or self._closing or self.error:
+            return
+        assert self.state is not None
+        self._connected = False
+        self.state.awaiting.clear()
+        self._sent_at.clear()
+        self._check_flushed()
+        log.warning("%s; reconnecting", why)
+        self._reconnect()
+
+    def _fail_session(self, session: int, message: str) -> None:
+        if session == self._session:
+            self._fail(message)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            log.error(message)
+        self._fail_waiters(message)
+
+    def _fail_waiters(self, message: str) -> None:
+        for futs in self._wanted.values():
+            for fut in futs:
+                _settle(fut, exc=SyncError(message))
+        self._wanted.clear()
+        for fut in self._on_member:
+            _settle(fut, exc=SyncError(message))
+        self._on_member.clear()
+        self._check_flushed()
+
+    def _hand_over(self) -> None:
+        """Give every wanted update that is here to whoever waits for it."""
+        assert self.state is not None
+        for key in sorted(self._wanted):
+            if self.state.available(*key):
+                update = self.state.take(*key)
+                for fut in self._wanted.pop(key):
+                    _settle(fut, update)
+
+    # --- reconnecting ----------------------------------------------------------------------------------
     def _reconnect(self) -> None:
-        """Join again, resynchronize and become a member (if we were one); SyncError when time runs out.
-
-        Attempts are spaced by exponential backoff with jitter (0.5 s doubling to MAX_BACKOFF, each times
-        a random 0.5..1), so that many workers do not all come at once; during each, the Join waits for the
-        channel, which connects as soon as the shard is back (gRPC retries the connection every 0.25..4 s)."""
+        """Join again, resynchronize and become a member (if we were one); fails the link when time runs
+        out. Attempts are spaced by exponential backoff with jitter (0.5 s doubling to MAX_BACKOFF, each
+        times a random 0.5..1), so that many workers do not all come at once; during each, the Join waits
+        for the channel, which connects as soon as the shard is back (gRPC retries every 0.25..4 s)."""
         give_up = time.monotonic() + self.reconnect_timeout
         delay = 0.5
         attempt = 0
@@ -354,9 +480,8 @@ class ShardLink:
                 self.join(timeout=window, reconnecting=True)
                 welcome = self.open_session()
                 self._resync(welcome)
-                with self._cond:
-                    if self._want_member:  # the answer's Welcome sends the kept pushes again
-                        self._outbox.put(self._ready_message())
+                if self._want_member:  # the answer's Welcome sends the kept pushes again
+                    self._outbox.put(self._ready_message())
                 self.reconnects += 1
                 log.info("reconnected to shard %d at %s (attempt %d)", self.shard, self.target, attempt)
                 return
@@ -375,36 +500,17 @@ class ShardLink:
                 self._closed.wait(max(0.0, window - (time.monotonic() - t0)))  # a quick refusal: wait it out
                 delay = min(delay * 2, MAX_BACKOFF)
 
-    def _have(self, fragment: int) -> int:
-        """Rounds of a fragment this worker holds the effect of, without gaps: merged, fetched, or here."""
-        m = self._masters.get(fragment)
-        h = max(self.covered[fragment], self.merged[fragment], m.round if m else 0)
-        while (fragment, h) in self._updates:
-            h += 1
-        return h
-
     def _resync(self, welcome: pb.Welcome) -> None:
         """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
-        with self._sync_lock:
-            self._resync_locked(welcome)
-
-    def _resync_locked(self, welcome: pb.Welcome) -> None:
-        with self._cond:
-            have = [self._have(f) for f in range(len(self.slices))]
-            # updates that came on this session after its Welcome say the shard is further on
-            theirs = list(welcome.rounds)
-            for f, r in self._updates:
-                theirs[f] = max(theirs[f], r + 1)
-        behind = []
-        for f, (t, ours) in enumerate(zip(theirs, have, strict=True)):
-            if t < ours:
-                raise SyncError(
-                    f"shard {self.shard} at {self.target} is at round {t} of fragment {f}, but this "
-                    f"worker already has round {ours - 1}: the shard restarted from an older checkpoint than "
-                    "its last round; restart the run from the shards' checkpoints and the workers' --resume"
-                )
-            if t > ours:
-                behind.append(f)
+        assert self.state is not None
+        try:
+            behind = self.state.behind(list(welcome.rounds))
+        except ShardBehind as e:
+            raise SyncError(
+                f"shard {self.shard} at {self.target} is at round {e.theirs} of fragment {e.fragment}, but "
+                f"this worker already has round {e.ours - 1}: the shard restarted from an older checkpoint "
+                "than its last round; restart the run from the shards' checkpoints and the workers' --resume"
+            ) from None
         if not behind:
             return
         log.info(
@@ -416,215 +522,135 @@ class ShardLink:
             fetched = self.fetch(behind)
         except SyncError as e:
             raise _Retry(str(e)) from None
-        with self._cond:
-            for f, (values, rnd) in fetched.items():
-                if rnd <= self.covered[f]:
-                    continue  # what we hold is as new already
-                self._masters[f] = Master(values, rnd)
-                self.covered[f] = rnd
-                for key in [k for k in self._updates if k[0] == f and k[1] < rnd]:
-                    del self._updates[key]
-                for key in [k for k in self._unacked if k[0] == f and k[1] < rnd]:
-                    del self._unacked[key]
-            self._cond.notify_all()
+        for f, (values, rnd) in fetched.items():
+            self.state.on_fetched(f, values, rnd)
+        self._hand_over()
 
-    def _fail(self, message: str) -> None:
-        with self._cond:
-            self.error = message
-            self._cond.notify_all()
-        log.error(message)
-
-    def _on_welcome(self, w: pb.Welcome) -> None:
-        n = len(self.slices)
-        if len(w.rounds) != n or len(w.started) != n or len(w.pushes) != n:
-            raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
-        with self._cond:
-            self._welcome = w
-            if w.member and not self._connected:
-                # a member (again): send every kept push whose round is still open (after a reconnect or
-                # a resume; the shard had them only if it says "duplicate")
-                for (f, r), (enc, weight, loss) in sorted(self._unacked.items()):
-                    if r >= w.rounds[f]:
-                        self._send_push(f, r, enc, weight, loss)
-                        self.resent += 1
-                self._connected = True
-            self._cond.notify_all()
-
-    def _on_result(self, r: pb.PushResult) -> None:
-        with self._cond:
-            self._awaiting_result.discard((r.fragment, r.round))
-            self.results[push_outcome(None if r.accepted else r.reason)] += 1
-            sent = self._sent_at.pop((r.fragment, r.round), None)
-            self._cond.notify_all()
-        if sent is not None and r.accepted and self.on_answer is not None:
-            self.on_answer(time.perf_counter() - sent)
-        if r.accepted:
-            return
-        if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
-            log.warning("shard %d: %s", self.shard, r.message)
-        elif r.reason == "duplicate":  # sent before a reconnect and already in the round: nothing lost
-            log.info("shard %d already has this worker's push: %s", self.shard, r.message)
+    def _ready_message(self) -> pb.WorkerMessage:
+        """Ready, naming the first round of each fragment this worker will push (none: every round)."""
+        assert self.state is not None
+        if self.schedule is not None:
+            first = self.state.first_rounds(list(self.schedule()))
         else:
-            self.refusals.append(r)
-            self._fail(f"shard {self.shard} refused a push ({r.reason}): {r.message}")
+            first = list(self.join_from or [])
+        return pb.WorkerMessage(ready=pb.Ready(from_rounds=first))
+
+    # --- on the link's thread: what the engine and the transport ask -----------------------------------
+    def _become_member(self, fut: Future) -> None:
+        self._want_member = True
+        if self.error:
+            _settle(fut, exc=SyncError(self.error))
             return
-        self.refusals.append(r)
+        self._on_member.append(fut)
+        self._outbox.put(self._ready_message())
 
-    def _on_update(self, c: pb.Chunk) -> None:
-        key = (c.fragment, c.round)
-        if not 0 <= c.fragment < len(self.slices):
-            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
-        assert self.config is not None
-        want_total = self.slices[c.fragment][1]
-        parts = self._partial.setdefault(key, [])
-        at = sum(p.numel for p in parts)
-        if c.codec != self.config.downlink_codec or c.block_size != (
-            self.config.codec_block_size if get_codec(self.config.downlink_codec).scaled else 0
-        ):
-            raise SyncError(
-                f"shard {self.shard} sent an update in {c.codec!r} with block size {c.block_size}"
-            )
-        part = from_chunk(c)
-        payload, scales = expected_sizes(c.codec, c.numel, c.block_size or 1)
-        align = chunk_alignment(c.codec, self.config.codec_block_size)
-        if (
-            (not c.last and c.numel % align)  # a chunk boundary inside a block would shift the codes
-            or c.total != want_total
-            or c.offset != at
-            or c.seq != len(parts)
-            or part.payload.numel() != payload
-            or part.scales.numel() != scales
-            or c.last != (at + c.numel == want_total)
-        ):
-            raise SyncError(
-                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round {c.round}"
-            )
-        parts.append(part)
-        if c.last:
-            del self._partial[key]
-            with self._cond:
-                if c.round >= max(self.covered[c.fragment], self.merged[c.fragment]):
-                    self._updates[key] = concat(parts)  # older rounds are in the mirror already
-                self._cond.notify_all()
+    def _keep_push(self, fragment: int, round: int, push: Kept) -> None:
+        assert self.state is not None
+        if self.state.keep(fragment, round, push) and self._connected:
+            self._send_push(fragment, round, push)
 
-    # --- what the transport calls ----------------------------------------------------------------------
-    def _send_push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
+    def _send_push(self, fragment: int, round: int, push: Kept) -> None:
+        assert self.state is not None
         step, blocked = self.progress()
         header = pb.PushHeader(
-            weight=weight, has_loss=loss is not None, loss=loss or 0.0, step=step, blocked_seconds=blocked
+            weight=push.weight,
+            has_loss=push.loss is not None,
+            loss=push.loss or 0.0,
+            step=step,
+            blocked_seconds=blocked,
         )
-        for chunk in to_chunks(enc, fragment, round, self.chunk_values):
+        for chunk in to_chunks(push.enc, fragment, round, self.chunk_values):
             self._outbox.put(
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
             )
-        self._awaiting_result.add((fragment, round))
+        self.state.awaiting.add((fragment, round))
         self._sent_at[(fragment, round)] = time.perf_counter()
+
+    def _want(self, fragment: int, round: int, fut: Future) -> None:
+        if self.error:
+            _settle(fut, exc=SyncError(self.error))
+            return
+        self._wanted.setdefault((fragment, round), []).append(fut)
+        self._hand_over()
+
+    def _flush(self, fut: Future) -> None:
+        self._on_flushed.append(fut)
+        self._check_flushed()
+
+    def _check_flushed(self) -> None:
+        assert self.state is not None
+        if self._on_flushed and (not self.state.awaiting or not self._connected or self.error):
+            for fut in self._on_flushed:
+                _settle(fut, not self.state.awaiting)
+            self._on_flushed.clear()
+
+    def _install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
+        """A joiner set its parameters from `fetched`; returns the rounds its mirror holds, per fragment."""
+        assert self.state is not None
+        for f, (_, rnd) in fetched.items():
+            self.state.installed(f, rnd)
+        return [fetched[f][1] for f in range(len(self.slices))]
+
+    def _view(self) -> tuple[list[int], list[bool], list[bool]]:
+        """Where this shard is, as of now: its Welcome moved on by the updates that came since."""
+        assert self.state is not None and self._welcome is not None
+        w = self._welcome
+        rounds, started = list(w.rounds), list(w.started)
+        short = [s and n < w.min_workers for s, n in zip(w.started, w.pushes, strict=True)]
+        held = [(f, c - 1) for f, c in enumerate(self.state.covered) if c > 0]
+        for f, r in [*self.state.arrived, *held]:
+            if r + 1 > rounds[f]:
+                rounds[f], started[f], short[f] = r + 1, False, False
+        return rounds, started, short
+
+    # --- what other threads call -----------------------------------------------------------------------
+    def ready(self, timeout: float = 60.0) -> pb.Welcome:
+        """Become a member: rounds that start from now on wait for this worker's pushes (from the rounds
+        `_ready_message` names). Pushes kept from before are sent again when the shard says so."""
+        fut: Future = Future()
+        self._post(self._become_member, fut)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready") from None
 
     def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
         """Send a push (now, or after the reconnect under way) and keep it until its round's update."""
-        with self._cond:
-            if self.error:
-                raise SyncError(self.error)
-            if round < self.covered[fragment]:
-                return  # the round closed while we were away; the fetched master holds it
-            self._unacked[(fragment, round)] = (enc, weight, loss)
-            if self._connected:
-                self._send_push(fragment, round, enc, weight, loss)
+        if self.error:
+            raise SyncError(self.error)
+        self._post(self._keep_push, fragment, round, Kept(enc, weight, loss))
 
-    def _available(self, fragment: int, round: int) -> bool:
-        return round < self.covered[fragment] or (fragment, round) in self._updates
-
-    def has_update(self, fragment: int, round: int) -> bool:
-        with self._cond:
-            return self._available(fragment, round)
-
-    def wait_available(self, fragment: int, round: int, timeout: float | None = None) -> None:
-        """Block until the round's update (or a fetched master holding it) is here. Raises SyncError if the
-        link failed for good, StopRequested if `interrupt` was set meanwhile; takes nothing either way."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        next_log = time.monotonic() + WAIT_LOG_SECONDS
-        with self._cond:
-            while not self._available(fragment, round):
-                if self.error:
-                    raise SyncError(self.error)
-                if self.interrupt is not None and self.interrupt.is_set():
-                    raise StopRequested()
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise SyncError(
-                        f"no update for fragment {fragment} round {round} from shard {self.shard}"
-                    )
-                if now >= next_log:
-                    next_log = now + WAIT_LOG_SECONDS
-                    log.info(
-                        "still waiting for fragment %d round %d from shard %d%s (a round waits for every "
-                        "member's push or its deadline, and for --min-workers members)",
-                        fragment,
-                        round,
-                        self.shard,
-                        "" if self._connected else ", reconnecting",
-                    )
-                self._cond.wait(0.25 if deadline is None else max(0.0, min(0.25, deadline - now)))
-
-    def take(self, fragment: int, round: int) -> Update:
-        """The round's update, once wait_available said it is here: Encoded, a Master (after a resync), or
-        None (the mirror has that round already). The round's push is then answered: it is let go."""
-        with self._cond:
-            out: Update
-            if round < self.covered[fragment]:
-                out = self._masters.pop(fragment, None)
-                if out is not None:
-                    self._applied_cover[fragment] = self.covered[fragment]
-            else:
-                out = self._updates.pop((fragment, round))
-            self.merged[fragment] = max(self.merged[fragment], round + 1)
-            for key in [k for k in self._updates if k[0] == fragment and k[1] <= round]:
-                del self._updates[key]
-            for key in [k for k in self._unacked if k[0] == fragment and k[1] <= round]:
-                del self._unacked[key]
-            return out
+    def want(self, fragment: int, round: int) -> Future:
+        """A future of the round's update (an Update: see LinkState.take), set as soon as it is here; it
+        fails with SyncError when the link fails for good."""
+        fut: Future = Future()
+        self._post(self._want, fragment, round, fut)
+        return fut
 
     def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Update:
-        self.wait_available(fragment, round, timeout)
-        return self.take(fragment, round)
+        """Block until the round's update is here and take it (tools and tests; the engine uses want())."""
+        try:
+            return self.want(fragment, round).result(timeout)
+        except FutureTimeout:
+            raise SyncError(
+                f"no update for fragment {fragment} round {round} from shard {self.shard}"
+            ) from None
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every push sent on this session has its PushResult (for a clean stop)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._awaiting_result and self._connected and not self.error:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return not self._awaiting_result
+        fut: Future = Future()
+        self._post(self._flush, fut)
+        try:
+            return bool(fut.result(timeout))
+        except FutureTimeout:
+            return False
 
     def state_dict(self) -> dict:
-        """What a worker checkpoint keeps: rounds held and the pushes not yet answered by an update."""
-        with self._cond:
-            return {
-                "target": self.target,
-                "shard": self.shard,
-                "covered": list(self._applied_cover),  # a fetched master not yet taken is not in the mirror
-                "merged": list(self.merged),
-                "unacked": [
-                    {"fragment": f, "round": r, "enc": vars(enc).copy(), "weight": w, "loss": loss}
-                    for (f, r), (enc, w, loss) in sorted(self._unacked.items())
-                ],
-            }
-
-    def load_state_dict(self, state: dict) -> None:
-        with self._cond:
-            self._updates.clear()
-            self._masters.clear()
-            self._partial.clear()
-            self.covered = list(state["covered"])
-            self._applied_cover = list(state["covered"])
-            self.merged = list(state["merged"])
-            self._unacked = {
-                (u["fragment"], u["round"]): (Encoded(**u["enc"]), u["weight"], u["loss"])
-                for u in state["unacked"]
-            }
+        """What a worker checkpoint keeps of the link: the pushes not yet answered by an update (the rounds
+        its mirror holds are in the engine's part)."""
+        assert self.state is not None
+        state = self._ask(self.state.state_dict).result()
+        return {"target": self.target, "shard": self.shard, **state}
 
     def fetch(
         self, fragments: list[int] | None = None, attempts: int = 3
@@ -632,31 +658,34 @@ class ShardLink:
         """The current master slices (fp32) and their rounds, resuming from the last chunk received if the
         stream breaks."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
-        got: dict[int, list[torch.Tensor]] = {f: [] for f in want}
-        rounds: dict[int, int] = {}  # the round each fragment's chunks so far belong to
-        done: set[int] = set()
+        got = {
+            f: MasterAssembly(self.slices[f][1], where=f"slice {self.shard} of fragment {f}") for f in want
+        }
         for attempt in range(attempts):
-            todo = [f for f in want if f not in done]
+            todo = [f for f in want if not got[f].done]
             if not todo:
                 break
-            offset = sum(t.numel() for t in got[todo[0]])
             try:
-                request = pb.FetchRequest(fragments=todo, offset=offset, token=self.token)
+                request = pb.FetchRequest(fragments=todo, offset=got[todo[0]].received, token=self.token)
                 call = self.stub.Fetch(request)  # no deadline: big models on slow links take long
                 for m in call:
-                    self.msg_in += m.ByteSize()
-                    if m.fragment not in got or m.offset != sum(t.numel() for t in got[m.fragment]):
+                    self._count("in", m.ByteSize())
+                    asm = got.get(m.fragment)
+                    if asm is None:
                         raise SyncError(
-                            f"shard {self.shard} sent fragment {m.fragment} out of order in Fetch"
+                            f"shard {self.shard} sent fragment {m.fragment}, not asked for, in Fetch"
                         )
-                    if rounds.setdefault(m.fragment, m.round) != m.round:
+                    try:
+                        asm.add(m.round, m.offset, m.total, bytes_to_values(m.values), m.last)
+                    except ChunkError as e:
+                        if e.reason != "round_changed":
+                            raise SyncError(
+                                f"shard {self.shard} sent fragment {m.fragment} out of order in Fetch: {e}"
+                            ) from None
                         # a round closed between a broken stream and its resumption: fetch it anew
-                        got[m.fragment], rounds[m.fragment] = [], m.round
+                        asm.reset()
                         call.cancel()
                         break
-                    got[m.fragment].append(bytes_to_values(m.values))
-                    if m.last:
-                        done.add(m.fragment)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED:
                     continue  # we cancelled it, to start the fragment again
@@ -665,26 +694,32 @@ class ShardLink:
                         f"Fetch from shard {self.shard} failed: {e.code().name}: {e.details()}"
                     ) from None
                 time.sleep(0.5 * (attempt + 1))
-        out = {f: torch.cat(got[f]) if got[f] else torch.empty(0) for f in want}
-        for f, t in out.items():
-            if t.numel() != self.slices[f][1] or f not in rounds:
-                raise SyncError(
-                    f"shard {self.shard} sent {t.numel()} values of fragment {f}, want {self.slices[f][1]}"
-                )
-        return {f: (t, rounds[f]) for f, t in out.items()}
+        missing = [f for f in want if not got[f].done]
+        if missing:
+            raise SyncError(f"shard {self.shard} did not send all of fragment(s) {missing} in Fetch")
+        return {f: (a.values, a.round) for f, a in got.items()}  # type: ignore[misc]
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         self._closed.set()
         self._outbox.put(None)
-        if self._receiver is not None:
-            self._receiver.join(timeout)
-            if self._receiver.is_alive() and self._call is not None:
-                self._call.cancel()
-                self._receiver.join(timeout)
-        elif self._call is not None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+        if self._call is not None:
             self._call.cancel()
         self.channel.close()
+
+
+def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a future unless it is done already (cancelled by whoever waits for it)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except Exception:  # InvalidStateError
+        pass
 
 
 class GrpcTransport:
@@ -699,6 +734,7 @@ class GrpcTransport:
             got = ", ".join(f"{link.target} is shard {link.shard}/{link.num_shards}" for link in links)
             raise SyncError(f"--servers must list each of the run's shards once: {got}")
         self.links, self.num_shards = by_index, num
+        self.installed: list[list[int]] = []  # a joiner's fetched rounds, per fragment and shard
 
     @classmethod
     def open(
@@ -710,10 +746,11 @@ class GrpcTransport:
         join_timeout: float = 60.0,
         reconnect_timeout: float = 600.0,
         states: list[dict] | None = None,
-        interrupt: threading.Event | None = None,
+        held: list[list[int]] | None = None,
     ) -> GrpcTransport:
         """Join every shard and open a passive session with each (nobody waits for us yet); with `states`
-        (a worker checkpoint's links, in shard order), each link first takes back what it held."""
+        (a worker checkpoint's links, in shard order) and `held` (its engine's mirror rounds, per fragment
+        and shard), each link first takes back what it held."""
         if states is not None and len(states) != len(targets):
             raise SyncError(
                 f"the checkpoint has links to {len(states)} shards, --servers names {len(targets)}"
@@ -722,8 +759,10 @@ class GrpcTransport:
         try:
             for i, t in enumerate(targets):
                 links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout))
-                links[-1].interrupt = interrupt
-                links[-1].start(None if states is None else states[i])
+                links[-1].start(
+                    None if states is None else states[i],
+                    None if held is None else [h[i] for h in held],
+                )
             return cls(links)
         except BaseException:
             for link in links:
@@ -734,21 +773,14 @@ class GrpcTransport:
         """A new worker: fetch every master slice (after the sessions opened, so no update is missed), hand
         the full fragments to `fragment_vectors(list of tensors)`, pick the step to start counting from (0
         for a run that has not synced yet) and become a member of every shard from the first round it will
-        push. Returns that step."""
+        push. Returns that step; `installed` then holds the rounds of the fetched slices."""
         cfg = self.links[0].config
         assert cfg is not None
         parts = [link.fetch() for link in self.links]
-        for link, part in zip(self.links, parts, strict=True):
-            with link._sync_lock, link._cond:
-                for f in range(len(link.slices)):
-                    rnd = part[f][1]
-                    link._applied_cover[f] = rnd  # the caller sets the parameters from these
-                    if link.covered[f] > rnd:
-                        continue  # a reconnect meanwhile fetched a newer master: the engine takes it later
-                    link.covered[f] = rnd
-                    link._masters.pop(f, None)  # older than what we fetched, if any
-                for key in [k for k in link._updates if k[1] < link.covered[k[0]]]:
-                    del link._updates[key]  # closed before the fetch: in the master already
+        per_link = [
+            link._ask(link._install, part).result() for link, part in zip(self.links, parts, strict=True)
+        ]
+        self.installed = [list(r) for r in zip(*per_link, strict=True)]
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
         if prepare is not None:  # what the caller does before its first step, done before anyone waits for us
             prepare()
@@ -764,17 +796,7 @@ class GrpcTransport:
         is short of its quorum, from each shard's Welcome moved on by the updates that came since. Shards
         can disagree (a push that reached one shard and not another, from a worker that died between):
         then the shard that is behind counts, so that a joiner pushes the round it still needs."""
-        per_shard = []
-        for link in self.links:
-            with link._cond:
-                w = link._welcome
-                assert w is not None
-                rounds, started = list(w.rounds), list(w.started)
-                short = [s and n < w.min_workers for s, n in zip(w.started, w.pushes, strict=True)]
-                for f, r in [*link._updates, *((f, c - 1) for f, c in enumerate(link.covered) if c > 0)]:
-                    if r + 1 > rounds[f]:
-                        rounds[f], started[f], short[f] = r + 1, False, False
-                per_shard.append((rounds, started, short))
+        per_shard = [link._ask(link._view).result() for link in self.links]
         out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
         for f in range(len(per_shard[0][0])):
             low = min(v[0][f] for v in per_shard)
@@ -792,7 +814,7 @@ class GrpcTransport:
             link.schedule = schedule
             assert link._welcome is not None
             try:
-                link._resync(link._welcome)
+                link._ask(link._resync, link._welcome).result()
             except _Retry as e:
                 raise SyncError(str(e)) from None
         for link in self.links:
@@ -805,7 +827,8 @@ class GrpcTransport:
 
     def first_rounds(self, num_fragments: int) -> list[int]:
         """Per fragment, the first round not yet in the mirror on every shard."""
-        return [min(link.covered[f] for link in self.links) for f in range(num_fragments)]
+        covered = [link._ask(lambda link=link: list(link.state.covered)).result() for link in self.links]
+        return [min(c[f] for c in covered) for f in range(num_fragments)]
 
     def push(
         self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
@@ -813,13 +836,9 @@ class GrpcTransport:
         for link, enc in zip(self.links, slices, strict=True):
             link.push(fragment, round, enc, weight, loss)
 
-    def update(self, fragment: int, round: int) -> list[Update]:
-        for link in self.links:  # wait for every slice first: a stop request then takes nothing at all
-            link.wait_available(fragment, round)
-        return [link.take(fragment, round) for link in self.links]
-
-    def ready(self, fragment: int, round: int) -> bool:
-        return all(link.has_update(fragment, round) for link in self.links)
+    def update(self, fragment: int, round: int) -> Future:
+        """A future of the round's update: one Update per shard slice, once every slice is here."""
+        return gather([link.want(fragment, round) for link in self.links])
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (up to `timeout` in all) until every push sent has been answered."""
@@ -860,6 +879,28 @@ class GrpcTransport:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+def gather(futures: list[Future]) -> Future:
+    """One future of the results of all `futures` (in order); it fails as soon as one of them fails."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def on_done(f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if f.cancelled():
+            _settle(out, exc=SyncError("cancelled"))
+        elif f.exception() is not None:
+            _settle(out, exc=f.exception())
+        elif last:
+            _settle(out, [x.result() for x in futures])
+
+    for f in futures:
+        f.add_done_callback(on_done)
+    return out
 
 
 def fetch_masters(targets: list[str], token: str = "", timeout: float = 60.0) -> list[torch.Tensor]:
@@ -906,7 +947,6 @@ def connect(
 
     from streamdiloco.common.fingerprint import model_fingerprint
     from streamdiloco.common.fragments import build_layout, fragment_params, slice_ranges, unflatten_into
-    from streamdiloco.worker.engine import SyncEngine
 
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
@@ -920,7 +960,7 @@ def connect(
         join_timeout,
         reconnect_timeout,
         states=None if resume is None else resume["links"],
-        interrupt=interrupt,
+        held=None if resume is None else resume["engine"]["mirror_rounds"],
     )
     try:
         for link in transport.links:
@@ -934,7 +974,16 @@ def connect(
                     unflatten_into(vec, fragment_params(model, frag))
 
         if resume is not None:
-            engine = SyncEngine(model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank)
+            engine = SyncEngine(
+                model,
+                layout,
+                sync,
+                transport,
+                total_steps=total_steps,
+                seed=seed,
+                rank=rank,
+                interrupt=interrupt,
+            )
             engine.load_state_dict(resume["engine"])
             # before resume(): the pushes it sends again report the resumed step, not 0
             transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
@@ -945,8 +994,17 @@ def connect(
         if total_steps is not None and start >= total_steps:
             raise SyncError(f"the run is at step {start}, past total_steps={total_steps}: nothing left to do")
         engine = SyncEngine(
-            model, layout, sync, transport, total_steps=total_steps, seed=seed, rank=rank, start_step=start
+            model,
+            layout,
+            sync,
+            transport,
+            total_steps=total_steps,
+            seed=seed,
+            rank=rank,
+            start_step=start,
+            interrupt=interrupt,
         )
+        engine.set_mirror_rounds(transport.installed)
         transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
         transport.follow(engine.next_rounds)
         if start:

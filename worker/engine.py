@@ -1,35 +1,52 @@
 """The worker's sync engine: fragment schedule, global mirror, outer gradients, merges.
 
 Use it around any model and training loop, like torchft's DiLoCo: build it once, then call `step()` right
-after every `inner_optimizer.step()`. At a fragment's send step the engine pushes the quantized outer
-gradient (mirror - local) of that fragment through its transport and training goes on; tau steps later it
-takes the round's update (waiting only if it has not arrived, and counting that wait), adds it to the
-mirror and mixes it into the local parameters with weight alpha.
+after every `inner_optimizer.step()`.
+
+What runs where (a GPU step takes tens of milliseconds; the sync work of a 100M-parameter fragment on the
+training thread would take longer than the step):
+- the training thread, at a fragment's send step, only takes a snapshot of the fragment's parameters (one
+  multi-tensor copy into a buffer kept for it; on CUDA a device-side copy), and tau steps later mixes the
+  round's update in (one multi-tensor lerp against the mirror, on the parameters' device). It waits only
+  if the update has not arrived and been added to the mirror yet, and counts that wait;
+- the sync thread (one per engine, jobs in order) computes the outer gradient (mirror - snapshot), encodes
+  it and hands it to the transport; and when the round's update arrives, decodes it into the mirror (and,
+  on CUDA, copies the fragment's mirror to the device for the lerp).
+Each (fragment, round) has one future that the merge waits on; `request_stop()` cancels them.
 
 The transport is what carries pushes and updates: the gRPC client in a worker process, an in-process
-connection to the shards' logic in the simulator. The engine does not know which.
+connection to the shards' logic in the simulator. The engine does not know which. The simulator runs the
+engine with `background=False`: the same jobs, done in order on the calling thread.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
-from streamdiloco.common.codecs import Encoded, decode, encode
+from streamdiloco.common import codecs
+from streamdiloco.common.codecs import Encoded, encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import (
-    FragmentLayout,
-    flatten,
-    fragment_params,
-    slice_ranges,
-    unflatten_into,
-)
-from streamdiloco.common.outer import apply_update, merge_local, outer_gradient
+from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
+from streamdiloco.common.outer import merge_local_, outer_gradient
 from streamdiloco.common.schedule import Event, events, sends_through
+
+log = logging.getLogger("streamdiloco.worker")
+
+WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
+INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
+
+
+class StopRequested(Exception):
+    """The worker was asked to stop (SIGTERM, Ctrl+C) while it waited for an update; nothing was taken."""
 
 
 class Transport(Protocol):
@@ -40,13 +57,19 @@ class Transport(Protocol):
     ) -> None:
         """Send one fragment's outer gradient (one Encoded per shard slice); must not block on the round."""
 
-    def update(self, fragment: int, round: int) -> Sequence[Any]:
-        """The round's update, one per shard slice; blocks until it has arrived. Each is an Encoded update
-        to add, or (over the network, after a resync) a fetched master with `.values` to take instead, or
-        None: the mirror has that round already."""
+    def update(self, fragment: int, round: int) -> Future:
+        """A future of the round's update, one entry per shard slice. Each is what to do to the mirror's
+        slice: an Encoded update to add (or a list of (offset, Encoded) parts of it), a fetched master (an
+        object with `.values` and `.round`, after a resync) to take instead, or None: the mirror has that
+        round already. The future fails with an error when the transport cannot deliver it."""
 
-    def ready(self, fragment: int, round: int) -> bool:
-        """Whether update() would return at once."""
+
+def _parts(update: Any) -> list[tuple[int, Encoded]] | None:
+    if isinstance(update, Encoded):
+        return [(0, update)]
+    if isinstance(update, list):
+        return update
+    return None
 
 
 class SyncEngine:
@@ -60,6 +83,8 @@ class SyncEngine:
         seed: int = 0,
         rank: int = 0,
         start_step: int = 0,
+        background: bool = True,
+        interrupt: threading.Event | None = None,
     ):
         if layout.num_fragments != cfg.num_scheduled_fragments:
             raise ValueError(
@@ -67,10 +92,24 @@ class SyncEngine:
             )
         self.model, self.layout, self.cfg, self.transport = model, layout, cfg, transport
         self.total_steps = total_steps
-        self.params = [fragment_params(model, f) for f in layout.fragments]
-        # fp32 copy of the global parameters as of the last sync, on the CPU
-        self.mirrors = [flatten(p) for p in self.params]
+        self.interrupt = interrupt
+        self.params = [[p.detach() for p in fragment_params(model, f)] for f in layout.fragments]
+        self.device = self.params[0][0].device if self.params and self.params[0] else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        # fp32 copy of the global parameters as of the last sync, on the CPU (pinned for async copies)
+        self.mirrors = [self._flat(f) for f in range(layout.num_fragments)]
+        for f in range(layout.num_fragments):
+            _copy_into(self._views(self.mirrors[f], f), self.params[f])
+        # where the lerp reads the mirror: its views on the CPU; on CUDA, a device copy made per merge
+        self._mirror_views = [self._views(m, f) for f, m in enumerate(self.mirrors)]
+        self._staged: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # CUDA: on the device
+        self._side: Any = None  # CUDA: the sync thread's stream
+        self._snapshots: list[torch.Tensor | None] = [None] * layout.num_fragments  # host buffers, reused
+        self._deltas: list[torch.Tensor | None] = [None] * layout.num_fragments  # sync thread's, reused
         self.ranges = [slice_ranges(f.numel, transport.num_shards) for f in layout.fragments]
+        # rounds < mirror_rounds[f][s] are in slice s of fragment f's mirror (what a checkpoint holds)
+        self.mirror_rounds = [[0] * transport.num_shards for _ in layout.fragments]
+        self._mirror_lock = threading.Lock()  # apply jobs vs a checkpoint's copy of the mirrors
         self.generator = torch.Generator().manual_seed(seed * 7_919 + rank)  # stochastic rounding only
         self.step_count = start_step  # steps already taken (by the run, for a worker that joined late)
         self.tokens_since_sync = [0] * layout.num_fragments
@@ -84,8 +123,53 @@ class SyncEngine:
         self.merges = 0
         self.in_flight: dict[int, int] = {}  # fragment -> round sent and not merged yet
         self.waits = 0  # merges whose update had not arrived yet
+        self.send_seconds = 0.0  # training thread's time in sends (snapshots) and merges (lerps), for
+        self.merge_seconds = 0.0  # the benchmarks: what the sync path costs the GPU
         self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
         self.pending: list[Event] = []  # this step's events not done yet (see finish_step)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="sync") if background else None
+        self._sends: dict[int, Future] = {}  # fragment -> its latest send job
+        self._applied: dict[tuple[int, int], Future] = {}  # (fragment, round) -> mirror holds it
+        self._stopping = False
+        self.error: BaseException | None = None  # the first failure of a background job
+
+    # --- buffers ---------------------------------------------------------------------------------------
+    def _flat(self, fragment: int) -> torch.Tensor:
+        n = self.layout.fragments[fragment].numel
+        return torch.empty(n, dtype=torch.float32, pin_memory=self.cuda and torch.cuda.is_available())
+
+    def _views(self, flat: torch.Tensor, fragment: int) -> list[torch.Tensor]:
+        """The parameters' shapes as views of a flat fp32 vector."""
+        out, off = [], 0
+        for p in self.params[fragment]:
+            out.append(flat[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def _run(self, job: Callable[..., Any], *args: Any) -> Future:
+        """Do a job on the sync thread (in order), or here and now without one."""
+        if self._executor is not None:
+            return self._executor.submit(self._guard, job, *args)
+        fut: Future = Future()
+        try:
+            fut.set_result(job(*args))
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        return fut
+
+    def _guard(self, job: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return job(*args)
+        except BaseException as e:
+            if self.error is None and not isinstance(e, CancelledError | StopRequested):
+                self.error = e
+                log.error("sync work failed: %s: %s", type(e).__name__, e)
+            raise
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def next_rounds(self) -> list[int]:
         """The next round each fragment sends (the rounds a shard may expect this worker in from now on),
@@ -98,6 +182,11 @@ class SyncEngine:
             if ev.kind == "send":
                 out[ev.fragment] = min(out[ev.fragment], ev.round)
         return out
+
+    def set_mirror_rounds(self, rounds: list[list[int]]) -> None:
+        """What the mirror holds as it is set up (a joiner's fetch): rounds[f][s] per fragment and slice."""
+        with self._mirror_lock:
+            self.mirror_rounds = [list(r) for r in rounds]
 
     def catch_up(self, first_rounds: list[int]) -> None:
         """For a worker that starts at step > 0: merge the rounds from `first_rounds` (the first round of
@@ -113,9 +202,25 @@ class SyncEngine:
         sends' updates would otherwise never reach the mirror and the local parameters)."""
         for fragment, round in sorted(self.in_flight.items()):
             self.merge(fragment, round)
+        self.quiesce()
+
+    def quiesce(self) -> None:
+        """Wait until the sync thread has done every job given to it so far."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+        self._check()
+
+    def request_stop(self) -> None:
+        """Make a merge that waits (or will wait) for its update give up with StopRequested; safe to call
+        from a signal handler or another thread."""
+        self._stopping = True
+        for fut in list(self._applied.values()):
+            fut.cancel()
 
     def close(self) -> None:
-        """End the transport's sessions (if it has any)."""
+        """End the sync thread and the transport's sessions (if it has any)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
@@ -132,10 +237,18 @@ class SyncEngine:
     )
 
     def state_dict(self) -> dict:
-        """The engine's part of a worker checkpoint (the transport keeps its unanswered pushes)."""
+        """The engine's part of a worker checkpoint (the transport keeps its unanswered pushes; call its
+        state_dict after this one, so that it holds the pushes of every send done here). The mirror is
+        copied with the rounds it holds, as one: updates may arrive and be added meanwhile."""
+        for fut in list(self._sends.values()):  # every send snapshotted has reached the transport
+            fut.result()
+        with self._mirror_lock:
+            mirrors = [m.clone() for m in self.mirrors]
+            mirror_rounds = [list(r) for r in self.mirror_rounds]
         return {
             "step": self.step_count,
-            "mirrors": [m.clone() for m in self.mirrors],
+            "mirrors": mirrors,
+            "mirror_rounds": mirror_rounds,
             "in_flight": dict(self.in_flight),
             "pending": [(e.kind, e.fragment, e.round) for e in self.pending],
             "tokens_since_sync": list(self.tokens_since_sync),
@@ -149,7 +262,10 @@ class SyncEngine:
         if [m.shape for m in mirrors] != [m.shape for m in self.mirrors]:
             raise ValueError("the checkpoint's mirror does not fit this model's fragments")
         self.step_count = int(state["step"])
-        self.mirrors = [m.clone() for m in mirrors]
+        with self._mirror_lock:
+            for mine, saved in zip(self.mirrors, mirrors, strict=True):
+                mine.copy_(saved)
+            self.mirror_rounds = [[int(x) for x in r] for r in state["mirror_rounds"]]
         self.in_flight = {int(f): int(r) for f, r in state["in_flight"].items()}
         self.pending = [Event(k, int(f), int(r)) for k, f, r in state["pending"]]
         self.tokens_since_sync = list(state["tokens_since_sync"])
@@ -196,10 +312,61 @@ class SyncEngine:
         else:
             self.merge(ev.fragment, ev.round)
 
-    # --- send and merge ------------------------------------------------------------------------------
+    # --- send: a snapshot here, the rest on the sync thread -------------------------------------------
     def send(self, fragment: int, round: int) -> None:
-        local = flatten(self.params[fragment])
-        delta = outer_gradient(self.mirrors[fragment], local)
+        self._check()
+        t0 = time.perf_counter()
+        previous = self._sends.get(fragment)
+        if previous is not None:  # its snapshot buffer is ours again (the job is long done, normally)
+            previous.result()
+        snapshot = self._snapshot(fragment)
+        weight = float(max(1, self.tokens_since_sync[fragment]))
+        total, count = self.loss_since_sync[fragment]
+        loss = total / count if count else None
+        self.tokens_since_sync[fragment] = 0
+        self.loss_since_sync[fragment] = (0.0, 0)
+        self.in_flight[fragment] = round
+        self._sends[fragment] = self._run(self._push, fragment, round, snapshot, weight, loss)
+        self._applied_future(fragment, round)  # its update is added to the mirror as soon as it comes
+        self.send_seconds += time.perf_counter() - t0
+
+    def _snapshot(self, fragment: int) -> Any:
+        """The fragment's parameters as of now. On the CPU, copied into the fragment's buffer; on CUDA, a
+        device-side copy (the sync thread brings it to the host) and the event that marks it done."""
+        if self.cuda:
+            dev = torch.empty(self.layout.fragments[fragment].numel, dtype=torch.float32, device=self.device)
+            _copy_into(self._views(dev, fragment), self.params[fragment])
+            ev = torch.cuda.Event()
+            ev.record()
+            return dev, ev
+        buf = self._snapshots[fragment]
+        if buf is None:
+            buf = self._snapshots[fragment] = self._flat(fragment)
+        _copy_into(self._views(buf, fragment), self.params[fragment])
+        return buf
+
+    def _host_snapshot(self, fragment: int, snapshot: Any) -> torch.Tensor:
+        if not self.cuda:
+            return snapshot
+        dev, ev = snapshot
+        buf = self._snapshots[fragment]
+        if buf is None:
+            buf = self._snapshots[fragment] = self._flat(fragment)
+        side = self._side_stream()
+        with torch.cuda.stream(side):
+            side.wait_event(ev)
+            buf.copy_(dev, non_blocking=True)
+            dev.record_stream(side)
+        side.synchronize()
+        return buf
+
+    def _push(self, fragment: int, round: int, snapshot: Any, weight: float, loss: float | None) -> None:
+        """Sync thread: outer gradient, encoding, and the push."""
+        local = self._host_snapshot(fragment, snapshot)
+        delta = self._deltas[fragment]
+        if delta is None:
+            delta = self._deltas[fragment] = self._flat(fragment)
+        outer_gradient(self.mirrors[fragment], local, out=delta)
         slices = [
             encode(
                 delta[lo:hi],
@@ -210,53 +377,163 @@ class SyncEngine:
             )
             for lo, hi in self.ranges[fragment]
         ]
-        weight = float(max(1, self.tokens_since_sync[fragment]))
-        total, count = self.loss_since_sync[fragment]
-        loss = total / count if count else None
         self.transport.push(fragment, round, slices, weight, loss)
-        self.in_flight[fragment] = round
         nbytes = sum(s.nbytes for s in slices)
         self.bytes_sent += nbytes
         self.peak_push_bytes = max(self.peak_push_bytes, nbytes)
         self.pushes += 1
-        self.tokens_since_sync[fragment] = 0
-        self.loss_since_sync[fragment] = (0.0, 0)
+
+    # --- merge: the update into the mirror on the sync thread, a lerp here ---------------------------
+    def _applied_future(self, fragment: int, round: int) -> Future:
+        """The future that says the round's update is in the mirror; asks the transport for the update the
+        first time (at the send, or at the merge of a round this process did not send)."""
+        key = (fragment, round)
+        fut = self._applied.get(key)
+        if fut is None:
+            fut = self._applied[key] = Future()
+            if self._stopping:
+                fut.cancel()
+                return fut
+            update = self.transport.update(fragment, round)
+            update.add_done_callback(lambda u: self._run_apply(fragment, round, u, fut))
+        return fut
+
+    def _run_apply(self, fragment: int, round: int, update: Future, done: Future) -> None:
+        try:
+            self._run(self._apply, fragment, round, update, done)
+        except BaseException as e:  # inline (no sync thread): _apply has put it into `done`
+            if not done.done():
+                _settle(done, exc=e)
+
+    def _apply(self, fragment: int, round: int, update: Future, done: Future) -> None:
+        """Sync thread: add the round's update to the mirror (or take a fetched master), then tell `done`."""
+        try:
+            if update.cancelled():
+                raise StopRequested()
+            slices: Sequence[Any] = update.result()
+            if len(slices) != len(self.ranges[fragment]):
+                raise RuntimeError(f"update for fragment {fragment} has {len(slices)} slices")
+            mirror = self.mirrors[fragment]
+            with self._mirror_lock:
+                for s, ((lo, hi), part) in enumerate(zip(self.ranges[fragment], slices, strict=True)):
+                    held = self.mirror_rounds[fragment]
+                    if part is None:  # the mirror holds this round already (fetched when we joined)
+                        held[s] = max(held[s], round + 1)
+                        continue
+                    parts = _parts(part)
+                    if parts is not None:
+                        n = sum(p.numel for _, p in parts)
+                        if n != hi - lo:
+                            raise RuntimeError(
+                                f"update for fragment {fragment} has {n} values in a slice of {hi - lo}"
+                            )
+                        for off, p in parts:
+                            _add_into(p, mirror[lo + off : lo + off + p.numel])
+                            self.bytes_received += p.nbytes
+                        held[s] = max(held[s], round + 1)
+                    else:  # a master fetched after a reconnect: it holds this round's update (and any missed)
+                        if part.values.numel() != hi - lo:
+                            raise RuntimeError(
+                                f"fetched master of fragment {fragment} has {part.values.numel()} values"
+                            )
+                        mirror[lo:hi] = part.values
+                        held[s] = max(held[s], part.round)
+            if self.cuda:
+                self._stage(fragment)
+            _settle(done, result=True)
+        except BaseException as e:
+            _settle(done, exc=e)
+            raise
+
+    def _stage(self, fragment: int) -> None:
+        """CUDA: the fragment's mirror copied to the device, for the training thread's lerp."""
+        side = self._side_stream()
+        with torch.cuda.stream(side):
+            dev = torch.empty(self.layout.fragments[fragment].numel, dtype=torch.float32, device=self.device)
+            dev.copy_(self.mirrors[fragment], non_blocking=True)
+        side.synchronize()  # the pinned mirror may change again once this returns
+        self._staged[fragment] = (dev, self._views(dev, fragment))
+
+    def _side_stream(self) -> Any:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def merge(self, fragment: int, round: int) -> None:
-        waited = not self.transport.ready(fragment, round)
+        self._check()
+        fut = self._applied_future(fragment, round)
+        waited = not fut.done()
+        if waited and self._executor is None:  # lock-step (the simulator): nothing else would bring it
+            raise RuntimeError(f"round {round} of fragment {fragment} has not closed: lock-step order broken")
         t0 = time.perf_counter()
-        slices = self.transport.update(fragment, round)  # may raise (a stop request): nothing changed yet
-        wait = time.perf_counter() - t0
+        self._wait(fut, fragment, round)  # may raise (a stop request): the parameters are untouched
+        t1 = time.perf_counter()
+        wait = t1 - t0
         self.blocked_seconds += wait
         if self.on_merge_wait is not None:
             self.on_merge_wait(wait)
         self.merges += 1
         self.waits += waited
+        self._applied.pop((fragment, round), None)
         self.in_flight.pop(fragment, None)
-        mirror = self.mirrors[fragment]
-        if len(slices) != len(self.ranges[fragment]):
-            raise RuntimeError(f"update for fragment {fragment} has {len(slices)} slices")
-        changed = False
-        for (lo, hi), part in zip(self.ranges[fragment], slices, strict=True):
-            if part is None:  # the mirror holds this round already (fetched when this worker joined)
-                continue
-            changed = True
-            if isinstance(part, Encoded):
-                if part.numel != hi - lo:
-                    raise RuntimeError(
-                        f"update for fragment {fragment} has {part.numel} values in a slice of {hi - lo}"
+        if self.cuda:
+            if fragment not in self._staged:  # nothing was applied in this process (came with a fetch)
+                self._stage(fragment)
+            dev, views = self._staged.pop(fragment)
+            merge_local_(self.params[fragment], views, self.cfg.fragment_update_alpha)
+            dev.record_stream(torch.cuda.current_stream(self.device))  # allocated on the side stream
+        else:
+            merge_local_(self.params[fragment], self._mirror_views[fragment], self.cfg.fragment_update_alpha)
+        self.merge_seconds += time.perf_counter() - t1
+
+    def _wait(self, fut: Future, fragment: int, round: int) -> None:
+        waited = 0.0
+        while True:
+            if self.interrupt is not None and self.interrupt.is_set():
+                self.request_stop()
+            try:
+                fut.result(
+                    timeout=INTERRUPT_CHECK_SECONDS if self.interrupt is not None else WAIT_LOG_SECONDS
+                )
+                return
+            except CancelledError:
+                raise StopRequested() from None
+            except FutureTimeout:
+                waited += INTERRUPT_CHECK_SECONDS if self.interrupt is not None else WAIT_LOG_SECONDS
+                if waited >= WAIT_LOG_SECONDS:
+                    waited = 0.0
+                    log.info(
+                        "still waiting for fragment %d round %d (a round waits for every member's push or "
+                        "its deadline, and for --min-workers members)",
+                        fragment,
+                        round,
                     )
-                self.bytes_received += part.nbytes
-                apply_update(mirror[lo:hi], decode(part))
-            else:  # a master fetched after a reconnect: it holds this round's update (and any missed)
-                if part.values.numel() != hi - lo:
-                    raise RuntimeError(
-                        f"fetched master of fragment {fragment} has {part.values.numel()} values"
-                    )
-                mirror[lo:hi] = part.values
-        if not changed:
-            return
-        local = flatten(self.params[fragment])
-        unflatten_into(
-            merge_local(local, self.mirrors[fragment], self.cfg.fragment_update_alpha), self.params[fragment]
-        )
+
+
+def _add_into(enc: Encoded, out: torch.Tensor) -> None:
+    """out += decode(enc): the same fp32 addition as the master's."""
+    add_into = getattr(codecs, "add_into", None)
+    if add_into is not None:
+        add_into(enc, out)
+    else:
+        out.add_(codecs.decode(enc))
+
+
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        if all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dst, src, strict=True)):
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+
+
+def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete a future unless a stop request cancelled it meanwhile."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except Exception:  # InvalidStateError: cancelled (stop request) or already settled
+        pass

@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def mirror_digests(engine: SyncEngine) -> list[list[str]]:
     ]
 
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the engine keeps the rounds its mirror holds (links no longer do)
 
 
 def _checkpoint_key(cfg: WorkerConfig) -> dict:
@@ -176,6 +177,7 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.previous: dict = {}
+        self.on_stop: Callable[[], None] | None = None  # the engine's request_stop: a waiting merge gives up
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -192,6 +194,8 @@ class StopFlag:
         if self.event.is_set():
             raise KeyboardInterrupt
         self.event.set()
+        if self.on_stop is not None:
+            self.on_stop()
         log.warning(
             "%s: stopping after this step (send it again to stop at once)", signal.Signals(signum).name
         )
@@ -271,6 +275,7 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         assert isinstance(transport, GrpcTransport)
         transport.on_push_answered(metrics.push_answer.observe)
         engine.on_merge_wait = metrics.merge_wait.observe
+        stop.on_stop = engine.request_stop
         metrics.engine, metrics.transport = engine, transport
         if eval_start:
             metrics.eval_loss = eval_start[0]

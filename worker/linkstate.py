@@ -1,0 +1,190 @@
+"""What a worker's link to one shard holds, as pure logic: no networking, no threads, no clocks.
+
+Per fragment of this shard's slice:
+- `held`: rounds < held[f] are in the mirror, or handed to the engine, which adds them (taken);
+- `covered`: rounds < covered[f] are in a fetched master (taken or not: `masters` holds the ones not taken);
+- `arrived`: updates that came whole and are not taken yet;
+- `kept`: this worker's pushes, kept (encoded) until their round's update is taken, to be sent again after a
+  reconnect or a shard's restart;
+- `awaiting`: pushes sent on the current session that have no PushResult yet.
+
+One writer: the link's own thread (worker/client.py); everything else asks it. Tested on its own like
+ShardState.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamdiloco.common.codecs import Encoded
+
+
+@dataclass(frozen=True)
+class Master:
+    """A master slice fetched to resynchronize: the mirror's slice becomes `values`, which hold every round
+    of the fragment before `round` (in place of the updates this worker missed)."""
+
+    values: torch.Tensor
+    round: int
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A push kept until its round's update: sent again after a reconnect if its round is still open."""
+
+    enc: Encoded
+    weight: float
+    loss: float | None
+
+
+# An arrived update: the (offset, Encoded) chunks of the slice, as they came (decoded into the mirror by the
+# engine's sync thread, chunk by chunk, without joining them).
+Parts = list[tuple[int, Encoded]]
+# What taking a round gives the engine: the update's parts to add, a Master to replace the slice with, or
+# None: nothing to do (the mirror holds that round already, from a fetch).
+Update = Parts | Master | None
+
+
+class ShardBehind(Exception):
+    """The shard is at an older round than this worker holds: it restarted from an older checkpoint."""
+
+    def __init__(self, fragment: int, theirs: int, ours: int):
+        super().__init__(f"the shard is at round {theirs} of fragment {fragment}, this worker has {ours - 1}")
+        self.fragment, self.theirs, self.ours = fragment, theirs, ours
+
+
+class LinkState:
+    def __init__(self, num_fragments: int):
+        self.held = [0] * num_fragments
+        self.covered = [0] * num_fragments
+        self.arrived: dict[tuple[int, int], Parts] = {}
+        self.masters: dict[int, Master] = {}
+        self.kept: dict[tuple[int, int], Kept] = {}
+        self.awaiting: set[tuple[int, int]] = set()
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.held)
+
+    def have(self, fragment: int) -> int:
+        """Rounds of a fragment this worker holds the effect of, without gaps: taken, fetched, or here."""
+        m = self.masters.get(fragment)
+        h = max(self.covered[fragment], self.held[fragment], m.round if m else 0)
+        while (fragment, h) in self.arrived:
+            h += 1
+        return h
+
+    # --- what comes from the shard ---------------------------------------------------------------------
+    def on_update(self, fragment: int, round: int, parts: Parts) -> bool:
+        """A whole update arrived; False if it is older than what the mirror holds (then it is dropped)."""
+        if round < max(self.covered[fragment], self.held[fragment]):
+            return False
+        self.arrived[(fragment, round)] = parts
+        return True
+
+    def behind(self, theirs: list[int]) -> list[int]:
+        """The fragments of which the shard (at rounds `theirs`, from its Welcome and the updates that came
+        after it) has closed rounds this worker holds nothing of: their slices must be fetched. Raises
+        ShardBehind if the shard is behind this worker."""
+        theirs = list(theirs)
+        for f, r in self.arrived:
+            theirs[f] = max(theirs[f], r + 1)
+        out = []
+        for f, t in enumerate(theirs):
+            ours = self.have(f)
+            if t < ours:
+                raise ShardBehind(f, t, ours)
+            if t > ours:
+                out.append(f)
+        return out
+
+    def on_fetched(self, fragment: int, values: torch.Tensor, round: int) -> None:
+        """A master fetched to resynchronize: the engine takes it in place of the rounds before `round`."""
+        if round <= self.covered[fragment]:
+            return  # what we hold is as new already
+        self.masters[fragment] = Master(values, round)
+        self.covered[fragment] = round
+        self._forget(fragment, round - 1)
+
+    def installed(self, fragment: int, round: int) -> None:
+        """A joiner set its parameters and mirror from a master of `round` fetched by the caller."""
+        self.held[fragment] = max(self.held[fragment], round)
+        if self.covered[fragment] > round:
+            return  # a reconnect meanwhile fetched a newer master: the engine takes it later
+        self.covered[fragment] = round
+        self.masters.pop(fragment, None)  # older than what was installed, if any
+        for key in [k for k in self.arrived if k[0] == fragment and k[1] < round]:
+            del self.arrived[key]  # closed before the fetch: in the master already
+
+    # --- what the engine takes -------------------------------------------------------------------------
+    def available(self, fragment: int, round: int) -> bool:
+        return (
+            round < self.covered[fragment] or round < self.held[fragment] or (fragment, round) in self.arrived
+        )
+
+    def take(self, fragment: int, round: int) -> Update:
+        """The round's update, once available: its parts, a Master (after a resync), or None (the mirror has
+        that round already). The round's push is then answered: it is let go."""
+        out: Update
+        if round < self.covered[fragment]:  # a fetched master holds it: the master, if not taken yet
+            out = self.masters.pop(fragment, None)
+        elif (fragment, round) in self.arrived:
+            out = self.arrived.pop((fragment, round))
+        elif round < self.held[fragment]:  # in the mirror already (a resumed worker's pending merge)
+            out = None
+        else:
+            raise KeyError(f"round {round} of fragment {fragment} is not here")
+        self.held[fragment] = max(self.held[fragment], round + 1)
+        self._forget(fragment, round)
+        return out
+
+    def _forget(self, fragment: int, upto: int) -> None:
+        """Rounds <= upto of a fragment are in the mirror (or will be): drop their updates and pushes."""
+        for key in [k for k in self.arrived if k[0] == fragment and k[1] <= upto]:
+            del self.arrived[key]
+        for key in [k for k in self.kept if k[0] == fragment and k[1] <= upto]:
+            del self.kept[key]
+
+    # --- this worker's pushes --------------------------------------------------------------------------
+    def keep(self, fragment: int, round: int, push: Kept) -> bool:
+        """Keep a push until its round's update; False if the round is in a fetched master already (then
+        there is nothing to send)."""
+        if round < self.covered[fragment]:
+            return False
+        self.kept[(fragment, round)] = push
+        return True
+
+    def to_resend(self, open_rounds: list[int]) -> list[tuple[int, int, Kept]]:
+        """The kept pushes whose rounds are still open (>= the shard's open round), in order."""
+        return [(f, r, p) for (f, r), p in sorted(self.kept.items()) if r >= open_rounds[f]]
+
+    def first_rounds(self, next_rounds: list[int]) -> list[int]:
+        """What Ready names: the first round of each fragment this worker pushes, counting kept pushes."""
+        out = list(next_rounds)
+        for f, r in self.kept:
+            out[f] = min(out[f], r)
+        return out
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "unacked": [
+                {"fragment": f, "round": r, "enc": vars(p.enc).copy(), "weight": p.weight, "loss": p.loss}
+                for (f, r), p in sorted(self.kept.items())
+            ]
+        }
+
+    def load_state_dict(self, state: dict, held: list[int]) -> None:
+        """A checkpoint's pushes, and `held`: per fragment, the rounds the checkpoint's mirror holds."""
+        if len(held) != self.num_fragments:
+            raise ValueError(f"held names {len(held)} fragments, the link has {self.num_fragments}")
+        self.arrived.clear()
+        self.masters.clear()
+        self.awaiting.clear()
+        self.held, self.covered = list(held), list(held)
+        self.kept = {
+            (u["fragment"], u["round"]): Kept(Encoded(**u["enc"]), u["weight"], u["loss"])
+            for u in state["unacked"]
+        }
