@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff
 from streamdiloco.server.shard import ShardState
 
@@ -66,31 +67,37 @@ class ShardCheckpoint:
     def exists(self) -> bool:
         return (self.dir / "meta.json").exists()
 
-    def load(self, state: ShardState) -> None:
-        """Restore every fragment of `state` from the directory; ValueError (one line) when the checkpoint
-        belongs to another run or is incomplete."""
+    def check_meta(self, shard: int, num_shards: int, cfg: SyncConfig) -> dict:
+        """meta.json, when it belongs to this shard of a run with these sync settings; else ValueError (one
+        line). Cheap: the shard checks it before it builds the model, so a wrong flag fails at once."""
         where = f"checkpoint {self.dir}"
         try:
             meta = json.loads((self.dir / "meta.json").read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"{where}: cannot read meta.json ({e}); use --fresh to start over") from None
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{where} has format {meta.get('format')!r}, this shard reads {FORMAT}")
-        if (meta.get("shard"), meta.get("num_shards")) != (state.shard, state.num_shards):
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"{where} has format {got!r}, this shard reads {FORMAT}")
+        if (meta.get("shard"), meta.get("num_shards")) != (shard, num_shards):
             raise ValueError(
                 f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
-                f"not shard {state.shard} of {state.num_shards}: give each shard its own --checkpoint-dir"
+                f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
             )
-        if meta.get("config") != state.cfg.to_dict():
-            changed = sorted(
-                k
-                for k in set(meta.get("config") or {}) | set(state.cfg.to_dict())
-                if (meta.get("config") or {}).get(k) != state.cfg.to_dict().get(k)
-            )
+        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        ours = cfg.to_dict()
+        if config != ours:
+            changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))
             raise ValueError(
                 f"{where} was written by a run with other sync settings ({', '.join(changed)}): start with "
                 "the same flags, or use --fresh (or another --checkpoint-dir) to start a new run"
             )
+        return meta
+
+    def load(self, state: ShardState) -> None:
+        """Restore every fragment of `state` from the directory; ValueError (one line) when the checkpoint
+        belongs to another run or is incomplete."""
+        where = f"checkpoint {self.dir}"
+        meta = self.check_meta(state.shard, state.num_shards, state.cfg)
         diff = fingerprint_diff(
             meta.get("fingerprint") or {}, self.fingerprint, us="checkpoint", them="model"
         )

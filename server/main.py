@@ -21,6 +21,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
@@ -56,6 +57,9 @@ def build_service(
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
         raise ValueError(f"--round-timeout must be a finite number of seconds, got {round_timeout}")
+    if checkpoint_dir and not fresh and (Path(checkpoint_dir) / "meta.json").exists():
+        # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
+        ShardCheckpoint(checkpoint_dir, {}).check_meta(shard, num_shards, cfg)
     model = build_model(model_spec, seed, block_size)
     if init:
         load_initial(model, init)
@@ -74,6 +78,7 @@ def build_service(
         )
     elif checkpoint is not None:
         checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
+    warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
     return ShardService(state, fingerprint, token=token, chunk_bytes=chunk_bytes, checkpoint=checkpoint)
 
 

@@ -185,8 +185,26 @@ def test_workers_that_join_a_running_run_take_part_from_the_next_round(tmp_path)
         wait_until(
             "the run to be under way", lambda: http_json(h0)["fragments"][0]["round"] >= 2, timeout=120
         )
-        for m, name in enumerate(("worker-c", "worker-d"), start=2):  # two at once
-            c.worker(name, [t0, t1], *work, "--rank", str(m))
+        # the run is paused (its workers stopped) until the joiners are in: however slowly processes start
+        # on a loaded machine, they join a run that is still going
+        running = [c.procs["worker-a"], c.procs["worker-b"]]
+        for p in running:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            for m, name in enumerate(("worker-c", "worker-d"), start=2):  # two at once
+                c.worker(name, [t0, t1], *work, "--rank", str(m))
+
+            def joined() -> bool:  # members of both shards: they have the masters and chose their step
+                return all(
+                    {"worker-c", "worker-d"}
+                    <= {m["name"] for m in http_json(h)["members"] if m["state"] == "member"}
+                    for h in (h0, h1)
+                )
+
+            wait_until("the joiners to be members", joined, timeout=180)
+        finally:
+            for p in running:
+                p.send_signal(signal.SIGCONT)
         names = ("worker-a", "worker-b", "worker-c", "worker-d")
         for name in names:
             assert c.wait(name, timeout=300) == 0, c.log(name)[-4000:]

@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from streamdiloco.common.chunks import Assembly, ChunkError, MasterAssembly
-from streamdiloco.common.codecs import Encoded, chunk_alignment
+from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
@@ -952,6 +952,7 @@ def connect(
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
+    warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,
         name,

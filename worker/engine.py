@@ -32,8 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from streamdiloco.common import codecs
-from streamdiloco.common.codecs import Encoded, encode
+from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient
@@ -428,7 +427,7 @@ class SyncEngine:
                                 f"update for fragment {fragment} has {n} values in a slice of {hi - lo}"
                             )
                         for off, p in parts:
-                            _add_into(p, mirror[lo + off : lo + off + p.numel])
+                            add_into(p, mirror[lo + off : lo + off + p.numel])  # the master's fp32 addition
                             self.bytes_received += p.nbytes
                         held[s] = max(held[s], round + 1)
                     else:  # a master fetched after a reconnect: it holds this round's update (and any missed)
@@ -508,15 +507,6 @@ class SyncEngine:
                         fragment,
                         round,
                     )
-
-
-def _add_into(enc: Encoded, out: torch.Tensor) -> None:
-    """out += decode(enc): the same fp32 addition as the master's."""
-    add_into = getattr(codecs, "add_into", None)
-    if add_into is not None:
-        add_into(enc, out)
-    else:
-        out.add_(codecs.decode(enc))
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -1,0 +1,106 @@
+"""The sync-cost benchmark (benchmarks/sync_cost.py) runs end to end in its --quick form (real shard
+processes, a worker process through connect()) and its tables and raw results add up."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from procs import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "sync_cost.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_sync_cost", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _table(md: str, header: str) -> list[list[str]]:
+    """The rows (cells) of the markdown table that starts with `header`; checks every row's width."""
+    lines = md.splitlines()
+    start = lines.index(header)
+    width = header.count("|") - 1
+    assert set(lines[start + 1].replace("|", "").replace("-", "").replace(":", "")) == set()
+    assert lines[start + 1].count("|") - 1 == width
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == width, line
+        rows.append(cells)
+    return rows
+
+
+def test_the_synthetic_model_has_the_asked_size_and_a_block_list():
+    mod = _module()
+    for size in ("1M", "10M", "100M"):
+        n = mod.parse_size(size)
+        w = mod.width_for(n)
+        count = mod.BLOCKS * (w * w + w) + 2 * mod.VOCAB * w + mod.VOCAB
+        assert abs(count - n) / n < 0.03, (size, count)
+        m = mod.SyntheticModel(w) if n <= 10**7 else None
+        if m is not None:
+            assert sum(p.numel() for p in m.parameters()) == count
+            assert len(m.blocks) == mod.BLOCKS  # an nn.ModuleList: the fragments' blocks
+
+
+def test_quick_run_end_to_end(tmp_path):
+    mod = _module()
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "raw.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "EMULATED" in r.stdout and "utilization" in r.stdout  # progress while it runs
+    results = json.loads((tmp_path / "raw.json").read_text())
+    assert json.loads((tmp_path / "results.json").read_text())["cases"] == results["cases"]
+    md = (tmp_path / "results.md").read_text()
+
+    # the utilization table: one row per case, in order, with sane values
+    cases = results["cases"]
+    assert [(c["case"]["step_ms"], c["case"]["tau"], c["case"]["shards"]) for c in cases] == [
+        (ms, tau, s) for _, ms, tau, s in mod.QUICK_CASES
+    ]
+    rows = _table(md, mod.UTIL_HEADER)
+    assert len(rows) == len(cases)
+    for row, c in zip(rows, cases, strict=True):
+        assert c["status"] == "ok", c
+        assert 0 < c["utilization"] <= 1
+        assert 0 < c["cycle_min"] <= c["cycle_max"] <= 1
+        assert float(row[4].strip("*").split()[0]) == round(c["utilization"], 3)
+        assert row[1] == f"{c['case']['step_ms']} ms" and row[3] == str(c["case"]["shards"])
+        assert c["measured_steps"] == 30  # 2 cycles of H=30, the first one warm-up
+        # 5 fragments sent and merged per cycle; the training thread's time in them is measured
+        run = next(x for x in results["runs"] if x["case"] == c["case"])
+        assert run["in_step"]["send"]["n"] == 5 and run["in_step"]["merge"]["n"] == 5
+        assert c["send_median_ms"] > 0 and c["merge_median_ms"] >= 0
+        assert c["send_p90_ms"] >= c["send_median_ms"]
+        assert 0 <= c["blocked_seconds"] < run["wall_seconds"]
+        assert run["compute_seconds"] == 30 * c["case"]["step_ms"] / 1e3
+        assert run["wall_seconds"] >= run["compute_seconds"]
+        # RSS: above the parameters' bytes (Python and torch alone are hundreds of MB)
+        assert c["worker_peak_rss"] > 4 * c["params"] and c["worker_rss_ratio"] > 1
+        assert len(c["shard_peak_rss"]) == c["case"]["shards"]
+        assert all(x > 4 * c["params"] for x in c["shard_peak_rss"])
+        assert run["loadavg_before"] and run["others_cpu_cores"] >= 0
+    rss = _table(md, mod.RSS_HEADER)
+    assert len(rss) == len({(c["params"], c["case"]["shards"]) for c in cases})
+    assert "Code under test" in md and results["machine"]["cpus"] >= 1
+    # the hooks say what they did
+    assert results["codecs"]["status"]
+    assert "skipped" in results["ingest"]["status"]
