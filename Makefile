@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring protos clean
+.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench-elastic: $(STAMP)
 
 bench-monitoring: $(STAMP)
 	$(BIN)/python benchmarks/monitoring.py
+
+# Issue 11: a GPU worker's compute utilization against real shards (emulated GPU steps), 1M-300M parameters.
+bench-sync-cost: $(STAMP)
+	$(BIN)/python benchmarks/sync_cost.py
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
 protos: $(STAMP)

@@ -1,0 +1,137 @@
+"""Codec throughput against a memcpy, on one CPU core (issue 11).
+
+For each codec: encode, decode into a buffer, add into a buffer (the worker's mirror update) and accumulate
+into an fp64 sum (the shard's aggregation), in millions of fp32 values per second, beside a plain copy of
+the same fp32 values into a preallocated buffer measured in the same run. Each figure is the median of
+--repeats timings. Also the same operations through the torch reference ops (what the CPU ran before the
+compiled kernels, and what runs when numba is missing or STREAMDILOCO_CODECS_NUMBA=0), for the ratio.
+
+    python benchmarks/codecs.py            # 16M values, about a minute
+    python benchmarks/codecs.py --quick    # 1M values
+    python benchmarks/codecs.py --values 64M --repeats 9 --json out.json
+
+One thread (torch.set_num_threads(1)): the kernels are single-threaded, and on a worker the sync thread and
+the training thread share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from streamdiloco.common import codecs as C
+
+OPS = ("encode", "decode", "add_into", "accumulate")
+CODECS = ("e3m0", "int8", "bf16", "fp32")
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: compiled, pages touched
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _ops(x: torch.Tensor, codec: str, block: int, compiled: bool) -> dict[str, Callable[[], object]]:
+    """The four operations on x, through the compiled kernels or the torch reference ops."""
+    spec = C.get_codec(codec)
+    enc = C.encode(x, codec, block)
+    out = torch.empty_like(x)
+    acc = torch.zeros(x.numel(), dtype=torch.float64)
+    if compiled:
+        return {
+            "encode": lambda: C.encode(x, codec, block),
+            "decode": lambda: C.decode(enc, out=out),
+            "add_into": lambda: C.add_into(enc, out),
+            "accumulate": lambda: C.accumulate(enc, acc, 0.5),
+        }
+    return {
+        "encode": lambda: C._encode_torch(x, spec, block, False, 0),
+        "decode": lambda: C._decode_torch(enc, out),
+        "add_into": lambda: out.add_(C._decode_torch(enc)),
+        "accumulate": lambda: acc.add_(C._decode_torch(enc).to(torch.float64), alpha=0.5),
+    }
+
+
+def codec_table(
+    quick: bool = False, values: int | None = None, repeats: int | None = None
+) -> tuple[str, dict]:
+    """Run the measurements; (a markdown table, the raw numbers)."""
+    torch.set_num_threads(1)
+    n = values or (1 << 20 if quick else 1 << 24)
+    repeats = repeats or (3 if quick else 5)
+    block = 128
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    dst = torch.empty_like(x)
+    memcpy = n / _time(lambda: dst.copy_(x), repeats) / 1e6
+    compiled = C._cpu_kernels() is not None
+    rows = []
+    for codec in CODECS:
+        fast = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, codec, block, compiled).items()}
+        ref = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, codec, block, False).items()}
+        rows.append({"codec": codec, "compiled": fast, "torch_ops": ref})
+        print(f"  {codec}: " + ", ".join(f"{op} {fast[op]:.0f} M/s" for op in OPS), file=sys.stderr)
+    lines = [
+        f"{n / 1e6:.3g}M fp32 values, block {block}, 1 thread; memcpy (copy_ into a preallocated buffer) "
+        f"{memcpy:.0f} M values/s in the same run; M values/s (x memcpy), median of {repeats}; "
+        f"{'compiled kernels' if compiled else 'NO compiled kernels (numba missing or switched off)'} "
+        "against the torch reference ops",
+        "",
+        "| codec | "
+        + " | ".join(f"{op}" for op in OPS)
+        + " | "
+        + " | ".join(f"{op} (torch ops)" for op in OPS)
+        + " |",
+        "|---|" + "---:|" * (2 * len(OPS)),
+    ]
+    for r in rows:
+        cells = [f"{r['compiled'][op]:.0f} ({r['compiled'][op] / memcpy:.2f}x)" for op in OPS]
+        cells += [f"{r['torch_ops'][op]:.0f} ({r['torch_ops'][op] / memcpy:.2f}x)" for op in OPS]
+        lines.append(f"| {r['codec']} | " + " | ".join(cells) + " |")
+    raw = {
+        "values": n,
+        "block_size": block,
+        "repeats": repeats,
+        "compiled": compiled,
+        "memcpy": memcpy,
+        "rows": rows,
+    }
+    return "\n".join(lines), raw
+
+
+def _count(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1M values, 3 repeats")
+    ap.add_argument("--values", type=_count, help="values per tensor (e.g. 16M; default 16M, quick 1M)")
+    ap.add_argument("--repeats", type=int, help="timings per figure, median (default 5, quick 3)")
+    ap.add_argument("--json", help="write the raw numbers here")
+    a = ap.parse_args(argv)
+    if a.values is not None and a.values < 256:
+        ap.error("--values must be at least 256")
+    if a.repeats is not None and a.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    md, raw = codec_table(a.quick, a.values, a.repeats)
+    print(md)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(raw, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

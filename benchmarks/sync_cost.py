@@ -1,0 +1,1013 @@
+"""Sync-cost benchmark (issue 11): how much of a GPU worker's time the sync path takes, at the model sizes
+and step times users have.
+
+A synthetic model (`nn.Linear` blocks in an `nn.ModuleList`, plus a byte embedding and a head outside it:
+the non-block fragment) of 1M to 300M parameters. A worker process joins real `streamdiloco server`
+processes (1 or 2 shards, on loopback) through the public API, `connect()`, and runs a training loop in
+which the GPU step is EMULATED: the training thread sleeps for the step time (50, 100 or 500 ms), then
+makes a tiny real change to the parameters (one element per tensor, so that outer gradients are not zero)
+and calls `engine.step()`. On a real GPU the step runs on the device and the training thread waits on it;
+sleeping leaves the CPUs to the sync work in the same way. Right after joining, the parameters get one
+dense random perturbation (outside the timing), so that every outer gradient and update is dense.
+
+Measured, per case (model size, step time, tau, shards), after a warm-up of H steps:
+  compute utilization  emulated compute time (steps x step time) / wall time of the loop
+                       (per H-step cycle too: min and max)
+  send / merge steps   time the training thread spends inside engine.step() at steps whose events
+                       include a send / a merge (median, p90); "other" steps: no event
+  late wake-ups        how much later than asked the training thread's sleep returned (mean ms per step):
+                       time it could not run, e.g. waiting for the GIL held by sync threads
+  blocked              engine.blocked_seconds over the measured steps (merges waiting for an update)
+  RSS                  peak RSS of the worker and of each shard process, against parameters x 4 bytes
+                       (also beyond the worker's RSS before it built the model: Python + torch + imports)
+  load                 /proc/loadavg and the CPU other processes on the machine used during the case
+Also, as hooks into other benchmarks, when they are there:
+  codecs  encode/decode throughput against a memcpy: benchmarks/codecs.py's codec_table()
+  ingest  shard ingest against plain TCP: benchmarks/wire.py --parts b (a subprocess)
+
+Headline (issue 11): 100M parameters, 100 ms steps, H=30, P=5, tau=2, alpha=0.5, E3M0 both ways, 1 shard:
+target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
+
+    python benchmarks/sync_cost.py                     # the default cases, ~10-15 min on 2 cores
+    python benchmarks/sync_cost.py --headline          # only the two headline cases
+    python benchmarks/sync_cost.py --quick             # a smoke run: 1M parameters, few steps (~1 min)
+    python benchmarks/sync_cost.py --cases 300M:100:2:1,30M:500:2:2    # SIZE:STEP_MS:TAU:SHARDS
+    python benchmarks/sync_cost.py --sizes 1M,10M --step-ms 50,100 --shards 1,2   # a grid
+    python benchmarks/sync_cost.py --json results.json --out DIR       # raw results; results.md/json/run.log
+
+Every process it starts runs in its own process group, is bounded in time (a case that hangs is killed
+and reported) and is stopped at the end, on an error and on Ctrl+C. Process logs go to a temp folder,
+shown when something fails (--keep-logs keeps the folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# The shards build the model from this spec (modelspec imports it with the repository root as the working
+# directory); its size comes from the environment variable.
+MODEL_SPEC = "benchmarks.sync_cost:synthetic_model"
+PARAMS_ENV = "SYNC_COST_PARAMS"
+BLOCKS = 12  # nn.Linear blocks in the ModuleList (P=5: 4 fragments of 3 blocks, and the rest)
+VOCAB = 256  # byte embedding and head: the non-block fragment
+HEADLINE = [("100M", 100, 2, 1), ("100M", 50, 1, 1)]
+DEFAULT_CASES = [
+    *HEADLINE,
+    ("100M", 100, 2, 2),
+    ("100M", 500, 2, 1),
+    ("1M", 100, 2, 1),
+    ("10M", 100, 2, 1),
+    ("30M", 100, 2, 1),
+]
+QUICK_CASES = [("1M", 50, 1, 1), ("1M", 50, 2, 2)]
+TARGET = 0.90
+
+
+# --- the synthetic model ------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    t = str(text).strip().upper().replace("_", "")
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}.get(t[-1:], 1)
+    return int(float(t[:-1] if mult > 1 else t) * mult)
+
+
+def size_label(n: int) -> str:
+    return f"{n / 1e6:.3g}M"
+
+
+class SyntheticModel(nn.Module):
+    """Byte embedding -> BLOCKS x Linear(width, width) -> head. Only the parameters matter here."""
+
+    def __init__(self, width: int, blocks: int = BLOCKS, vocab: int = VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + torch.relu(block(x))
+        return self.head(x)
+
+
+def width_for(params: int, blocks: int = BLOCKS, vocab: int = VOCAB) -> int:
+    """The width (a multiple of 8) whose model has about `params` parameters:
+    blocks*(w^2 + w) + vocab*w (embedding) + w*vocab + vocab (head)."""
+    a, b, c = blocks, blocks + 2 * vocab, vocab - params
+    w = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    return max(8, int(round(w / 8)) * 8)
+
+
+def synthetic_model() -> nn.Module:
+    """The factory the shards load (--model benchmarks.sync_cost:synthetic_model); the size (e.g. 100M)
+    comes from $SYNC_COST_PARAMS."""
+    return SyntheticModel(width_for(parse_size(os.environ.get(PARAMS_ENV, "1M"))))
+
+
+# --- output -------------------------------------------------------------------------------------------------
+class Tee:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, line: str = "") -> None:
+        with self.lock:
+            print(line, flush=True)
+            self.lines.append(line)
+
+
+say = Tee()
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+    def git(*args: str) -> str:
+        try:
+            r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    import streamdiloco
+
+    return {
+        "code": str(Path(streamdiloco.__file__).resolve().parent.parent),  # the package under test
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "commit": commit or "unknown",
+        "tracked_files_modified": bool(dirty),
+    }
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds all processes of the machine have used (all cores, non-idle), from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
+    """Wait (up to max_wait s) for the CPUs to be nearly idle; returns the busy fraction measured last."""
+    t_start = time.monotonic()
+    while True:
+        b0, t0 = system_busy_seconds(), time.monotonic()
+        time.sleep(1.0)
+        busy = (system_busy_seconds() - b0) / (time.monotonic() - t0) / (os.cpu_count() or 1)
+        waited = time.monotonic() - t_start
+        if busy <= threshold:
+            return busy
+        if waited >= max_wait:
+            say(f"[{label}] the machine is {busy:.0%} busy with other processes: timings may suffer")
+            return busy
+        time.sleep(1.0)
+
+
+# --- processes ----------------------------------------------------------------------------------------------
+def group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ...
+            out.append(int(d.name))
+    return out
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    total = 0.0
+    for pid in group_pids(pgid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+def group_peak_rss(pgid: int) -> int:
+    """Sum of the peak RSS (VmHWM) of the group's processes, bytes."""
+    total = 0
+    for pid in group_pids(pgid):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+class Procs:
+    """Every process the benchmark starts, each in its own session (process group), stopped by group."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], env_extra: dict | None = None, pipe: bool = False):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        log = open(self.logdir / f"{name}.log", "w")  # noqa: SIM115 (the child holds it)
+        p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE if pipe else log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs.append((name, p))
+        return p
+
+    def tail(self, name: str, n: int = 25) -> str:
+        path = self.logdir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(f"    [{name}] {line}" for line in lines[-n:])
+
+    def stop(self, p: subprocess.Popen, timeout: float = 10.0) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the group
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.poll() is None:
+            p.wait()
+        self.procs = [(n, q) for n, q in self.procs if q is not p]
+
+    def stop_all(self) -> None:
+        for _, p in list(self.procs):
+            self.stop(p, timeout=5.0)
+
+
+# --- the worker (a subprocess: `sync_cost.py _worker`) ------------------------------------------------------
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def worker_main(spec: dict, result_path: Path) -> int:
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.worker.client import connect
+
+    base_rss = _peak_rss_bytes()  # Python, torch and the package, before the model
+    t_start = time.perf_counter()
+    os.environ[PARAMS_ENV] = str(spec["params"])
+    torch.manual_seed(1)
+    model = synthetic_model()
+    numel = sum(p.numel() for p in model.parameters())
+    cfg = SyncConfig(**spec["sync"])
+    H, steps, step_s = cfg.sync_every, spec["steps"], spec["step_ms"] / 1e3
+    warm = spec["warmup"]
+    t0 = time.perf_counter()
+    engine = connect(model, spec["servers"], sync=cfg, total_steps=steps, name=f"sync-cost-{os.getpid()}")
+    join_s = time.perf_counter() - t0
+    params = [p for p in model.parameters()]
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # once, untimed: dense outer gradients and updates from the first send on
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
+    print(f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {spec['step_ms']} ms", flush=True)
+
+    recs = []  # (step, start, slept, after change, end, kinds)
+    blocked0 = cpu0 = 0.0
+    for i in range(1, steps + 1):
+        if i == warm + 1:
+            blocked0, cpu0 = float(engine.blocked_seconds), time.process_time()
+        ts = time.perf_counter()
+        time.sleep(step_s)  # the emulated GPU step
+        t1 = time.perf_counter()
+        with torch.no_grad():  # a tiny real change: one element per tensor
+            for p in params:
+                p.view(-1)[i % p.numel()] += 1e-4
+        t2 = time.perf_counter()
+        evs = engine.step(tokens=1024, loss=1.0)
+        t3 = time.perf_counter()
+        kinds = sorted({str(getattr(e, "kind", e)) for e in evs})
+        recs.append((i, ts, t1 - ts, t2, t3, kinds))
+        if i % H == 0 or i == steps:
+            cyc = recs[-H:]
+            wall = cyc[-1][4] - cyc[0][1]
+            sends = [r[4] - r[3] for r in cyc if "send" in r[5]]
+            merges = [r[4] - r[3] for r in cyc if "merge" in r[5]]
+            print(
+                f"step {i}/{steps}{' (warm-up)' if i <= warm else ''}: last {len(cyc)} steps "
+                f"{wall:.1f}s, utilization {len(cyc) * step_s / wall:.3f}; max send step "
+                f"{max(sends, default=0) * 1e3:.0f} ms, max merge step "
+                f"{max(merges, default=0) * 1e3:.0f} ms; "
+                f"blocked {engine.blocked_seconds:.2f}s in all",
+                flush=True,
+            )
+    blocked = float(engine.blocked_seconds) - blocked0
+    cpu_window = time.process_time() - cpu0
+    t0 = time.perf_counter()
+    engine.close()
+    close_s = time.perf_counter() - t0
+
+    win = [r for r in recs if r[0] > warm]
+    wall = win[-1][4] - win[0][1]
+    cycles = []
+    for c in range(warm, steps, H):
+        cyc = [r for r in recs if c < r[0] <= c + H]
+        if len(cyc) == H:
+            cycles.append(H * step_s / (cyc[-1][4] - cyc[0][1]))
+
+    def ms(xs: list[float]) -> dict:
+        return {
+            "n": len(xs),
+            "median_ms": statistics.median(xs) * 1e3 if xs else None,
+            "p90_ms": _pct(xs, 0.9) * 1e3 if xs else None,  # type: ignore[operator]
+            "max_ms": max(xs) * 1e3 if xs else None,
+            "total_s": sum(xs),
+        }
+
+    inside = {
+        "send": ms([r[4] - r[3] for r in win if "send" in r[5]]),
+        "merge": ms([r[4] - r[3] for r in win if "merge" in r[5]]),
+        "other": ms([r[4] - r[3] for r in win if not r[5]]),
+    }
+    res = {
+        "params": numel,
+        "width": model.blocks[0].in_features,
+        "blocks": len(model.blocks),
+        "steps": steps,
+        "warmup_steps": warm,
+        "measured_steps": len(win),
+        "step_ms": spec["step_ms"],
+        "join_seconds": join_s,
+        "close_seconds": close_s,
+        "wall_seconds": wall,
+        "compute_seconds": len(win) * step_s,
+        "utilization": len(win) * step_s / wall,
+        "cycle_utilization": cycles,
+        "in_step": inside,
+        "in_step_total_s": sum(r[4] - r[3] for r in win),
+        "late_wakeup_ms_mean": statistics.mean(r[2] - step_s for r in win) * 1e3,
+        "late_wakeup_ms_p90": _pct([r[2] - step_s for r in win], 0.9) * 1e3,  # type: ignore[operator]
+        "blocked_seconds": blocked,
+        "blocked_seconds_total": float(engine.blocked_seconds),
+        "worker_cpu_cores_window": cpu_window / wall,
+        "worker_cpu_seconds_total": time.process_time(),
+        "worker_base_rss": base_rss,
+        "worker_peak_rss": _peak_rss_bytes(),
+        "lifetime_seconds": time.perf_counter() - t_start,
+        "bytes_sent": getattr(engine, "bytes_sent", None),
+        "bytes_received": getattr(engine, "bytes_received", None),
+        "pushes": getattr(engine, "pushes", None),
+        "merges": getattr(engine, "merges", None),
+    }
+    result_path.write_text(json.dumps(res, indent=2))
+    return 0
+
+
+# --- one case -----------------------------------------------------------------------------------------------
+def case_label(c: dict) -> str:
+    return f"{c['size']} {c['step_ms']}ms tau={c['tau']} S={c['shards']}"
+
+
+def sync_settings(tau: int, args) -> dict:
+    return {
+        "sync_every": args.sync_every,
+        "num_fragments": args.num_fragments,
+        "fragment_sync_delay": tau,
+        "fragment_update_alpha": args.alpha,
+        "uplink_codec": args.codec,
+        "downlink_codec": args.codec,
+        "final_sync": False,  # every measured step is an ordinary one
+    }
+
+
+def shard_flags(sync: dict) -> list[str]:
+    return [
+        "--sync-every",
+        str(sync["sync_every"]),
+        "--num-fragments",
+        str(sync["num_fragments"]),
+        "--fragment-sync-delay",
+        str(sync["fragment_sync_delay"]),
+        "--fragment-update-alpha",
+        str(sync["fragment_update_alpha"]),
+        "--uplink-codec",
+        sync["uplink_codec"],
+        "--downlink-codec",
+        sync["downlink_codec"],
+        "--no-final-sync",
+    ]
+
+
+def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args) -> list[tuple]:
+    out = []
+    env = {PARAMS_ENV: str(case["params"])}
+    for s in range(case["shards"]):
+        ready = tmp / f"{tag}-shard{s}.ready"
+        argv = [sys.executable, "-m", "streamdiloco", "server", "--shard", str(s)]
+        argv += ["--num-shards", str(case["shards"]), "--host", "127.0.0.1", "--port", "0"]
+        argv += ["--http-port", "0", "--ready-file", str(ready), "--model", MODEL_SPEC]
+        argv += ["--min-workers", "1", *shard_flags(sync)]
+        if args.shard_checkpoint:
+            argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-ckpt"), "--fresh"]
+        else:
+            argv += ["--no-checkpoint"]
+        name = f"{tag}-shard{s}"
+        out.append((name, procs.start(name, argv, env_extra=env), ready))
+    deadline = time.monotonic() + args.start_timeout
+    infos = {}
+    while len(infos) < len(out):
+        for name, p, ready in out:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
+            if name not in infos and ready.exists():
+                try:
+                    infos[name] = json.loads(ready.read_text())
+                except ValueError:  # being written
+                    pass
+        if time.monotonic() > deadline:
+            tails = "\n".join(procs.tail(n) for n, _, _ in out)
+            raise RuntimeError(f"shards not serving after {args.start_timeout:.0f}s:\n{tails}")
+        time.sleep(0.05)
+    return [(name, p, infos[name]) for name, p, _ in out]
+
+
+def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
+    tag = f"{case['size']}-{case['step_ms']}ms-tau{case['tau']}-S{case['shards']}-r{rep}"
+    label = f"[{case_label(case)}{f' #{rep + 1}' if args.repeats > 1 else ''}]"
+    sync = sync_settings(case["tau"], args)
+    steps = args.sync_every * args.cycles
+    timeout = args.case_timeout or (args.start_timeout + 120 + steps * (case["step_ms"] / 1e3 + 3.0))
+    out: dict = {"case": case, "repeat": rep, "status": "ok", "loadavg_before": loadavg()}
+    busy = wait_quiet(label, args.max_wait) if args.max_wait > 0 else None
+    out["machine_busy_before"] = busy
+    say(
+        f"{label} starting {case['shards']} shard process(es) for {case['params']:,} parameters "
+        f"(load {out['loadavg_before']})"
+    )
+    t0 = time.monotonic()
+    shards = start_shards(procs, tmp, tag, case, sync, args)
+    out["shard_start_seconds"] = time.monotonic() - t0
+    servers = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in shards)
+    spec = {
+        "params": case["params"],
+        "servers": servers,
+        "sync": sync,
+        "steps": steps,
+        "warmup": args.sync_every,
+        "step_ms": case["step_ms"],
+    }
+    result = tmp / f"{tag}-worker.json"
+    wname = f"{tag}-worker"
+    busy0, cpu_me0 = system_busy_seconds(), time.process_time()
+    shard_cpu0 = sum(group_cpu_seconds(p.pid) for _, p, _ in shards)
+    tw0 = time.monotonic()
+    worker = procs.start(
+        wname,
+        [sys.executable, str(Path(__file__).resolve()), "_worker", json.dumps(spec), str(result)],
+        env_extra={PARAMS_ENV: str(case["params"])},
+        pipe=True,
+    )
+    log_lines: list[str] = []
+
+    def relay():
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            line = line.rstrip("\n")
+            log_lines.append(line)
+            if not line.startswith(" ") and "Traceback" not in line:
+                say(f"{label} {line}")
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    code, shard_died = None, False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = worker.poll()
+        if code is not None:
+            break
+        if any(p.poll() is not None for _, p, _ in shards):  # the worker would wait for it, for minutes
+            shard_died = True
+            break
+        time.sleep(0.2)
+    wall = time.monotonic() - tw0
+    reader.join(5)
+    (tmp / f"{wname}.log").write_text("\n".join(log_lines) + "\n")
+    shard_cpu1 = sum(group_cpu_seconds(p.pid) for _, p, _ in shards)
+    busy1, cpu_me1 = system_busy_seconds(), time.process_time()
+    out["shard_peak_rss"] = [group_peak_rss(p.pid) for _, p, _ in shards]
+    out["loadavg_after"] = loadavg()
+    dead = [(n, p.returncode) for n, p, _ in shards if p.poll() is not None]
+    if code is None:
+        procs.stop(worker)
+        out["status"] = "a shard exited mid-run" if shard_died else f"timed out after {timeout:.0f}s"
+    elif code != 0 or not result.exists():
+        out["status"] = f"worker exited with {code}"
+    for _, p, _ in shards:
+        procs.stop(p, timeout=30)
+    if out["status"] != "ok" or dead:
+        tails = "\n".join([procs.tail(wname, 40)] + [procs.tail(n) for n, _, _ in shards])
+        say(f"{label} FAILED: {out['status']}; shards exited early: {dead or 'none'}\n{tails}")
+        out["log_tail"] = tails
+        if out["status"] == "ok":
+            out["status"] = f"shard(s) exited early: {dead}"
+        return out
+    w = json.loads(result.read_text())
+    out.update(w)
+    ours = w["worker_cpu_seconds_total"] + (shard_cpu1 - shard_cpu0) + (cpu_me1 - cpu_me0)
+    out["shard_cpu_cores"] = (shard_cpu1 - shard_cpu0) / wall
+    out["others_cpu_cores"] = max(0.0, (busy1 - busy0) - ours) / wall
+    out["worker_process_seconds"] = wall
+    bpp = 4 * w["params"]
+    out["worker_rss_ratio"] = w["worker_peak_rss"] / bpp
+    out["worker_rss_excess_ratio"] = (w["worker_peak_rss"] - w["worker_base_rss"]) / bpp
+    out["shard_rss_ratio"] = [r / bpp for r in out["shard_peak_rss"]]
+    out["shard_rss_excess_ratio"] = [(r - w["worker_base_rss"]) / bpp for r in out["shard_peak_rss"]]
+    s, m = w["in_step"]["send"], w["in_step"]["merge"]
+    say(
+        f"{label} utilization {w['utilization']:.3f} over {w['measured_steps']} steps "
+        f"(cycles {min(w['cycle_utilization'], default=0):.3f}-"
+        f"{max(w['cycle_utilization'], default=0):.3f}); "
+        f"send step {_f(s['median_ms'])} ms (p90 {_f(s['p90_ms'])}), merge step {_f(m['median_ms'])} ms "
+        f"(p90 {_f(m['p90_ms'])}); blocked {w['blocked_seconds']:.2f}s; worker RSS "
+        f"{w['worker_peak_rss'] / 2**30:.2f} GiB ({out['worker_rss_ratio']:.2f}x params*4B); "
+        f"other processes {out['others_cpu_cores']:.2f} cores; load {out['loadavg_after']}"
+    )
+    return out
+
+
+def _f(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+# --- tables -------------------------------------------------------------------------------------------------
+def summarize(runs: list[dict]) -> dict:
+    """One row per case: medians over its successful repeats."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    case = runs[0]["case"]
+    if not ok:
+        return {"case": case, "status": runs[0]["status"], "repeats": len(runs), "ok": 0}
+
+    def med(get):
+        vals = [v for v in (get(r) for r in ok) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "case": case,
+        "status": "ok",
+        "repeats": len(runs),
+        "ok": len(ok),
+        "params": ok[0]["params"],
+        "utilization": med(lambda r: r["utilization"]),
+        "utilization_all": [r["utilization"] for r in ok],
+        "cycle_min": min(min(r["cycle_utilization"], default=r["utilization"]) for r in ok),
+        "cycle_max": max(max(r["cycle_utilization"], default=r["utilization"]) for r in ok),
+        "send_median_ms": med(lambda r: r["in_step"]["send"]["median_ms"]),
+        "send_p90_ms": med(lambda r: r["in_step"]["send"]["p90_ms"]),
+        "merge_median_ms": med(lambda r: r["in_step"]["merge"]["median_ms"]),
+        "merge_p90_ms": med(lambda r: r["in_step"]["merge"]["p90_ms"]),
+        "other_median_ms": med(lambda r: r["in_step"]["other"]["median_ms"]),
+        "late_wakeup_ms": med(lambda r: r["late_wakeup_ms_mean"]),
+        "blocked_seconds": med(lambda r: r["blocked_seconds"]),
+        "measured_steps": ok[0]["measured_steps"],
+        "wall_seconds": med(lambda r: r["wall_seconds"]),
+        "worker_cpu_cores": med(lambda r: r["worker_cpu_cores_window"]),
+        "shard_cpu_cores": med(lambda r: r["shard_cpu_cores"]),
+        "others_cpu_cores": med(lambda r: r["others_cpu_cores"]),
+        "loadavg": [r["loadavg_before"] for r in ok],
+        "join_seconds": med(lambda r: r["join_seconds"]),
+        "worker_peak_rss": max(r["worker_peak_rss"] for r in ok),
+        "worker_base_rss": min(r["worker_base_rss"] for r in ok),
+        "worker_rss_ratio": max(r["worker_rss_ratio"] for r in ok),
+        "worker_rss_excess_ratio": max(r["worker_rss_excess_ratio"] for r in ok),
+        "shard_peak_rss": [max(x) for x in zip(*(r["shard_peak_rss"] for r in ok), strict=True)],
+        "shard_rss_ratio": [max(x) for x in zip(*(r["shard_rss_ratio"] for r in ok), strict=True)],
+        "shard_rss_excess_ratio": [
+            max(x) for x in zip(*(r["shard_rss_excess_ratio"] for r in ok), strict=True)
+        ],
+    }
+
+
+UTIL_HEADER = (
+    "| params | step (emulated) | τ | shards | compute utilization | cycles min–max | send step ms "
+    "(median / p90) | merge step ms (median / p90) | other steps ms | late wake-ups ms/step | blocked s "
+    "| CPU cores: worker / shards / others | load avg |"
+)
+
+
+def table_util(rows: list[dict]) -> str:
+    out = [UTIL_HEADER, "|" + "---:|" * 4 + "---:|" * 9]
+    for r in rows:
+        c = r["case"]
+        n = r.get("params") or c["params"]
+        head = f"| {size_label(n)} | {c['step_ms']} ms | {c['tau']} | {c['shards']} |"
+        if r["status"] != "ok":
+            out.append(head + f" **{r['status']}** |" + " |" * 8)
+            continue
+        util = f"**{r['utilization']:.3f}**"
+        if r["ok"] > 1:
+            util += f" ({', '.join(f'{u:.3f}' for u in r['utilization_all'])})"
+        out.append(
+            head + f" {util} | {r['cycle_min']:.3f}–{r['cycle_max']:.3f} | "
+            f"{_f(r['send_median_ms'])} / {_f(r['send_p90_ms'])} | "
+            f"{_f(r['merge_median_ms'])} / {_f(r['merge_p90_ms'])} | {_f(r['other_median_ms'], '.2f')} | "
+            f"{_f(r['late_wakeup_ms'], '.1f')} | {r['blocked_seconds']:.2f} | "
+            f"{r['worker_cpu_cores']:.2f} / {r['shard_cpu_cores']:.2f} / {r['others_cpu_cores']:.2f} | "
+            f"{r['loadavg'][0]} |"
+        )
+    return "\n".join(out)
+
+
+RSS_HEADER = (
+    "| params | shards | params × 4 B | worker peak RSS | ÷ params × 4 B | beyond base ÷ params × 4 B "
+    "| shard peak RSS (each) | ÷ params × 4 B | beyond base ÷ params × 4 B |"
+)
+
+
+def table_rss(rows: list[dict]) -> str:
+    seen, out = set(), [RSS_HEADER, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        key = (r["params"], r["case"]["shards"])
+        if key in seen:
+            continue
+        seen.add(key)
+        gib = 2**30
+        out.append(
+            f"| {size_label(r['params'])} | {r['case']['shards']} | {4 * r['params'] / gib:.2f} GiB | "
+            f"{r['worker_peak_rss'] / gib:.2f} GiB | {r['worker_rss_ratio']:.2f} | "
+            f"{r['worker_rss_excess_ratio']:.2f} | "
+            f"{', '.join(f'{x / gib:.2f}' for x in r['shard_peak_rss'])} GiB | "
+            f"{', '.join(f'{x:.2f}' for x in r['shard_rss_ratio'])} | "
+            f"{', '.join(f'{x:.2f}' for x in r['shard_rss_excess_ratio'])} |"
+        )
+    return "\n".join(out)
+
+
+# --- hooks: codecs (benchmarks/codecs.py) and ingest (benchmarks/wire.py part b) ---------------------------
+def codecs_main(out_path: Path, quick: bool) -> int:
+    """In a subprocess: benchmarks/codecs.py's codec_table(), loaded by its path (`import codecs` is the
+    standard library's); writes its table and raw numbers."""
+    spec = importlib.util.spec_from_file_location("bench_codecs", HERE / "codecs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    md, raw = mod.codec_table(quick=quick)
+    out_path.write_text(json.dumps({"markdown": md, "raw": raw}, indent=2))
+    return 0
+
+
+def run_codecs(procs: Procs, tmp: Path, args) -> dict:
+    res = tmp / "codecs.json"
+    say("[codecs] benchmarks/codecs.py codec_table() ...")
+    p = procs.start(
+        "codecs",
+        [sys.executable, str(Path(__file__).resolve()), "_codecs", str(res), "1" if args.quick else "0"],
+    )
+    try:
+        code = p.wait(args.hook_timeout)
+    except subprocess.TimeoutExpired:
+        procs.stop(p)
+        say(f"[codecs] timed out after {args.hook_timeout:.0f}s\n{procs.tail('codecs')}")
+        return {"status": f"timed out after {args.hook_timeout:.0f}s"}
+    procs.stop(p)
+    if code != 0 or not res.exists():
+        say(f"[codecs] failed (exit {code}):\n{procs.tail('codecs')}")
+        return {"status": f"failed (exit {code})", "log_tail": procs.tail("codecs")}
+    got = json.loads(res.read_text())
+    return {"status": "ok", **got}
+
+
+def run_ingest(procs: Procs, tmp: Path, args) -> dict:
+    wire = HERE / "wire.py"
+    out_dir = tmp / "wire-b"
+    argv = [sys.executable, str(wire), "--parts", "b", "--out", str(out_dir), "--no-profile"]
+    argv += ["--max-wait", str(args.max_wait)] + (["--quick"] if args.quick else [])
+    say(f"[ingest] {shlex.join(['python', 'benchmarks/wire.py', *argv[2:]])} ...")
+    p = procs.start("ingest", argv)
+    try:
+        code = p.wait(args.ingest_timeout)
+    except subprocess.TimeoutExpired:
+        procs.stop(p)
+        say(f"[ingest] timed out after {args.ingest_timeout:.0f}s\n{procs.tail('ingest')}")
+        return {"status": f"timed out after {args.ingest_timeout:.0f}s"}
+    procs.stop(p)
+    if code != 0:
+        say(f"[ingest] failed (exit {code}):\n{procs.tail('ingest')}")
+        return {"status": f"failed (exit {code})", "log_tail": procs.tail("ingest")}
+    md = (out_dir / "results.md").read_text() if (out_dir / "results.md").exists() else ""
+    raw = json.loads((out_dir / "results.json").read_text()) if (out_dir / "results.json").exists() else {}
+    md = "\n".join(("#" + ln) if ln.startswith("#") else ln for ln in md.splitlines())  # one level down
+    return {"status": "ok", "command": shlex.join(["python", *argv[1:]]), "markdown": md, "raw": raw.get("b")}
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+def parse_cases(text: str) -> list[tuple]:
+    out = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 4:
+            raise ValueError(f"--cases: {item!r} is not SIZE:STEP_MS:TAU:SHARDS (e.g. 100M:100:2:1)")
+        out.append((parts[0], int(parts[1]), int(parts[2]), int(parts[3])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":
+        return worker_main(json.loads(argv[1]), Path(argv[2]))
+    if argv and argv[0] == "_codecs":
+        return codecs_main(Path(argv[1]), argv[2] == "1")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1M parameters, 2 cycles (~1 min)")
+    ap.add_argument("--headline", action="store_true", help="only the issue's two cases (100M, 1 shard)")
+    ap.add_argument("--cases", help="SIZE:STEP_MS:TAU:SHARDS,... (e.g. 100M:100:2:1,300M:50:1:2)")
+    ap.add_argument("--sizes", help="a grid instead: sizes (1M,10M,30M,100M,300M)")
+    ap.add_argument("--step-ms", help="grid: emulated step times in ms (default 100)")
+    ap.add_argument("--shards", help="grid: shard counts (default 1)")
+    ap.add_argument("--tau", type=int, help="grid: tau (default: 1 for steps <= 50 ms, else 2)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per case, fresh shards each; median")
+    ap.add_argument("--cycles", type=int, help="H-step cycles per run, the first one warm-up (default 4)")
+    ap.add_argument("--sync-every", type=int, default=30, help="H (default 30)")
+    ap.add_argument("--num-fragments", type=int, default=5, help="P (default 5)")
+    ap.add_argument("--alpha", type=float, default=0.5, help="fragment_update_alpha (default 0.5)")
+    ap.add_argument("--codec", default="e3m0", help="uplink and downlink codec (default e3m0)")
+    ap.add_argument("--shard-checkpoint", action="store_true", help="shards checkpoint every round")
+    ap.add_argument("--parts", default="sync,codecs,ingest", help="sync, codecs, ingest (default: all)")
+    ap.add_argument("--case-timeout", type=float, help="seconds a case may take (default from its steps)")
+    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds for shards to serve")
+    ap.add_argument("--hook-timeout", type=float, help="seconds for codecs (default 300, quick 40)")
+    ap.add_argument("--ingest-timeout", type=float, default=900.0, help="seconds for wire.py part b")
+    ap.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine (default 10)")
+    ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--out", help="write results.md, results.json and run.log into this folder")
+    ap.add_argument("--label", default="", help="a note for the results' header (e.g. which code)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (temp folder)")
+    a = ap.parse_args(argv)
+    a.cycles = a.cycles or (2 if a.quick else 4)
+    a.hook_timeout = a.hook_timeout or (40.0 if a.quick else 300.0)
+    a.max_wait = a.max_wait if a.max_wait is not None else (0.0 if a.quick else 10.0)
+    parts = {x.strip() for x in a.parts.split(",") if x.strip()}
+    if parts - {"sync", "codecs", "ingest"}:
+        ap.error(f"--parts: choose from sync, codecs, ingest; got {a.parts!r}")
+    if a.quick and "ingest" in parts and "--parts" not in argv:
+        parts.discard("ingest")  # minutes on its own: run it with --parts ingest
+        a.ingest_note = "skipped in --quick (minutes on its own; run with --parts ingest)"
+    else:
+        a.ingest_note = None
+    if a.cycles < 2:
+        ap.error("--cycles must be at least 2 (the first is warm-up)")
+    try:
+        if a.cases:
+            raw_cases = parse_cases(a.cases)
+        elif a.sizes or a.step_ms or a.shards or a.tau is not None:
+            sizes = (a.sizes or "100M").split(",")
+            steps_ms = [int(x) for x in (a.step_ms or "100").split(",")]
+            shard_counts = [int(x) for x in (a.shards or "1").split(",")]
+            raw_cases = [
+                (sz, ms, a.tau if a.tau is not None else (1 if ms <= 50 else 2), s)
+                for sz in sizes
+                for ms in steps_ms
+                for s in shard_counts
+            ]
+        elif a.quick:
+            raw_cases = QUICK_CASES
+        elif a.headline:
+            raw_cases = HEADLINE
+        else:
+            raw_cases = DEFAULT_CASES
+        cases = [
+            {"size": sz, "params": parse_size(sz), "step_ms": ms, "tau": tau, "shards": s}
+            for sz, ms, tau, s in raw_cases
+        ]
+        for c in cases:  # fail now, not after minutes: the config the shards and the worker will use
+            from streamdiloco.common.config import SyncConfig
+
+            SyncConfig(**sync_settings(c["tau"], a))
+    except ValueError as e:
+        ap.error(str(e))
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    info = machine()
+    command = shlex.join(["python", "benchmarks/sync_cost.py", *argv])
+    say(f"$ {command}")
+    say(
+        f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
+        f"Python {info['python']}, torch {info['torch']}; commit {info['commit'][:12]}"
+        f"{' (tracked files modified)' if info['tracked_files_modified'] else ''}; load {loadavg()}"
+    )
+    say(f"code under test: {info['code']}{'; ' + a.label if a.label else ''}")
+    say(
+        "The GPU step is EMULATED: the training thread sleeps for the step time (the real case is a GPU "
+        "step), then changes one element per tensor and calls engine.step()."
+    )
+    results: dict = {
+        "command": command,
+        "machine": info,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "label": a.label,
+        "loadavg_start": loadavg(),
+        "settings": {
+            "sync": sync_settings(-1, a) | {"fragment_sync_delay": "per case"},
+            "steps_per_run": a.sync_every * a.cycles,
+            "warmup_steps": a.sync_every,
+            "repeats": a.repeats,
+            "shard_checkpoint": a.shard_checkpoint,
+            "model": f"embedding {VOCAB} x w, {BLOCKS} x Linear(w, w), head Linear(w, {VOCAB})",
+        },
+        "cases": [],
+        "runs": [],
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="sync-cost-"))
+    procs = Procs(tmp)
+    status = 0
+    t_start = time.monotonic()
+    md: list[str] = []
+    try:
+        if "sync" in parts:
+            steps = a.sync_every * a.cycles
+            say(
+                f"{len(cases)} case(s) x {a.repeats}: {steps} steps each ({a.sync_every} warm-up), "
+                f"H={a.sync_every}, "
+                f"P={a.num_fragments}, alpha={a.alpha}, {a.codec} both ways, shards "
+                f"{'checkpointing every round' if a.shard_checkpoint else 'with --no-checkpoint'}"
+            )
+            for c in cases:
+                runs = []
+                for rep in range(a.repeats):
+                    try:
+                        runs.append(run_case(procs, tmp, c, rep, a))
+                    except RuntimeError as e:  # shards did not start: report, go on with the next case
+                        say(f"[{case_label(c)}] FAILED: {e}")
+                        runs.append({"case": c, "repeat": rep, "status": f"failed: {str(e).splitlines()[0]}"})
+                    procs.stop_all()
+                results["runs"] += runs
+                results["cases"].append(summarize(runs))
+            t = table_util(results["cases"])
+            r_ = table_rss(results["cases"])
+            lines = [
+                "The GPU step is emulated: the training thread sleeps for the step time, then changes one "
+                "element per tensor (outer gradients and updates are dense: the parameters got one random "
+                f"perturbation after joining) and calls `engine.step()`. {steps} steps per run, the first "
+                f"{a.sync_every} (one H cycle) not measured; H={a.sync_every}, P={a.num_fragments}, "
+                f"α={a.alpha}, {a.codec} up and down, shards on loopback "
+                f"({'checkpointing every round' if a.shard_checkpoint else '--no-checkpoint'}). "
+                "Compute utilization = emulated compute ÷ wall time. Send/merge step: time inside "
+                "`engine.step()` at steps whose events include a send/merge; other steps: no event. Late "
+                "wake-ups: how much later than asked the training thread's sleep returned. CPU: cores used "
+                "during the run by the worker (measured steps), the shards, and other processes on the "
+                "machine.",
+                "",
+                t,
+                "",
+            ]
+            for hc in HEADLINE:
+                row = next(
+                    (
+                        r
+                        for r in results["cases"]
+                        if (r["case"]["size"], r["case"]["step_ms"], r["case"]["tau"], r["case"]["shards"])
+                        == hc
+                    ),
+                    None,
+                )
+                if row is not None and row["status"] == "ok":
+                    verdict = "met" if row["utilization"] >= TARGET else "NOT met"
+                    lines.append(
+                        f"Issue 11 case {hc[0]}, {hc[1]} ms, τ={hc[2]}, {hc[3]} shard: compute utilization "
+                        f"**{row['utilization']:.3f}** (target ≥ {TARGET:.2f}: {verdict})."
+                    )
+            lines += [
+                "",
+                "Peak RSS against the parameters' fp32 bytes (base: the worker's RSS before it built the "
+                "model, Python + torch + imports; the same base is taken off the shards' figures):",
+                "",
+                r_,
+                "",
+            ]
+            md += ["## Compute utilization and the training thread's sync time", "", *lines]
+        if "codecs" in parts:
+            results["codecs"] = run_codecs(procs, tmp, a)
+            body = results["codecs"].get("markdown") or results["codecs"]["status"]
+            md += ["## Codecs against memcpy (benchmarks/codecs.py)", "", body, ""]
+        if "ingest" in parts:
+            results["ingest"] = run_ingest(procs, tmp, a)
+            ing = results["ingest"]
+            body = ing.get("markdown") or ing["status"]
+            if ing.get("command"):
+                body = f"`{ing['command']}`\n\n{body}"
+            ratio = ((ing.get("raw") or {}).get("ratios_grpc_over_tcp") or {}).get("discard")
+            if isinstance(ratio, (int, float)):
+                verdict = "met" if ratio >= 0.5 else "NOT met"
+                body += (
+                    f"\n\nShard ingest ÷ plain TCP read-and-discard: **{ratio:.3f}** "
+                    f"(target ≥ 0.50: {verdict})."
+                )
+            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", body, ""]
+        elif a.ingest_note:
+            results["ingest"] = {"status": a.ingest_note}
+            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", a.ingest_note, ""]
+    except KeyboardInterrupt:
+        say("interrupted: stopping every process")
+        status = 130
+    finally:
+        procs.stop_all()
+        if a.keep_logs:
+            say(f"process logs: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    results["wall_seconds"] = time.monotonic() - t_start
+    results["loadavg_end"] = loadavg()
+    head = [
+        "# Sync cost (issue 11)",
+        "",
+        f"`{command}`; {results['started']}; commit {info['commit']}"
+        f"{' (tracked files modified)' if info['tracked_files_modified'] else ''}. Machine: {info['cpus']} "
+        f"CPUs ({info['cpu']}), {info['memory_gib']} GiB, torch {info['torch']}; load average at start "
+        f"{results['loadavg_start']}, at end {results['loadavg_end']}; {results['wall_seconds']:.0f} s. "
+        f"Code under test: {info['code']}.{' ' + a.label if a.label else ''}",
+        "",
+    ]
+    text = "\n".join(head + md)
+    say("")
+    say(text)
+    if any(r["status"] != "ok" for r in results["cases"]):
+        status = status or 1
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(results, indent=2, default=str))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        (out / "results.md").write_text(text + "\n")
+        (out / "run.log").write_text("\n".join(say.lines) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
