@@ -167,15 +167,14 @@ class CloseJob:
     update: Encoded | None = None
 
     def run(self) -> CloseJob:
-        mean = None
         if self.weight > 0:
-            mean = torch.empty(self.n, dtype=torch.float32)
+            mean = self.opt.gradient_buffer()
             fold(self.n, self.pushes, mean, self.partial, self.weight)
-        if mean is not None and torch.isfinite(mean).all():
-            self.update, _ = self.opt.step(mean)
-        else:  # nobody pushed (or, defensively, the mean is not finite): a zero update; nobody waits forever
-            if mean is not None:
-                self.why = "nonfinite"  # cannot happen with validated pushes; the caller logs it
+            try:
+                self.update, _ = self.opt.step(mean)
+            except ValueError:  # the mean is not finite: cannot happen with validated pushes; logged
+                self.why = "nonfinite"
+        if self.update is None:  # nobody pushed (or the mean was not finite): a zero update; nobody waits
             self.mean_loss = None
             codec, block_size = self.downlink
             self.update = encode(torch.zeros_like(self.opt.master), codec, block_size)

@@ -94,3 +94,48 @@ def test_state_dict_roundtrip():
     a, _ = opt.step(g)
     b, _ = twin.step(g)
     assert torch.equal(opt.master, twin.master) and torch.equal(a.payload, b.payload)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.9, False), (0.0, True)])
+def test_the_step_is_torch_sgd_bit_for_bit(momentum, nesterov):
+    """The step runs in kept buffers; its values are those of stepping torch.optim.SGD itself (with the
+    fp32 downlink there is no quantization: the master is SGD's parameter, bit for bit)."""
+    torch.manual_seed(1)
+    n = 10_007  # not a multiple of any vector width: the tails too
+    start = torch.randn(n)
+    opt = OuterOptimizer(start, lr=0.7, momentum=momentum, nesterov=nesterov, downlink_codec="fp32")
+    param = start.clone().requires_grad_(True)
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=momentum, nesterov=nesterov and momentum > 0)
+    for _ in range(5):
+        g = torch.randn(n) * 1e-2
+        old = opt.master
+        opt.step(g)
+        param.grad = g.clone()
+        sgd.step()
+        assert torch.equal(opt.master, old + (param.detach() - old))  # theta_old + u, u exact in fp32
+        assert torch.equal(opt.residual, torch.zeros(n))
+        with torch.no_grad():
+            param.copy_(opt.master)
+        assert not torch.equal(old, opt.master)  # the old master was not changed in place
+    if momentum:  # the momentum is SGD's, in SGD's state format
+        assert torch.equal(
+            opt.state_dict()["sgd"]["state"][0]["momentum_buffer"], sgd.state[param]["momentum_buffer"]
+        )
+
+
+def test_a_non_finite_gradient_is_refused_and_changes_nothing():
+    opt = OuterOptimizer(torch.randn(300), lr=0.7, momentum=0.9)
+    opt.step(torch.randn(300) * 1e-2)
+    before = opt.state_dict()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.randn(300) * 1e-2
+        g[123] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            opt.step(g)
+        after = opt.state_dict()
+        assert torch.equal(after["master"], before["master"]) and torch.equal(
+            after["residual"], before["residual"]
+        )
+        assert torch.equal(
+            after["sgd"]["state"][0]["momentum_buffer"], before["sgd"]["state"][0]["momentum_buffer"]
+        )
