@@ -21,7 +21,15 @@ from collections.abc import Iterator
 
 import torch
 
-from streamdiloco.common.codecs import Encoded, chunk_alignment, concat, decode, get_codec
+from streamdiloco.common.codecs import (
+    Encoded,
+    accumulate,
+    add_into,
+    chunk_alignment,
+    concat,
+    decode,
+    get_codec,
+)
 
 # No value a chunk stands for may exceed this in magnitude, so that no weighted sum of accepted chunks, mean
 # or outer step can overflow: outer gradients and updates are parameter differences, far below 1e30.
@@ -192,17 +200,17 @@ class Assembly:
     def decode_into(self, out: torch.Tensor, lo: int = 0) -> None:
         """out[:] = the values [lo, lo + out.numel()), decoded in place (out: fp32)."""
         for at, p in self.pieces(lo, lo + out.numel()):
-            out[at - lo : at - lo + p.numel].copy_(decode(p))
+            decode(p, out=out[at - lo : at - lo + p.numel])
 
     def add_into(self, out: torch.Tensor, lo: int = 0) -> None:
         """out += the values [lo, lo + out.numel()) (out: fp32, say a mirror's slice)."""
         for at, p in self.pieces(lo, lo + out.numel()):
-            out[at - lo : at - lo + p.numel].add_(decode(p))
+            add_into(p, out[at - lo : at - lo + p.numel])
 
     def accumulate_into(self, acc: torch.Tensor, weight: float, lo: int = 0) -> None:
         """acc += weight * the values [lo, lo + acc.numel()) (acc: fp64, the shard's sum)."""
         for at, p in self.pieces(lo, lo + acc.numel()):
-            acc[at - lo : at - lo + p.numel].add_(decode(p).to(acc.dtype), alpha=weight)
+            accumulate(p, acc[at - lo : at - lo + p.numel], weight)  # one pass, no temporaries
 
     def _need_done(self) -> None:
         if not self.done:

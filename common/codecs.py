@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -376,22 +378,55 @@ def _encode_cpu(
     nbytes, nscales = spec.sizes(n, block_size)
     payload = torch.empty(nbytes, dtype=torch.uint8)
     scales = torch.empty(nscales, dtype=torch.float32)
-    pn = payload.numpy()
-    if spec.name == "fp32":
-        bad = k.copy_check(xi, pn.view(np.int32))
-    elif spec.name == "bf16":
-        bad = k.encode_bf16(xi, pn.view(np.uint16), key, stochastic)
-    elif spec.name == "int8":
-        bad = k.encode_int8(
-            xi, xi.view(np.float32), block_size, pn.view(np.int8), scales.numpy(), key, stochastic
-        )
-    else:
-        bad = k.encode_e3m0(xi, xi.view(np.float32), block_size, pn, scales.numpy(), key, stochastic)
-    if bad:
+    pn, sn = payload.numpy(), scales.numpy()
+    bs = block_size if spec.scaled else 1
+
+    def run(a: int, b: int) -> bool:
+        """Values [a, b) (a on a block boundary): the same bytes as encoding the whole at once."""
+        xs = xi[a:b]
+        if spec.name == "fp32":
+            return k.copy_check(xs, pn.view(np.int32)[a:b])
+        if spec.name == "bf16":
+            return k.encode_bf16(xs, pn.view(np.uint16)[a:b], key, stochastic, a)
+        ss = sn[a // bs : -(-b // bs)]
+        if spec.name == "int8":
+            return k.encode_int8(xs, xs.view(np.float32), bs, pn.view(np.int8)[a:b], ss, key, stochastic, a)
+        return k.encode_e3m0(xs, xs.view(np.float32), bs, pn[a // 2 : (b + 1) // 2], ss, key, stochastic, a)
+
+    if any(in_parallel(n, bs, run)):
         raise ValueError(_NON_FINITE)
     return Encoded(
         spec.name, n, payload, scales if spec.scaled else scales[:0], block_size if spec.scaled else 0
     )
+
+
+# Tensors of at least this many values are encoded and decoded by several threads (the kernels release the
+# GIL), each on a range of whole blocks: 25M values take 1/threads of the time. STREAMDILOCO_CODEC_THREADS
+# sets the count (default: the CPUs, at most 4).
+PARALLEL_VALUES = 1 << 21
+_POOL: ThreadPoolExecutor | None = None
+
+
+def codec_threads() -> int:
+    env = os.environ.get("STREAMDILOCO_CODEC_THREADS", "")
+    return max(1, int(env)) if env.isdigit() else max(1, min(4, os.cpu_count() or 1))
+
+
+def in_parallel(n: int, align: int, run: Callable[[int, int], Any]) -> list[Any]:
+    """run(a, b) over ranges covering [0, n) that start at multiples of `align` (even: two 4-bit codes per
+    byte), on the codec threads when n is large; the results in order."""
+    global _POOL
+    threads = codec_threads() if n >= PARALLEL_VALUES else 1
+    if threads == 1:
+        return [run(0, n)]
+    if _POOL is None:
+        with _KERNELS_LOCK:
+            if _POOL is None:
+                _POOL = ThreadPoolExecutor(codec_threads(), thread_name_prefix="codec")
+    step = -(-n // threads)
+    unit = align * 2 if align % 2 else align
+    step = -(-step // unit) * unit
+    return list(_POOL.map(lambda a: run(a, min(n, a + step)), range(0, n, step)))
 
 
 def _apply_cpu(k: Any, enc: Encoded, out: torch.Tensor, weight: float, mode: int) -> None:
@@ -400,16 +435,20 @@ def _apply_cpu(k: Any, enc: Encoded, out: torch.Tensor, weight: float, mode: int
     w = np.float64(weight) if out.dtype == torch.float64 else np.float32(weight)
     o = out.numpy()
     p = enc.payload.contiguous().numpy()
-    if enc.codec == "fp32":
-        k.apply_f32(p.view(np.float32), o, w, mode)
-    elif enc.codec == "bf16":
-        k.apply_bf16(p.view(np.uint16), o, w, mode)
-    else:
-        s = enc.scales.contiguous().numpy()
-        if enc.codec == "int8":
-            k.apply_int8(p.view(np.int8), s, enc.block_size, enc.numel, o, w, mode)
+    s = enc.scales.contiguous().numpy()
+    bs = enc.block_size if get_codec(enc.codec).scaled else 1
+
+    def run(a: int, b: int) -> None:
+        if enc.codec == "fp32":
+            k.apply_f32(p.view(np.float32)[a:b], o[a:b], w, mode)
+        elif enc.codec == "bf16":
+            k.apply_bf16(p.view(np.uint16)[a:b], o[a:b], w, mode)
+        elif enc.codec == "int8":
+            k.apply_int8(p.view(np.int8)[a:b], s[a // bs : -(-b // bs)], bs, b - a, o[a:b], w, mode)
         else:
-            k.apply_e3m0(p, s, enc.block_size, enc.numel, o, w, mode)
+            k.apply_e3m0(p[a // 2 : (b + 1) // 2], s[a // bs : -(-b // bs)], bs, b - a, o[a:b], w, mode)
+
+    in_parallel(enc.numel, bs, run)
 
 
 # The kernels are plain functions here and compiled on first use (numba's import costs 0.4 s, so processes
@@ -453,7 +492,9 @@ def _nb_block_absmax(xb: Any) -> Any:
 
 # The kernels index per-block slices from 0: indices known to be nonnegative let LLVM vectorize the loops
 # (with `out[lo + j]` numba's negative-index wraparound kept them scalar, 4x slower).
-def _nb_encode_e3m0(xi: Any, xf: Any, bs: int, payload: Any, scales: Any, key: int, stochastic: bool) -> bool:
+def _nb_encode_e3m0(
+    xi: Any, xf: Any, bs: int, payload: Any, scales: Any, key: int, stochastic: bool, base: int
+) -> bool:
     n = xi.shape[0]
     codes = np.zeros(bs, np.uint8)
     for b in range(scales.shape[0]):
@@ -474,7 +515,7 @@ def _nb_encode_e3m0(xi: Any, xf: Any, bs: int, payload: Any, scales: Any, key: i
                 lvl = min((rb >> 23) - 120, 6) if rb >= 0x3C800000 else 0
                 lo_v = _i2f((lvl + 120) << 23) if lvl > 0 else _F0
                 gap = lo_v if lvl > 0 else _F2M6
-                u = np.float32(_nb_hash(key, lo + j) >> _U8) * _F2M24
+                u = np.float32(_nb_hash(key, base + lo + j) >> _U8) * _F2M24
                 c = lvl + (1 if u < (r - lo_v) / gap else 0)
                 codes[j] = c | (8 if v < _F0 and c > 0 else 0)
         else:
@@ -491,7 +532,9 @@ def _nb_encode_e3m0(xi: Any, xf: Any, bs: int, payload: Any, scales: Any, key: i
     return False
 
 
-def _nb_encode_int8(xi: Any, xf: Any, bs: int, q: Any, scales: Any, key: int, stochastic: bool) -> bool:
+def _nb_encode_int8(
+    xi: Any, xf: Any, bs: int, q: Any, scales: Any, key: int, stochastic: bool, base: int
+) -> bool:
     n = xi.shape[0]
     for b in range(scales.shape[0]):
         lo = b * bs
@@ -506,7 +549,7 @@ def _nb_encode_int8(xi: Any, xf: Any, bs: int, q: Any, scales: Any, key: int, st
         qb = q[lo : lo + m]
         if stochastic:
             for j in range(m):
-                u = np.float32(_nb_hash(key, lo + j) >> _U8) * _F2M24
+                u = np.float32(_nb_hash(key, base + lo + j) >> _U8) * _F2M24
                 qb[j] = np.int8(min(max(np.floor(xb[j] / d + u), _FM127), _F127))
         else:
             for j in range(m):
@@ -523,13 +566,13 @@ def _nb_copy_check(xi: Any, out: Any) -> bool:
     return amax >= 0x7F800000
 
 
-def _nb_encode_bf16(xi: Any, out: Any, key: int, stochastic: bool) -> bool:
+def _nb_encode_bf16(xi: Any, out: Any, key: int, stochastic: bool, base: int) -> bool:
     amax = 0
     if stochastic:
         for i in range(xi.shape[0]):
             v = xi[i]
             amax = max(amax, v & 0x7FFFFFFF)
-            out[i] = ((v & 0xFFFFFFFF) + np.int64(_nb_hash(key, i) >> _U16)) >> 16
+            out[i] = ((v & 0xFFFFFFFF) + np.int64(_nb_hash(key, base + i) >> _U16)) >> 16
     else:
         for i in range(xi.shape[0]):
             v = xi[i]
@@ -600,6 +643,126 @@ def _nb_apply_bf16(vals: Any, out: Any, w: Any, mode: int) -> None:
             out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, out[i])
 
 
+# The outer step of a shard (common/outer.py), fused: per chunk of values that stays in cache, Nesterov SGD
+# (torch.optim.SGD's ops and roundings: buf = buf * mu + g; d = fma(buf, mu, g); theta = fma(d, -lr, old)),
+# v = (theta - old) + residual, encoding v (the kernels above, on the same ranges and stream), decoding it
+# back, residual = v - u_hat and new = old + u_hat: seven passes over memory become one.
+def _nb_outer_v(g: Any, buf: Any, old: Any, res: Any, v: Any, lo: int, m: int, mom: Any, neglr: Any,
+                nesterov: bool, first: bool) -> None:  # fmt: skip
+    use_mom = mom != _F0
+    for j in range(m):
+        gj = g[lo + j]
+        if use_mom:
+            if first:
+                b = gj
+            else:
+                t = buf[lo + j] * mom
+                b = t + gj
+            buf[lo + j] = b
+            d = _fma(b, mom, gj) if nesterov else b
+        else:
+            d = gj
+        o = old[lo + j]
+        p = _fma(d, neglr, o)
+        w = p - o
+        v[j] = w + res[lo + j]
+
+
+def _nb_outer_finish(v: Any, u: Any, old: Any, res: Any, new: Any, lo: int, m: int) -> None:
+    for j in range(m):
+        res[lo + j] = v[j] - u[j]
+        new[lo + j] = old[lo + j] + u[j]
+
+
+def _nb_outer_e3m0(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
+                   mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
+                   base: int, chunk: int) -> bool:  # fmt: skip
+    n = g.shape[0]
+    v = np.empty(chunk, np.float32)
+    u = np.empty(chunk, np.float32)
+    vi = v.view(np.int32)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        _nb_outer_v(g, buf, old, res, v, lo, m, mom, neglr, nesterov, first)
+        pb = payload[lo // 2 : (lo + m + 1) // 2]
+        sb = scales[lo // bs : (lo + m + bs - 1) // bs]
+        if _nb_encode_e3m0(vi[:m], v[:m], bs, pb, sb, key, stochastic, base + lo):
+            return True
+        _nb_apply_e3m0(pb, sb, bs, m, u[:m], _F0, 0)
+        _nb_outer_finish(v, u, old, res, new, lo, m)
+    return False
+
+
+def _nb_outer_int8(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
+                   mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
+                   base: int, chunk: int) -> bool:  # fmt: skip
+    n = g.shape[0]
+    v = np.empty(chunk, np.float32)
+    u = np.empty(chunk, np.float32)
+    vi = v.view(np.int32)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        _nb_outer_v(g, buf, old, res, v, lo, m, mom, neglr, nesterov, first)
+        qb = payload[lo : lo + m]
+        sb = scales[lo // bs : (lo + m + bs - 1) // bs]
+        if _nb_encode_int8(vi[:m], v[:m], bs, qb, sb, key, stochastic, base + lo):
+            return True
+        _nb_apply_int8(qb, sb, bs, m, u[:m], _F0, 0)
+        _nb_outer_finish(v, u, old, res, new, lo, m)
+    return False
+
+
+def outer_step(
+    g: torch.Tensor,
+    buf: torch.Tensor | None,
+    first: bool,
+    old: torch.Tensor,
+    residual: torch.Tensor,
+    new: torch.Tensor,
+    momentum: float,
+    lr: float,
+    nesterov: bool,
+    codec: str,
+    block_size: int,
+    rounding: str,
+    generator: torch.Generator | None,
+) -> Encoded | None:
+    """The fused outer step (see above) on flat fp32 CPU tensors: updates `buf` (the momentum, None without
+    momentum; `first`: set it to g) and `residual` in place, writes the new master into `new` and returns
+    the encoded update; bit-identical to the torch ops in OuterOptimizer. None, changing nothing, where it
+    does not apply (no kernels, another device, a codec other than e3m0 or int8, an odd block size): the
+    caller runs the torch ops. Raises ValueError on non-finite values."""
+    k = _cpu_kernels()
+    spec = get_codec(codec)
+    if k is None or g.device.type != "cpu" or codec not in ("e3m0", "int8") or block_size % 2:
+        return None
+    n = g.numel()
+    stochastic = rounding == "stochastic"
+    seed = _draw_seed(generator, g.device) if stochastic else 0
+    key = int(_hash32(seed)) if stochastic else 0
+    nbytes, nscales = spec.sizes(n, block_size)
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    scales = torch.empty(nscales, dtype=torch.float32)
+    pn, sn = payload.numpy(), scales.numpy()
+    if codec == "int8":
+        pn = pn.view(np.int8)
+    arrays = [t.numpy() for t in (g, buf if buf is not None else g, old, residual, new)]
+    mom, neglr = np.float32(momentum), np.float32(-lr)
+    chunk = block_size * max(1, 16384 // block_size)
+    kernel = k.outer_e3m0 if codec == "e3m0" else k.outer_int8
+
+    def run(a: int, b: int) -> bool:
+        ga, ba, oa, ra, na = (x[a:b] for x in arrays)
+        pa = pn[a // 2 : (b + 1) // 2] if codec == "e3m0" else pn[a:b]
+        sa = sn[a // block_size : -(-b // block_size)]
+        return kernel(ga, ba, oa, ra, na, pa, sa, block_size, mom, neglr, nesterov, first, key, stochastic, a,
+                      chunk)  # fmt: skip
+
+    if any(in_parallel(n, chunk, run)):
+        raise ValueError(_NON_FINITE)
+    return Encoded(codec, n, payload, scales, block_size)
+
+
 _KERNELS: Any = None  # None: not loaded yet; False: unavailable (no numba, or switched off)
 _KERNELS_LOCK = threading.Lock()
 
@@ -665,6 +828,7 @@ def _load_kernels() -> Any:
     opts: dict[str, Any] = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 
     def jit(fn: Any, **extra: Any) -> Any:
+        fn = getattr(fn, "py_func", fn)  # loaded before (a test reloads): compile the Python function again
         try:
             return numba.njit(cache=True, **opts, **extra)(fn)
         except RuntimeError:  # no writable place for the cache: compile in memory
@@ -683,6 +847,13 @@ def _load_kernels() -> Any:
         apply_f32 = jit(_nb_apply_f32)
         apply_bf16 = jit(_nb_apply_bf16)
 
+    # the fused outer step calls the kernels above: compiled functions, by their global names
+    for name in ("encode_e3m0", "encode_int8", "apply_e3m0", "apply_int8"):
+        g[f"_nb_{name}"] = getattr(Kernels, name)
+    for name in ("_nb_outer_v", "_nb_outer_finish"):
+        g[name] = jit(g[name], inline="always")
+    Kernels.outer_e3m0 = jit(_nb_outer_e3m0)  # type: ignore[attr-defined]
+    Kernels.outer_int8 = jit(_nb_outer_int8)  # type: ignore[attr-defined]
     return Kernels
 
 

@@ -18,7 +18,7 @@ import copy
 
 import torch
 
-from streamdiloco.common.codecs import Encoded, decode, encode
+from streamdiloco.common.codecs import Encoded, decode, encode, outer_step
 
 
 def outer_gradient(
@@ -78,11 +78,25 @@ class OuterOptimizer:
         if g.numel() and not all(bool(torch.isfinite(x)) for x in torch.aminmax(g)):  # NaN propagates
             raise ValueError("cannot take an outer step on non-finite values")
         old = self.master
+        state = self.sgd.state[self._param]
+        buf = state.get("momentum_buffer") if self.momentum else None
+        first = bool(self.momentum) and buf is None
+        if first:
+            buf = torch.empty_like(g)
+        new = torch.empty_like(old)
+        enc = outer_step(g, buf, first, old, self.residual, new, self.momentum, self.lr, self.nesterov,
+                         self.codec, self.block_size, self.rounding, self.generator)  # fmt: skip
+        if enc is not None:  # the fused kernel (CPU, e3m0 or int8): the same values as the ops below
+            if first:
+                state["momentum_buffer"] = buf
+            self.master = new
+            if self._u is None:
+                self._u = torch.empty_like(old)
+            return enc, decode(enc, out=self._u)
         if self._v is None or self._u is None:
             self._v, self._u = torch.empty_like(old), torch.empty_like(old)
         v, u_hat = self._v, self._u
         # torch.optim.SGD's _single_tensor_sgd, op for op: buf = mu * buf + g; d = g + mu * buf (nesterov)
-        state = self.sgd.state[self._param]
         if self.momentum == 0:
             d = g
         else:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamdiloco.common.chunks import MAX_ABS_VALUE, Assembly, ChunkError
-from streamdiloco.common.codecs import Encoded, encode
+from streamdiloco.common.codecs import Encoded, encode, in_parallel
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
@@ -110,23 +110,29 @@ def _ordered(pushes: list[_Push]) -> list[_Push]:
 
 def fold(n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0):
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
-    block of values at a time (out may be start itself, or fp32: the division is rounded once)."""
+    block of values at a time (out may be start itself, or fp32: the division is rounded once). Large
+    slices are folded by the codec threads, each on its own range of blocks (the values do not depend on
+    the split)."""
     align = max([p.asm.align for p in pushes] + [1])
     step = max(align, FOLD_VALUES // align * align)
-    buf = torch.empty(min(n, step), dtype=torch.float64)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        acc = buf[: hi - lo]
-        if start is None:
-            acc.zero_()
-        else:
-            acc.copy_(start[lo:hi])
-        for p in pushes:
-            p.asm.accumulate_into(acc, p.weight, lo)
-        if divisor == 1.0:
-            out[lo:hi].copy_(acc)
-        else:
-            torch.div(acc, divisor, out=out[lo:hi])
+
+    def run(a: int, b: int) -> None:
+        buf = torch.empty(min(b - a, step), dtype=torch.float64)
+        for lo in range(a, b, step):
+            hi = min(b, lo + step)
+            acc = buf[: hi - lo]
+            if start is None:
+                acc.zero_()
+            else:
+                acc.copy_(start[lo:hi])
+            for p in pushes:
+                p.asm.accumulate_into(acc, p.weight, lo)
+            if divisor == 1.0:
+                out[lo:hi].copy_(acc)
+            else:
+                torch.div(acc, divisor, out=out[lo:hi])
+
+    in_parallel(n, step, run)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from streamdiloco.common import codecs
 from streamdiloco.common.codecs import (
     CODECS,
     E3M0_LEVELS,
+    ROUNDINGS,
     Encoded,
     accumulate,
     add_into,
@@ -516,6 +517,34 @@ def test_torch_ops_alone_give_the_same_results(monkeypatch):
             acc = torch.ones(x.numel(), dtype=torch.float64)
             accumulate(enc, acc, 0.3)
             assert same(acc, torch.ones_like(acc).add_(decode(enc).double(), alpha=0.3))
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("rounding", list(ROUNDINGS))
+def test_large_tensors_split_over_threads_give_the_same_bytes_and_values(monkeypatch, codec, rounding):
+    """Above PARALLEL_VALUES the kernels run on ranges of whole blocks in several threads: the bytes, the
+    stochastic stream and every decoded value are those of one pass over the whole (the torch reference)."""
+    monkeypatch.setattr(codecs, "PARALLEL_VALUES", 1000)
+    monkeypatch.setenv("STREAMDILOCO_CODEC_THREADS", "3")  # ranges that do not divide evenly
+    for n, bs in ((100_003, 128), (5_001, 2), (4_096, 100)):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+        gen = torch.Generator().manual_seed(7)
+        enc = encode(x, codec, bs, rounding, gen)
+        seed = torch.randint(0, 1 << 32, (1,), generator=torch.Generator().manual_seed(7), dtype=torch.int64)
+        ref = codecs._encode_torch(x, get_codec(codec), bs, rounding == "stochastic", int(seed))
+        assert same(enc.payload, ref.payload) and same(enc.scales, ref.scales), (n, bs)
+        want = codecs._decode_torch(ref)
+        assert same(decode(enc), want)
+        out = torch.full((n,), 0.5)
+        add_into(enc, out)
+        assert same(out, torch.full((n,), 0.5).add_(want))
+        acc = torch.ones(n, dtype=torch.float64)
+        accumulate(enc, acc, 0.3)
+        assert same(acc, torch.ones(n, dtype=torch.float64).add_(want.double(), alpha=0.3))
+    bad = torch.zeros(100_000)
+    bad[77_777] = float("nan")  # in a later range: still refused
+    with pytest.raises(ValueError, match="non-finite"):
+        encode(bad, codec, 128, rounding)
 
 
 # --- CUDA: the same bytes and values as on the CPU (skipped without a GPU) ----------------------------------

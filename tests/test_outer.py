@@ -139,3 +139,34 @@ def test_a_non_finite_gradient_is_refused_and_changes_nothing():
         assert torch.equal(
             after["sgd"]["state"][0]["momentum_buffer"], before["sgd"]["state"][0]["momentum_buffer"]
         )
+
+
+@pytest.mark.parametrize("codec", ["e3m0", "int8"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, True), (0.95, False), (0.0, True)])
+def test_the_fused_cpu_step_equals_the_torch_ops(monkeypatch, codec, rounding, momentum, nesterov):
+    """On the CPU the step of the quantized codecs is one fused kernel (split over threads for large
+    slices); the torch ops (no kernels) give the same master, residual, momentum and bytes, bit for bit."""
+    from streamdiloco.common import codecs
+
+    monkeypatch.setattr(codecs, "PARALLEL_VALUES", 5000)  # several threads on uneven ranges
+    monkeypatch.setenv("STREAMDILOCO_CODEC_THREADS", "3")
+    n = 40_003
+    start = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    kw = dict(lr=0.7, momentum=momentum, nesterov=nesterov, downlink_codec=codec, rounding=rounding, seed=5)
+    fused, plain = OuterOptimizer(start, **kw), OuterOptimizer(start, **kw)
+    kernels = codecs._cpu_kernels()
+    assert kernels is not None
+    for i in range(4):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 + i)) * 1e-3
+        a, ua = fused.step(g)
+        monkeypatch.setattr(codecs, "_KERNELS", False)
+        b, ub = plain.step(g)
+        monkeypatch.setattr(codecs, "_KERNELS", kernels)
+        assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+        assert torch.equal(ua, ub) and torch.equal(fused.master, plain.master)
+        assert torch.equal(fused.residual, plain.residual)
+        sa, sb = fused.state_dict()["sgd"]["state"], plain.state_dict()["sgd"]["state"]
+        assert sa.keys() == sb.keys()
+        if momentum:
+            assert torch.equal(sa[0]["momentum_buffer"], sb[0]["momentum_buffer"])
