@@ -207,10 +207,13 @@ class Assembly:
         for at, p in self.pieces(lo, lo + out.numel()):
             add_into(p, out[at - lo : at - lo + p.numel])
 
-    def accumulate_into(self, acc: torch.Tensor, weight: float, lo: int = 0) -> None:
-        """acc += weight * the values [lo, lo + acc.numel()) (acc: fp64, the shard's sum)."""
+    def accumulate_into(self, acc: torch.Tensor, weight: float, lo: int = 0, overwrite: bool = False) -> None:
+        """acc += weight * the values [lo, lo + acc.numel()) (acc: fp64, the shard's sum); `overwrite`: as if
+        acc were zeros (the values must all have arrived)."""
+        if overwrite and lo + acc.numel() > self.received:
+            raise ValueError(f"values [{lo}, {lo + acc.numel()}) have not all arrived")
         for at, p in self.pieces(lo, lo + acc.numel()):
-            accumulate(p, acc[at - lo : at - lo + p.numel], weight)  # one pass, no temporaries
+            accumulate(p, acc[at - lo : at - lo + p.numel], weight, overwrite)  # one pass, no temporaries
 
     def _need_done(self) -> None:
         if not self.done:

@@ -145,18 +145,38 @@ def decode(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def accumulate(enc: Encoded, acc: torch.Tensor, weight: float) -> None:
+def accumulate(enc: Encoded, acc: torch.Tensor, weight: float, overwrite: bool = False) -> None:
     """acc += weight * decode(enc), in acc's dtype (fp64 or fp32), in place: bit-identical to
     `acc.add_(decode(enc).to(acc.dtype), alpha=weight)` (one fused multiply-add per value), without the
-    temporaries (one pass on the CPU)."""
+    temporaries (one pass on the CPU). `overwrite`: as if acc were zeros first (its values are not read)."""
     _check_encoded(enc)
     _check_target(enc, acc, "acc", (torch.float64, torch.float32))
     weight = float(weight)
     k = _cpu_kernels() if acc.device.type == "cpu" else None
     if k is not None and (not get_codec(enc.codec).scaled or enc.block_size % 2 == 0):
-        _apply_cpu(k, enc, acc, weight, 1)
+        _apply_cpu(k, enc, acc, weight, 2 if overwrite else 1)
     else:
+        if overwrite:
+            acc.zero_()
         acc.add_(_decode_torch(enc).to(acc.dtype), alpha=weight)
+
+
+def divide_into(acc: torch.Tensor, divisor: float, out: torch.Tensor) -> None:
+    """out = acc / divisor (acc fp64, out fp32 of the same size): the same values as
+    `torch.div(acc, divisor, out=out)`, in one pass on the CPU."""
+    k = _cpu_kernels() if acc.device.type == "cpu" else None
+    if (
+        k is None
+        or acc.dtype != torch.float64
+        or out.dtype != torch.float32
+        or out.device != acc.device
+        or not (acc.is_contiguous() and out.is_contiguous())
+    ):
+        torch.div(acc, divisor, out=out)
+        return
+    if out.numel() != acc.numel():
+        raise ValueError(f"out must hold {acc.numel()} values, got {out.numel()}")
+    k.divide_into(acc.numpy(), np.float64(divisor), out.numpy())
 
 
 def add_into(enc: Encoded, out: torch.Tensor) -> None:
@@ -431,7 +451,7 @@ def in_parallel(n: int, align: int, run: Callable[[int, int], Any]) -> list[Any]
 
 def _apply_cpu(k: Any, enc: Encoded, out: torch.Tensor, weight: float, mode: int) -> None:
     """mode 0: out = values; mode 1: out = fma(values, weight, out) in out's dtype (torch's add_ with alpha
-    rounds weight to out's dtype first, then fuses)."""
+    rounds weight to out's dtype first, then fuses); mode 2: out = fma(values, weight, +0)."""
     w = np.float64(weight) if out.dtype == torch.float64 else np.float32(weight)
     o = out.numpy()
     p = enc.payload.contiguous().numpy()
@@ -600,14 +620,20 @@ def _nb_apply_e3m0(payload: Any, scales: Any, bs: int, n: int, out: Any, w: Any,
                 byte = pb[j]
                 ob[2 * j] = _nb_e3m0_value(byte & 15) * s
                 ob[2 * j + 1] = _nb_e3m0_value(byte >> 4) * s
-        else:
+        elif mode == 1:
             for j in range(m >> 1):
                 byte = pb[j]
                 ob[2 * j] = _fma(_nb_e3m0_value(byte & 15) * s, w, ob[2 * j])
                 ob[2 * j + 1] = _fma(_nb_e3m0_value(byte >> 4) * s, w, ob[2 * j + 1])
+        else:
+            z = w - w  # +0 in out's type: as if out were zeros
+            for j in range(m >> 1):
+                byte = pb[j]
+                ob[2 * j] = _fma(_nb_e3m0_value(byte & 15) * s, w, z)
+                ob[2 * j + 1] = _fma(_nb_e3m0_value(byte >> 4) * s, w, z)
         if m & 1:
             v = _nb_e3m0_value(pb[m >> 1] & 15) * s
-            ob[m - 1] = v if mode == 0 else _fma(v, w, ob[m - 1])
+            ob[m - 1] = v if mode == 0 else _fma(v, w, ob[m - 1] if mode == 1 else w - w)
 
 
 def _nb_apply_int8(q: Any, scales: Any, bs: int, n: int, out: Any, w: Any, mode: int) -> None:
@@ -620,58 +646,86 @@ def _nb_apply_int8(q: Any, scales: Any, bs: int, n: int, out: Any, w: Any, mode:
         if mode == 0:
             for j in range(m):
                 ob[j] = np.float32(qb[j]) * s
-        else:
+        elif mode == 1:
             for j in range(m):
                 ob[j] = _fma(np.float32(qb[j]) * s, w, ob[j])
+        else:
+            z = w - w
+            for j in range(m):
+                ob[j] = _fma(np.float32(qb[j]) * s, w, z)
 
 
 def _nb_apply_f32(vals: Any, out: Any, w: Any, mode: int) -> None:
     if mode == 0:
         for i in range(vals.shape[0]):
             out[i] = vals[i]
-    else:
+    elif mode == 1:
         for i in range(vals.shape[0]):
             out[i] = _fma(vals[i], w, out[i])
+    else:
+        z = w - w
+        for i in range(vals.shape[0]):
+            out[i] = _fma(vals[i], w, z)
 
 
 def _nb_apply_bf16(vals: Any, out: Any, w: Any, mode: int) -> None:
     if mode == 0:
         for i in range(vals.shape[0]):
             out[i] = _i2f(np.int64(vals[i]) << 16)
-    else:
+    elif mode == 1:
         for i in range(vals.shape[0]):
             out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, out[i])
+    else:
+        z = w - w
+        for i in range(vals.shape[0]):
+            out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, z)
+
+
+def _nb_divide_into(acc: Any, d: Any, out: Any) -> None:
+    for i in range(acc.shape[0]):
+        out[i] = np.float32(acc[i] / d)
 
 
 # The outer step of a shard (common/outer.py), fused: per chunk of values that stays in cache, Nesterov SGD
 # (torch.optim.SGD's ops and roundings: buf = buf * mu + g; d = fma(buf, mu, g); theta = fma(d, -lr, old)),
 # v = (theta - old) + residual, encoding v (the kernels above, on the same ranges and stream), decoding it
 # back, residual = v - u_hat and new = old + u_hat: seven passes over memory become one.
-def _nb_outer_v(g: Any, buf: Any, old: Any, res: Any, v: Any, lo: int, m: int, mom: Any, neglr: Any,
-                nesterov: bool, first: bool) -> None:  # fmt: skip
-    use_mom = mom != _F0
-    for j in range(m):
-        gj = g[lo + j]
-        if use_mom:
-            if first:
-                b = gj
-            else:
-                t = buf[lo + j] * mom
-                b = t + gj
-            buf[lo + j] = b
-            d = _fma(b, mom, gj) if nesterov else b
-        else:
-            d = gj
-        o = old[lo + j]
-        p = _fma(d, neglr, o)
-        w = p - o
-        v[j] = w + res[lo + j]
+# (slices indexed from 0: see the note above _nb_encode_e3m0)
+def _nb_outer_v(g: Any, buf: Any, old: Any, res: Any, v: Any, mom: Any, neglr: Any, nesterov: bool,
+                first: bool) -> None:  # fmt: skip
+    m = v.shape[0]
+    if mom == _F0:
+        for j in range(m):
+            o = old[j]
+            v[j] = (_fma(g[j], neglr, o) - o) + res[j]
+    elif first:
+        for j in range(m):
+            gj = g[j]
+            buf[j] = gj
+            d = _fma(gj, mom, gj) if nesterov else gj
+            o = old[j]
+            v[j] = (_fma(d, neglr, o) - o) + res[j]
+    elif nesterov:
+        for j in range(m):
+            gj = g[j]
+            t = buf[j] * mom
+            b = t + gj
+            buf[j] = b
+            o = old[j]
+            v[j] = (_fma(_fma(b, mom, gj), neglr, o) - o) + res[j]
+    else:
+        for j in range(m):
+            t = buf[j] * mom
+            b = t + g[j]
+            buf[j] = b
+            o = old[j]
+            v[j] = (_fma(b, neglr, o) - o) + res[j]
 
 
-def _nb_outer_finish(v: Any, u: Any, old: Any, res: Any, new: Any, lo: int, m: int) -> None:
-    for j in range(m):
-        res[lo + j] = v[j] - u[j]
-        new[lo + j] = old[lo + j] + u[j]
+def _nb_outer_finish(v: Any, u: Any, old: Any, res: Any, new: Any) -> None:
+    for j in range(v.shape[0]):
+        res[j] = v[j] - u[j]
+        new[j] = old[j] + u[j]
 
 
 def _nb_outer_e3m0(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
@@ -683,13 +737,14 @@ def _nb_outer_e3m0(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any,
     vi = v.view(np.int32)
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
-        _nb_outer_v(g, buf, old, res, v, lo, m, mom, neglr, nesterov, first)
+        hi = lo + m
+        _nb_outer_v(g[lo:hi], buf[lo:hi], old[lo:hi], res[lo:hi], v[:m], mom, neglr, nesterov, first)
         pb = payload[lo // 2 : (lo + m + 1) // 2]
         sb = scales[lo // bs : (lo + m + bs - 1) // bs]
         if _nb_encode_e3m0(vi[:m], v[:m], bs, pb, sb, key, stochastic, base + lo):
             return True
         _nb_apply_e3m0(pb, sb, bs, m, u[:m], _F0, 0)
-        _nb_outer_finish(v, u, old, res, new, lo, m)
+        _nb_outer_finish(v[:m], u[:m], old[lo:hi], res[lo:hi], new[lo:hi])
     return False
 
 
@@ -702,18 +757,24 @@ def _nb_outer_int8(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any,
     vi = v.view(np.int32)
     for lo in range(0, n, chunk):
         m = min(chunk, n - lo)
-        _nb_outer_v(g, buf, old, res, v, lo, m, mom, neglr, nesterov, first)
+        hi = lo + m
+        _nb_outer_v(g[lo:hi], buf[lo:hi], old[lo:hi], res[lo:hi], v[:m], mom, neglr, nesterov, first)
         qb = payload[lo : lo + m]
         sb = scales[lo // bs : (lo + m + bs - 1) // bs]
         if _nb_encode_int8(vi[:m], v[:m], bs, qb, sb, key, stochastic, base + lo):
             return True
         _nb_apply_int8(qb, sb, bs, m, u[:m], _F0, 0)
-        _nb_outer_finish(v, u, old, res, new, lo, m)
+        _nb_outer_finish(v[:m], u[:m], old[lo:hi], res[lo:hi], new[lo:hi])
     return False
 
 
+def fused_outer_step_available(codec: str, block_size: int, device: torch.device) -> bool:
+    """Whether `outer_step` runs (else the caller runs the torch ops)."""
+    return codec in ("e3m0", "int8") and block_size % 2 == 0 and device.type == "cpu" and bool(_cpu_kernels())
+
+
 def outer_step(
-    g: torch.Tensor,
+    g: torch.Tensor | Callable[[int, int, torch.Tensor], None],
     buf: torch.Tensor | None,
     first: bool,
     old: torch.Tensor,
@@ -726,19 +787,22 @@ def outer_step(
     block_size: int,
     rounding: str,
     generator: torch.Generator | None,
+    fill_values: int = 1 << 16,
 ) -> Encoded | None:
     """The fused outer step (see above) on flat fp32 CPU tensors: updates `buf` (the momentum, None without
     momentum; `first`: set it to g) and `residual` in place, writes the new master into `new` and returns
-    the encoded update; bit-identical to the torch ops in OuterOptimizer. None, changing nothing, where it
-    does not apply (no kernels, another device, a codec other than e3m0 or int8, an odd block size): the
-    caller runs the torch ops. Raises ValueError on non-finite values."""
-    k = _cpu_kernels()
-    spec = get_codec(codec)
-    if k is None or g.device.type != "cpu" or codec not in ("e3m0", "int8") or block_size % 2:
+    the encoded update; bit-identical to the torch ops in OuterOptimizer. `g` is the mean outer gradient, or
+    a function fill(lo, hi, out) that writes its values [lo, hi) into `out` (fp32): then it is asked for
+    `fill_values` values at a time (a multiple of the block size), each block stepped while it is in cache,
+    and the whole gradient never exists. None, changing nothing, where it does not apply (no kernels,
+    another device, a codec other than e3m0 or int8, an odd block size): the caller runs the torch ops.
+    Raises ValueError on non-finite values."""
+    if not fused_outer_step_available(codec, block_size, old.device):
         return None
-    n = g.numel()
+    k, spec = _cpu_kernels(), get_codec(codec)
+    n = old.numel()
     stochastic = rounding == "stochastic"
-    seed = _draw_seed(generator, g.device) if stochastic else 0
+    seed = _draw_seed(generator, old.device) if stochastic else 0
     key = int(_hash32(seed)) if stochastic else 0
     nbytes, nscales = spec.sizes(n, block_size)
     payload = torch.empty(nbytes, dtype=torch.uint8)
@@ -746,19 +810,32 @@ def outer_step(
     pn, sn = payload.numpy(), scales.numpy()
     if codec == "int8":
         pn = pn.view(np.int8)
-    arrays = [t.numpy() for t in (g, buf if buf is not None else g, old, residual, new)]
+    filled = callable(g)
+    arrays = [t.numpy() for t in (buf if buf is not None else old, old, residual, new)]
     mom, neglr = np.float32(momentum), np.float32(-lr)
     chunk = block_size * max(1, 16384 // block_size)
+    unit = max(chunk, fill_values // chunk * chunk) if filled else chunk
     kernel = k.outer_e3m0 if codec == "e3m0" else k.outer_int8
 
-    def run(a: int, b: int) -> bool:
-        ga, ba, oa, ra, na = (x[a:b] for x in arrays)
+    def step(a: int, b: int, ga: Any) -> bool:
+        ba, oa, ra, na = (x[a:b] for x in arrays)
         pa = pn[a // 2 : (b + 1) // 2] if codec == "e3m0" else pn[a:b]
         sa = sn[a // block_size : -(-b // block_size)]
         return kernel(ga, ba, oa, ra, na, pa, sa, block_size, mom, neglr, nesterov, first, key, stochastic, a,
                       chunk)  # fmt: skip
 
-    if any(in_parallel(n, chunk, run)):
+    def run(a: int, b: int) -> bool:
+        if not filled:
+            return step(a, b, g.numpy()[a:b])  # type: ignore[union-attr]
+        block = torch.empty(min(unit, b - a), dtype=torch.float32)
+        for lo in range(a, b, unit):
+            hi = min(b, lo + unit)
+            g(lo, hi, block[: hi - lo])  # type: ignore[operator]
+            if step(lo, hi, block.numpy()[: hi - lo]):
+                return True
+        return False
+
+    if any(in_parallel(n, unit, run)):
         raise ValueError(_NON_FINITE)
     return Encoded(codec, n, payload, scales, block_size)
 
@@ -846,6 +923,7 @@ def _load_kernels() -> Any:
         apply_int8 = jit(_nb_apply_int8)
         apply_f32 = jit(_nb_apply_f32)
         apply_bf16 = jit(_nb_apply_bf16)
+        divide_into = jit(_nb_divide_into)
 
     # the fused outer step calls the kernels above: compiled functions, by their global names
     for name in ("encode_e3m0", "encode_int8", "apply_e3m0", "apply_int8"):

@@ -15,10 +15,17 @@ and master stay bit-identical however coarse the downlink codec is.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
-from streamdiloco.common.codecs import Encoded, decode, encode, outer_step
+from streamdiloco.common.codecs import (
+    Encoded,
+    decode,
+    encode,
+    fused_outer_step_available,
+    outer_step,
+)
 
 
 def outer_gradient(
@@ -67,6 +74,7 @@ class OuterOptimizer:
         self._v: torch.Tensor | None = None  # the step's scratch: the update, then v = u + e
         self._u: torch.Tensor | None = None  # the decoded update u_hat
         self._g: torch.Tensor | None = None  # see gradient_buffer
+        self._u_stale = False  # _u does not hold the last update yet (the fused step does not need it)
 
     def step(self, mean_delta: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
         """One outer step from the averaged outer gradient; returns the encoded and the decoded update (the
@@ -77,22 +85,59 @@ class OuterOptimizer:
             raise ValueError(f"the gradient has {g.numel()} values, the master {self.master.numel()}")
         if g.numel() and not all(bool(torch.isfinite(x)) for x in torch.aminmax(g)):  # NaN propagates
             raise ValueError("cannot take an outer step on non-finite values")
-        old = self.master
+        enc = self._fused(g)
+        if enc is None:
+            enc = self._step_torch(g)
+        assert self._u is not None
+        if self._u_stale:
+            decode(enc, out=self._u)
+            self._u_stale = False
+        return enc, self._u
+
+    def step_from(
+        self, fill: Callable[[int, int, torch.Tensor], None], fill_values: int = 1 << 16
+    ) -> Encoded:
+        """One outer step from a gradient that `fill(lo, hi, out)` writes block by block (fp32, values
+        [lo, hi), `fill_values` at a time): on the CPU with e3m0 or int8 each block is stepped, encoded and
+        added to the master while it is in cache, and the whole gradient is never built (a shard's close).
+        The caller guarantees finite values (a shard's are bounded by its validation). Returns the encoded
+        update, the same as step() on the whole gradient."""
+        enc = self._fused(fill, fill_values)
+        if enc is None:
+            g = self.gradient_buffer()
+            for lo in range(0, g.numel(), fill_values):
+                hi = min(g.numel(), lo + fill_values)
+                fill(lo, hi, g[lo:hi])
+            enc, _ = self.step(g)
+        return enc
+
+    def _fused(self, g: torch.Tensor | Callable, fill_values: int = 1 << 16) -> Encoded | None:
+        """The fused CPU kernel's step (codecs.outer_step), or None where it does not apply."""
+        if not fused_outer_step_available(self.codec, self.block_size, self.master.device):
+            return None
         state = self.sgd.state[self._param]
         buf = state.get("momentum_buffer") if self.momentum else None
         first = bool(self.momentum) and buf is None
         if first:
-            buf = torch.empty_like(g)
-        new = torch.empty_like(old)
-        enc = outer_step(g, buf, first, old, self.residual, new, self.momentum, self.lr, self.nesterov,
-                         self.codec, self.block_size, self.rounding, self.generator)  # fmt: skip
-        if enc is not None:  # the fused kernel (CPU, e3m0 or int8): the same values as the ops below
+            buf = torch.empty_like(self.master)
+        new = torch.empty_like(self.master)
+        enc = outer_step(
+            g, buf, first, self.master, self.residual, new, self.momentum, self.lr, self.nesterov,
+            self.codec, self.block_size, self.rounding, self.generator, fill_values,
+        )  # fmt: skip
+        if enc is not None:
             if first:
                 state["momentum_buffer"] = buf
             self.master = new
             if self._u is None:
-                self._u = torch.empty_like(old)
-            return enc, decode(enc, out=self._u)
+                self._u = torch.empty_like(new)
+            self._u_stale = True  # decoded only if step() is asked for it
+        return enc
+
+    def _step_torch(self, g: torch.Tensor) -> Encoded:
+        """The same step in torch ops (any codec; the reference the fused kernel is tested against)."""
+        old = self.master
+        state = self.sgd.state[self._param]
         if self._v is None or self._u is None:
             self._v, self._u = torch.empty_like(old), torch.empty_like(old)
         v, u_hat = self._v, self._u
@@ -112,7 +157,8 @@ class OuterOptimizer:
         decode(enc, out=u_hat)
         torch.sub(v, u_hat, out=self.residual)
         self.master = torch.add(old, u_hat)
-        return enc, u_hat
+        self._u_stale = False
+        return enc
 
     def gradient_buffer(self) -> torch.Tensor:
         """A buffer of the master's size, kept for the caller to build the mean gradient in (no fresh

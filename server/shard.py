@@ -32,12 +32,13 @@ The gRPC servicer and the in-process simulator both drive this class.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from streamdiloco.common.chunks import MAX_ABS_VALUE, Assembly, ChunkError
-from streamdiloco.common.codecs import Encoded, encode, in_parallel
+from streamdiloco.common.codecs import Encoded, divide_into, encode, in_parallel
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
@@ -108,29 +109,46 @@ def _ordered(pushes: list[_Push]) -> list[_Push]:
     return sorted(pushes, key=lambda p: p.worker)  # a worker pushes once per round: names are unique
 
 
+def _fold_block(pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor):
+    """out = (start + sum of weight * values over `pushes`, in this order) / divisor for values [lo, lo +
+    out.numel()), summed in fp64 (out: fp32 or fp64; the division is rounded once)."""
+    acc = out if out.dtype == torch.float64 else _scratch(out.numel())
+    if start is not None:
+        acc.copy_(start[lo : lo + out.numel()])
+    elif not pushes:
+        acc.zero_()
+    for i, p in enumerate(pushes):
+        p.asm.accumulate_into(acc, p.weight, lo, overwrite=start is None and i == 0)  # 0 + w * x, no zeroing
+    if divisor != 1.0 or acc is not out:
+        divide_into(acc, divisor, out)  # x / 1 is x: the same values as a copy
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """A thread's fp64 fold buffer of n values (kept: a fresh 512 KiB each block costs its page faults)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(max(n, FOLD_VALUES), dtype=torch.float64)
+    return buf[:n]
+
+
+def _fold_values(pushes: list[_Push]) -> int:
+    """Values per fold block: FOLD_VALUES, a multiple of every push's chunk alignment."""
+    align = max([p.asm.align for p in pushes] + [1])
+    return max(align, FOLD_VALUES // align * align)
+
+
 def fold(n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0):
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
-    block of values at a time (out may be start itself, or fp32: the division is rounded once). Large
-    slices are folded by the codec threads, each on its own range of blocks (the values do not depend on
-    the split)."""
-    align = max([p.asm.align for p in pushes] + [1])
-    step = max(align, FOLD_VALUES // align * align)
+    block of values at a time (out may be start itself). Large slices are folded by the codec threads, each
+    on its own range of blocks (the values do not depend on the split)."""
+    step = _fold_values(pushes)
 
     def run(a: int, b: int) -> None:
-        buf = torch.empty(min(b - a, step), dtype=torch.float64)
         for lo in range(a, b, step):
-            hi = min(b, lo + step)
-            acc = buf[: hi - lo]
-            if start is None:
-                acc.zero_()
-            else:
-                acc.copy_(start[lo:hi])
-            for p in pushes:
-                p.asm.accumulate_into(acc, p.weight, lo)
-            if divisor == 1.0:
-                out[lo:hi].copy_(acc)
-            else:
-                torch.div(acc, divisor, out=out[lo:hi])
+            _fold_block(pushes, start, divisor, lo, out[lo : min(b, lo + step)])
 
     in_parallel(n, step, run)
 
@@ -173,13 +191,23 @@ class CloseJob:
     update: Encoded | None = None
 
     def run(self) -> CloseJob:
-        if self.weight > 0:
-            mean = self.opt.gradient_buffer()
-            fold(self.n, self.pushes, mean, self.partial, self.weight)
-            try:
-                self.update, _ = self.opt.step(mean)
-            except ValueError:  # the mean is not finite: cannot happen with validated pushes; logged
-                self.why = "nonfinite"
+        partial = self.partial
+        if (
+            self.weight > 0
+            and partial is not None
+            and not all(torch.isfinite(x) for x in torch.aminmax(partial))
+        ):
+            # cannot happen: validated pushes (bounded values and weights) have a finite fp64 sum, and so a
+            # finite mean; the caller logs it
+            self.why = "nonfinite"
+        elif self.weight > 0:
+            # the mean is folded block by block and each block stepped while it is in cache (on the CPU)
+            pushes, weight = self.pushes, self.weight
+
+            def fill(lo: int, hi: int, out: torch.Tensor) -> None:
+                _fold_block(pushes, partial, weight, lo, out)
+
+            self.update = self.opt.step_from(fill, _fold_values(pushes))
         if self.update is None:  # nobody pushed (or the mean was not finite): a zero update; nobody waits
             self.mean_loss = None
             codec, block_size = self.downlink

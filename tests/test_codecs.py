@@ -547,6 +547,24 @@ def test_large_tensors_split_over_threads_give_the_same_bytes_and_values(monkeyp
         encode(bad, codec, 128, rounding)
 
 
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_accumulate_overwrite_is_adding_to_zeros_and_divide_into_is_torch_div(codec):
+    x = torch.randn(10_001, generator=torch.Generator().manual_seed(4)) * 1e-3
+    x[::7] = -0.0  # signed zeros: overwrite gives 0 + w * x, never -0
+    enc = encode(x, codec, 128)
+    for weight in (1.0, 0.3, 6144.0):
+        got = torch.full((x.numel(),), float("nan"), dtype=torch.float64)  # not read
+        accumulate(enc, got, weight, overwrite=True)
+        want = torch.zeros(x.numel(), dtype=torch.float64)
+        accumulate(enc, want, weight)
+        assert same(got, want)
+        out = torch.empty(x.numel())
+        codecs.divide_into(got, 7.0 * weight, out)
+        assert same(out, torch.div(got, 7.0 * weight).to(torch.float32))
+    with pytest.raises(ValueError, match="10001 values"):
+        codecs.divide_into(got, 2.0, torch.empty(10))
+
+
 # --- CUDA: the same bytes and values as on the CPU (skipped without a GPU) ----------------------------------
 @cuda
 @pytest.mark.parametrize("codec", list(CODECS))
