@@ -15,6 +15,7 @@ and master stay bit-identical however coarse the downlink codec is.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 
 import torch
@@ -74,6 +75,7 @@ class OuterOptimizer:
         self._v: torch.Tensor | None = None  # the step's scratch: the update, then v = u + e
         self._u: torch.Tensor | None = None  # the decoded update u_hat
         self._g: torch.Tensor | None = None  # see gradient_buffer
+        self._spare: torch.Tensor | None = None  # the previous master, reused when free (_spare_master)
         self._u_stale = False  # _u does not hold the last update yet (the fused step does not need it)
 
     def step(self, mean_delta: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
@@ -120,7 +122,7 @@ class OuterOptimizer:
         first = bool(self.momentum) and buf is None
         if first:
             buf = torch.empty_like(self.master)
-        new = torch.empty_like(self.master)
+        new = self._spare_master()
         enc = outer_step(
             g, buf, first, self.master, self.residual, new, self.momentum, self.lr, self.nesterov,
             self.codec, self.block_size, self.rounding, self.generator, fill_values,
@@ -128,11 +130,25 @@ class OuterOptimizer:
         if enc is not None:
             if first:
                 state["momentum_buffer"] = buf
-            self.master = new
+            self._spare, self.master = self.master, new
             if self._u is None:
                 self._u = torch.empty_like(new)
             self._u_stale = True  # decoded only if step() is asked for it
         return enc
+
+    def _spare_master(self) -> torch.Tensor:
+        """A tensor for the next master: the master of two steps ago when nothing holds it any more (no
+        reference, no view: a Fetch or a hash may keep a master for as long as it likes), else a new one
+        (whose page faults cost a fresh 100 MB tensor more than the step's arithmetic)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and sys.getrefcount(spare) <= 2:  # this local and getrefcount's argument
+            try:
+                shared = torch._C._storage_Use_Count(spare.untyped_storage()._cdata) > 2  # views of it
+            except (AttributeError, RuntimeError):  # the private API went away: do not reuse
+                shared = True
+            if not shared:
+                return spare
+        return torch.empty_like(self.master)
 
     def _step_torch(self, g: torch.Tensor) -> Encoded:
         """The same step in torch ops (any codec; the reference the fused kernel is tested against)."""

@@ -170,3 +170,22 @@ def test_the_fused_cpu_step_equals_the_torch_ops(monkeypatch, codec, rounding, m
         assert sa.keys() == sb.keys()
         if momentum:
             assert torch.equal(sa[0]["momentum_buffer"], sb[0]["momentum_buffer"])
+
+
+def test_a_master_someone_holds_is_never_reused_and_a_free_one_is():
+    """The fused step writes the new master into the master of two steps ago when nothing holds it: a
+    master kept by a reader (a Fetch, a hash), or a view of it, never changes."""
+    opt = OuterOptimizer(torch.randn(50_000), lr=0.7, momentum=0.9)
+    held = opt.master  # a reader keeps the first master
+    copy_held = held.clone()
+    opt.step(torch.randn(50_000) * 1e-3)
+    view = opt.master[100:200]  # a view of the second
+    copy_view = view.clone()
+    for _ in range(4):
+        opt.step(torch.randn(50_000) * 1e-3)
+    assert torch.equal(held, copy_held) and torch.equal(view, copy_view)
+    seen = set()
+    for _ in range(6):  # nobody holds them now: two buffers take turns
+        opt.step(torch.randn(50_000) * 1e-3)
+        seen.add(opt.master.data_ptr())
+    assert len(seen) <= 3
