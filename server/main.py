@@ -6,6 +6,7 @@ stop it cleanly."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -238,6 +239,10 @@ async def serve(
             await stop_http()
             return
     service = holder.service
+    # what start-up made (torch, the model, the codecs' kernels: about a million objects) stays: out of the
+    # collector's sight, so that a full collection does not hold the GIL for a tenth of a second mid-round
+    gc.collect()
+    gc.freeze()
     try:
         await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop)
     finally:
