@@ -895,7 +895,7 @@ def test_link_state_takes_updates_masters_and_lets_kept_pushes_go():
 
 def _link_state(link: ShardLink, fn):
     """Ask the link's own thread to run fn(state) and return its result."""
-    return link._ask(lambda: fn(link.state)).result(timeout=WAIT)
+    return link.inspect(fn, timeout=WAIT)
 
 
 def _wait_link(link: ShardLink, cond, what: str) -> None:
@@ -918,7 +918,7 @@ def test_a_link_missing_an_update_between_two_it_holds_fetches_the_master(make_s
         _wait_link(link, lambda st: (0, 2) in st.arrived, "the link to have round 2's update")
         _link_state(link, lambda st: st.arrived.pop((0, 1)))  # as if round 1's update were lost
         assert _link_state(link, lambda st: st.have(0)) == 1
-        link._ask(link._resync, link._welcome).result(timeout=WAIT)
+        link.resync(timeout=WAIT)
         master = s.on_loop(lambda: s.service.state.master(0).clone())
         assert _link_state(link, lambda st: (st.covered[0], st.masters[0].round)) == (3, 3)
         assert torch.equal(_link_state(link, lambda st: st.masters[0].values), master)

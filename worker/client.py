@@ -636,6 +636,24 @@ class ShardLink:
                 f"no update for fragment {fragment} round {round} from shard {self.shard}"
             ) from None
 
+    def inspect(self, fn: Callable[[LinkState], Any], timeout: float | None = None) -> Any:
+        """fn(state) run on the link's thread, the state's one writer (a consistent look; tools and tests)."""
+        return self._ask(lambda: fn(self.state)).result(timeout)
+
+    def install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
+        """Take fetched master slices as the rounds this link holds; returns their rounds (joining)."""
+        return self._ask(self._install, fetched).result()
+
+    def view(self) -> tuple[list[int], list[bool], list[bool]]:
+        """Where the run is, as this shard says: per fragment the open round, whether it has started and
+        whether it is short of its quorum (see GrpcTransport._view)."""
+        return self._ask(self._view).result()
+
+    def resync(self, timeout: float | None = None) -> None:
+        """Compare what this link holds with the shard's last Welcome and fetch or resend what differs."""
+        assert self._welcome is not None, "resync needs a session"
+        self._ask(self._resync, self._welcome).result(timeout)
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every push sent on this session has its PushResult (for a clean stop)."""
         fut: Future = Future()
@@ -777,9 +795,7 @@ class GrpcTransport:
         cfg = self.links[0].config
         assert cfg is not None
         parts = [link.fetch() for link in self.links]
-        per_link = [
-            link._ask(link._install, part).result() for link, part in zip(self.links, parts, strict=True)
-        ]
+        per_link = [link.install(part) for link, part in zip(self.links, parts, strict=True)]
         self.installed = [list(r) for r in zip(*per_link, strict=True)]
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
         if prepare is not None:  # what the caller does before its first step, done before anyone waits for us
@@ -796,7 +812,7 @@ class GrpcTransport:
         is short of its quorum, from each shard's Welcome moved on by the updates that came since. Shards
         can disagree (a push that reached one shard and not another, from a worker that died between):
         then the shard that is behind counts, so that a joiner pushes the round it still needs."""
-        per_shard = [link._ask(link._view).result() for link in self.links]
+        per_shard = [link.view() for link in self.links]
         out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
         for f in range(len(per_shard[0][0])):
             low = min(v[0][f] for v in per_shard)
@@ -812,9 +828,8 @@ class GrpcTransport:
         next round of each fragment), and send again the kept pushes whose rounds are still open."""
         for link in self.links:
             link.schedule = schedule
-            assert link._welcome is not None
             try:
-                link._ask(link._resync, link._welcome).result()
+                link.resync()
             except _Retry as e:
                 raise SyncError(str(e)) from None
         for link in self.links:
@@ -827,7 +842,7 @@ class GrpcTransport:
 
     def first_rounds(self, num_fragments: int) -> list[int]:
         """Per fragment, the first round not yet in the mirror on every shard."""
-        covered = [link._ask(lambda link=link: list(link.state.covered)).result() for link in self.links]
+        covered = [link.inspect(lambda st: list(st.covered)) for link in self.links]
         return [min(c[f] for c in covered) for f in range(num_fragments)]
 
     def push(
