@@ -10,14 +10,16 @@ compiled kernels, and what runs when numba is missing or STREAMDILOCO_CODECS_NUM
     python benchmarks/codecs.py --quick    # 1M values
     python benchmarks/codecs.py --values 64M --repeats 9 --json out.json
 
-One thread (torch.set_num_threads(1)): the kernels are single-threaded, and on a worker the sync thread and
-the training thread share the cores.
+The table is per core (one codec thread, torch.set_num_threads(1)); a last line gives e3m0 on the codec
+threads that large tensors get (STREAMDILOCO_CODEC_THREADS, default the CPUs up to 4) against torch's copy
+on as many threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -66,6 +68,8 @@ def codec_table(
     quick: bool = False, values: int | None = None, repeats: int | None = None
 ) -> tuple[str, dict]:
     """Run the measurements; (a markdown table, the raw numbers)."""
+    threads = C.codec_threads()  # what large tensors get by default
+    os.environ["STREAMDILOCO_CODEC_THREADS"] = "1"
     torch.set_num_threads(1)
     n = values or (1 << 20 if quick else 1 << 24)
     repeats = repeats or (3 if quick else 5)
@@ -81,7 +85,7 @@ def codec_table(
         rows.append({"codec": codec, "compiled": fast, "torch_ops": ref})
         print(f"  {codec}: " + ", ".join(f"{op} {fast[op]:.0f} M/s" for op in OPS), file=sys.stderr)
     lines = [
-        f"{n / 1e6:.3g}M fp32 values, block {block}, 1 thread; memcpy (copy_ into a preallocated buffer) "
+        f"{n / 1e6:.3g}M fp32 values, block {block}, 1 thread (codec, torch); memcpy (copy_ into a buffer) "
         f"{memcpy:.0f} M values/s in the same run; M values/s (x memcpy), median of {repeats}; "
         f"{'compiled kernels' if compiled else 'NO compiled kernels (numba missing or switched off)'} "
         "against the torch reference ops",
@@ -97,7 +101,21 @@ def codec_table(
         cells = [f"{r['compiled'][op]:.0f} ({r['compiled'][op] / memcpy:.2f}x)" for op in OPS]
         cells += [f"{r['torch_ops'][op]:.0f} ({r['torch_ops'][op] / memcpy:.2f}x)" for op in OPS]
         lines.append(f"| {r['codec']} | " + " | ".join(cells) + " |")
+    # large tensors are split over the codec threads: e3m0 with them, against torch's copy on as many
+    os.environ["STREAMDILOCO_CODEC_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    memcpy_n = n / _time(lambda: dst.copy_(x), repeats) / 1e6
+    par = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, "e3m0", block, compiled).items()}
+    lines += [
+        "",
+        f"e3m0 on {threads} threads (tensors of {C.PARALLEL_VALUES / 2**20:.0f}M values or more are split "
+        f"over them), against a copy on {threads} torch threads ({memcpy_n:.0f} M values/s): "
+        + ", ".join(f"{op} {par[op]:.0f} ({par[op] / memcpy_n:.2f}x)" for op in OPS),
+    ]
     raw = {
+        "threads": threads,
+        "memcpy_threads": memcpy_n,
+        "e3m0_threads": par,
         "values": n,
         "block_size": block,
         "repeats": repeats,
