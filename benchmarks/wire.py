@@ -162,15 +162,25 @@ def wait_files(procs: Procs, files: list[Path], watch: list[tuple[str, subproces
 
 
 def start_shards(
-    procs: Procs, tmp: Path, tag: str, num: int, flags: list[str], wrap: list[str] | None = None
+    procs: Procs,
+    tmp: Path,
+    tag: str,
+    num: int,
+    flags: list[str],
+    wrap: list[str] | None = None,
+    checkpoint: bool = True,
 ):
-    """S shard processes; returns their (name, Popen, {grpc_port, http_port})."""
+    """S shard processes (checkpointing every round, or with --no-checkpoint); returns their (name, Popen,
+    {grpc_port, http_port})."""
     out = []
     for s in range(num):
         ready = tmp / f"{tag}-shard{s}.ready"
         argv = ["server", "--shard", str(s), "--num-shards", str(num), "--host", "127.0.0.1"]
         argv += ["--port", "0", "--http-port", "0", "--ready-file", str(ready), *flags]
-        argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-checkpoint"), "--fresh"]
+        if checkpoint:
+            argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-checkpoint"), "--fresh"]
+        else:
+            argv += ["--no-checkpoint"]
         cmd = (wrap + ["-m", "streamdiloco", *argv]) if wrap else sd(*argv)
         name = f"{tag}-shard{s}"
         out.append((name, procs.start(name, cmd), ready))
@@ -731,24 +741,51 @@ def grpc_client_main(a: argparse.Namespace) -> int:
 
     plan = json.loads(Path(a.plan).read_text())
     enc = read_payload(plan, Path(a.payload))
-    link = ShardLink(a.target, a.name, plan["fingerprint"])
+    f = plan["fragment"]
+    links = [ShardLink(t, a.name, plan["fingerprint"]) for t in a.target.split(",")]
     try:
-        link.start()
-        r0 = link.ready().rounds[plan["fragment"]]  # every client joins before the first push
-        assert link.slices[plan["fragment"]][1] == plan["numel"], link.slices
+        for link in links:
+            link.start()
+        welcomes = [link.ready() for link in links]  # every client joins before the first push
+        if len(links) == 1:
+            assert links[0].slices[f][1] == plan["numel"], links[0].slices
+            encs = [enc]
+        else:  # each shard its slice of the same values, encoded as a worker would
+            values = decode(enc)
+            encs = [
+                encode(values[lo : lo + n], "e3m0", plan["block_size"])
+                for lo, n in (x.slices[f] for x in links)
+            ]
+        # --pipeline F: pushes go to fragments f, f+1, ..., f+F-1 in turn (the same values: the fragments are
+        # the same size), each waiting only for the update of the push F before it, as a worker's fragments
+        # overlap: the shard takes one fragment's pushes while it closes another's round
+        frags = [f + i for i in range(a.pipeline)]
+        firsts = [[w.rounds[g] for g in frags] for w in welcomes]
         cpu0 = _client_go(Path(a.ready))
         starts, ends, cpu = [], [], []
-        for k in range(a.rounds):
-            starts.append(time.monotonic())
-            link.push(plan["fragment"], r0 + k, enc, weight=1.0, loss=None)
-            link.wait_update(plan["fragment"], r0 + k, timeout=300)
+
+        def wait(k: int) -> None:
+            g = k % a.pipeline
+            for link, first in zip(links, firsts, strict=True):
+                link.wait_update(frags[g], first[g] + k // a.pipeline, timeout=300)
             ends.append(time.monotonic())
             cpu.append(time.process_time() - cpu0)
-        refused = [r.reason for r in link.refusals]
+
+        for k in range(a.rounds):
+            g = k % a.pipeline
+            starts.append(time.monotonic())
+            for link, first, e in zip(links, firsts, encs, strict=True):
+                link.push(frags[g], first[g] + k // a.pipeline, e, weight=1.0, loss=None)
+            if k - a.pipeline + 1 >= 0:
+                wait(k - a.pipeline + 1)
+        for k in range(max(0, a.rounds - a.pipeline + 1), a.rounds):
+            wait(k)
+        refused = [r.reason for link in links for r in link.refusals]
         result = {"starts": starts, "ends": ends, "cpu": cpu, "refused": refused}
         Path(a.result).write_text(json.dumps(result))
     finally:
-        link.close()
+        for link in links:
+            link.close()
     return 0
 
 
@@ -1010,54 +1047,74 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
         )
         say(_fmt_rate(rows[-1]))
 
-    def grpc_run(tag: str, wrap: list[str] | None, rounds: int, per: int):
+    def grpc_run(
+        tag: str,
+        wrap: list[str] | None,
+        rounds: int,
+        per: int,
+        shards: int = 1,
+        ckpt: bool = True,
+        pipe: int = 1,
+    ):
         flags = ["--min-workers", str(clients), "--round-timeout", "600", "--model", args.b_model]
-        ((sname, sp, info),) = start_shards(procs, tmp, tag, 1, flags, wrap=wrap)
+        started = start_shards(procs, tmp, tag, shards, flags, wrap=wrap, checkpoint=ckpt)
         try:
-            target = f"127.0.0.1:{info['grpc_port']}"
+            targets = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in started)
 
             def argv(i, ready, result):
                 return me + ["_grpc-client", "--plan", str(plan_file), "--payload", str(payload)] + [
-                    "--target", target, "--name", f"client-{i}", "--rounds", str(rounds),
-                    "--ready", str(ready), "--result", str(result)]  # fmt: skip
+                    "--target", targets, "--name", f"client-{i}", "--rounds", str(rounds),
+                    "--pipeline", str(pipe), "--ready", str(ready), "--result", str(result)]  # fmt: skip
 
+            sname, sp, _ = started[0]  # CPU by thread: shard 0's
             results, rates = run_clients(
                 procs, tmp, tag, argv, clients, (sname, sp), plan["codec_bytes"], warmup, per
             )
-            status = http_json(info["http_port"])
+            statuses = [http_json(info["http_port"]) for _, _, info in started]
         finally:
-            procs.stop(sp, timeout=30)
-        return results, rates, status
+            for _, p, _ in started:
+                procs.stop(p, timeout=30)
+        return results, rates, statuses
 
-    say(
-        f"[b] gRPC shard (streamdiloco server, --min-workers {clients}) "
-        f"({warmup} + {reps} x {per} rounds) ..."
-    )
-    busy = wait_quiet("b", args.max_wait)
-    results, rates, status = grpc_run("b-grpc", None, warmup + per * reps, per)
-    closes = [h["seconds"] for h in status["recent_rounds"]][warmup:]
-    rows.append(
-        {
-            "transport": "gRPC shard",
-            "receiver": "full",
-            "rounds_per_repeat": per,
-            **rates,
-            "refused": sum(len(r["refused"]) for r in results),
-            "shard_pushes_accepted": status["pushes_accepted"],
-            "shard_codec_in": status["bytes"]["codec_in"],
-            "shard_wire_in": status["bytes"]["message_bytes_in"],
-            "shard_first_push_to_close_seconds": closes,
-            "median_shard_first_push_to_close": statistics.median(closes) if closes else None,
-            "busy_before": busy,
-        }
-    )
-    say(_fmt_rate(rows[-1]))
+    configs = [(n, ckpt, 1) for n in args.b_shards for ckpt in (True, False)]
+    configs += [(n, ckpt, 2) for n in args.b_shards for ckpt in (True, False) if args.b_pipeline]
+    for shards, ckpt, pipe in configs:
+        if True:
+            what = f"{shards} shard{'s' if shards > 1 else ''}, " + (
+                "checkpoint every round" if ckpt else "--no-checkpoint"
+            )
+            if pipe > 1:
+                what += f", {pipe} fragments in flight"
+            say(f"[b] gRPC: {what}, --min-workers {clients} ({warmup} + {reps} x {per} rounds) ...")
+            busy = wait_quiet("b", args.max_wait)
+            tag = f"b-grpc-s{shards}-{'ckpt' if ckpt else 'nockpt'}-p{pipe}"
+            results, rates, statuses = grpc_run(tag, None, warmup + per * reps, per, shards, ckpt, pipe)
+            closes = [h["seconds"] for h in statuses[0]["recent_rounds"]][warmup:]
+            rows.append(
+                {
+                    "transport": f"gRPC, {what}",
+                    "receiver": "full",
+                    "shards": shards,
+                    "checkpoint": ckpt,
+                    "pipeline": pipe,
+                    "rounds_per_repeat": per,
+                    **rates,
+                    "refused": sum(len(r["refused"]) for r in results),
+                    "shard_pushes_accepted": sum(st["pushes_accepted"] for st in statuses),
+                    "shard_codec_in": sum(st["bytes"]["codec_in"] for st in statuses),
+                    "shard_wire_in": sum(st["bytes"]["message_bytes_in"] for st in statuses),
+                    "shard_first_push_to_close_seconds": closes,
+                    "median_shard_first_push_to_close": statistics.median(closes) if closes else None,
+                    "busy_before": busy,
+                }
+            )
+            say(_fmt_rate(rows[-1]))
 
     profile = None
     if args.b_profile:
         say(f"[b] the gRPC shard again under cProfile (its main thread), {warmup} + {per} rounds ...")
         prof = tmp / "b-shard.prof"
-        grpc_run("b-prof", [sys.executable, "-m", "cProfile", "-o", str(prof)], warmup + per, per)
+        grpc_run("b-prof", [sys.executable, "-m", "cProfile", "-o", str(prof)], warmup + per, per, 1, True)
         profile = profile_rows(prof, warmup + per) if prof.exists() else None
     return {
         **{k: v for k, v in plan.items() if k != "fingerprint"},
@@ -1259,6 +1316,7 @@ def _internal(argv: list[str]) -> int:
     p.add_argument("--port-file")
     p.add_argument("--senders", type=int, default=8)
     p.add_argument("--rounds", type=int, required=True)
+    p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--ready")
     p.add_argument("--result")
     a = p.parse_args(argv)
@@ -1284,6 +1342,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--a-models", default=None, help="(a) models, comma-separated (default tiny,small)")
     p.add_argument("--b-model", default=None, help="(b) model whose fragment 0 is pushed (default medium)")
     p.add_argument("--b-clients", type=int, default=8, help="(b) concurrent clients (default 8)")
+    p.add_argument(
+        "--b-shards", default="1,2", help="(b) shard counts for the gRPC runs (default %(default)s)"
+    )
+    p.add_argument(
+        "--no-pipeline",
+        dest="b_pipeline",
+        action="store_false",
+        help="(b) skip the gRPC runs with 2 fragments in flight (pushes during the other's close)",
+    )
     p.add_argument("--b-rounds", type=int, default=None, help="(b) rounds per repeat (default 3)")
     p.add_argument(
         "--b-repeats", type=int, default=None, help="(b) repeats; the median is reported (default 3)"
@@ -1317,6 +1384,12 @@ def main(argv: list[str] | None = None) -> int:
     a_models = (args.a_models or ("tiny" if q else "tiny,small")).split(",")
     args.b_model = args.b_model or ("small" if q else "medium")
     args.b_rounds = args.b_rounds or (2 if q else 3)
+    try:
+        args.b_shards = [int(x) for x in args.b_shards.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--b-shards: comma-separated shard counts, got {args.b_shards!r}")
+    if not args.b_shards or min(args.b_shards) < 1:
+        p.error(f"--b-shards: shard counts of at least 1, got {args.b_shards}")
     args.b_repeats = args.b_repeats or (2 if q else 3)
     args.b_tcp_modes = ["discard", "decode", "full"]
     if q:
@@ -1381,22 +1454,32 @@ def main(argv: list[str] | None = None) -> int:
             b = part_b(args, procs, tmp)
             results["b"] = b
             t = table_b(b)
-            grpc_row = b["rows"][-1]
-            ratios = {r["receiver"]: grpc_row["median_mb_s"] / r["median_mb_s"] for r in b["rows"][:-1]}
-            b["ratios_grpc_over_tcp"] = ratios
-            ratio_text = ", ".join(f"{what} {v:.3f}×" for what, v in ratios.items())
-            g = grpc_row
-            lines = [
-                t,
-                "",
-                f"gRPC shard ÷ plain TCP, by what the TCP receiver does: {ratio_text}",
-                f"gRPC run: {g['refused']} pushes refused, {g['shard_pushes_accepted']} accepted; "
-                f"the shard's own time from a round's start (its first whole push) to its close (median): "
-                f"{g['median_shard_first_push_to_close']:.3f}s of a {g['median_round_seconds']:.3f}s round",
-                f"CPU seconds over the measured rounds ({g['sampled_seconds']:.2f}s): shard by thread "
-                f"{g['server_cpu_by_thread']}; the {b['clients']} clients {g['clients_cpu_seconds']:.2f}; "
-                f"the whole machine {g['machine_cpu_seconds']:.2f}",
-            ]
+            tcp = {r["receiver"]: r for r in b["rows"] if r["transport"] == "plain TCP"}
+            grpc_rows = [r for r in b["rows"] if r["transport"] != "plain TCP"]
+            lines = [t, ""]
+            b["ratios"] = {}
+            for g in grpc_rows:
+                over = {m: g["median_mb_s"] / r["median_mb_s"] for m, r in tcp.items()}
+                b["ratios"][g["transport"]] = {"over_tcp": over}
+                lines.append(
+                    f"- {g['transport']}: ÷ plain TCP by what its receiver does: "
+                    + ", ".join(f"{m} {v:.3f}×" for m, v in over.items())
+                    + f"; {g['refused']} pushes refused, {g['shard_pushes_accepted']} accepted; "
+                    "shard 0's time from a round's first whole push to its close (median) "
+                    f"{g['median_shard_first_push_to_close']:.3f}s "
+                    f"of a {g['median_round_seconds']:.3f}s round; CPU over the measured rounds "
+                    f"({g['sampled_seconds']:.2f}s): shard 0 by thread {g['server_cpu_by_thread']}, "
+                    f"the {b['clients']} clients {g['clients_cpu_seconds']:.2f}, "
+                    f"the whole machine {g['machine_cpu_seconds']:.2f}"
+                )
+            for ckpt, pipe in [(c, q) for q in (1, 2) for c in (True, False)]:
+                by = {g["shards"]: g for g in grpc_rows if (g["checkpoint"], g["pipeline"]) == (ckpt, pipe)}
+                if 1 in by and len(by) > 1:
+                    for n, g in sorted(by.items()):
+                        if n > 1:
+                            x = g["median_mb_s"] / by[1]["median_mb_s"]
+                            b["ratios"][g["transport"]]["over_one_shard"] = x
+                            lines.append(f"- {g['transport']} ÷ 1 shard: {x:.2f}×")
             if b["profile"]:
                 pr = b["profile"]
                 lines += [

@@ -27,4 +27,16 @@ def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
             assert counts == {d["proxy_codec_bytes"]}, (run["model"], direction, d)
             assert d["sync_bytes"] > d["predicted_codec_bytes"] and 0 < d["overhead_sync_pct"] < 5
             assert not d["parse_errors"]
-    assert results["b"] and results["c"]
+    b = results["b"]  # (b): one and two shards, checkpointing or not; every push accepted by every shard
+    grpc = [r for r in b["rows"] if r["transport"] != "plain TCP"]
+    assert sorted((r["shards"], r["checkpoint"]) for r in grpc) == [
+        (1, False),
+        (1, True),
+        (2, False),
+        (2, True),
+    ]
+    rounds = b["warmup_rounds"] + b["repeats"] * grpc[0]["rounds_per_repeat"]
+    for r in grpc:
+        assert r["refused"] == 0 and r["shard_pushes_accepted"] == b["clients"] * rounds * r["shards"], r
+        assert r["median_mb_s"] > 0
+    assert results["c"]
