@@ -124,7 +124,13 @@ class ShardCheckpoint:
         """Write a fragment's state (ShardState.fragment_state, or a close job's, on the job's thread)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.dir / f"fragment-{fragment}.pt", lambda f: torch.save(saved, f))
+            # torch's legacy (non-zip) format: a 300 MB fragment state is written in 0.23 s against 0.4-1 s
+            # for the zip format (which checksums it and writes it in small pieces), and this write is on
+            # every round's critical path (the update goes out once it is durable); torch.load reads both
+            atomic_write(
+                self.dir / f"fragment-{fragment}.pt",
+                lambda f: torch.save(saved, f, _use_new_zipfile_serialization=False),
+            )
             self.writes += 1
             return True
         except OSError as e:
