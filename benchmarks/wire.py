@@ -193,6 +193,52 @@ def http_json(port: int, path: str = "/api/status") -> dict:
         return json.loads(r.read())
 
 
+class HttpProbe:
+    """Asks a shard's /healthz and /api/status (with the masters' hashes) one after the other, as fast as
+    they answer, while it is under load: their latencies in ms."""
+
+    PATHS = ("/healthz", "/api/status")
+
+    def __init__(self, port: int):
+        self.port = port
+        self.times: dict[str, list[float]] = {p: [] for p in self.PATHS}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for path in self.PATHS:
+                t0 = time.perf_counter()
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+                        r.read()
+                    self.times[path].append((time.perf_counter() - t0) * 1e3)
+                except OSError:
+                    self.errors += 1
+                self._stop.wait(0.02)
+
+    def __enter__(self) -> HttpProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def summary(self) -> dict:
+        out: dict = {"errors": self.errors}
+        for path, xs in self.times.items():
+            ys = sorted(xs)
+            out[path] = {
+                "n": len(ys),
+                "median": statistics.median(ys) if ys else None,
+                "p99": ys[min(len(ys) - 1, int(0.99 * len(ys)))] if ys else None,
+                "max": ys[-1] if ys else None,
+            }
+        return out
+
+
 def system_busy_seconds() -> float:
     """CPU seconds that all processes of the machine have used (all cores, non-idle time), from /proc/stat."""
     vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -1067,9 +1113,11 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
                     "--pipeline", str(pipe), "--ready", str(ready), "--result", str(result)]  # fmt: skip
 
             sname, sp, _ = started[0]  # CPU by thread: shard 0's
-            results, rates = run_clients(
-                procs, tmp, tag, argv, clients, (sname, sp), plan["codec_bytes"], warmup, per
-            )
+            with HttpProbe(started[0][2]["http_port"]) as probe:  # health and status while it ingests
+                results, rates = run_clients(
+                    procs, tmp, tag, argv, clients, (sname, sp), plan["codec_bytes"], warmup, per
+                )
+            rates["http_ms"] = probe.summary()
             statuses = [http_json(info["http_port"]) for _, _, info in started]
         finally:
             for _, p, _ in started:
@@ -1470,7 +1518,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"of a {g['median_round_seconds']:.3f}s round; CPU over the measured rounds "
                     f"({g['sampled_seconds']:.2f}s): shard 0 by thread {g['server_cpu_by_thread']}, "
                     f"the {b['clients']} clients {g['clients_cpu_seconds']:.2f}, "
-                    f"the whole machine {g['machine_cpu_seconds']:.2f}"
+                    f"the whole machine {g['machine_cpu_seconds']:.2f}; while it ran, shard 0 answered "
+                    + ", ".join(
+                        f"{path} in {h['median']:.1f} ms median, {h['p99']:.1f} p99, {h['max']:.1f} max "
+                        f"({h['n']} asked)"
+                        for path, h in g["http_ms"].items()
+                        if path != "errors" and h["n"]
+                    )
+                    + f" ({g['http_ms']['errors']} errors)"
                 )
             for ckpt, pipe in [(c, q) for q in (1, 2) for c in (True, False)]:
                 by = {g["shards"]: g for g in grpc_rows if (g["checkpoint"], g["pipeline"]) == (ckpt, pipe)}
