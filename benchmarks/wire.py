@@ -11,12 +11,15 @@ worker's time goes to training. Each figure is measured beside a reference in th
               TCP payload only: TCP/IP headers (about 52 B per segment) are not in these figures.
 (b) ingest    One shard process (--min-workers 8) and 8 client processes that Join with
               worker.client.ShardLink and push the same E3M0 fragment slice every round, each waiting for
-              the round's update before its next push: MB/s of 4-bit payload the shard accepts. Reference:
+              the round's update before its next push: MB/s of 4-bit payload the shard accepts. Then 2 shard
+              processes (--num-shards 2, --b-shards): each client holds a ShardLink per shard, pushes each
+              its slice of the fragment (slice_ranges) and waits for both shards' updates before its next
+              push: MB/s summed over both shards, against 1 shard. Reference:
               the same 8 senders and bytes over plain TCP sockets to one asyncio receiver process that
               (1) reads and discards, (2) also dequantizes and sums in fp64 like the shard, (3) also runs
               the outer step and sends the E3M0 update back to all 8, as the shard does; each round ends
-              with the receiver's reply to all 8 senders. Also: the shard's CPU by thread, and a cProfile of
-              its event loop in a separate pass.
+              with the receiver's reply to all 8 senders. Also: the shards' CPU by thread, and a cProfile of
+              one shard's event loop in a separate pass.
 (c) demo      `streamdiloco launch --shards 2 --workers 2 --steps 400 --log-every 50` (`make demo`, at half
               its 800 steps): per worker compute utilization (training time / wall time of training), blocked
               seconds, tokens/s. Reference: the same cluster with H = steps (each fragment syncs at most
@@ -747,6 +750,15 @@ def ingest_plan(model: str, fragment: int) -> dict:
     }
 
 
+def push_bytes(plan: dict, shards: int) -> int:
+    """E3M0 bytes one client pushes per round to S shards together: each shard's slice encoded on its own
+    (a slice that does not end on a block boundary carries one more scale than the whole would)."""
+    return sum(
+        CODECS["e3m0"].encoded_nbytes(hi - lo, plan["block_size"])
+        for lo, hi in slice_ranges(plan["numel"], shards)
+    )
+
+
 def write_payload(plan: dict, path: Path) -> None:
     """One E3M0-encoded outer gradient of the slice; every client pushes these bytes every round."""
     g = torch.Generator().manual_seed(1)
@@ -797,6 +809,8 @@ def grpc_client_main(a: argparse.Namespace) -> int:
             assert links[0].slices[f][1] == plan["numel"], links[0].slices
             encs = [enc]
         else:  # each shard its slice of the same values, encoded as a worker would
+            want = [(lo, hi - lo) for lo, hi in slice_ranges(plan["numel"], len(links))]
+            assert [x.slices[f] for x in links] == want, [x.slices[f] for x in links]
             values = decode(enc)
             encs = [
                 encode(values[lo : lo + n], "e3m0", plan["block_size"])
@@ -927,17 +941,22 @@ def tcp_receiver_main(a: argparse.Namespace) -> int:
 
 
 class CpuSampler:
-    """Samples a process's CPU seconds per thread every `period` s, so that CPU over a window can be read."""
+    """Samples processes' CPU seconds per thread every `period` s, so that CPU over a window can be read.
+    With more than one process the threads are named "p<i> ..." (the i-th pid given)."""
 
-    def __init__(self, pid: int, period: float = 0.02):
-        self.pid, self.period = pid, period
+    def __init__(self, pids: list[int], period: float = 0.02):
+        self.pids, self.period = pids, period
         self.samples: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), {**thread_cpu(self.pid), "ALL": system_busy_seconds()}))
+            sample = {"ALL": system_busy_seconds()}
+            for i, pid in enumerate(self.pids):
+                for k, v in thread_cpu(pid).items():
+                    sample[k if len(self.pids) == 1 else f"p{i} {k}"] = v
+            self.samples.append((time.monotonic(), sample))
             self._stop.wait(self.period)
 
     def __enter__(self) -> CpuSampler:
@@ -978,15 +997,14 @@ def run_clients(
     tag: str,
     client_argv,
     clients: int,
-    server,
+    servers: list[tuple[str, subprocess.Popen]],
     push_bytes: int,
     warmup: int,
     per: int,
 ):
     """Start the clients, wait until all are ready, say go, wait for them; then the rates per repeat
-    (warm-up rounds left out) and the CPU of the server (by thread) and of the clients over the measured
-    rounds."""
-    sname, sp = server
+    (warm-up rounds left out: push_bytes per client and round) and the CPU of the servers (by thread, all
+    of them together) and of the clients over the measured rounds."""
     cl = []
     for i in range(clients):
         ready, result = tmp / f"{tag}-c{i}.ready", tmp / f"{tag}-c{i}.json"
@@ -994,8 +1012,8 @@ def run_clients(
             f.unlink(missing_ok=True)
         p = procs.start(f"{tag}-c{i}", client_argv(i, ready, result), stdin=True)
         cl.append((f"{tag}-c{i}", p, ready, result))
-    wait_files(procs, [c[2] for c in cl], [(c[0], c[1]) for c in cl] + [server], timeout=180)
-    with CpuSampler(sp.pid) as sampler:
+    wait_files(procs, [c[2] for c in cl], [(c[0], c[1]) for c in cl] + servers, timeout=180)
+    with CpuSampler([sp.pid for _, sp in servers]) as sampler:
         for c in cl:
             c[1].stdin.write("go\n")
             c[1].stdin.flush()
@@ -1022,6 +1040,7 @@ def run_clients(
     machine_cpu = server_cpu.pop("ALL", 0.0)
     clients_cpu = sum(r["cpu"][-1] - r["cpu"][warmup - 1] for r in results)
     return results, {
+        "push_bytes_per_client": push_bytes,
         "repeat_mb_s": reps,
         "median_mb_s": statistics.median(reps),
         "rounds_measured": rounds - warmup,
@@ -1078,7 +1097,15 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
                     "--result", str(result)]  # fmt: skip
 
             _, rates = run_clients(
-                procs, tmp, f"b-tcp-{mode}", argv, clients, (rname, recv), plan["codec_bytes"], warmup, m_per
+                procs,
+                tmp,
+                f"b-tcp-{mode}",
+                argv,
+                clients,
+                [(rname, recv)],
+                plan["codec_bytes"],
+                warmup,
+                m_per,
             )
         finally:
             procs.stop(recv)
@@ -1112,11 +1139,10 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
                     "--target", targets, "--name", f"client-{i}", "--rounds", str(rounds),
                     "--pipeline", str(pipe), "--ready", str(ready), "--result", str(result)]  # fmt: skip
 
-            sname, sp, _ = started[0]  # CPU by thread: shard 0's
+            servers = [(n, p) for n, p, _ in started]  # CPU by thread: all shards' (p0 = shard 0, ...)
+            nbytes = push_bytes(plan, shards)  # per client and round, summed over the shards' slices
             with HttpProbe(started[0][2]["http_port"]) as probe:  # health and status while it ingests
-                results, rates = run_clients(
-                    procs, tmp, tag, argv, clients, (sname, sp), plan["codec_bytes"], warmup, per
-                )
+                results, rates = run_clients(procs, tmp, tag, argv, clients, servers, nbytes, warmup, per)
             rates["http_ms"] = probe.summary()
             statuses = [http_json(info["http_port"]) for _, _, info in started]
         finally:
@@ -1150,6 +1176,10 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
                     "refused": sum(len(r["refused"]) for r in results),
                     "shard_pushes_accepted": sum(st["pushes_accepted"] for st in statuses),
                     "shard_codec_in": sum(st["bytes"]["codec_in"] for st in statuses),
+                    # what the rate counts: every client's slices of every round (warm-up included)
+                    "shard_codec_in_expected": clients
+                    * (warmup + per * reps)
+                    * rates["push_bytes_per_client"],
                     "shard_wire_in": sum(st["bytes"]["message_bytes_in"] for st in statuses),
                     "shard_first_push_to_close_seconds": closes,
                     "median_shard_first_push_to_close": statistics.median(closes) if closes else None,
@@ -1157,6 +1187,11 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
                 }
             )
             say(_fmt_rate(rows[-1]))
+            if rows[-1]["shard_codec_in"] != rows[-1]["shard_codec_in_expected"]:
+                say(
+                    f"[b]   warning: the shards counted {rows[-1]['shard_codec_in']:,} B of codec in, "
+                    f"the clients pushed {rows[-1]['shard_codec_in_expected']:,} B"
+                )
 
     profile = None
     if args.b_profile:
@@ -1228,6 +1263,57 @@ def table_b(b: dict) -> str:
             f"{r['clients_cpu_seconds'] / r['measured_seconds']:.2f} cores | "
             f"{r['machine_cpu_seconds'] / r['sampled_seconds']:.2f} cores |"
         )
+    return "\n".join(lines)
+
+
+def shards_summary(b: dict) -> list[dict]:
+    """For each gRPC setting (checkpointing, fragments in flight): plain TCP read-and-discard, 1 shard and
+    the other shard counts, MB/s of E3M0 accepted (over all shards), and the ratios."""
+    tcp = next((r for r in b["rows"] if r["transport"] == "plain TCP" and r["receiver"] == "discard"), None)
+    grpc_rows = [r for r in b["rows"] if r["transport"] != "plain TCP"]
+    out = []
+    for pipe in sorted({g["pipeline"] for g in grpc_rows}):
+        for ckpt in (True, False):
+            by = {g["shards"]: g for g in grpc_rows if (g["checkpoint"], g["pipeline"]) == (ckpt, pipe)}
+            if not by:
+                continue
+            one = by.get(1)
+            row = {
+                "checkpoint": ckpt,
+                "pipeline": pipe,
+                "tcp_discard_mb_s": tcp["median_mb_s"] if tcp else None,
+                "mb_s": {n: g["median_mb_s"] for n, g in sorted(by.items())},
+                "one_shard_over_tcp_discard": one["median_mb_s"] / tcp["median_mb_s"]
+                if one and tcp
+                else None,
+                "over_one_shard": {
+                    n: g["median_mb_s"] / one["median_mb_s"] for n, g in sorted(by.items()) if one and n > 1
+                },
+            }
+            out.append(row)
+    return out
+
+
+def table_b_shards(summary: list[dict]) -> str:
+    counts = sorted({n for r in summary for n in r["mb_s"]})
+    more = [n for n in counts if n > 1]
+    head = "| gRPC setting | plain TCP, discard (MB/s) | "
+    head += " | ".join(f"gRPC, {n} shard{'s' if n > 1 else ''} (MB/s)" for n in counts)
+    head += " | gRPC 1 shard / TCP discard | " + " | ".join(f"{n} shards / 1 shard" for n in more) + " |"
+    lines = [head, "|" + "---|" * (3 + len(counts) + len(more))]
+
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    for r in summary:
+        what = ("checkpoint every round" if r["checkpoint"] else "--no-checkpoint") + (
+            f", {r['pipeline']} fragments in flight" if r["pipeline"] > 1 else ""
+        )
+        cells = [what, f(r["tcp_discard_mb_s"], ".1f")]
+        cells += [f"**{r['mb_s'][n]:.1f}**" if n in r["mb_s"] else "n/a" for n in counts]
+        cells += [f(r["one_shard_over_tcp_discard"], ".3f") + "×"]
+        cells += [f(r["over_one_shard"].get(n), ".2f") + "×" for n in more]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -1516,7 +1602,9 @@ def main(argv: list[str] | None = None) -> int:
                     "shard 0's time from a round's first whole push to its close (median) "
                     f"{g['median_shard_first_push_to_close']:.3f}s "
                     f"of a {g['median_round_seconds']:.3f}s round; CPU over the measured rounds "
-                    f"({g['sampled_seconds']:.2f}s): shard 0 by thread {g['server_cpu_by_thread']}, "
+                    f"({g['sampled_seconds']:.2f}s): "
+                    + ("shard" if g["shards"] == 1 else "shards (p0 = shard 0, ...)")
+                    + f" by thread {g['server_cpu_by_thread']}, "
                     f"the {b['clients']} clients {g['clients_cpu_seconds']:.2f}, "
                     f"the whole machine {g['machine_cpu_seconds']:.2f}; while it ran, shard 0 answered "
                     + ", ".join(
@@ -1535,6 +1623,15 @@ def main(argv: list[str] | None = None) -> int:
                             x = g["median_mb_s"] / by[1]["median_mb_s"]
                             b["ratios"][g["transport"]]["over_one_shard"] = x
                             lines.append(f"- {g['transport']} ÷ 1 shard: {x:.2f}×")
+            b["shards_summary"] = shards_summary(b)
+            if b["shards_summary"]:
+                lines += [
+                    "",
+                    "1 shard against plain TCP reading and discarding the same bytes, and S shards "
+                    "(MB/s summed over the shards) against 1 shard:",
+                    "",
+                    table_b_shards(b["shards_summary"]),
+                ]
             if b["profile"]:
                 pr = b["profile"]
                 lines += [
@@ -1549,7 +1646,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"| `{r['function']}` | {r['what'].strip()} | {r['calls']} | {r['per_round']:.3f} |"
                     for r in pr["rows"]
                 ]
-            say("\n(b) Ingest: one shard, 8 concurrent pushers of E3M0 payload\n")
+            shard_counts = " and ".join(str(n) for n in args.b_shards)
+            say(f"\n(b) Ingest: {shard_counts} shard(s), {b['clients']} concurrent pushers of E3M0 payload\n")
             for ln in lines:
                 say(ln)
             md += ["## (b) Ingest rate", "", *lines, ""]

@@ -29,7 +29,7 @@ def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
             assert not d["parse_errors"]
     b = results["b"]  # (b): one and two shards, checkpointing or not; every push accepted by every shard
     grpc = [r for r in b["rows"] if r["transport"] != "plain TCP"]
-    assert sorted((r["shards"], r["checkpoint"]) for r in grpc) == [
+    assert sorted((r["shards"], r["checkpoint"]) for r in grpc if r["pipeline"] == 1) == [
         (1, False),
         (1, True),
         (2, False),
@@ -38,5 +38,11 @@ def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
     rounds = b["warmup_rounds"] + b["repeats"] * grpc[0]["rounds_per_repeat"]
     for r in grpc:
         assert r["refused"] == 0 and r["shard_pushes_accepted"] == b["clients"] * rounds * r["shards"], r
+        assert r["shard_codec_in"] == r["shard_codec_in_expected"], r  # the rate counts what the shards took
         assert r["median_mb_s"] > 0
+    # the summary: 1 and 2 shards beside plain TCP reading and discarding, with the ratios
+    for s in b["shards_summary"]:
+        assert set(s["mb_s"]) == {"1", "2"} and s["tcp_discard_mb_s"] > 0, s
+        assert s["one_shard_over_tcp_discard"] > 0 and s["over_one_shard"]["2"] > 0, s
+    assert "2 shards / 1 shard" in (tmp_path / "results.md").read_text()
     assert results["c"]
