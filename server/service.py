@@ -467,11 +467,16 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _compute_close(self, job: CloseJob) -> tuple[bool, list[bytes], float | None]:
         """On a pool thread: the round's arithmetic, its checkpoint, and its update's messages."""
+        ckpt = self.checkpoint
+        record = job.record() if ckpt is not None and not ckpt.full_due(job.round) else None  # before run()
         job.run()
         saved, seconds = True, None
-        if self.checkpoint is not None:
+        if ckpt is not None:  # the round is durable before its update goes out: its log, or the whole state
             t0 = time.perf_counter()
-            saved = self.checkpoint.save(job.fragment, job.fragment_state())
+            if record is not None:
+                saved = ckpt.log_round(job.fragment, record)
+            else:
+                saved = ckpt.save(job.fragment, job.fragment_state())
             seconds = time.perf_counter() - t0
         assert job.update is not None
         messages = (

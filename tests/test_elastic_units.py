@@ -490,6 +490,72 @@ def test_save_all_then_load_restores_rounds_and_state_bit_for_bit(saved_run):
     assert _state_key(fresh) == _state_key(st)
 
 
+def _close_logged(st: ShardState, ck: ShardCheckpoint, f: int) -> None:
+    """Close fragment f's round as the service does: its log (or, every FULL_EVERY-th, the whole state)
+    written before the update would go out."""
+    job = st.begin_close(f)
+    record = None if ck.full_due(job.round) else job.record()
+    job.run()
+    assert (ck.log_round(f, record) if record is not None else ck.save(f, job.fragment_state())) is True
+    st.end_close(job)
+
+
+def _momentum(st: ShardState, f: int) -> str:
+    return tensor_digest(st.outer[f].state_dict()["sgd"]["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_restart_replays_the_logged_rounds_after_the_whole_state_bit_for_bit(tmp_path, rounding):
+    """Between whole states a round is logged as its encoded pushes; a restarted shard loads the last whole
+    state and replays the logs: rounds, masters, residuals, momentum and the rounding stream as before."""
+    from streamdiloco.server import checkpoint as ckmod
+
+    st = make_state(downlink_rounding=rounding)
+    st.fold_bytes = [
+        1000
+    ] * 3  # fragment 0's pushes are folded ahead of the close too: logged as a partial sum
+    ck = ShardCheckpoint(tmp_path / "ck", FP)
+    assert ck.save_all(st)
+    for i in range(ckmod.FULL_EVERY + 3):  # past one whole state of each fragment, and 2 logs after it
+        for f in range(3):
+            r = st.round_of(f)
+            for w, name in enumerate(("a", "b", "c")):
+                push_whole(st, name, f, r, seed=100 * i + 10 * f + w, weight=10.0 + w)
+            for g in st.fold_due():
+                st.end_fold(st.begin_fold(g).run())
+            _close_logged(st, ck, f)
+    logs = {p.name for p in (ck.dir / "rounds").iterdir()}
+    assert logs == {f"fragment-{f}-round-{r}.pt" for f in range(3) for r in (8, 9, 10)}  # older ones dropped
+    fresh = make_state(downlink_rounding=rounding)
+    ShardCheckpoint(ck.dir, FP).load(fresh)
+    assert _state_key(fresh) == _state_key(st)
+    assert [_momentum(fresh, f) for f in range(3)] == [_momentum(st, f) for f in range(3)]
+    a, b = _run_rounds(st, [(0, 7), (1, 8)]), _run_rounds(fresh, [(0, 7), (1, 8)])
+    for x, y in zip(a, b, strict=True):  # and it goes on as the original does
+        assert torch.equal(x.update.payload, y.update.payload) and torch.equal(
+            x.update.scales, y.update.scales
+        )
+
+
+def test_a_damaged_round_log_is_refused(tmp_path):
+    st = make_state()
+    ck = ShardCheckpoint(tmp_path / "ck", FP)
+    assert ck.save_all(st)
+    for f in range(3):
+        push_whole(st, "a", f, 0, seed=f)
+        _close_logged(st, ck, f)
+    path = ck.dir / "rounds" / "fragment-1-round-0.pt"
+    record = torch.load(path, weights_only=True)
+    record["pushes"][0]["parts"][0]["scales"][0] = float("inf")  # a chunk its own push would have refused
+    torch.save(record, path)
+    with pytest.raises(ValueError) as e:
+        ck.load(make_state())
+    assert "rounds/fragment-1-round-0.pt is damaged" in _one_line(e) and "scale" in str(e.value)
+    path.write_bytes(b"not a log")
+    with pytest.raises(ValueError, match="fragment-1-round-0.pt is damaged"):
+        ck.load(make_state())
+
+
 def test_exists_needs_meta_json(tmp_path):
     st = make_state()
     ck = ShardCheckpoint(tmp_path / "ck", FP)
