@@ -8,10 +8,11 @@ rounds closed since.
     rounds/fragment-<p>-round-<r>.pt  round r of fragment p's inputs: its pushes, still encoded, and what
                                       else its close used (server.shard.CloseJob.record)
 
-When a round closes, and before its update goes to any worker, the round is made durable (write, fsync,
-rename, fsync the directory): every FULL_EVERY-th round of a fragment as the fragment's whole state, the
-others as the round's log, which is 1/20 of the state's size with one worker's E3M0 push (a 25M-value
-slice: 13 MB against 300 MB; the state's write was the longest part of a round). A shard restarted from its
+When a round closes, and before its update goes to any worker, the round's log is made durable (write,
+fsync, rename, fsync the directory): 1/20 of the state's size with one worker's E3M0 push (a 25M-value
+slice: 13 MB against 300 MB; writing the state was the longest part of a round). Every FULL_EVERY-th round
+of a fragment, once its update has gone out, the fragment's whole state is written too (the fragment's next
+round waits for it), and the logs before it are dropped. A shard restarted from its
 checkpoint loads each fragment's state and replays the logged rounds after it, the same pushes folded in
 the same order into the same step: it has every round a worker may have applied, bit for bit. A whole
 state drops the logs before it. Pushes of the round still open are not saved: workers keep each push until
@@ -140,7 +141,7 @@ class ShardCheckpoint:
         return self.dir / "rounds" / f"fragment-{fragment}-round-{round}.pt"
 
     def full_due(self, round: int) -> bool:
-        """Whether closing this round writes the fragment's whole state (else the round's log)."""
+        """Whether the fragment's whole state is written after this round (besides the round's log)."""
         return (round + 1) % FULL_EVERY == 0
 
     def log_round(self, fragment: int, record: dict) -> bool:

@@ -468,15 +468,12 @@ class ShardService(pb_grpc.ShardServicer):
     def _compute_close(self, job: CloseJob) -> tuple[bool, list[bytes], float | None]:
         """On a pool thread: the round's arithmetic, its checkpoint, and its update's messages."""
         ckpt = self.checkpoint
-        record = job.record() if ckpt is not None and not ckpt.full_due(job.round) else None  # before run()
+        record = job.record() if ckpt is not None else None  # before run(), which lets the pushes go
         job.run()
         saved, seconds = True, None
-        if ckpt is not None:  # the round is durable before its update goes out: its log, or the whole state
+        if ckpt is not None and record is not None:  # the round is durable before its update goes out
             t0 = time.perf_counter()
-            if record is not None:
-                saved = ckpt.log_round(job.fragment, record)
-            else:
-                saved = ckpt.save(job.fragment, job.fragment_state())
+            saved = ckpt.log_round(job.fragment, record)
             seconds = time.perf_counter() - t0
         assert job.update is not None
         messages = (
@@ -537,7 +534,26 @@ class ShardService(pb_grpc.ShardServicer):
             len(c.contributors),
             f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
         )
+        if self.checkpoint is not None and self.checkpoint.full_due(c.round):
+            # the fragment's whole state, after the update has gone out (the round's log made it durable);
+            # the fragment holds still meanwhile: no close until it is written
+            self.state.hold(c.fragment)
+            self._start(self._save_whole(job))
         self.close_due()  # a round may have become due while this one was out
+
+    async def _save_whole(self, job: CloseJob) -> None:
+        ckpt = self.checkpoint
+        assert ckpt is not None
+        try:
+            t0 = time.perf_counter()
+            # a failure is logged and counted, not fatal: the round logs stay until a whole state is written
+            await asyncio.get_running_loop().run_in_executor(
+                self.pool, lambda: ckpt.save(job.fragment, job.fragment_state())
+            )
+            self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
+        finally:
+            self.state.release(job.fragment)
+            self.close_due()
 
     async def tick(self, period: float = 0.2) -> None:
         """Close rounds whose deadline has passed; sample the dashboard's time series."""

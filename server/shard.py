@@ -691,6 +691,15 @@ class ShardState:
         self.busy.add(fragment)
         return self.end_close(job.run())
 
+    def hold(self, fragment: int) -> None:
+        """Keep the fragment's state still (no close or fold) until `release`: a checkpoint is reading it."""
+        if fragment in self.busy:
+            raise RuntimeError(f"fragment {fragment} already has a job out")
+        self.busy.add(fragment)
+
+    def release(self, fragment: int) -> None:
+        self.busy.discard(fragment)
+
     def fold_due(self) -> list[int]:
         """Fragments whose open round has groups of pushes to fold (and no job out)."""
         return [f for f, rnd in enumerate(self.open) if rnd.groups and f not in self.busy]

@@ -491,13 +491,17 @@ def test_save_all_then_load_restores_rounds_and_state_bit_for_bit(saved_run):
 
 
 def _close_logged(st: ShardState, ck: ShardCheckpoint, f: int) -> None:
-    """Close fragment f's round as the service does: its log (or, every FULL_EVERY-th, the whole state)
-    written before the update would go out."""
+    """Close fragment f's round as the service does: its log written before the update would go out, and
+    every FULL_EVERY-th round the whole state after it."""
     job = st.begin_close(f)
-    record = None if ck.full_due(job.round) else job.record()
+    record = job.record()
     job.run()
-    assert (ck.log_round(f, record) if record is not None else ck.save(f, job.fragment_state())) is True
+    assert ck.log_round(f, record) is True
     st.end_close(job)
+    if ck.full_due(job.round):
+        st.hold(f)
+        assert ck.save(f, job.fragment_state()) is True
+        st.release(f)
 
 
 def _momentum(st: ShardState, f: int) -> str:
