@@ -10,7 +10,9 @@ and calls `engine.step()`. On a real GPU the step runs on the device and the tra
 sleeping leaves the CPUs to the sync work in the same way. Right after joining, the parameters get one
 dense random perturbation (outside the timing), so that every outer gradient and update is dense.
 
-Measured, per case (model size, step time, tau, shards), after a warm-up of H steps:
+Measured, per case (model size, step time, tau, shards), after a warm-up of 2 H-step cycles (each fragment's
+first round falls in it: fragment 0's first send is at step H; a first round costs the shard its buffers'
+first touch):
   compute utilization  emulated compute time (steps x step time) / wall time of the loop
                        (per H-step cycle too: min and max)
   send / merge steps   time the training thread spends inside engine.step() at steps whose events
@@ -514,7 +516,7 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
         "servers": servers,
         "sync": sync,
         "steps": steps,
-        "warmup": args.sync_every,
+        "warmup": args.sync_every * args.warmup_cycles,
         "step_ms": case["step_ms"],
     }
     result = tmp / f"{tag}-worker.json"
@@ -788,7 +790,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", help="grid: shard counts (default 1)")
     ap.add_argument("--tau", type=int, help="grid: tau (default: 1 for steps <= 50 ms, else 2)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per case, fresh shards each; median")
-    ap.add_argument("--cycles", type=int, help="H-step cycles per run, the first one warm-up (default 4)")
+    ap.add_argument("--cycles", type=int, help="H-step cycles per run, warm-up included (default 5)")
+    ap.add_argument(
+        "--warmup-cycles",
+        type=int,
+        help="H-step cycles not measured (default 2: every fragment's first round)",
+    )
     ap.add_argument("--sync-every", type=int, default=30, help="H (default 30)")
     ap.add_argument("--num-fragments", type=int, default=5, help="P (default 5)")
     ap.add_argument("--alpha", type=float, default=0.5, help="fragment_update_alpha (default 0.5)")
@@ -805,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="", help="a note for the results' header (e.g. which code)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (temp folder)")
     a = ap.parse_args(argv)
-    a.cycles = a.cycles or (2 if a.quick else 4)
+    a.cycles = a.cycles or (2 if a.quick else 5)
+    a.warmup_cycles = a.warmup_cycles if a.warmup_cycles is not None else (1 if a.quick else 2)
     a.hook_timeout = a.hook_timeout or (40.0 if a.quick else 300.0)
     a.max_wait = a.max_wait if a.max_wait is not None else (0.0 if a.quick else 10.0)
     parts = {x.strip() for x in a.parts.split(",") if x.strip()}
@@ -816,8 +824,8 @@ def main(argv: list[str] | None = None) -> int:
         a.ingest_note = "skipped in --quick (minutes on its own; run with --parts ingest)"
     else:
         a.ingest_note = None
-    if a.cycles < 2:
-        ap.error("--cycles must be at least 2 (the first is warm-up)")
+    if a.warmup_cycles < 1 or a.cycles <= a.warmup_cycles:
+        ap.error("--cycles must be more than --warmup-cycles, which must be at least 1")
     try:
         if a.cases:
             raw_cases = parse_cases(a.cases)
@@ -874,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "sync": sync_settings(-1, a) | {"fragment_sync_delay": "per case"},
             "steps_per_run": a.sync_every * a.cycles,
-            "warmup_steps": a.sync_every,
+            "warmup_steps": a.sync_every * a.warmup_cycles,
             "repeats": a.repeats,
             "shard_checkpoint": a.shard_checkpoint,
             "model": f"embedding {VOCAB} x w, {BLOCKS} x Linear(w, w), head Linear(w, {VOCAB})",
@@ -891,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
         if "sync" in parts:
             steps = a.sync_every * a.cycles
             say(
-                f"{len(cases)} case(s) x {a.repeats}: {steps} steps each ({a.sync_every} warm-up), "
+                f"{len(cases)} case(s) x {a.repeats}: {steps} steps each "
+                f"({a.sync_every * a.warmup_cycles} warm-up), "
                 f"H={a.sync_every}, "
                 f"P={a.num_fragments}, alpha={a.alpha}, {a.codec} both ways, shards "
                 f"{'checkpointing every round' if a.shard_checkpoint else 'with --no-checkpoint'}"
@@ -913,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
                 "The GPU step is emulated: the training thread sleeps for the step time, then changes one "
                 "element per tensor (outer gradients and updates are dense: the parameters got one random "
                 f"perturbation after joining) and calls `engine.step()`. {steps} steps per run, the first "
-                f"{a.sync_every} (one H cycle) not measured; H={a.sync_every}, P={a.num_fragments}, "
+                f"{a.sync_every * a.warmup_cycles} ({a.warmup_cycles} H cycles: every fragment's first "
+                f"round) not measured; H={a.sync_every}, P={a.num_fragments}, "
                 f"α={a.alpha}, {a.codec} up and down, shards on loopback "
                 f"({'checkpointing every round' if a.shard_checkpoint else '--no-checkpoint'}). "
                 "Compute utilization = emulated compute ÷ wall time. Send/merge step: time inside "

@@ -8,6 +8,7 @@ the mirror's hashes (compare them with the shards' /api/status) and a JSON summa
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -277,6 +278,10 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         engine.on_merge_wait = metrics.merge_wait.observe
         stop.on_stop = engine.request_stop
         metrics.engine, metrics.transport = engine, transport
+        # what set-up made (torch, the model, the data) stays: out of the collector's sight, so that a full
+        # collection does not hold the GIL, which the sync threads need, for a tenth of a second mid-run
+        gc.collect()
+        gc.freeze()
         if eval_start:
             metrics.eval_loss = eval_start[0]
         return _train(
