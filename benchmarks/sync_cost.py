@@ -720,25 +720,30 @@ def codecs_main(out_path: Path, quick: bool) -> int:
     return 0
 
 
+def _run_hook(procs: Procs, name: str, argv: list[str], timeout: float) -> dict | None:
+    """Run a hook's process to its end; None if it succeeded, else the status to report."""
+    p = procs.start(name, argv)
+    try:
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        procs.stop(p)
+        say(f"[{name}] timed out after {timeout:.0f}s\n{procs.tail(name)}")
+        return {"status": f"timed out after {timeout:.0f}s"}
+    procs.stop(p)
+    if code != 0:
+        say(f"[{name}] failed (exit {code}):\n{procs.tail(name)}")
+        return {"status": f"failed (exit {code})", "log_tail": procs.tail(name)}
+    return None
+
+
 def run_codecs(procs: Procs, tmp: Path, args) -> dict:
     res = tmp / "codecs.json"
     say("[codecs] benchmarks/codecs.py codec_table() ...")
-    p = procs.start(
-        "codecs",
-        [sys.executable, str(Path(__file__).resolve()), "_codecs", str(res), "1" if args.quick else "0"],
-    )
-    try:
-        code = p.wait(args.hook_timeout)
-    except subprocess.TimeoutExpired:
-        procs.stop(p)
-        say(f"[codecs] timed out after {args.hook_timeout:.0f}s\n{procs.tail('codecs')}")
-        return {"status": f"timed out after {args.hook_timeout:.0f}s"}
-    procs.stop(p)
-    if code != 0 or not res.exists():
-        say(f"[codecs] failed (exit {code}):\n{procs.tail('codecs')}")
-        return {"status": f"failed (exit {code})", "log_tail": procs.tail("codecs")}
-    got = json.loads(res.read_text())
-    return {"status": "ok", **got}
+    argv = [sys.executable, str(Path(__file__).resolve()), "_codecs", str(res), "1" if args.quick else "0"]
+    failed = _run_hook(procs, "codecs", argv, args.hook_timeout)
+    if failed is not None:
+        return failed
+    return {"status": "ok", **json.loads(res.read_text())}
 
 
 def run_ingest(procs: Procs, tmp: Path, args) -> dict:
@@ -747,19 +752,11 @@ def run_ingest(procs: Procs, tmp: Path, args) -> dict:
     argv = [sys.executable, str(wire), "--parts", "b", "--out", str(out_dir), "--no-profile"]
     argv += ["--max-wait", str(args.max_wait)] + (["--quick"] if args.quick else [])
     say(f"[ingest] {shlex.join(['python', 'benchmarks/wire.py', *argv[2:]])} ...")
-    p = procs.start("ingest", argv)
-    try:
-        code = p.wait(args.ingest_timeout)
-    except subprocess.TimeoutExpired:
-        procs.stop(p)
-        say(f"[ingest] timed out after {args.ingest_timeout:.0f}s\n{procs.tail('ingest')}")
-        return {"status": f"timed out after {args.ingest_timeout:.0f}s"}
-    procs.stop(p)
-    if code != 0:
-        say(f"[ingest] failed (exit {code}):\n{procs.tail('ingest')}")
-        return {"status": f"failed (exit {code})", "log_tail": procs.tail("ingest")}
-    md = (out_dir / "results.md").read_text() if (out_dir / "results.md").exists() else ""
-    raw = json.loads((out_dir / "results.json").read_text()) if (out_dir / "results.json").exists() else {}
+    failed = _run_hook(procs, "ingest", argv, args.ingest_timeout)
+    if failed is not None:
+        return failed
+    md = (out_dir / "results.md").read_text()
+    raw = json.loads((out_dir / "results.json").read_text())
     md = "\n".join(("#" + ln) if ln.startswith("#") else ln for ln in md.splitlines())  # one level down
     return {"status": "ok", "command": shlex.join(["python", *argv[1:]]), "markdown": md, "raw": raw.get("b")}
 

@@ -728,9 +728,10 @@ def _nb_outer_finish(v: Any, u: Any, old: Any, res: Any, new: Any) -> None:
         new[j] = old[j] + u[j]
 
 
-def _nb_outer_e3m0(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
-                   mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
-                   base: int, chunk: int) -> bool:  # fmt: skip
+def _nb_outer(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
+              mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
+              base: int, chunk: int, int8: bool) -> bool:  # fmt: skip
+    """The fused step over one range: e3m0 (`payload` packed codes) or int8 (`payload` viewed as int8)."""
     n = g.shape[0]
     v = np.empty(chunk, np.float32)
     u = np.empty(chunk, np.float32)
@@ -739,31 +740,17 @@ def _nb_outer_e3m0(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any,
         m = min(chunk, n - lo)
         hi = lo + m
         _nb_outer_v(g[lo:hi], buf[lo:hi], old[lo:hi], res[lo:hi], v[:m], mom, neglr, nesterov, first)
-        pb = payload[lo // 2 : (lo + m + 1) // 2]
         sb = scales[lo // bs : (lo + m + bs - 1) // bs]
-        if _nb_encode_e3m0(vi[:m], v[:m], bs, pb, sb, key, stochastic, base + lo):
-            return True
-        _nb_apply_e3m0(pb, sb, bs, m, u[:m], _F0, 0)
-        _nb_outer_finish(v[:m], u[:m], old[lo:hi], res[lo:hi], new[lo:hi])
-    return False
-
-
-def _nb_outer_int8(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
-                   mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
-                   base: int, chunk: int) -> bool:  # fmt: skip
-    n = g.shape[0]
-    v = np.empty(chunk, np.float32)
-    u = np.empty(chunk, np.float32)
-    vi = v.view(np.int32)
-    for lo in range(0, n, chunk):
-        m = min(chunk, n - lo)
-        hi = lo + m
-        _nb_outer_v(g[lo:hi], buf[lo:hi], old[lo:hi], res[lo:hi], v[:m], mom, neglr, nesterov, first)
-        qb = payload[lo : lo + m]
-        sb = scales[lo // bs : (lo + m + bs - 1) // bs]
-        if _nb_encode_int8(vi[:m], v[:m], bs, qb, sb, key, stochastic, base + lo):
-            return True
-        _nb_apply_int8(qb, sb, bs, m, u[:m], _F0, 0)
+        if int8:
+            qb = payload[lo:hi].view(np.int8)
+            if _nb_encode_int8(vi[:m], v[:m], bs, qb, sb, key, stochastic, base + lo):
+                return True
+            _nb_apply_int8(qb, sb, bs, m, u[:m], _F0, 0)
+        else:
+            pb = payload[lo // 2 : (lo + m + 1) // 2]
+            if _nb_encode_e3m0(vi[:m], v[:m], bs, pb, sb, key, stochastic, base + lo):
+                return True
+            _nb_apply_e3m0(pb, sb, bs, m, u[:m], _F0, 0)
         _nb_outer_finish(v[:m], u[:m], old[lo:hi], res[lo:hi], new[lo:hi])
     return False
 
@@ -808,21 +795,19 @@ def outer_step(
     payload = torch.empty(nbytes, dtype=torch.uint8)
     scales = torch.empty(nscales, dtype=torch.float32)
     pn, sn = payload.numpy(), scales.numpy()
-    if codec == "int8":
-        pn = pn.view(np.int8)
+    int8 = codec == "int8"
     filled = callable(g)
     arrays = [t.numpy() for t in (buf if buf is not None else old, old, residual, new)]
     mom, neglr = np.float32(momentum), np.float32(-lr)
     chunk = block_size * max(1, 16384 // block_size)
     unit = max(chunk, fill_values // chunk * chunk) if filled else chunk
-    kernel = k.outer_e3m0 if codec == "e3m0" else k.outer_int8
 
     def step(a: int, b: int, ga: Any) -> bool:
         ba, oa, ra, na = (x[a:b] for x in arrays)
-        pa = pn[a // 2 : (b + 1) // 2] if codec == "e3m0" else pn[a:b]
+        pa = pn[a:b] if int8 else pn[a // 2 : (b + 1) // 2]
         sa = sn[a // block_size : -(-b // block_size)]
-        return kernel(ga, ba, oa, ra, na, pa, sa, block_size, mom, neglr, nesterov, first, key, stochastic, a,
-                      chunk)  # fmt: skip
+        return k.outer(ga, ba, oa, ra, na, pa, sa, block_size, mom, neglr, nesterov, first, key, stochastic,
+                       a, chunk, int8)  # fmt: skip
 
     def run(a: int, b: int) -> bool:
         if not filled:
@@ -930,8 +915,7 @@ def _load_kernels() -> Any:
         g[f"_nb_{name}"] = getattr(Kernels, name)
     for name in ("_nb_outer_v", "_nb_outer_finish"):
         g[name] = jit(g[name], inline="always")
-    Kernels.outer_e3m0 = jit(_nb_outer_e3m0)  # type: ignore[attr-defined]
-    Kernels.outer_int8 = jit(_nb_outer_int8)  # type: ignore[attr-defined]
+    Kernels.outer = jit(_nb_outer)  # type: ignore[attr-defined]
     return Kernels
 
 

@@ -41,7 +41,7 @@ from streamdiloco.common.wire import (
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.worker.engine import StopRequested, SyncEngine
+from streamdiloco.worker.engine import StopRequested, SyncEngine, settle
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind, Update
 
 __all__ = [
@@ -400,7 +400,7 @@ class ShardLink:
                 self.resent += 1
             self._connected = True
             for fut in self._on_member:
-                _settle(fut, w)
+                settle(fut, w)
             self._on_member.clear()
 
     def _on_result(self, session: int, r: pb.PushResult) -> None:
@@ -447,10 +447,10 @@ class ShardLink:
     def _fail_waiters(self, message: str) -> None:
         for futs in self._wanted.values():
             for fut in futs:
-                _settle(fut, exc=SyncError(message))
+                settle(fut, exc=SyncError(message))
         self._wanted.clear()
         for fut in self._on_member:
-            _settle(fut, exc=SyncError(message))
+            settle(fut, exc=SyncError(message))
         self._on_member.clear()
         self._check_flushed()
 
@@ -461,7 +461,7 @@ class ShardLink:
             if self.state.available(*key):
                 update = self.state.take(*key)
                 for fut in self._wanted.pop(key):
-                    _settle(fut, update)
+                    settle(fut, update)
 
     # --- reconnecting ----------------------------------------------------------------------------------
     def _reconnect(self) -> None:
@@ -539,7 +539,7 @@ class ShardLink:
     def _become_member(self, fut: Future) -> None:
         self._want_member = True
         if self.error:
-            _settle(fut, exc=SyncError(self.error))
+            settle(fut, exc=SyncError(self.error))
             return
         self._on_member.append(fut)
         self._outbox.put(self._ready_message())
@@ -568,7 +568,7 @@ class ShardLink:
 
     def _want(self, fragment: int, round: int, fut: Future) -> None:
         if self.error:
-            _settle(fut, exc=SyncError(self.error))
+            settle(fut, exc=SyncError(self.error))
             return
         self._wanted.setdefault((fragment, round), []).append(fut)
         self._hand_over()
@@ -581,7 +581,7 @@ class ShardLink:
         assert self.state is not None
         if self._on_flushed and (not self.state.awaiting or not self._connected or self.error):
             for fut in self._on_flushed:
-                _settle(fut, not self.state.awaiting)
+                settle(fut, not self.state.awaiting)
             self._on_flushed.clear()
 
     def _install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
@@ -727,17 +727,6 @@ class ShardLink:
         if self._call is not None:
             self._call.cancel()
         self.channel.close()
-
-
-def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
-    """Complete a future unless it is done already (cancelled by whoever waits for it)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except Exception:  # InvalidStateError
-        pass
 
 
 class GrpcTransport:
@@ -907,11 +896,11 @@ def gather(futures: list[Future]) -> Future:
             left[0] -= 1
             last = left[0] == 0
         if f.cancelled():
-            _settle(out, exc=SyncError("cancelled"))
+            settle(out, exc=SyncError("cancelled"))
         elif f.exception() is not None:
-            _settle(out, exc=f.exception())
+            settle(out, exc=f.exception())
         elif last:
-            _settle(out, [x.result() for x in futures])
+            settle(out, [x.result() for x in futures])
 
     for f in futures:
         f.add_done_callback(on_done)
@@ -989,26 +978,13 @@ def connect(
                 for frag, vec in zip(layout.fragments, vectors, strict=True):
                     unflatten_into(vec, fragment_params(model, frag))
 
-        if resume is not None:
-            engine = SyncEngine(
-                model,
-                layout,
-                sync,
-                transport,
-                total_steps=total_steps,
-                seed=seed,
-                rank=rank,
-                interrupt=interrupt,
-            )
-            engine.load_state_dict(resume["engine"])
-            # before resume(): the pushes it sends again report the resumed step, not 0
-            transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
-            transport.resume(engine.next_rounds)
-            log.info("%s resumes at step %d", name, engine.step_count)
-            return engine
-        start = transport.join_run(set_params, prepare)
-        if total_steps is not None and start >= total_steps:
-            raise SyncError(f"the run is at step {start}, past total_steps={total_steps}: nothing left to do")
+        start = 0
+        if resume is None:
+            start = transport.join_run(set_params, prepare)
+            if total_steps is not None and start >= total_steps:
+                raise SyncError(
+                    f"the run is at step {start}, past total_steps={total_steps}: nothing left to do"
+                )
         engine = SyncEngine(
             model,
             layout,
@@ -1020,6 +996,13 @@ def connect(
             start_step=start,
             interrupt=interrupt,
         )
+        if resume is not None:
+            engine.load_state_dict(resume["engine"])
+            # before resume(): the pushes it sends again report the resumed step, not 0
+            transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
+            transport.resume(engine.next_rounds)
+            log.info("%s resumes at step %d", name, engine.step_count)
+            return engine
         engine.set_mirror_rounds(transport.installed)
         transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
         transport.follow(engine.next_rounds)

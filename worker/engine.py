@@ -402,7 +402,7 @@ class SyncEngine:
             self._run(self._apply, fragment, round, update, done)
         except BaseException as e:  # inline (no sync thread): _apply has put it into `done`
             if not done.done():
-                _settle(done, exc=e)
+                settle(done, exc=e)
 
     def _apply(self, fragment: int, round: int, update: Future, done: Future) -> None:
         """Sync thread: add the round's update to the mirror (or take a fetched master), then tell `done`."""
@@ -439,9 +439,9 @@ class SyncEngine:
                         held[s] = max(held[s], part.round)
             if self.cuda:
                 self._stage(fragment)
-            _settle(done, result=True)
+            settle(done, result=True)
         except BaseException as e:
-            _settle(done, exc=e)
+            settle(done, exc=e)
             raise
 
     def _stage(self, fragment: int) -> None:
@@ -518,7 +518,7 @@ def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
                 d.copy_(s)
 
 
-def _settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
+def settle(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
     """Complete a future unless a stop request cancelled it meanwhile."""
     try:
         if exc is not None:
