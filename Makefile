@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost protos clean
+.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,13 @@ bench-monitoring: $(STAMP)
 # Issue 11: a GPU worker's compute utilization against real shards (emulated GPU steps), 1M-300M parameters.
 bench-sync-cost: $(STAMP)
 	$(BIN)/python benchmarks/sync_cost.py
+
+# Streaming DiLoCo against DDP over emulated WAN links (network namespaces, tbf, a delaying proxy): a sweep of
+# bandwidth x delay, hours long; needs root. Writes benchmarks/results/wan/. A small grid (minutes):
+# make bench-wan WAN_FLAGS=--quick
+bench-wan: $(STAMP)
+	bash scripts/wan-deps.sh
+	$(BIN)/python benchmarks/wan.py $(WAN_FLAGS)
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
 protos: $(STAMP)
