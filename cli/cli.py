@@ -115,6 +115,14 @@ def _add_sync_flags(p: argparse.ArgumentParser) -> None:
         "--fragment-sync-delay", type=int, default=s.fragment_sync_delay, help="tau, steps of overlap"
     )
     g.add_argument(
+        "--merge-policy",
+        default=s.merge_policy,
+        choices=["adaptive", "fixed"],
+        help="adaptive: merge tau steps after the send, or later if the update is not in yet, waiting only "
+        "at the fragment's next send (full compute on slow links); fixed: at exactly tau steps, waiting if "
+        "need be (deterministic)",
+    )
+    g.add_argument(
         "--fragment-update-alpha",
         type=float,
         default=s.fragment_update_alpha,

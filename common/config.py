@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
+MERGE_POLICIES = ("adaptive", "fixed")
 ROUNDING_MODES = ("nearest", "stochastic")
 
 
@@ -19,6 +20,12 @@ class SyncConfig:
     num_fragments: int = 5  # P: fragments on the schedule; the blocks fill P-1, the rest of the model 1
     fragment_sync_delay: int = 1  # tau: steps between sending a fragment and merging its update
     fragment_update_alpha: float = 0.5  # alpha: weight of the local parameters at the merge
+    # adaptive: a round's update is merged tau steps after its send if it has arrived, else after the first
+    # later step by which it has, and training waits only if it is still missing at the fragment's next send
+    # (compute keeps going on links slower than one round trip per tau steps). fixed: always at exactly
+    # t + tau, waiting for the update if need be (the paper's; deterministic, whatever the link's timing).
+    # tau = 0 always waits (blocking DiLoCo)
+    merge_policy: str = "adaptive"
     fragment_pattern: str = "strided"  # block i -> fragment i mod P ("sequential": consecutive blocks)
     uplink_codec: str = "e3m0"  # how workers quantize their outer gradients
     downlink_codec: str = "e3m0"  # how shards quantize the outer update (with error feedback)
@@ -53,6 +60,10 @@ class SyncConfig:
             raise ValueError(
                 f"fragment_update_alpha must be in [0, 1] (weight of the local parameters), "
                 f"got {self.fragment_update_alpha}"
+            )
+        if self.merge_policy not in MERGE_POLICIES:
+            raise ValueError(
+                f"unknown merge_policy {self.merge_policy!r}: choose {' or '.join(MERGE_POLICIES)}"
             )
         if self.fragment_pattern not in FRAGMENT_PATTERNS:
             raise ValueError(

@@ -7,6 +7,9 @@ t + tau. Rounds of a fragment are numbered 0, 1, 2, ... in the order of its send
 last step (t == total_steps) also merges everything still in flight and then sends and merges every
 fragment once more, so the global model holds all the local work.
 
+With merge_policy "adaptive" the merge at t + tau is the earliest: a worker whose update has not arrived by
+then merges it after the first later step by which it has, and at `merge_deadline` at the latest.
+
 Within one step the events come in the order they must be executed: merges of earlier sends, then sends,
 then merges of this step's sends (tau = 0 or the final sync).
 """
@@ -92,6 +95,14 @@ def send_round(fragment: int, step: int, cfg: SyncConfig) -> int | None:
     if step < first or (step - first) % cfg.sync_every:
         return None
     return (step - first) // cfg.sync_every
+
+
+def merge_deadline(fragment: int, round: int, cfg: SyncConfig, total_steps: int | None = None) -> int:
+    """The last step whose events may merge a round (merge_policy "adaptive" merges it there at the latest,
+    waiting for its update if need be): the fragment's next send, whose outer gradient is taken against the
+    mirror with this round in it; or the run's last step, which syncs everything."""
+    deadline = send_step(fragment, round + 1, cfg)
+    return deadline if total_steps is None else min(deadline, total_steps)
 
 
 def events(step: int, cfg: SyncConfig, total_steps: int | None = None) -> list[Event]:

@@ -18,7 +18,19 @@ from streamdiloco.worker.model import build_gpt
 
 
 def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tmp_path):
-    flags = ["--model", "nano", "--steps", "36", "--sync-every", "6", "--num-fragments", "3"]
+    # merges at exactly t + tau (as the lock-step simulator does whatever the timing)
+    flags = [
+        "--model",
+        "nano",
+        "--steps",
+        "36",
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        "--merge-policy",
+        "fixed",
+    ]
     out = tmp_path / "run"
     r = streamdiloco("launch", "--shards", "2", "--workers", "2", "--out", str(out), "--save-global", *flags)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -36,7 +48,7 @@ def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tm
             model="nano",
             num_shards=2,
             eval_every=36,
-            sync=SyncConfig(sync_every=6, num_fragments=3),
+            sync=SyncConfig(sync_every=6, num_fragments=3, merge_policy="fixed"),
         ),
         log=None,
     )

@@ -7,8 +7,10 @@ What runs where (a GPU step takes tens of milliseconds; the sync work of a 100M-
 training thread would take longer than the step):
 - the training thread, at a fragment's send step, only takes a snapshot of the fragment's parameters (one
   multi-tensor copy into a buffer kept for it; on CUDA a device-side copy), and tau steps later mixes the
-  round's update in (one multi-tensor lerp against the mirror, on the parameters' device). It waits only
-  if the update has not arrived and been added to the mirror yet, and counts that wait;
+  round's update in (one multi-tensor lerp against the mirror, on the parameters' device). With
+  merge_policy "fixed" it waits there if the update has not arrived and been added to the mirror yet, and
+  counts that wait; with "adaptive" (the default) it goes on training and merges after the first later step
+  by which the update is in, waiting only if it is still missing at the fragment's next send;
 - the sync thread (one per engine, jobs in order) computes the outer gradient (mirror - snapshot), encodes
   it and hands it to the transport; and when the round's update arrives, decodes it into the mirror (and,
   on CUDA, copies the fragment's mirror to the device for the lerp).
@@ -36,7 +38,7 @@ from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient
-from streamdiloco.common.schedule import Event, events, sends_through
+from streamdiloco.common.schedule import Event, events, merge_deadline, sends_through
 
 log = logging.getLogger("streamdiloco.worker")
 
@@ -122,6 +124,12 @@ class SyncEngine:
         self.merges = 0
         self.in_flight: dict[int, int] = {}  # fragment -> round sent and not merged yet
         self.waits = 0  # merges whose update had not arrived yet
+        # adaptive merges: rounds whose merge step has passed without their update, oldest first; checked
+        # again after every step (merged once in, or at their deadline whatever happens)
+        self.deferred: list[tuple[int, int]] = []
+        self.late_merges = 0  # merges done later than tau steps after their send (adaptive)
+        self.merge_delay_steps = 0  # steps from send to merge, summed over merges (mean tau = this / merges)
+        self._sent_at: dict[tuple[int, int], int] = {}  # (fragment, round) -> the step that sent it
         self.send_seconds = 0.0  # training thread's time in sends (snapshots) and merges (lerps), for
         self.merge_seconds = 0.0  # the benchmarks: what the sync path costs the GPU
         self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
@@ -199,6 +207,7 @@ class SyncEngine:
     def drain(self) -> None:
         """Merge every round sent and not merged yet (at the end of training without final_sync, the last
         sends' updates would otherwise never reach the mirror and the local parameters)."""
+        self.deferred = []  # all of them in flight: merged here
         for fragment, round in sorted(self.in_flight.items()):
             self.merge(fragment, round)
         self.quiesce()
@@ -233,6 +242,8 @@ class SyncEngine:
         "blocked_seconds",
         "merges",
         "waits",
+        "late_merges",
+        "merge_delay_steps",
     )
 
     def state_dict(self) -> dict:
@@ -250,6 +261,8 @@ class SyncEngine:
             "mirror_rounds": mirror_rounds,
             "in_flight": dict(self.in_flight),
             "pending": [(e.kind, e.fragment, e.round) for e in self.pending],
+            "deferred": [list(x) for x in self.deferred],
+            "sent_at": [[f, r, t] for (f, r), t in self._sent_at.items()],
             "tokens_since_sync": list(self.tokens_since_sync),
             "loss_since_sync": [list(x) for x in self.loss_since_sync],
             "generator": self.generator.get_state(),
@@ -267,6 +280,8 @@ class SyncEngine:
             self.mirror_rounds = [[int(x) for x in r] for r in state["mirror_rounds"]]
         self.in_flight = {int(f): int(r) for f, r in state["in_flight"].items()}
         self.pending = [Event(k, int(f), int(r)) for k, f, r in state["pending"]]
+        self.deferred = [(int(f), int(r)) for f, r in state.get("deferred", [])]
+        self._sent_at = {(int(f), int(r)): int(t) for f, r, t in state.get("sent_at", [])}
         self.tokens_since_sync = list(state["tokens_since_sync"])
         self.loss_since_sync = [(float(a), int(b)) for a, b in state["loss_since_sync"]]
         self.generator.set_state(state["generator"])
@@ -278,7 +293,9 @@ class SyncEngine:
     def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
         evs = events(self.step_count + 1, self.cfg, self.total_steps)
-        self.pending = list(evs)
+        # merges put off at earlier steps come first: done now if their update is in, or at their deadline
+        self.pending = [Event("merge", f, r) for f, r in self.deferred] + list(evs)
+        self.deferred = []
         self._count(tokens, loss)
         self.finish_step()
         return evs
@@ -308,8 +325,19 @@ class SyncEngine:
     def execute(self, ev: Event) -> None:
         if ev.kind == "send":
             self.send(ev.fragment, ev.round)
+        elif self._put_off(ev.fragment, ev.round):
+            self.deferred.append((ev.fragment, ev.round))
         else:
             self.merge(ev.fragment, ev.round)
+
+    def _put_off(self, fragment: int, round: int) -> bool:
+        """Adaptive merges: whether this merge waits for a later step (its update is not in the mirror yet
+        and this step is not its deadline)."""
+        if self.cfg.merge_policy != "adaptive" or self.cfg.fragment_sync_delay == 0 or self._executor is None:
+            return False  # tau = 0 is blocking by definition (DiLoCo); lock-step drivers have it in time
+        if self.step_count >= merge_deadline(fragment, round, self.cfg, self.total_steps):
+            return False
+        return not self._applied_future(fragment, round).done()
 
     # --- send: a snapshot here, the rest on the sync thread -------------------------------------------
     def send(self, fragment: int, round: int) -> None:
@@ -325,6 +353,7 @@ class SyncEngine:
         self.tokens_since_sync[fragment] = 0
         self.loss_since_sync[fragment] = (0.0, 0)
         self.in_flight[fragment] = round
+        self._sent_at[(fragment, round)] = self.step_count
         self._sends[fragment] = self._run(self._push, fragment, round, snapshot, weight, loss)
         self._applied_future(fragment, round)  # its update is added to the mirror as soon as it comes
         self.send_seconds += time.perf_counter() - t0
@@ -473,6 +502,11 @@ class SyncEngine:
             self.on_merge_wait(wait)
         self.merges += 1
         self.waits += waited
+        sent = self._sent_at.pop((fragment, round), None)
+        if sent is not None:
+            delay = self.step_count - sent
+            self.merge_delay_steps += delay
+            self.late_merges += delay > self.cfg.fragment_sync_delay
         self._applied.pop((fragment, round), None)
         self.in_flight.pop(fragment, None)
         if self.cuda:

@@ -485,6 +485,8 @@ def _train(
         "pushes_resent": transport.resent,
         "merges": engine.merges,
         "merges_that_waited": engine.waits,
+        "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
+        "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
     }
     log.info(
         "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "

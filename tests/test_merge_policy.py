@@ -1,0 +1,240 @@
+"""The merge policies of the sync engine, with a transport whose updates arrive when the test says.
+
+"fixed" merges a round exactly tau steps after its send and waits there for the update; "adaptive" (the
+default) merges it then if the update is in, else after the first later step by which it is, and waits only
+at the fragment's next send (the schedule's `merge_deadline`). Either way the mirror gets the same update
+(it stays equal to the masters); only the step of the lerp differs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+import torch.nn as nn
+
+from streamdiloco.common.codecs import decode, encode
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.schedule import merge_deadline, send_step
+from streamdiloco.worker.engine import StopRequested, SyncEngine
+
+# fragment 1 sends at steps 2, 6, 10, ...; fragment 0 at 4, 8, ... (H = 4, P = 2)
+H, P = 4, 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(3, 3) for _ in range(2)])
+        self.head = nn.Linear(3, 2)
+
+
+class HeldTransport:
+    """Pushes are kept; each round's update is a future that the test completes (fp32: exact)."""
+
+    num_shards = 1
+
+    def __init__(self) -> None:
+        self.pushes: dict[tuple[int, int], torch.Tensor] = {}
+        self.futures: dict[tuple[int, int], Future] = {}
+
+    def push(self, fragment, round, slices, weight, loss) -> None:
+        self.pushes[(fragment, round)] = slices[0]
+
+    def update(self, fragment: int, round: int) -> Future:
+        return self.futures.setdefault((fragment, round), Future())
+
+    def deliver(self, fragment: int, round: int, values: torch.Tensor) -> None:
+        self.update(fragment, round).set_result([encode(values, "fp32", 128)])
+
+
+def make(policy: str, tau: int = 1, total: int | None = None) -> tuple[SyncEngine, HeldTransport, Net]:
+    cfg = SyncConfig(
+        sync_every=H,
+        num_fragments=P,
+        fragment_sync_delay=tau,
+        uplink_codec="fp32",
+        downlink_codec="fp32",
+        merge_policy=policy,
+        final_sync=total is not None,
+    )
+    net = Net()
+    transport = HeldTransport()
+    engine = SyncEngine(net, build_layout(net, P, "strided"), cfg, transport, total_steps=total)
+    return engine, transport, net
+
+
+def params(engine: SyncEngine, fragment: int) -> torch.Tensor:
+    return flatten(fragment_params(engine.model, engine.layout.fragments[fragment]))
+
+
+def train_step(net: Net) -> None:
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01)
+
+
+def timed_step(engine: SyncEngine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def deliver_later(transport: HeldTransport, fragment: int, round: int, values, delay: float = 0.3):
+    timer = threading.Timer(delay, transport.deliver, (fragment, round, values))
+    timer.start()
+    return timer
+
+
+def test_adaptive_goes_on_training_and_merges_after_the_first_step_by_which_the_update_is_in():
+    engine, transport, net = make("adaptive")
+    try:
+        f = 1  # sends round 0 at step 2
+        for _ in range(2):
+            train_step(net)
+            engine.step()
+        assert send_step(f, 0, engine.cfg) == 2 and engine.in_flight == {f: 0}
+        train_step(net)
+        assert timed_step(engine) < 0.2  # step 3 = t + tau: the update is not in, and it does not wait
+        assert engine.deferred == [(f, 0)] and engine.merges == 0 and engine.blocked_seconds == 0
+        update = torch.full_like(engine.mirrors[f], 0.5)
+        mirror_before = engine.mirrors[f].clone()
+        transport.deliver(f, 0, update)
+        engine.quiesce()  # the sync thread has added it to the mirror
+        assert torch.equal(engine.mirrors[f], mirror_before + update)
+        local_before = params(engine, f)
+        train_step(net)
+        engine.step()  # step 4: merged here, one step late, without waiting
+        assert engine.merges == 1 and engine.waits == 0 and engine.late_merges == 1
+        assert engine.merge_delay_steps == 2 and engine.deferred == [] and f not in engine.in_flight
+        want = 0.5 * (local_before + 0.01) + 0.5 * engine.mirrors[f]
+        torch.testing.assert_close(params(engine, f), want)
+    finally:
+        engine.close()
+
+
+def test_adaptive_waits_at_the_fragments_next_send_when_the_update_is_still_missing():
+    engine, transport, net = make("adaptive")
+    try:
+        f = 1
+        deadline = merge_deadline(f, 0, engine.cfg)
+        assert deadline == send_step(f, 1, engine.cfg) == 6
+        for _ in range(deadline - 1):  # steps 1..5: sent at 2, put off at 3, 4, 5 (fragment 0's round 0
+            train_step(net)  # sent at 4 and put off at 5 too)
+            assert timed_step(engine) < 0.2
+        assert (f, 0) in engine.deferred
+        transport.deliver(0, 0, torch.zeros_like(engine.mirrors[0]))
+        timer = deliver_later(transport, f, 0, torch.full_like(engine.mirrors[f], 0.25))
+        train_step(net)
+        waited = timed_step(engine)  # step 6: must merge round 0 before sending round 1
+        timer.join()
+        assert waited >= 0.2 and engine.waits == 1 and engine.blocked_seconds >= 0.2
+        assert engine.merges == 2 and engine.in_flight == {f: 1} and engine.deferred == []
+        engine.quiesce()
+        assert torch.equal(
+            engine.mirrors[f], flatten(fragment_params(Net(), engine.layout.fragments[f])) + 0.25
+        )
+        # round 1's outer gradient is taken against the mirror with round 0 in it, after the merge
+        torch.testing.assert_close(decode(transport.pushes[(f, 1)]), engine.mirrors[f] - params(engine, f))
+    finally:
+        engine.close()
+
+
+def test_fixed_waits_at_exactly_tau_steps():
+    engine, transport, net = make("fixed")
+    try:
+        for _ in range(2):
+            train_step(net)
+            engine.step()
+        timer = deliver_later(transport, 1, 0, torch.ones_like(engine.mirrors[1]))
+        train_step(net)
+        waited = timed_step(engine)  # step 3 = t + tau
+        timer.join()
+        assert waited >= 0.2 and engine.merges == 1 and engine.waits == 1 and engine.late_merges == 0
+        assert engine.merge_delay_steps == 1 and engine.deferred == []
+    finally:
+        engine.close()
+
+
+def test_tau_zero_always_waits_whatever_the_policy():
+    engine, transport, net = make("adaptive", tau=0)
+    try:
+        train_step(net)
+        engine.step()
+        timer = deliver_later(transport, 1, 0, torch.ones_like(engine.mirrors[1]))
+        train_step(net)
+        waited = timed_step(engine)  # step 2: sends and merges in the same step
+        timer.join()
+        assert waited >= 0.2 and engine.merges == 1 and engine.deferred == []
+    finally:
+        engine.close()
+
+
+def test_the_last_step_merges_everything_put_off_before_the_final_sync():
+    engine, transport, net = make("adaptive", total=5)
+    try:
+        for _ in range(4):  # fragment 1's round 0 (sent at step 2) put off at steps 3 and 4
+            train_step(net)
+            assert timed_step(engine) < 0.2
+        assert engine.deferred == [(1, 0)] and engine.in_flight == {1: 0, 0: 0}
+
+        def arrive() -> None:  # the two rounds in flight, and those of the final sync
+            for f, r in [(1, 0), (0, 0), (0, 1), (1, 1)]:
+                transport.deliver(f, r, torch.zeros_like(engine.mirrors[f]))
+
+        timer = threading.Timer(0.3, arrive)
+        timer.start()
+        train_step(net)
+        waited = timed_step(engine)  # step 5, the last: both merged (waiting), then the final sync
+        timer.join()
+        assert waited >= 0.2 and engine.merges == 4 and engine.in_flight == {} and engine.deferred == []
+        assert sorted(transport.pushes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    finally:
+        engine.close()
+
+
+def test_put_off_merges_survive_a_checkpoint():
+    engine, transport, net = make("adaptive")
+    try:
+        for _ in range(3):
+            train_step(net)
+            engine.step()
+        assert engine.deferred == [(1, 0)]
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    again, transport2, net2 = make("adaptive")
+    try:
+        again.load_state_dict(state)
+        assert again.deferred == [(1, 0)] and again.in_flight == {1: 0}
+        transport2.deliver(1, 0, torch.zeros_like(again.mirrors[1]))
+        train_step(net2)
+        again.step()
+        assert again.merges == 1 and again.merge_delay_steps == 2 and again.deferred == []
+    finally:
+        again.close()
+
+
+def test_a_stop_request_at_a_deadline_leaves_the_merge_for_the_checkpoint():
+    engine, transport, net = make("adaptive")
+    try:
+        for _ in range(5):
+            train_step(net)
+            engine.step()
+        transport.deliver(0, 0, torch.zeros_like(engine.mirrors[0]))
+        threading.Timer(0.2, engine.request_stop).start()
+        train_step(net)
+        with pytest.raises(StopRequested):
+            engine.step()  # step 6: waits for fragment 1's round 0, which never comes
+        assert any(e.kind == "merge" and (e.fragment, e.round) == (1, 0) for e in engine.pending)
+    finally:
+        engine.close()
+
+
+def test_an_unknown_policy_says_what_to_choose():
+    with pytest.raises(ValueError, match="unknown merge_policy 'eager': choose adaptive or fixed"):
+        SyncConfig(merge_policy="eager")
