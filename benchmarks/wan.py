@@ -765,6 +765,13 @@ def summarize_run(r: dict) -> dict:
     ws = r["workers"]
     steps = min((w["steps"] for w in ws), default=0)
     util = [w["steps"] * r["t_ref"] / w["train_seconds"] if w["train_seconds"] > 0 else 0.0 for w in ws]
+    # the same without the run's last step's final sync (every fragment once more, waited for: a one-off
+    # cost at the end of a run, a few seconds on a slow link, that a run of thousands of steps does not see)
+    steady = [
+        w["steps"] * r["t_ref"] / (w["train_seconds"] - fs) if w["train_seconds"] - fs > 0 else 0.0
+        for w in ws
+        for fs in [(w.get("summary") or {}).get("final_sync_seconds") or 0.0]
+    ]
     sps = [w["steps"] / w["train_seconds"] if w["train_seconds"] > 0 else 0.0 for w in ws]
 
     def per_step(key: str, d: str) -> float | None:
@@ -775,6 +782,8 @@ def summarize_run(r: dict) -> dict:
     r.update(
         steps=steps,
         utilization=_mean(util),
+        utilization_steady=_mean(steady),
+        final_sync_seconds=_mean([(w.get("summary") or {}).get("final_sync_seconds") or 0.0 for w in ws]),
         own_utilization=_mean([w["own_compute_utilization"] for w in ws]) if finished else None,
         steps_per_s=_mean(sps),
         train_seconds=_mean([w["train_seconds"] for w in ws]),
@@ -791,6 +800,8 @@ def summarize_run(r: dict) -> dict:
 TABLE_NOTE = """\
 Compute utilization: steps × t_ref ÷ wall time of the training loop, where t_ref is the step time of the
 same loop without communication, measured at the same point with every worker process running at once.
+Without the final sync: the same with the wall time of the run's last step's sync taken out (every fragment
+sent and merged once more, waited for: once per run, seconds on a slow link; its own column). DDP has none.
 Own (workers): streamdiloco's compute_utilization (its compute time ÷ its training time). KB/step: bytes
 through the worker's interface during training (tx up, rx down; Ethernet, IP and TCP headers included),
 mean over the workers; results.json has the whole runs too (with the shard's Fetch of the masters, DDP's
@@ -815,7 +826,9 @@ def run_line(r: dict) -> str:
     return (
         f"{r['system']:>3} {rate_label(r['rate_mbit']):>13} {r['delay_ms']:g} ms: {r['status']}, "
         f"{r['steps']} steps in {_f(r['train_seconds'], '.1f')} s ({_f(r['steps_per_s'], '.2f')} steps/s), "
-        f"utilization {_pct(r['utilization'], 0)} (own {_pct(r['own_utilization'], 0)}), "
+        f"utilization {_pct(r['utilization'], 0)} "
+        f"(without the final sync {_pct(r['utilization_steady'], 0)}; "
+        f"own {_pct(r['own_utilization'], 0)}), "
         f"KB/step up {_kb(r['up_bytes_per_step'])} down {_kb(r['down_bytes_per_step'])}, "
         f"blocked {_f(r['blocked_seconds'], '.1f')} s, eval loss {_f(r['eval_loss'], '.4f')} "
         f"({r['seconds']:.0f} s)"
@@ -824,10 +837,11 @@ def run_line(r: dict) -> str:
 
 def results_table(runs: list[dict]) -> str:
     head = (
-        "| system | Mbit/s each way | one-way delay | steps | compute utilization | own (workers) | steps/s "
-        "| KB/step up | KB/step down | blocked s | eval loss | status |"
+        "| system | Mbit/s each way | one-way delay | steps | compute utilization | without the final sync "
+        "| own (workers) | steps/s | KB/step up | KB/step down | blocked s | final sync s | eval loss "
+        "| status |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         cells = [
             "streamdiloco" if r["system"] == "sdl" else "DDP (gloo)",
@@ -835,11 +849,13 @@ def results_table(runs: list[dict]) -> str:
             f"{r['delay_ms']:g} ms",
             str(r["steps"]),
             _pct(r["utilization"]),
+            _pct(r.get("utilization_steady")),
             _pct(r["own_utilization"]),
             _f(r["steps_per_s"], ".2f"),
             _kb(r["up_bytes_per_step"]),
             _kb(r["down_bytes_per_step"]),
             _f(r["blocked_seconds"], ".1f"),
+            _f(r.get("final_sync_seconds"), ".1f"),
             _f(r["eval_loss"], ".4f"),
             r["status"],
         ]

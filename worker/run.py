@@ -397,7 +397,10 @@ def _train(
         metrics.step, metrics.loss = step, loss
         metrics.mark(stats["compute_seconds"])
         try:
+            t_sync = time.perf_counter()
             engine.step(tokens=x.numel(), loss=loss)
+            if step == cfg.steps:  # the final sync: every fragment once more, all waited for (once a run)
+                stats["final_sync_seconds"] = time.perf_counter() - t_sync
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
             stopped = True
         if cfg.step_delay:
@@ -478,6 +481,7 @@ def _train(
         "compute_seconds": compute,
         "train_seconds": train_seconds,
         "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
+        "final_sync_seconds": stats.get("final_sync_seconds", 0.0),  # the last step's sync, in train_seconds
         "wall_seconds": time.perf_counter() - t_start,
         "mirror_hashes": digests,
         "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
