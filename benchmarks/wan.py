@@ -900,9 +900,19 @@ def checks_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], path: Path, workers: int) -> Path:
-    """Compute utilization against bandwidth (log x; unlimited at the right), per system and delay; open
-    markers: runs stopped at their time bound."""
+def series_label(r: dict) -> str:
+    """A run's curve: its system, and the streamdiloco flags it ran with beyond the defaults."""
+    base = "streamdiloco" if r["system"] == "sdl" else "DDP (gloo)"
+    flags = r.get("sdl_flags") if r["system"] == "sdl" else ""
+    return f"{base} {flags}" if flags else base
+
+
+def plot(
+    runs: list[dict], path: Path, workers: int, predicted: dict[str, list[tuple[float, float]]] | None = None
+) -> Path:
+    """Compute utilization against bandwidth (log x; unlimited at the right), per system (and flags) and
+    delay; open markers: runs stopped at their time bound. `predicted`: curves of the event model
+    (sim/utilization.py), label -> [(Mbit/s or inf, utilization)], drawn thin and dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -916,10 +926,13 @@ def plot(runs: list[dict], path: Path, workers: int) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     delays = sorted({r["delay_ms"] for r in runs})
-    styles = {"sdl": ("tab:blue", "o", "streamdiloco"), "ddp": ("tab:red", "s", "DDP (gloo)")}
-    for system, (color, marker, label) in styles.items():
+    labels = sorted({series_label(r) for r in runs}, key=lambda t: (not t.startswith("streamdiloco"), t))
+    colors = ["tab:blue", "tab:green", "tab:purple", "tab:orange"]
+    for i, label in enumerate(labels):
+        ddp = label.startswith("DDP")
+        color, marker = ("tab:red", "s") if ddp else (colors[i % len(colors)], "o")
         for k, delay in enumerate(delays):
-            mine = sorted((r for r in runs if r["system"] == system and r["delay_ms"] == delay), key=x)
+            mine = sorted((r for r in runs if series_label(r) == label and r["delay_ms"] == delay), key=x)
             if not mine:
                 continue
             ys = [100 * (r["utilization"] or 0.0) for r in mine]
@@ -934,6 +947,16 @@ def plot(runs: list[dict], path: Path, workers: int) -> Path:
             cut = [(x(r), y) for r, y in zip(mine, ys, strict=True) if r["status"] != "ok"]
             if cut:
                 ax.scatter(*zip(*cut, strict=True), marker=marker, color="white", edgecolors=color, zorder=3)
+    for j, (label, pts) in enumerate((predicted or {}).items()):
+        xs = [x_inf if b == float("inf") else b for b, _ in pts]
+        ax.plot(
+            xs,
+            [100 * u for _, u in pts],
+            color="black",
+            linewidth=0.8,
+            linestyle=["--", ":"][j % 2],
+            label=label,
+        )
     ax.axhline(95, color="gray", linewidth=1, linestyle=":", label="95%")
     ax.set_xscale("log")
     ax.minorticks_off()
@@ -944,12 +967,100 @@ def plot(runs: list[dict], path: Path, workers: int) -> Path:
     ax.set_ylabel("compute utilization (%)")
     ax.set_ylim(0, 105)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="best", fontsize=7)
     ax.set_title(f"Compute utilization across emulated WAN links ({workers} workers)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def predict_runs(runs: list[dict], settings: dict, policy: str) -> list[tuple[float, float]]:
+    """The event model's utilization for streamdiloco's measured points at 25 ms (their t_ref, the model's
+    real layout, a whole run of the measured length with its final sync, as the measurement counts it)."""
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.common.modelspec import build_model
+    from streamdiloco.sim.utilization import RunModel, simulate
+
+    mine = [r for r in runs if r["system"] == "sdl"]
+    if not mine:
+        return []
+    model = build_model(settings["model"], settings["seed"], settings["block_size"])
+    layout = build_layout(model, settings["num_fragments"], "strided")
+    values = tuple(f.numel for f in layout.fragments)
+    out = []
+    for r in sorted(mine, key=lambda r: r["rate_mbit"] or float("inf")):
+        bps = float("inf") if r["rate_mbit"] is None else r["rate_mbit"] * 1e6 * 0.956  # TCP payload of tbf
+        m = RunModel(
+            values,
+            r["t_ref"],
+            sync_every=settings["sync_every"],
+            policy=policy,
+            workers=settings["workers"],
+            uplink_bps=bps,
+            downlink_bps=bps,
+            latency=r["delay_ms"] / 1e3,
+            steps=settings["steps"],
+            final_sync=True,
+        )
+        out.append((float("inf") if r["rate_mbit"] is None else r["rate_mbit"], simulate(m).utilization))
+    return out
+
+
+def combine(dirs: list[Path], out: Path) -> int:
+    """One table and one plot from several runs of this script (their results.json), with the event model's
+    prediction beside streamdiloco's measured points."""
+    runs, settings = [], None
+    for d in dirs:
+        res = json.loads((d / "results.json").read_text())
+        settings = settings or res["settings"]
+        for r in res["runs"]:
+            runs.append({**r, "sdl_flags": res["settings"].get("sdl_flags", ""), "source": str(d)})
+    assert settings is not None
+    predicted = {}
+    base = [r for r in runs if r["system"] == "sdl" and not r["sdl_flags"] and r["delay_ms"] == 25]
+    for policy in ("adaptive", "fixed"):
+        pts = predict_runs(base, settings, policy)
+        if pts:
+            predicted[f"event model, {policy}, 25 ms"] = pts
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(runs, out / "utilization.png", settings["workers"], predicted)
+    lines = [
+        "| series | Mbit/s each way | one-way delay | utilization | without the final sync | event model "
+        "| steps/s | KB/step up | KB/step down | final sync s | eval loss | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(runs, key=lambda r: (series_label(r), r["delay_ms"], r["rate_mbit"] or float("inf"))):
+        pred = ""
+        if r in base:
+            pred = _pct(dict(predicted["event model, adaptive, 25 ms"]).get(r["rate_mbit"] or float("inf")))
+        elif r["system"] == "sdl" and "fixed" in r["sdl_flags"] and r["delay_ms"] == 25:
+            pred = _pct(predict_runs([r], settings, "fixed")[0][1])
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    series_label(r),
+                    rate_cell(r["rate_mbit"]),
+                    f"{r['delay_ms']:g} ms",
+                    _pct(r["utilization"]),
+                    _pct(r.get("utilization_steady")),
+                    pred,
+                    _f(r["steps_per_s"], ".2f"),
+                    _kb(r["up_bytes_per_step"]),
+                    _kb(r["down_bytes_per_step"]),
+                    _f(r.get("final_sync_seconds"), ".1f"),
+                    _f(r["eval_loss"], ".4f"),
+                    r["status"],
+                ]
+            )
+            + " |"
+        )
+    table = "\n".join(lines)
+    (out / "combined.md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {out / 'combined.md'}, {png}")
+    return 0
 
 
 # --- main ---------------------------------------------------------------------------------------------------
@@ -1055,6 +1166,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("_"):
         return _internal(argv)
+    if argv and argv[0] == "combine":  # no network: tables and a plot from earlier runs' results.json
+        if len(argv) < 3:
+            print("usage: wan.py combine OUT DIR [DIR ...]", file=sys.stderr)
+            return 2
+        return combine([Path(d) for d in argv[2:]], Path(argv[1]))
     p = build_parser()
     a = p.parse_args(argv)
     q = a.quick
