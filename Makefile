@@ -54,7 +54,7 @@ bench-sync-cost: $(STAMP)
 # bandwidth x delay, hours long; needs root. Writes benchmarks/results/wan/. A small grid (minutes):
 # make bench-wan WAN_FLAGS=--quick
 bench-wan: $(STAMP)
-	bash scripts/wan-deps.sh
+	bash scripts/system-deps.sh wan
 	$(BIN)/python benchmarks/wan.py $(WAN_FLAGS)
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).

@@ -855,7 +855,7 @@ def results_table(runs: list[dict]) -> str:
             _kb(r["up_bytes_per_step"]),
             _kb(r["down_bytes_per_step"]),
             _f(r["blocked_seconds"], ".1f"),
-            _f(r.get("final_sync_seconds"), ".1f"),
+            _f(r.get("final_sync_seconds") if r["system"] == "sdl" else None, ".1f"),
             _f(r["eval_loss"], ".4f"),
             r["status"],
         ]
@@ -1049,7 +1049,7 @@ def combine(dirs: list[Path], out: Path) -> int:
                     _f(r["steps_per_s"], ".2f"),
                     _kb(r["up_bytes_per_step"]),
                     _kb(r["down_bytes_per_step"]),
-                    _f(r.get("final_sync_seconds"), ".1f"),
+                    _f(r.get("final_sync_seconds") if r["system"] == "sdl" else None, ".1f"),
                     _f(r["eval_loss"], ".4f"),
                     r["status"],
                 ]
@@ -1192,7 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("the testbed makes network namespaces: run it as root")
     for tool in ("ip", "tc", "nft"):
         if shutil.which(tool) is None:
-            p.error(f"`{tool}` is missing: run scripts/wan-deps.sh (Debian: iproute2, nftables)")
+            p.error(f"`{tool}` is missing: run scripts/system-deps.sh wan (Debian: iproute2, nftables)")
 
     sys.path.insert(0, str(HERE))
     from wire import Procs, Tee, machine, wait_quiet  # the benchmarks' process harness and helpers

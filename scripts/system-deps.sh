@@ -1,11 +1,27 @@
 #!/usr/bin/env bash
-# Debian packages the tests use: prometheus (prometheus, promtool) for the scrape test and the config and
-# metrics checks, chromium for the dashboard's browser test. Installs what is missing when it can (root
-# with apt-get); otherwise says what to install. `make test` and `.ci/run` run it.
+# Debian packages that the tests (default, or `tests`) or the WAN testbed (`wan`) need, installed when
+# missing where it can (root with apt-get); otherwise it says what to install.
+#   tests: prometheus (prometheus, promtool) for the scrape test and the config and metrics checks, chromium
+#          for the dashboard's browser test. `make test` and `.ci/run` run it.
+#   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
+#          connections to its delaying proxy) for benchmarks/wan.py. `make bench-wan` runs it.
 set -euo pipefail
+what=${1:-tests}
 missing=()
-command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
-command -v chromium >/dev/null || missing+=(chromium)
+case "$what" in
+tests)
+    command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
+    command -v chromium >/dev/null || missing+=(chromium)
+    ;;
+wan)
+    command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
+    command -v nft >/dev/null || missing+=(nftables)
+    ;;
+*)
+    echo "usage: $0 [tests|wan]" >&2
+    exit 2
+    ;;
+esac
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
@@ -14,6 +30,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -q >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 else
-    echo "the tests need these Debian packages: ${missing[*]} (sudo apt-get install ${missing[*]})" >&2
+    echo "$what needs these Debian packages: ${missing[*]} (sudo apt-get install ${missing[*]})" >&2
     exit 1
 fi
