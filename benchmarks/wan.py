@@ -1195,7 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"`{tool}` is missing: run scripts/system-deps.sh wan (Debian: iproute2, nftables)")
 
     sys.path.insert(0, str(HERE))
-    from wire import Procs, Tee, machine, wait_quiet  # the benchmarks' process harness and helpers
+    from wire import Procs, Tee, machine, machine_line, wait_quiet  # the process harness, helpers
 
     say = Tee()
     a.wait_quiet = wait_quiet
@@ -1204,10 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/wan.py", *argv])
     info = machine()
     say(f"$ {command}")
-    say(
-        f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
-    )
+    say(f"machine: {machine_line(info)}")
     results: dict = {
         "command": command,
         "machine": info,
@@ -1287,8 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command}`  ",
         f"Run: {results['started']}, {results['seconds']:.0f} s  ",
-        f"Machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}",
+        f"Machine: {machine_line(info)}",
         "",
         f"{a.workers} workers, model {a.model}, batch {a.batch_size}, {a.steps} steps; streamdiloco H="
         f"{a.sync_every}, P={a.num_fragments}"

@@ -271,6 +271,14 @@ def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
         time.sleep(2.0)
 
 
+def machine_line(info: dict) -> str:
+    """What `machine()` found, for the head of a benchmark's output and results."""
+    return (
+        f"{info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
+        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
+    )
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -1537,10 +1545,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/wire.py", *argv])
     info = machine()
     say(f"$ {command}")
-    say(
-        f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
-    )
+    say(f"machine: {machine_line(info)}")
     results: dict = {"command": command, "machine": info, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def on_term(signum, frame):
@@ -1704,8 +1709,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command}`  ",
         f"Run: {results['started']}, {results['seconds']:.0f} s  ",
-        f"Machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, "
-        f"{info['platform']}; Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}",
+        f"Machine: {machine_line(info)}",
         "",
     ]
     (out / "results.md").write_text("\n".join(head + md) + "\n")

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from streamdiloco.common.codecs import CODECS, get_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import assign_blocks
-from streamdiloco.common.schedule import events, send_round
+from streamdiloco.common.schedule import events, merge_deadline, send_round
 
 POLICIES = ("fixed", "adaptive")
 
@@ -177,6 +177,8 @@ def simulate(model: RunModel) -> Prediction:
     rngs = [random.Random(m.seed * 7919 + w) for w in range(nw)]
     sigma = m.step_jitter
     adaptive = m.policy == "adaptive" and m.fragment_sync_delay > 0  # tau = 0 is blocking DiLoCo: it waits
+    # the engine's deadline for a put-off merge; the steady state has no end of run to force it at
+    end = total if m.final_sync else None
 
     now = [0.0] * nw  # each worker's clock
     compute = [0.0] * nw
@@ -201,20 +203,17 @@ def simulate(model: RunModel) -> Prediction:
             d = m.step_time * (math.exp(sigma * rngs[w].gauss(0.0, 1.0) - sigma**2 / 2) if sigma else 1.0)
             now[w] += d
             compute[w] += d
-            for f, r in list(late[w].items()):  # a late update that has arrived by now is merged now
-                if arrival[(f, r)][w] <= now[w]:
+            for f, r in list(late[w].items()):  # merged if its update is in, or waited for at its deadline
+                if arrival[(f, r)][w] <= now[w] or step >= merge_deadline(f, r, cfg, end):
+                    wait_for(w, (f, r))
                     del late[w][f]
                     merges += 1
-        final = m.final_sync and step == total
         # the workers share the schedule, so each event is done by every worker before the next one: a
         # round's update is known once every worker has pushed it
         for ev in events(step, cfg, total):
             key = (ev.fragment, ev.round)
             if ev.kind == "send":
                 for w in range(nw):
-                    if ev.fragment in late[w]:  # adaptive: the previous round must be merged before this send
-                        wait_for(w, (ev.fragment, late[w].pop(ev.fragment)))
-                        merges += 1
                     start = max(now[w], up_free[w])
                     up_free[w] = start + up_s[ev.fragment]
                     pushed.setdefault(key, []).append(up_free[w] + m.latency)
@@ -228,7 +227,8 @@ def simulate(model: RunModel) -> Prediction:
                 arrival[key] = landed
             else:
                 for w in range(nw):
-                    if adaptive and not final and arrival[key][w] > now[w]:
+                    deadline = merge_deadline(ev.fragment, ev.round, cfg, end)
+                    if adaptive and step < deadline and arrival[key][w] > now[w]:
                         late[w][ev.fragment] = ev.round
                         deferred += 1
                         continue
