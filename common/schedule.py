@@ -10,8 +10,12 @@ fragment once more, so the global model holds all the local work.
 With merge_policy "adaptive" the merge at t + tau is the earliest: a worker whose update has not arrived by
 then merges it after the first later step by which it has, and at `merge_deadline` at the latest.
 
-Within one step the events come in the order they must be executed: merges of earlier sends, then sends,
-then merges of this step's sends (tau = 0 or the final sync).
+Within one step the events come in the order they are executed: every send whose fragment has no merge
+before it in the step comes first, so that its transfer starts before any wait for an update (at the final
+sync, at a deadline, or with the fixed policy); then, in order, merges of earlier sends, the sends that must
+follow a merge of their own fragment, and merges of this step's sends (tau = 0 or the final sync). A send
+never moves ahead of a merge of its own fragment: its outer gradient is taken against the mirror with that
+merge in it. Sends keep their order among themselves, and merges theirs.
 """
 
 from __future__ import annotations
@@ -105,6 +109,22 @@ def merge_deadline(fragment: int, round: int, cfg: SyncConfig, total_steps: int 
     return deadline if total_steps is None else min(deadline, total_steps)
 
 
+def sends_early(evs: list[Event]) -> list[Event]:
+    """The same events, each send moved ahead of every merge except those of its own fragment."""
+    early: list[Event] = []
+    rest: list[Event] = []
+    merged: set[int] = set()
+    for ev in evs:
+        if ev.kind == "merge":
+            merged.add(ev.fragment)
+            rest.append(ev)
+        elif ev.fragment in merged:
+            rest.append(ev)
+        else:
+            early.append(ev)
+    return early + rest
+
+
 def events(step: int, cfg: SyncConfig, total_steps: int | None = None) -> list[Event]:
     """What to do after inner step `step`, in order."""
     if step < 1:
@@ -132,4 +152,4 @@ def events(step: int, cfg: SyncConfig, total_steps: int | None = None) -> list[E
         flush = [(f, sends_through(f, step, cfg)) for f in range(nfrag) if send_round(f, step, cfg) is None]
         out += [Event("send", f, r) for f, r in flush]
         out += [Event("merge", f, r) for f, r in flush]
-    return out
+    return sends_early(out)

@@ -197,20 +197,38 @@ def simulate(model: RunModel) -> Prediction:
             waited += 1
             now[w] = arrival[key][w]
 
+    def merge_late(w: int, step: int, waiting: bool) -> None:
+        """Put-off merges whose update is in (done without a wait), or, with `waiting`, those at their
+        deadline (waited for)."""
+        nonlocal merges
+        for f, r in list(late[w].items()):
+            if arrival[(f, r)][w] <= now[w] or (waiting and step >= merge_deadline(f, r, cfg, end)):
+                wait_for(w, (f, r))
+                del late[w][f]
+                merges += 1
+
     for step in range(1, total + 1):
+        evs = events(step, cfg, total)
+        sending = {ev.fragment for ev in evs if ev.kind == "send"}
         for w in range(nw):
             # log-normal with mean step_time: never negative, and a few slow steps as on real machines
             d = m.step_time * (math.exp(sigma * rngs[w].gauss(0.0, 1.0) - sigma**2 / 2) if sigma else 1.0)
             now[w] += d
             compute[w] += d
-            for f, r in list(late[w].items()):  # merged if its update is in, or waited for at its deadline
-                if arrival[(f, r)][w] <= now[w] or step >= merge_deadline(f, r, cfg, end):
-                    wait_for(w, (f, r))
-                    del late[w][f]
+            # as the engine orders a step (schedule.sends_early): a put-off merge of a fragment that sends
+            # now is waited for before that send; the other sends start before any other wait
+            for f in sending & set(late[w]):
+                if step >= merge_deadline(f, late[w][f], cfg, end):
+                    wait_for(w, (f, late[w].pop(f)))
                     merges += 1
+            merge_late(w, step, waiting=False)
         # the workers share the schedule, so each event is done by every worker before the next one: a
         # round's update is known once every worker has pushed it
-        for ev in events(step, cfg, total):
+        early = next((i for i, ev in enumerate(evs) if ev.kind == "merge"), len(evs))
+        for i, ev in enumerate(evs):
+            if i == early:  # the sends that go first are out: now the other put-off merges' waits
+                for w in range(nw):
+                    merge_late(w, step, waiting=True)
             key = (ev.fragment, ev.round)
             if ev.kind == "send":
                 for w in range(nw):
@@ -234,6 +252,9 @@ def simulate(model: RunModel) -> Prediction:
                         continue
                     wait_for(w, key)
                     merges += 1
+        if early == len(evs):  # a step of sends only
+            for w in range(nw):
+                merge_late(w, step, waiting=True)
         if step == m.warmup_steps:
             origin, origin_compute = now[:], compute[:]
     compute = [c - c0 for c, c0 in zip(compute, origin_compute, strict=True)]

@@ -438,9 +438,10 @@ def test_a_member_that_does_not_come_back_is_waited_for_only_until_its_time_is_u
 
 
 def test_the_next_rounds_a_worker_names_count_the_sends_of_its_step_not_done_yet():
-    # H=6, P=3, tau=2: step 4 merges fragment 1's round 0 and sends fragment 2's round 0; a worker that is
-    # stopped or reconnects while it waits for that merge has not sent fragment 2's round 0 yet
-    from streamdiloco.common.schedule import events
+    # H=6, P=3, tau=2: fragment 1 sends round 0 at step 2 and round 1 at step 8; a merge of round 0 put off
+    # until step 8 (adaptive) is done there before that send, so a worker that is stopped or reconnects
+    # while it waits for that merge has not sent fragment 1's round 1 yet
+    from streamdiloco.common.schedule import Event, events, sends_early
     from streamdiloco.worker.engine import SyncEngine
 
     class NoWire:
@@ -448,12 +449,12 @@ def test_the_next_rounds_a_worker_names_count_the_sends_of_its_step_not_done_yet
 
     cfg = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=2)
     engine = SyncEngine(build_gpt("nano"), _LAYOUT, cfg, NoWire())  # type: ignore[arg-type]
-    engine.step_count = 4
-    engine.pending = events(4, cfg)
-    assert [e.kind for e in engine.pending] == ["merge", "send"]
-    assert engine.next_rounds() == [0, 1, 0]
+    engine.step_count = 8
+    engine.pending = sends_early([Event("merge", 1, 0)] + events(8, cfg))
+    assert engine.pending == [Event("merge", 1, 0), Event("send", 1, 1), Event("merge", 0, 0)]
+    assert engine.next_rounds() == [1, 1, 1]
     engine.pending = []  # once the step's events are done
-    assert engine.next_rounds() == [0, 1, 1]
+    assert engine.next_rounds() == [1, 2, 1]
 
 
 # === 3. ShardCheckpoint ===================================================================================

@@ -200,6 +200,38 @@ def test_the_last_step_merges_everything_put_off_before_the_final_sync():
         engine.close()
 
 
+def test_the_final_sync_pushes_the_fragments_not_in_flight_before_waiting_for_the_one_that_is():
+    """Last step 7: fragment 1's round 1 (sent at 6) is still on its way; fragment 0's final push must not
+    wait behind it. Here that update comes only once fragment 0's final push is out (as on a slow link
+    where the wait is long, the final pushes go while it lasts); if the engine waited first, it would
+    come after 60 s only, and the order check below would fail."""
+    engine, transport, net = make("adaptive", total=7)
+    order: list[str] = []
+    backstop = threading.Timer(60.0, lambda: transport.deliver(1, 1, torch.zeros_like(engine.mirrors[1])))
+    held_push = transport.push
+
+    def push(fragment, round, slices, weight, loss) -> None:
+        held_push(fragment, round, slices, weight, loss)
+        order.append(f"push {fragment}.{round}")
+        if (fragment, round) != (1, 1):
+            transport.deliver(fragment, round, torch.zeros_like(engine.mirrors[fragment]))
+        if (fragment, round) == (0, 1):
+            order.append("update 1.1")
+            transport.deliver(1, 1, torch.zeros_like(engine.mirrors[1]))
+
+    transport.push = push
+    try:
+        backstop.start()
+        for _ in range(7):
+            train_step(net)
+            engine.step()
+        assert order.index("push 0.1") < order.index("update 1.1") < order.index("push 1.2")
+        assert engine.in_flight == {} and engine.deferred == [] and engine.merges == 5
+    finally:
+        backstop.cancel()
+        engine.close()
+
+
 def test_put_off_merges_survive_a_checkpoint():
     engine, transport, net = make("adaptive")
     try:

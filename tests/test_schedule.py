@@ -106,3 +106,15 @@ def test_config_roundtrips_through_a_dict():
     assert SyncConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown sync config field"):
         SyncConfig.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_sends_go_before_waits_but_never_before_a_merge_of_their_own_fragment():
+    # H=10, P=5, tau=1, last step 21: fragment 0 sent round 1 at step 20 and merges it now; the final sync
+    # sends every fragment once more
+    cfg = SyncConfig(sync_every=10, num_fragments=5, fragment_sync_delay=1)
+    last = events(21, cfg, 21)
+    kinds = [(e.kind, e.fragment) for e in last]
+    # the flushes of 1..4 start first; fragment 0's follows its merge (its outer gradient needs it)
+    assert kinds[:4] == [("send", 1), ("send", 2), ("send", 3), ("send", 4)]
+    assert kinds[4:6] == [("merge", 0), ("send", 0)]
+    assert sorted(kinds[6:]) == [("merge", f) for f in range(5)]

@@ -38,7 +38,7 @@ from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient
-from streamdiloco.common.schedule import Event, events, merge_deadline, sends_through
+from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 
 log = logging.getLogger("streamdiloco.worker")
 
@@ -294,7 +294,7 @@ class SyncEngine:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
         evs = events(self.step_count + 1, self.cfg, self.total_steps)
         # merges put off at earlier steps come first: done now if their update is in, or at their deadline
-        self.pending = [Event("merge", f, r) for f, r in self.deferred] + list(evs)
+        self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
         self.deferred = []
         self._count(tokens, loss)
         self.finish_step()
