@@ -123,6 +123,13 @@ def _add_sync_flags(p: argparse.ArgumentParser) -> None:
         "need be (deterministic)",
     )
     g.add_argument(
+        "--merge-rule",
+        default=s.merge_rule,
+        choices=["mix", "rebase"],
+        help="mix: local = alpha * local + (1 - alpha) * global at the merge (the paper's); rebase: that mix "
+        "taken with the parameters as they were at the send, keeping the local steps since",
+    )
+    g.add_argument(
         "--fragment-update-alpha",
         type=float,
         default=s.fragment_update_alpha,
