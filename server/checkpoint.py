@@ -178,7 +178,7 @@ class ShardCheckpoint:
                 if not isinstance(table, dict) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in table.items()
                 ):
-                    raise ValueError(f"{where}: meta.json's {key!r} is not a table of file hashes; use --fresh")
+                    raise ValueError(f"{where}: meta.json's {key!r} is not a table of file hashes (--fresh)")
         return meta
 
     def load(self, state: ShardState) -> None:
@@ -206,7 +206,8 @@ class ShardCheckpoint:
             name = f"fragment-{f}.pt"
             if not legacy and name not in meta["files"]:
                 raise ValueError(f"{where} is incomplete: meta.json does not list {name}; use --fresh")
-            saved, files[name] = self._read(name, None if legacy else (meta["files"][name], incoming.get(name)))
+            want = None if legacy else (meta["files"][name], incoming.get(name))
+            saved, files[name] = self._read(name, want)
             try:
                 state.load_fragment_state(f, saved)
             except ValueError as e:
@@ -245,8 +246,8 @@ class ShardCheckpoint:
         sha = hashlib.sha256(data).hexdigest()
         if want is not None and sha not in want:
             raise ValueError(
-                f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists {want[0][:16]}...; "
-                "restore the directory from a copy or use --fresh"
+                f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists "
+                f"{want[0][:16]}...; restore the directory from a copy or use --fresh"
             )
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

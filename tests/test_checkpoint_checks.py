@@ -310,7 +310,8 @@ def _push_one_round(target: str) -> None:
     try:
         stub = pb_grpc.ShardStub(channel)
         reply = stub.Join(
-            pb.JoinRequest(worker="w", fingerprint_json=json.dumps(FP), protocol=PROTOCOL), timeout=RPC_TIMEOUT
+            pb.JoinRequest(worker="w", fingerprint_json=json.dumps(FP), protocol=PROTOCOL),
+            timeout=RPC_TIMEOUT,
         )
         s = Session(stub, pb.WorkerMessage(hello=pb.Hello(worker="w", session=reply.session)))
         s.next_message("welcome")
