@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, WAIT, InThreadShard, push_messages
+from inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
 
 from streamdiloco.common.codecs import concat, encode
 from streamdiloco.common.config import SyncConfig
@@ -49,8 +49,8 @@ from streamdiloco.worker.model import build_gpt
 CFG = SyncConfig(sync_every=6, num_fragments=3)
 TOKEN = "fuzz-token"
 SEED = int(os.environ.get("FUZZ_SEED", "1125"))
-FAST_CASES = 300
-SLOW_CASES = 3000
+FAST_CASES = 400
+SLOW_CASES = 5000
 HONEST_EVERY = 100
 
 MAX_DETAILS = 1200  # characters a refusal's message may have: one line, bounded whatever the client sent
@@ -104,6 +104,10 @@ def pure_state() -> ShardState:
 
 
 SLICE_LEN = [hi - lo for lo, hi in pure_state().ranges]
+
+
+def one_bounded_line(text: str) -> bool:
+    return bool(text) and "\n" not in text and len(text) <= MAX_DETAILS
 
 
 # --- a client that sends raw bytes ------------------------------------------------------------------------
@@ -315,9 +319,8 @@ class Fuzzer:
         assert code in allowed, f"refused with {code}: {details[:300]!r} {case}"
         if code not in REFUSAL_CODES:
             assert UNDECODABLE_WORDS.search(details), f"{code} that is not about parsing: {details!r} {case}"
-        assert details and "\n" not in details and len(details) <= MAX_DETAILS, (
-            f"a refusal's message must be one bounded line, got {len(details)} characters: "
-            f"{details[:300]!r} {case}"
+        assert one_bounded_line(details), (
+            f"not one bounded line: {len(details)} chars {details[:300]!r} {case}"
         )
         self.stats[code.name] = self.stats.get(code.name, 0) + 1
 
@@ -329,9 +332,8 @@ class Fuzzer:
             if m.WhichOneof("kind") == "result" and not m.result.accepted:
                 r = m.result
                 assert REASON.fullmatch(r.reason), f"reason {r.reason[:100]!r} {case}"
-                assert r.message and "\n" not in r.message and len(r.message) <= MAX_DETAILS, (
-                    f"a refusal's message must be one bounded line, got {len(r.message)} characters: "
-                    f"{r.message[:300]!r} {case}"
+                assert one_bounded_line(r.message), (
+                    f"not one bounded line: {len(r.message)} chars {r.message[:300]!r} {case}"
                 )
                 self.stats[f"reason:{r.reason}"] = self.stats.get(f"reason:{r.reason}", 0) + 1
         if isinstance(last, grpc.RpcError):
@@ -441,7 +443,7 @@ class Fuzzer:
         elif kind == 4:
             first = [pb.WorkerMessage(ready=pb.Ready(from_rounds=[0, 0, 0])).SerializeToString()]
         elif kind == 5:
-            first = [self.push_messages(case)[0]]
+            first = [self.push_messages(case, mutate=False)[0]]
         elif kind == 6:
             first = []  # the worker closes at once
         elif kind == 7:  # two Hellos
@@ -458,7 +460,8 @@ class Fuzzer:
         s = RawSession(self.channel())
         for m in first:
             s.send(m)
-        self.settle(name, s, sum(len(m) for m in first[1:]))  # what follows a Hello, read once it is taken
+        if first:  # what follows a Hello, read once it is taken
+            self.settle(name, s, sum(len(m) for m in first[1:]))
         self.check_session_items(case, s.finish())
 
     def settle(self, name: str, s: RawSession, sent: int) -> None:
@@ -477,14 +480,14 @@ class Fuzzer:
             time.sleep(0.005)
 
     # --- pushes on a session ---
-    def push_messages(self, case: Case) -> list[bytes]:
-        """A push of the open round of a random fragment, as serialized messages, its chunks mutated."""
+    def push_messages(self, case: Case, mutate: bool = True) -> list[bytes]:
+        """A push of the open round of a random fragment, as serialized messages, mutated (`mutate`)."""
         rng = self.rng
         f = rng.randrange(3)
         rnd = self.rounds()[f]
         g = torch.Generator().manual_seed(rng.randrange(2**31))
         enc = encode(torch.randn(SLICE_LEN[f], generator=g) * 1e-2, "e3m0", 128)
-        per_chunk = rng.choice([512, 2048, 4096, SLICE_LEN[f]])
+        per_chunk = rng.choice([512, 2048, 4096, -(-SLICE_LEN[f] // 128) * 128])  # the last: one chunk
         msgs = push_messages(
             enc,
             fragment=f,
@@ -496,14 +499,14 @@ class Fuzzer:
             blocked=0.5,
         )
         case.say(f"push of fragment {f} round {rnd} in {len(msgs)} chunks")
-        for _ in range(rng.choice([0, 1, 1, 1, 2, 2, 3])):
+        for _ in range(rng.choice([0, 1, 1, 1, 2, 2, 3]) if mutate else 0):
             j = rng.choice([0, len(msgs) - 1, rng.randrange(len(msgs))])
             if rng.random() < 0.75:
                 mutate_chunk(rng, msgs[j].push.chunk, case)
             else:
                 mutate_header(rng, msgs[j].push.header, case)
         raw = [m.SerializeToString() for m in msgs]
-        for _ in range(rng.choice([0, 0, 1, 2])):  # the order of messages
+        for _ in range(rng.choice([0, 0, 1, 2]) if mutate else 0):  # the order of messages
             raw = self.reorder(raw, case)
         return raw
 
@@ -581,7 +584,7 @@ class Fuzzer:
         if method.startswith("Session"):
             reply = self.join(name)
             hello = pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session)).SerializeToString()
-            body = hello if method == "Session" else self.push_messages(case)[0]
+            body = hello if method == "Session" else self.push_messages(case, mutate=False)[0]
         else:
             body = good[method].SerializeToString()
         kind = rng.randrange(4)
@@ -677,10 +680,20 @@ def _diff(before: dict, after: dict) -> str:
     return ", ".join(k for k in before if before[k] != after.get(k))[:300]
 
 
+def honest_worker(shard: InThreadShard, name: str) -> Worker:
+    """A member whose session lasts as long as the fuzzing does."""
+    reply = shard.join(name)
+    hello = pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session))
+    s = Session(shard.stub, hello, timeout=3600.0)
+    shard.sessions.append(s)  # cancelled when the shard shuts down
+    s.next_message("welcome")
+    return Worker(name, s, reply)
+
+
 def run_fuzz(tmp_path, seed: int, cases: int) -> dict:
     shard = InThreadShard(build(), tmp_path, GOOD_FP, token=TOKEN)
     try:
-        honest = [shard.worker("h0"), shard.worker("h1")]
+        honest = [honest_worker(shard, "h0"), honest_worker(shard, "h1")]
         fuzzer = Fuzzer(shard, honest, seed)
         fuzzer.honest_rounds("before the cases")
         for i in range(cases):
