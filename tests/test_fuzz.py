@@ -161,15 +161,17 @@ def _drain(q: queue.Queue) -> list:
 class Case:
     """One fuzz case: its words (for failure messages) and what the checks need to know."""
 
+    seed: int
     index: int
     what: list[str] = field(default_factory=list)
     undecodable: bool = False  # some message sent may not parse: gRPC's own refusal is allowed
+    pushes: int = 0  # pushes the case sent (each may stay valid whatever its mutations)
 
     def say(self, text: str) -> None:
         self.what.append(text)
 
     def __str__(self) -> str:
-        return f"[seed {SEED}, case {self.index}: {'; '.join(self.what)[:600]}]"
+        return f"[seed {self.seed}, case {self.index}: {'; '.join(self.what)[:600]}]"
 
 
 def some_string(rng: random.Random) -> str:
@@ -284,7 +286,7 @@ class Fuzzer:
 
     # --- one case ---
     def run_case(self, i: int) -> None:
-        case = Case(i)
+        case = Case(self.seed, i)
         before = self.snapshot()
         kind = self.rng.choices(["push", "hello", "join", "fetch", "raw"], [50, 12, 14, 12, 12])[0]
         self.stats[kind] = self.stats.get(kind, 0) + 1
@@ -299,7 +301,8 @@ class Fuzzer:
             assert after == before, f"refused input changed the shard {case}: {_diff(before, after)}"
         else:  # a push whose mutations left it valid: only its open round changed
             self.stats["accepted"] = self.stats.get("accepted", 0) + 1
-            assert after["accepted"] == before["accepted"] + 1, f"more than one push accepted {case}"
+            accepted = after["accepted"] - before["accepted"]
+            assert accepted <= case.pushes, f"{accepted} pushes accepted of {case.pushes} sent {case}"
             for k in ("rounds_closed", "members"):
                 assert after[k] == before[k], f"{k} changed {case}"
             assert [f[:2] for f in after["fragments"]] == [f[:2] for f in before["fragments"]], str(case)
@@ -499,6 +502,7 @@ class Fuzzer:
             blocked=0.5,
         )
         case.say(f"push of fragment {f} round {rnd} in {len(msgs)} chunks")
+        case.pushes += 1
         for _ in range(rng.choice([0, 1, 1, 1, 2, 2, 3]) if mutate else 0):
             j = rng.choice([0, len(msgs) - 1, rng.randrange(len(msgs))])
             if rng.random() < 0.75:
@@ -512,6 +516,8 @@ class Fuzzer:
 
     def reorder(self, raw: list[bytes], case: Case) -> list[bytes]:
         rng = self.rng
+        if not raw:  # an earlier reordering cut it to nothing
+            return raw
         j = rng.randrange(len(raw))
         kind = rng.randrange(8)
         case.say(f"order {kind} at {j}")
@@ -720,3 +726,34 @@ def test_fuzzed_messages_are_refused_cleanly_and_change_nothing(tmp_path):
 @pytest.mark.parametrize("seed", [SEED + 1, SEED + 2, SEED + 3])
 def test_fuzzed_messages_many_more_cases(tmp_path, seed):
     run_fuzz(tmp_path, seed, SLOW_CASES)
+
+
+# --- what the fuzzer found, pinned ---------------------------------------------------------------------
+@pytest.fixture
+def shard(tmp_path):
+    s = InThreadShard(build(), tmp_path, GOOD_FP, token=TOKEN)
+    yield s
+    s.shutdown()
+
+
+def test_a_token_that_is_not_ascii_is_a_wrong_token_not_a_shard_error(shard):
+    # secrets.compare_digest raises TypeError on str with non-ASCII characters: Join and Fetch answered
+    # UNKNOWN ("Unexpected <class 'TypeError'>") with a traceback in the shard's log
+    for token in ("\u00e9", "fuzz-token\u4e2d"):
+        for call, args in ((shard.join, ("w",)), (shard.fetch, ([0],))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(*args, token=token)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert e.value.details() == "wrong or missing run token (--token)"
+
+
+def test_a_codec_string_is_quoted_by_its_first_characters_only(shard):
+    # a refused chunk's codec was echoed whole into the PushResult and the log (a 256 KiB string: 256 KiB
+    # of message and of log line)
+    w = honest_worker(shard, "w")
+    msgs = push_messages(encode(torch.zeros(SLICE_LEN[0]), "e3m0", 128), values_per_chunk=4096)
+    msgs[0].push.chunk.codec = "y" * HUGE
+    w.push(msgs)
+    r = w.session.result()
+    assert (r.accepted, r.reason) == (False, "bad_codec")
+    assert r.message.endswith(f"got {'y' * 40!r}... ({HUGE} characters)") and len(r.message) < 200, r.message
