@@ -45,6 +45,7 @@ import math
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -59,17 +60,27 @@ FORMAT = 2
 LEGACY_FORMAT = 1  # no hashes: loaded unchecked, with a warning, then written again as FORMAT
 FULL_EVERY = 8  # a fragment's whole state every this many of its rounds; the rounds between are logged
 _LOG_NAME = re.compile(r"rounds/fragment-(\d+)-round-(\d+)\.pt")
+_HASH_ASIDE = 1 << 20  # buffers at least this large are hashed on _HASHER while they are written
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
 
 
 class _Hashing:
-    """A writable file that hashes what goes through it (torch.save and json see a plain file object)."""
+    """A writable file that hashes what goes through it (torch.save and json see a plain file object). A
+    large buffer (a tensor's storage: torch writes each in one call) is hashed on another thread while it
+    is written: both release the GIL, so the hash costs next to nothing on the write's time."""
 
     def __init__(self, f):
         self.f, self.sha = f, hashlib.sha256()
 
     def write(self, data) -> int:
-        self.sha.update(data)  # hashlib releases the GIL for large buffers
-        return self.f.write(data)
+        if memoryview(data).nbytes < _HASH_ASIDE:
+            self.sha.update(data)
+            return self.f.write(data)
+        hashed = _HASHER.submit(self.sha.update, data)  # in order: the previous update has returned
+        try:
+            return self.f.write(data)
+        finally:
+            hashed.result()
 
     def flush(self) -> None:
         self.f.flush()
