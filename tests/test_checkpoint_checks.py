@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, Session, push_messages
+from inthread import RPC_TIMEOUT, InThreadShard, Session, push_messages
 from procs import Cluster, http_json, wait_until
 
 from streamdiloco.common.codecs import encode
@@ -26,6 +26,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server import checkpoint as ckmod
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.model import build_gpt
 
@@ -298,6 +299,22 @@ def test_a_checkpoint_without_hashes_is_still_checked_finite(saved):
     assert ck.save(1, _with(st.fragment_state(1), "master", math.nan))
     _as_format_1(ck)
     assert "fragment-1.pt is damaged: outer.master: 1 of" in refusal(ck.dir)
+
+
+def test_a_shard_started_on_a_checkpoint_without_hashes_writes_them_before_it_serves(saved, tmp_path):
+    ck, st = saved
+    _as_format_1(ck)
+    service = build_service(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(ck.dir))
+    shard = InThreadShard(service, tmp_path, json.dumps(FP))
+    try:
+        m = meta(ck)  # written before the shard said it serves
+        assert m["format"] == 2 and set(m["files"]) == {f"fragment-{f}.pt" for f in range(3)}
+        fragments = shard.status()["fragments"]
+        assert [x["master_hash"] for x in fragments] == [tensor_digest(st.master(f)) for f in range(3)]
+        assert [x["round"] for x in fragments] == [st.round_of(f) for f in range(3)]
+    finally:
+        shard.shutdown()
+    assert key(load(ck.dir)) == key(st)
 
 
 # === a real shard process ===============================================================================
