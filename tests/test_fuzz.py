@@ -242,9 +242,9 @@ def mutate_chunk(rng: random.Random, c: pb.Chunk, case: Case) -> None:
         c.fragment = rng.choice(U32 + [(c.fragment + 1) % 3])
     elif name in ("round", "offset", "numel", "total"):
         here = getattr(c, name)
-        setattr(c, name, rng.choice(U64 + [max(here - 1, 0), here + 1, here + 512]))
+        setattr(c, name, min(rng.choice(U64 + [max(here - 1, 0), here + 1, here + 512]), 2**64 - 1))
     elif name == "seq":
-        c.seq = rng.choice(U32 + [c.seq + 1, max(c.seq - 1, 0)])
+        c.seq = min(rng.choice(U32 + [c.seq + 1, max(c.seq - 1, 0)]), 2**32 - 1)
     elif name == "codec":
         c.codec = some_string(rng)
     elif name == "block_size":
