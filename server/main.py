@@ -269,7 +269,7 @@ async def _serve_grpc(
             f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
         )
     ckpt = service.checkpoint
-    if ckpt is not None and ckpt.pending_initial:  # a new run: its starting state and meta.json
+    if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
         if not ckpt.save_all(service.state):
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False

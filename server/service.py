@@ -148,7 +148,7 @@ class ShardService(pb_grpc.ShardServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if self.stopping or self.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
+        if self.token and not secrets.compare_digest(request.token.encode(), self.token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         if request.protocol != PROTOCOL:
             await context.abort(
@@ -571,7 +571,7 @@ class ShardService(pb_grpc.ShardServicer):
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
+        if self.token and not secrets.compare_digest(request.token.encode(), self.token.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
         fragments = list(request.fragments) or list(range(st.layout.num_fragments))
         for f in fragments:

@@ -30,11 +30,13 @@ END = object()  # what Session.next() gives once the shard has ended the session
 class Session:
     """A Session call fed from a queue; a thread moves what the shard sends into an inbox."""
 
-    def __init__(self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage | None = None):
+    def __init__(
+        self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage | None = None, timeout: float = RPC_TIMEOUT * 3
+    ):
         self.out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
         self.sent = 0  # serialized bytes sent after Hello: what the shard counts as the member's msg_in
-        self.call = stub.Session(self._requests(), timeout=RPC_TIMEOUT * 3)
+        self.call = stub.Session(self._requests(), timeout=timeout)
         self.thread = threading.Thread(target=self._receive, daemon=True)
         self.thread.start()
         if hello is not None:
