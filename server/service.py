@@ -23,7 +23,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +35,7 @@ from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
@@ -75,6 +76,8 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
+    identity: Identity | None = None  # what its credentials proved (at Join and again at Hello)
+    revoked: bool = False  # its credential was revoked: its session is ended
 
 
 @dataclass
@@ -105,8 +108,12 @@ class ShardService(pb_grpc.ShardServicer):
         chunk_bytes: int = 1 << 20,
         clock=time.monotonic,
         checkpoint: ShardCheckpoint | None = None,
+        auth: Auth | None = None,
+        workers_file: WorkersFile | None = None,
     ):
-        self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
+        self.state, self.fingerprint, self.clock = state, fingerprint, clock
+        self.auth = auth if auth is not None else Auth(token=token)
+        self.workers_file = workers_file  # re-read when it changes (tick) or on SIGHUP: revocation
         self.checkpoint = checkpoint
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
@@ -121,8 +128,9 @@ class ShardService(pb_grpc.ShardServicer):
         update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
         self.max_queued_bytes = max(MIN_QUEUE_BYTES, 4 * update_bytes)  # four rounds of every fragment
         self.members: dict[str, _Member] = {}
-        # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
-        self.pending: dict[str, tuple[str, float]] = {}
+        # session id -> (worker name, when, who joined), from Join until its Session starts (or
+        # PENDING_SECONDS pass)
+        self.pending: dict[str, tuple[str, float, Identity]] = {}
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
@@ -148,8 +156,7 @@ class ShardService(pb_grpc.ShardServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if self.stopping or self.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        identity = await self._authenticate(context, request.token, request.worker)
         if request.protocol != PROTOCOL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -187,9 +194,9 @@ class ShardService(pb_grpc.ShardServicer):
             )
         session = secrets.token_hex(16)
         now = time.monotonic()
-        for sid in [sid for sid, (_, t) in self.pending.items() if now - t > PENDING_SECONDS]:
+        for sid in [sid for sid, (_, t, _) in self.pending.items() if now - t > PENDING_SECONDS]:
             del self.pending[sid]  # Joins never followed by a Session
-        self.pending[session] = (request.worker, now)
+        self.pending[session] = (request.worker, now, identity)
         st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
@@ -211,15 +218,22 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        if self.pending.get(first.hello.session, ("",))[0] != name or not name:
+        pending = self.pending.get(first.hello.session)
+        if pending is None or pending[0] != name or not name:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"unknown session for worker {_short(repr(name), 60)}: call Join first",
             )
+        assert pending is not None
+        identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
+        if (refused := self.auth.session_allowed(pending[2], identity)) is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refused.message)
         if name in self.members:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
         del self.pending[first.hello.session]
-        member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
+        member = self.members[name] = _Member(
+            name, asyncio.Queue(), time.time(), active=False, identity=identity
+        )
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
         else:
@@ -229,6 +243,10 @@ class ShardService(pb_grpc.ShardServicer):
         try:
             yield self._welcome(member)
             while True:
+                if member.revoked:
+                    await context.abort(
+                        grpc.StatusCode.UNAUTHENTICATED, f"the credential of {name} was revoked"
+                    )
                 if member.overflowed:
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -239,7 +257,7 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
                 msg, size = getter.result()
-                if member.overflowed:
+                if member.overflowed or member.revoked:
                     continue  # ends the session at the top of the loop
                 member.queued_bytes -= size
                 member.msg_out += size
@@ -259,6 +277,57 @@ class ShardService(pb_grpc.ShardServicer):
                 self.state.remove_member(name)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
+
+    # --- credentials ---------------------------------------------------------------------------------------
+    async def _authenticate(
+        self, context: grpc.aio.ServicerContext, token: str, name: str | None
+    ) -> Identity:
+        """What the call's credentials prove (the token in its metadata, else `token` from the message; the
+        client certificate's name under mutual TLS); aborts the call when they do not allow it."""
+        offered = token
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = value[7:].strip()
+        names = (context.auth_context() or {}).get("x509_common_name") or ()
+        certificate = next(iter(names), b"").decode("utf-8", "replace") or None
+        try:
+            return self.auth.authenticate(offered, certificate, name)
+        except Refused as r:
+            code = grpc.StatusCode.PERMISSION_DENIED
+            if r.code == "unauthenticated":
+                code = grpc.StatusCode.UNAUTHENTICATED
+            await context.abort(code, r.message)
+            raise  # abort raises; this line is for the type checker
+
+    def reload_credentials(self, force: bool = False) -> None:
+        """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
+        whose credential it revoked. A file that does not parse changes nothing (one error line)."""
+        wf = self.workers_file
+        if wf is None or not (force or wf.changed()):
+            return
+        try:
+            workers = wf.load()
+        except ValueError as e:
+            log.error("keeping the credentials as they were: %s", e)
+            return
+        revoked = self.auth.reload(workers)
+        log.info(
+            "read %s: %d workers%s", wf.path, len(workers), f", revoked {sorted(revoked)}" * bool(revoked)
+        )
+        self.revoke(revoked)
+
+    def revoke(self, names: Iterable[str]) -> None:
+        """End the sessions of these workers and forget their Joins: they must prove a credential again."""
+        names = set(names)
+        for sid in [sid for sid, (name, _, _) in self.pending.items() if name in names]:
+            del self.pending[sid]
+        for name in names & set(self.members):
+            member = self.members[name]
+            member.revoked = True
+            self.state.remove_member(name)  # rounds stop waiting for it
+            member.queue.put_nowait((pb.ShardMessage(), 0))  # wake the writer so that it ends the session
+            log.warning("%s: credential revoked, its session ends", name)
+        self.close_due()
 
     def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
         member.active = True
@@ -295,7 +364,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def _read(self, member: _Member, it) -> None:
         async for msg in it:
-            if member.overflowed:
+            if member.overflowed or member.revoked:
                 return
             size = msg.ByteSize()
             member.msg_in += size
@@ -556,11 +625,13 @@ class ShardService(pb_grpc.ShardServicer):
             self.close_due()
 
     async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed; sample the dashboard's time series."""
+        """Close rounds whose deadline has passed; sample the dashboard's time series; re-read the workers
+        file when it changed."""
         while True:
             await asyncio.sleep(period)
             if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
                 self.sample()
+                self.reload_credentials()  # a revocation takes effect within a second
             try:
                 self.close_due()
             except Exception:  # keep closing rounds at their deadlines whatever one close did
@@ -571,8 +642,7 @@ class ShardService(pb_grpc.ShardServicer):
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        await self._authenticate(context, request.token, None)
         fragments = list(request.fragments) or list(range(st.layout.num_fragments))
         for f in fragments:
             if not 0 <= f < st.layout.num_fragments:
