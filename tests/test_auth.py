@@ -47,8 +47,10 @@ def test_an_open_shard_takes_anyone_under_any_name():
 def test_the_run_token_is_the_simple_mode_any_holder_any_name():
     auth = Auth(token="s3cret")
     assert auth.credentials and not auth.binds_names
-    assert auth.authenticate("s3cret", None, "a") == auth.authenticate("s3cret", None, "b") == Identity(
-        None, "run token"
+    assert (
+        auth.authenticate("s3cret", None, "a")
+        == auth.authenticate("s3cret", None, "b")
+        == Identity(None, "run token")
     )
     for wrong in ("", "s3cret ", "S3CRET", "s3cre"):
         r = refused(auth.authenticate, wrong, None, "a")
@@ -116,7 +118,13 @@ def test_the_read_token():
     auth = Auth(workers=WORKERS, read_token="r34d")
     assert auth.read_allowed("Bearer r34d") and auth.read_allowed("bearer r34d ")
     assert auth.read_allowed(None, "r34d")
-    for header, query in ((None, None), ("Bearer nope", None), ("r34d", None), ("Basic r34d", None), ("", "")):
+    for header, query in (
+        (None, None),
+        ("Bearer nope", None),
+        ("r34d", None),
+        ("Basic r34d", None),
+        ("", ""),
+    ):
         assert not auth.read_allowed(header, query), (header, query)
 
 
