@@ -497,6 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard s serves its dashboard, /metrics and /api/status on this port + s (default: free ports)",
     )
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
+    g.add_argument(
+        "--tls",
+        action="store_true",
+        help="run as on the internet: make the run's credentials in OUT/certs (streamdiloco certs) and use "
+        "mutual TLS, a token per worker and a read token for the shards' HTTP",
+    )
     _add_run_flags(la.add_argument_group("run"))
     _add_sync_flags(la)
     _add_inner_flags(la)
