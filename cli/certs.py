@@ -6,9 +6,10 @@ One folder holds a run's secrets:
   workers/NAME.pem, .key    a worker's client certificate (common name NAME) for mutual TLS
   workers/NAME.token        a worker's own token; workers.txt lists NAME SHA256-HEX for --workers-file
   read.token                the read token for the shards' /api, /metrics and dashboard
-Run again with more --workers to add workers to a run: the CA, the server certificate and the read token
-are kept (give --server-names again to remake the server certificate), and an existing worker is refused
-(revoke it first: remove its line from workers.txt and its files).
+Run again with more --workers to add workers to a run: the CA, the read token and every worker that has
+credentials already are kept (so running it again changes nothing: a compose stack runs it at every
+start); --server-names given again remakes the server certificate. To give a worker new credentials,
+revoke it first: remove its line from workers.txt and its files.
 """
 
 from __future__ import annotations
@@ -124,11 +125,7 @@ def make_certs(
         if not n or any(c.isspace() for c in n):
             raise ValueError(f"--server-names: {n!r} is not a host name or address")
     (out / "workers").mkdir(parents=True, exist_ok=True)
-    for w in workers:
-        if (out / "workers" / f"{w}.token").exists() or (out / "workers" / f"{w}.pem").exists():
-            raise ValueError(
-                f"worker {w!r} already has credentials in {out / 'workers'}: choose another name"
-            )
+    workers = [w for w in workers if not (out / "workers" / f"{w}.token").exists()]  # the others are kept
     written: list[Path] = []
 
     def put(name: str, data: bytes, secret: bool = False) -> None:

@@ -95,12 +95,13 @@ def test_the_certs_command_writes_a_ca_server_and_worker_credentials(tmp_path):
         assert (out / secret).stat().st_mode & 0o077 == 0, f"{secret} is readable by others"
     token = (out / "workers" / "w0.token").read_text().strip()
     assert (out / "workers.txt").read_text() == f"w0 {token_hash(token)}\n"
-    # run again to add a worker: the CA stays, the new worker is appended; an existing name is refused
+    # run again to add a worker: the CA stays, the new worker is appended; an existing one is kept as it is
     ca = (out / "ca.pem").read_bytes()
-    assert streamdiloco("certs", "--out", str(out), "--workers", "w1").returncode == 0
-    assert (out / "ca.pem").read_bytes() == ca and len((out / "workers.txt").read_text().splitlines()) == 2
-    r = streamdiloco("certs", "--out", str(out), "--workers", "w1")
-    assert r.returncode == 2 and "'w1' already has credentials" in r.stderr
+    assert streamdiloco("certs", "--out", str(out), "--workers", "w0,w1").returncode == 0
+    assert (out / "ca.pem").read_bytes() == ca and (out / "workers" / "w0.token").read_text().strip() == token
+    assert len((out / "workers.txt").read_text().splitlines()) == 2
+    r = streamdiloco("certs", "--out", str(out), "--workers", "w1,../x")
+    assert r.returncode == 2 and "worker name '../x'" in r.stderr
     r = streamdiloco("token", "w2", "--out", str(tmp_path / "w2.token"))
     assert r.returncode == 0 and r.stdout.startswith("w2 ") and len(r.stdout.split()[1]) == 64
 
