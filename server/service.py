@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections import deque
 from collections.abc import Coroutine, Iterable
@@ -37,13 +36,13 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_NAME = 128
-PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
@@ -128,9 +127,7 @@ class ShardService(pb_grpc.ShardServicer):
         update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
         self.max_queued_bytes = max(MIN_QUEUE_BYTES, 4 * update_bytes)  # four rounds of every fragment
         self.members: dict[str, _Member] = {}
-        # session id -> (worker name, when, who joined), from Join until its Session starts (or
-        # PENDING_SECONDS pass)
-        self.pending: dict[str, tuple[str, float, Identity]] = {}
+        self.sessions = Sessions(self.auth)  # the session ids Join gave out, until their Session starts
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
@@ -187,16 +184,10 @@ class ShardService(pb_grpc.ShardServicer):
             diff = _short(diff, 1000)
             log.warning("refused %s at Join: %s", request.worker, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
-        if request.worker in self.members:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"worker {request.worker!r} already has a session on this shard",
-            )
-        session = secrets.token_hex(16)
-        now = time.monotonic()
-        for sid in [sid for sid, (_, t, _) in self.pending.items() if now - t > PENDING_SECONDS]:
-            del self.pending[sid]  # Joins never followed by a Session
-        self.pending[session] = (request.worker, now, identity)
+        try:
+            session = self.sessions.join(request.worker, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
@@ -218,19 +209,11 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        pending = self.pending.get(first.hello.session)
-        if pending is None or pending[0] != name or not name:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"unknown session for worker {_short(repr(name), 60)}: call Join first",
-            )
-        assert pending is not None
         identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
-        if (refused := self.auth.session_allowed(pending[2], identity)) is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refused.message)
-        if name in self.members:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
-        del self.pending[first.hello.session]
+        try:
+            self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         member = self.members[name] = _Member(
             name, asyncio.Queue(), time.time(), active=False, identity=identity
         )
@@ -293,11 +276,8 @@ class ShardService(pb_grpc.ShardServicer):
         try:
             return self.auth.authenticate(offered, certificate, name)
         except Refused as r:
-            code = grpc.StatusCode.PERMISSION_DENIED
-            if r.code == "unauthenticated":
-                code = grpc.StatusCode.UNAUTHENTICATED
-            await context.abort(code, r.message)
-            raise  # abort raises; this line is for the type checker
+            await _abort(context, r)
+            raise  # not reached: abort raises
 
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
@@ -318,10 +298,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     def revoke(self, names: Iterable[str]) -> None:
         """End the sessions of these workers and forget their Joins: they must prove a credential again."""
-        names = set(names)
-        for sid in [sid for sid, (name, _, _) in self.pending.items() if name in names]:
-            del self.pending[sid]
-        for name in names & set(self.members):
+        for name in self.sessions.revoke(names, self.members):
             member = self.members[name]
             member.revoked = True
             self.state.remove_member(name)  # rounds stop waiting for it
@@ -793,6 +770,18 @@ class ShardService(pb_grpc.ShardServicer):
                 for name, points in self.progress.items()
             },
         }
+
+
+_STATUS = {
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
+    """End the call with the status that an auth or membership refusal maps to."""
+    await context.abort(_STATUS[refused.code], refused.message)
 
 
 def _check_progress(h: pb.PushHeader) -> str | None:

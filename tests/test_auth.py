@@ -1,12 +1,14 @@
-"""The shard's authentication and listening rules as pure code (server/auth.py), without a network: what
-each kind of credential proves, that a name is bound to its credential, that a session id is bound to
-the identity that joined, what a reload revokes, the read token, and when a shard refuses to listen."""
+"""The shard's authentication, admission and listening rules as pure code (server/auth.py,
+server/membership.py), without a network: what each kind of credential proves, that a name is bound to
+its credential, that a session id is bound to the name and identity that joined, what a reload revokes,
+the read token, and when a shard refuses to listen."""
 
 from __future__ import annotations
 
 import pytest
 
 from streamdiloco.server.auth import Auth, Identity, Refused, listen_plan, parse_workers, token_hash
+from streamdiloco.server.membership import Sessions
 
 ALICE, BOB = "alice-token", "bob-token"
 WORKERS = {"alice": token_hash(ALICE), "bob": token_hash(BOB)}
@@ -147,3 +149,46 @@ def test_listen_plan_refuses_beyond_loopback_without_tls_or_credentials():
     # --insecure: the operator's call, as before this rule existed
     assert listen_plan("0.0.0.0", None, False, Auth(), True) == "0.0.0.0"
     assert listen_plan("0.0.0.0", "0.0.0.0", False, creds, True) == "0.0.0.0"
+
+
+# --- session ids (server/membership.py) --------------------------------------------------------------------
+def test_a_session_id_is_good_once_for_its_name_and_identity_and_for_a_while():
+    auth = Auth(workers=WORKERS)
+    alice, bob = auth.authenticate(ALICE, None, "alice"), auth.authenticate(BOB, None, "bob")
+    sessions = Sessions(auth, pending_seconds=300.0)
+    sid = sessions.join("alice", alice, now=0.0, connected=set())
+    assert len(sid) == 32 and sessions.join("alice", alice, 1.0, set()) != sid  # a fresh id each Join
+    refusals = [
+        ("made-up", "alice", alice, 1.0, set(), "unknown session"),
+        (sid, "bob", bob, 1.0, set(), "unknown session"),  # another name
+        (sid, "alice", bob, 1.0, set(), "issued to other credentials"),  # another identity
+        (sid, "alice", Identity(None, "nothing"), 1.0, set(), "issued to other credentials"),
+        (sid, "alice", alice, 1.0, {"alice"}, "already has a session"),
+        (sid, "alice", alice, 301.0, set(), "unknown session"),  # too late
+    ]
+    for args in refusals:
+        with pytest.raises(Refused, match=args[-1]):
+            sessions.hello(*args[:-1])
+    assert sid in sessions.pending  # none of the refusals used it up
+    sessions.hello(sid, "alice", alice, 2.0, set())
+    with pytest.raises(Refused, match="unknown session"):
+        sessions.hello(sid, "alice", alice, 3.0, set())  # good once
+
+
+def test_join_refuses_a_name_with_a_session_and_forgets_old_ids():
+    sessions = Sessions(Auth(), pending_seconds=10.0)
+    nobody = Identity(None, "nothing")
+    with pytest.raises(Refused) as e:
+        sessions.join("w0", nobody, 0.0, {"w0"})
+    assert e.value.code == "already_exists"
+    old = sessions.join("w0", nobody, 0.0, set())
+    sessions.join("w1", nobody, 11.0, set())
+    assert old not in sessions.pending and len(sessions.pending) == 1
+
+
+def test_revoke_forgets_joins_and_names_the_sessions_to_end():
+    sessions = Sessions(Auth())
+    nobody = Identity(None, "nothing")
+    a, b = sessions.join("a", nobody, 0.0, set()), sessions.join("b", nobody, 0.0, set())
+    assert sessions.revoke({"a", "c"}, connected=["c", "d"]) == {"c"}
+    assert a not in sessions.pending and b in sessions.pending
