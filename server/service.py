@@ -75,7 +75,6 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
-    identity: Identity | None = None  # what its credentials proved (at Join and again at Hello)
     revoked: bool = False  # its credential was revoked: its session is ended
 
 
@@ -214,9 +213,7 @@ class ShardService(pb_grpc.ShardServicer):
             self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
         except Refused as r:
             await _abort(context, r)
-        member = self.members[name] = _Member(
-            name, asyncio.Queue(), time.time(), active=False, identity=identity
-        )
+        member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
         else:

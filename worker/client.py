@@ -114,6 +114,7 @@ class ShardLink:
             reconnect_timeout,
         )
         self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
+        self.tls = tls
         self.channel = make_channel(self.target, tls)
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before start(), then only the link's thread)
@@ -193,7 +194,15 @@ class ShardLink:
                     self._closed.wait(1.0)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
+                    hint = (
+                        " (over TLS: does it serve TLS, does its certificate name this host, is it signed by "
+                        "--tls-ca, and does it take this worker's certificate?)"
+                        if self.tls
+                        else ""
+                    )
+                    raise SyncError(
+                        f"no answer from a shard at {self.target} within {timeout:g} s{hint}"
+                    ) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
         try:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
