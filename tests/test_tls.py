@@ -277,11 +277,29 @@ def test_credentials_from_the_certs_command_carry_a_real_tls_run(tmp_path):
         for name in ("w0", "w1"):
             assert c.wait(name) == 0, c.log(name)[-3000:]
         status = json.loads(https(http, "/api/status", certs / "ca.pem", read)[1])
-        assert "(mutual TLS)" in c.log("shard") and "their own token and a client certificate" in c.log(
-            "shard"
+        log = c.log("shard")
+        assert "(mutual TLS)" in log and "their own token and a client certificate" in log
+        # SIGHUP re-reads the workers file at once, changed or not (the periodic check only when changed)
+        assert f"read {c_}/workers.txt" not in log
+        c.procs["shard"].send_signal(signal.SIGHUP)
+        wait_until(
+            "the shard to re-read its workers file", lambda: f"read {c_}/workers.txt: 2" in c.log("shard")
         )
     assert status["rounds_closed"] >= 3 and status["pushes_accepted"] >= 6, status
     masters = [[f["master_hash"]] for f in status["fragments"]]
     for name in ("w0", "w1"):
         summary = c.summary(name)
         assert summary["mirror_hashes"] == masters, name  # every mirror equals the masters, bit for bit
+
+
+def test_launch_tls_runs_a_local_cluster_as_on_the_internet(tmp_path):
+    out = tmp_path / "run"
+    r = streamdiloco(
+        *("launch", "--tls", "--shards", "1", "--workers", "2", "--out", str(out), "--save-global"),
+        *(*NANO, "--steps", "12"),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "(mutual TLS, credentials in" in r.stdout and "https://127.0.0.1:" in r.stdout
+    assert "every worker's mirror equals the shards' masters: yes" in r.stdout
+    assert "(mutual TLS)" in (out / "shard0.log").read_text()
+    assert (out / "masters.pt").exists()  # fetched with worker-0's certificate and token
