@@ -303,3 +303,27 @@ def test_launch_tls_runs_a_local_cluster_as_on_the_internet(tmp_path):
     assert "every worker's mirror equals the shards' masters: yes" in r.stdout
     assert "(mutual TLS)" in (out / "shard0.log").read_text()
     assert (out / "masters.pt").exists()  # fetched with worker-0's certificate and token
+
+
+def test_bad_worker_security_flags_are_one_line(tmp_path, certs):
+    token = tmp_path / "t.token"
+    token.write_text("a\nb\n")
+    base = ["worker", "--servers", "127.0.0.1:1", "--model", "nano"]
+    cases = {
+        "--tls-ca /nonexistent/ca.pem: cannot read it": ["--tls-ca", "/nonexistent/ca.pem"],
+        f"--tls-ca {certs}/server.key: not a PEM certificate": ["--tls-ca", f"{certs}/server.key"],
+        "--tls-cert and --tls-key need --tls-ca": ["--tls-cert", f"{certs}/workers/alice.pem"],
+        "--tls-cert and --tls-key go together": [
+            "--tls-ca",
+            f"{certs}/ca.pem",
+            "--tls-cert",
+            f"{certs}/ca.pem",
+        ],
+        "--token-file /nonexistent/t: cannot read it": ["--token-file", "/nonexistent/t"],
+        "the file must hold one token on one line": ["--token-file", str(token)],
+        "give --token or --token-file, not both": ["--token", "x", "--token-file", f"{certs}/read.token"],
+    }
+    for words, flags in cases.items():
+        r = streamdiloco(*base, *flags, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and words in lines[0], (flags, r.stderr)
