@@ -180,7 +180,21 @@ def _capture(tmp: Path, port: int, name: str) -> tuple[subprocess.Popen, Path]:
     pcap, err = tmp / f"{name}.pcap", tmp / f"{name}.err"
     with open(err, "w") as e:
         proc = subprocess.Popen(
-            ["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(pcap), "tcp", "port", str(port)], stderr=e
+            [
+                "tcpdump",
+                "-i",
+                "lo",
+                "--immediate-mode",
+                "-U",
+                "-s",
+                "0",
+                "-w",
+                str(pcap),
+                "tcp",
+                "port",
+                str(port),
+            ],
+            stderr=e,
         )
     wait_until(
         "tcpdump to listen", lambda: proc.poll() is None and "listening on" in err.read_text(), timeout=30
@@ -209,13 +223,16 @@ def test_a_capture_of_the_traffic_shows_no_token_with_tls(tmp_path, certs):
             proc, pcap = _capture(tmp_path, s.port, name)
             try:
                 session = _talk(s, f"w-{name}")
+                # the Fetch's chunks alone are tens of kB: wait until the capture holds them
+                wait_until(
+                    f"the {name} capture to hold the traffic", lambda path=pcap: path.stat().st_size > 20_000
+                )
             finally:
                 proc.send_signal(signal.SIGINT)  # tcpdump writes what it has and exits
                 proc.wait(30)
         finally:
             s.shutdown()
         data = pcap.read_bytes()
-        assert len(data) > 20_000, f"{name}: the capture holds only {len(data)} bytes"  # the Fetch's chunks
         seen[name] = tuple(secret.encode() in data for secret in (TOKEN, session, f"w-{name}"))
     assert seen["plain"] == (True, True, True), "without TLS the capture shows the secrets (the control)"
     assert seen["tls"] == (False, False, False), "with TLS, neither the token nor the session id is in clear"
