@@ -344,3 +344,32 @@ def test_bad_worker_security_flags_are_one_line(tmp_path, certs):
         r = streamdiloco(*base, *flags, timeout=60)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and words in lines[0], (flags, r.stderr)
+
+
+def test_the_dashboard_page_passes_its_read_token_on_over_tls(tmp_path, certs):
+    """The page, opened as /?token=..., polls the API with it as a header (the API takes no ?token=)."""
+    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, _playwright
+
+    sync_api = _playwright()
+    s = shard(tmp_path, certs, Auth(token=TOKEN, read_token=READ), http=True)
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_context(ignore_https_errors=True).new_page()  # the run's own CA
+                assert page.goto(f"https://127.0.0.1:{s.http_port}/", timeout=30_000).status == 401
+                assert (
+                    page.goto(f"https://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
+                )
+                wait_until(
+                    "the page to poll the API with its token",
+                    lambda: page.evaluate(
+                        "() => window.sdDashboard.connected && window.sdDashboard.polls >= 2"
+                    ),
+                    timeout=30,
+                )
+                assert page.evaluate("() => window.sdDashboard.lastStatus.shard") == 0
+            finally:
+                browser.close()
+    finally:
+        s.shutdown()
