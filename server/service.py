@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,14 +34,15 @@ from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_NAME = 128
-PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
@@ -75,6 +75,7 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
+    revoked: bool = False  # its credential was revoked: its session is ended
 
 
 @dataclass
@@ -105,8 +106,12 @@ class ShardService(pb_grpc.ShardServicer):
         chunk_bytes: int = 1 << 20,
         clock=time.monotonic,
         checkpoint: ShardCheckpoint | None = None,
+        auth: Auth | None = None,
+        workers_file: WorkersFile | None = None,
     ):
-        self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
+        self.state, self.fingerprint, self.clock = state, fingerprint, clock
+        self.auth = auth if auth is not None else Auth(token=token)
+        self.workers_file = workers_file  # re-read when it changes (tick) or on SIGHUP: revocation
         self.checkpoint = checkpoint
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
@@ -121,8 +126,7 @@ class ShardService(pb_grpc.ShardServicer):
         update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
         self.max_queued_bytes = max(MIN_QUEUE_BYTES, 4 * update_bytes)  # four rounds of every fragment
         self.members: dict[str, _Member] = {}
-        # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
-        self.pending: dict[str, tuple[str, float]] = {}
+        self.sessions = Sessions(self.auth)  # the session ids Join gave out, until their Session starts
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
@@ -148,8 +152,7 @@ class ShardService(pb_grpc.ShardServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if self.stopping or self.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token.encode(), self.token.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        identity = await self._authenticate(context, request.token, request.worker)
         if request.protocol != PROTOCOL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -180,16 +183,10 @@ class ShardService(pb_grpc.ShardServicer):
             diff = _short(diff, 1000)
             log.warning("refused %s at Join: %s", request.worker, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
-        if request.worker in self.members:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"worker {request.worker!r} already has a session on this shard",
-            )
-        session = secrets.token_hex(16)
-        now = time.monotonic()
-        for sid in [sid for sid, (_, t) in self.pending.items() if now - t > PENDING_SECONDS]:
-            del self.pending[sid]  # Joins never followed by a Session
-        self.pending[session] = (request.worker, now)
+        try:
+            session = self.sessions.join(request.worker, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
@@ -211,14 +208,11 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        if self.pending.get(first.hello.session, ("",))[0] != name or not name:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"unknown session for worker {_short(repr(name), 60)}: call Join first",
-            )
-        if name in self.members:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
-        del self.pending[first.hello.session]
+        identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
+        try:
+            self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
@@ -229,6 +223,10 @@ class ShardService(pb_grpc.ShardServicer):
         try:
             yield self._welcome(member)
             while True:
+                if member.revoked:
+                    await context.abort(
+                        grpc.StatusCode.UNAUTHENTICATED, f"the credential of {name} was revoked"
+                    )
                 if member.overflowed:
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -239,7 +237,7 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
                 msg, size = getter.result()
-                if member.overflowed:
+                if member.overflowed or member.revoked:
                     continue  # ends the session at the top of the loop
                 member.queued_bytes -= size
                 member.msg_out += size
@@ -259,6 +257,51 @@ class ShardService(pb_grpc.ShardServicer):
                 self.state.remove_member(name)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
+
+    # --- credentials ---------------------------------------------------------------------------------------
+    async def _authenticate(
+        self, context: grpc.aio.ServicerContext, token: str, name: str | None
+    ) -> Identity:
+        """What the call's credentials prove (the token in its metadata, else `token` from the message; the
+        client certificate's name under mutual TLS); aborts the call when they do not allow it."""
+        offered = token
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = value[7:].strip()
+        names = (context.auth_context() or {}).get("x509_common_name") or ()
+        certificate = next(iter(names), b"").decode("utf-8", "replace") or None
+        try:
+            return self.auth.authenticate(offered, certificate, name)
+        except Refused as r:
+            await _abort(context, r)
+            raise  # not reached: abort raises
+
+    def reload_credentials(self, force: bool = False) -> None:
+        """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
+        whose credential it revoked. A file that does not parse changes nothing (one error line)."""
+        wf = self.workers_file
+        if wf is None or not (force or wf.changed()):
+            return
+        try:
+            workers = wf.load()
+        except ValueError as e:
+            log.error("keeping the credentials as they were: %s", e)
+            return
+        revoked = self.auth.reload(workers)
+        log.info(
+            "read %s: %d workers%s", wf.path, len(workers), f", revoked {sorted(revoked)}" * bool(revoked)
+        )
+        self.revoke(revoked)
+
+    def revoke(self, names: Iterable[str]) -> None:
+        """End the sessions of these workers and forget their Joins: they must prove a credential again."""
+        for name in self.sessions.revoke(names, self.members):
+            member = self.members[name]
+            member.revoked = True
+            self.state.remove_member(name)  # rounds stop waiting for it
+            member.queue.put_nowait((pb.ShardMessage(), 0))  # wake the writer so that it ends the session
+            log.warning("%s: credential revoked, its session ends", name)
+        self.close_due()
 
     def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
         member.active = True
@@ -295,7 +338,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def _read(self, member: _Member, it) -> None:
         async for msg in it:
-            if member.overflowed:
+            if member.overflowed or member.revoked:
                 return
             size = msg.ByteSize()
             member.msg_in += size
@@ -556,11 +599,13 @@ class ShardService(pb_grpc.ShardServicer):
             self.close_due()
 
     async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed; sample the dashboard's time series."""
+        """Close rounds whose deadline has passed; sample the dashboard's time series; re-read the workers
+        file when it changed."""
         while True:
             await asyncio.sleep(period)
             if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
                 self.sample()
+                self.reload_credentials()  # a revocation takes effect within a second
             try:
                 self.close_due()
             except Exception:  # keep closing rounds at their deadlines whatever one close did
@@ -571,8 +616,7 @@ class ShardService(pb_grpc.ShardServicer):
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token.encode(), self.token.encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        await self._authenticate(context, request.token, None)
         fragments = list(request.fragments) or list(range(st.layout.num_fragments))
         for f in fragments:
             if not 0 <= f < st.layout.num_fragments:
@@ -723,6 +767,18 @@ class ShardService(pb_grpc.ShardServicer):
                 for name, points in self.progress.items()
             },
         }
+
+
+_STATUS = {
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
+    """End the call with the status that an auth or membership refusal maps to."""
+    await context.abort(_STATUS[refused.code], refused.message)
 
 
 def _check_progress(h: pb.PushHeader) -> str | None:
