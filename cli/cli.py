@@ -174,6 +174,19 @@ def _add_shard_flags(g) -> None:
     g.add_argument("--token", default="", help="shared secret that workers must present at Join")
 
 
+def _add_limit_flags(g) -> None:
+    """One flag per field of server.bounds.Limits: its name, default and help are written once, there."""
+    from streamdiloco.server.bounds import Limits
+
+    for f in dataclasses.fields(Limits):
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else " (default %(default)s)"),
+        )
+
+
 def _pick(cls, v: dict) -> dict:
     return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
@@ -336,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a new run even if --checkpoint-dir holds one (replaces it)",
     )
     _add_shard_flags(g)
+    _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
     _add_sync_flags(sv)
     sv.set_defaults(func=_cmd_server)
@@ -455,10 +469,12 @@ def _sync_config(args: argparse.Namespace):
 def _cmd_server(args: argparse.Namespace) -> int:
     import asyncio
 
+    from streamdiloco.server.bounds import Limits
     from streamdiloco.server.main import build_service, serve
 
     _setup_logging()
     cfg = _sync_config(args)  # a one-line error before anything listens
+    limits = Limits(**_pick(Limits, vars(args)))
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
@@ -480,9 +496,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
             if args.no_checkpoint
             else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
             fresh=args.fresh,
+            limits=limits,
         )
 
-    asyncio.run(serve(build, args.host, args.port, args.http_port, args.ready_file))
+    asyncio.run(serve(build, args.host, args.port, args.http_port, args.ready_file, limits=limits))
     return 0
 
 

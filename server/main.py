@@ -28,6 +28,15 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.wire import make_server
+from streamdiloco.server.bounds import (
+    BoundedH11,
+    HttpListener,
+    Limits,
+    Throttled,
+    connection_caps,
+    grpc_options,
+    throttle_library_logs,
+)
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.service import HISTORY, ShardService, add_to_server
@@ -50,6 +59,7 @@ def build_service(
     init: str | None = None,
     checkpoint_dir: str | None = None,
     fresh: bool = False,
+    limits: Limits | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
@@ -80,7 +90,9 @@ def build_service(
     elif checkpoint is not None:
         checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
     warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
-    return ShardService(state, fingerprint, token=token, chunk_bytes=chunk_bytes, checkpoint=checkpoint)
+    return ShardService(
+        state, fingerprint, token=token, chunk_bytes=chunk_bytes, checkpoint=checkpoint, limits=limits
+    )
 
 
 def load_initial(model, path: str) -> None:
@@ -184,11 +196,17 @@ async def serve(
     http_port: int | None = 0,
     ready_file: str | None = None,
     stop: asyncio.Event | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
-    /healthz while it runs, in a thread."""
+    /healthz while it runs, in a thread. `limits`: the bounds on what clients may hold (else the service's,
+    or the defaults)."""
     stop = stop or asyncio.Event()
+    if limits is None:
+        limits = service.limits if isinstance(service, ShardService) else Limits()
+    grpc_connections, http_connections = connection_caps(limits)  # before anything listens
+    throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
 
@@ -204,17 +222,29 @@ async def serve(
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    http_task, http, http_bound = None, None, None
+    http_task, http, http_bound, listener = None, None, None, None
     if http_port is not None:
         sock = _bind(host, http_port)
         http_bound = sock.getsockname()[1]
-        config = uvicorn.Config(make_app(holder), log_level="warning", lifespan="off")
+        config = uvicorn.Config(make_app(holder), log_level="warning", lifespan="off", http=BoundedH11)
+        config.load()
         http = uvicorn.Server(config)
-        http_task = asyncio.create_task(
-            http._serve(sockets=[sock])
-        )  # uvicorn's serve() minus its signal capture
+        # uvicorn's serve() minus its signal capture and its accept loop: connections come from `listener`
+        http_task = asyncio.create_task(http._serve(sockets=[]))
+        state = http.server_state
+        listener = HttpListener(
+            sock,
+            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),
+            limits,
+            http_connections,
+            Throttled(log),
+            ssl=config.ssl,
+        )
+        listener.start()
 
     async def stop_http() -> None:
+        if listener is not None:
+            listener.close()
         if http is not None and http_task is not None:
             http.should_exit = True
             await http_task
@@ -244,7 +274,7 @@ async def serve(
     gc.collect()
     gc.freeze()
     try:
-        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop)
+        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop, grpc_connections)
     finally:
         await stop_http()
 
@@ -257,8 +287,11 @@ async def _serve_grpc(
     http_bound: int | None,
     ready_file: str | None,
     stop: asyncio.Event,
+    max_connections: int,
 ) -> None:
-    server = make_server()
+    limits = service.limits
+    # Sessions and Fetches are counted by the service; this bounds every call at once, Joins included
+    server = make_server(grpc_options(limits, max_connections), 2 * limits.max_sessions + 64)
     add_to_server(service, server)
     try:
         bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
