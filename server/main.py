@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 from collections.abc import Callable
@@ -274,7 +275,8 @@ async def serve(
     gc.collect()
     gc.freeze()
     try:
-        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop, grpc_connections)
+        connections = (grpc_connections, http_connections if http_port is not None else 0)
+        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop, connections)
     finally:
         await stop_http()
 
@@ -287,11 +289,11 @@ async def _serve_grpc(
     http_bound: int | None,
     ready_file: str | None,
     stop: asyncio.Event,
-    max_connections: int,
+    connections: tuple[int, int],
 ) -> None:
     limits = service.limits
     # Sessions and Fetches are counted by the service; this bounds every call at once, Joins included
-    server = make_server(grpc_options(limits, max_connections), 2 * limits.max_sessions + 64)
+    server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     add_to_server(service, server)
     try:
         bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
@@ -321,6 +323,15 @@ async def _serve_grpc(
         f", dashboard on http://{host}:{http_bound}/" if http_bound else "",
         st.layout.num_fragments,
         f"{sum(hi - lo for lo, hi in st.ranges):,}",
+    )
+    log.info(
+        "open-file limit %d: at most %d gRPC and %d HTTP connections, %d sessions (%d per address), Hello "
+        "within %g s",
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        *connections,
+        limits.max_sessions,
+        limits.max_sessions_per_peer,
+        limits.hello_timeout,
     )
     if ready_file:
         tmp = Path(ready_file + ".tmp")
