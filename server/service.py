@@ -320,10 +320,11 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
                 msg, size = getter.result()
+                if msg is not None:  # taken from the queue: no longer waiting
+                    self.unread.remove(msg)
+                    member.queued_bytes -= size
                 if member.overflowed:
                     continue  # ends the session at the top of the loop
-                self.unread.remove(msg)
-                member.queued_bytes -= size
                 member.msg_out += size
                 self.counters.msg_out += size
                 yield msg
@@ -335,6 +336,8 @@ class ShardService(pb_grpc.ShardServicer):
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
                 getter.cancel()
+                if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
+                    self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
             self._drop_queue(member)
             del self.members[name]
@@ -373,7 +376,10 @@ class ShardService(pb_grpc.ShardServicer):
         member.queued_bytes += size
         member.queue.put_nowait((msg, size))
         while self.unread.over:  # one budget for all sessions: the one furthest behind goes first
-            behind = max((m for m in self.members.values() if not m.overflowed), key=lambda m: m.queued_bytes)
+            reading = [m for m in self.members.values() if not m.overflowed]
+            if not reading:  # what is left over is a message a writer is taking: it goes at once
+                break
+            behind = max(reading, key=lambda m: m.queued_bytes)
             behind.overflowed = True
             self._drop_queue(behind)
             self.state.remove_member(behind.name)  # rounds stop waiting for it; its session is ended
