@@ -58,6 +58,7 @@ PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this man
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
+STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
 SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second,
 SAMPLES = 900  # for the last 15 minutes
@@ -87,6 +88,8 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
+    call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
+    ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
 
 
 @dataclass
@@ -300,6 +303,7 @@ class ShardService(pb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
         del self.pending[first.hello.session]
         member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
+        member.call = asyncio.current_task()
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
         else:
@@ -339,6 +343,8 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
                     self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
+            if member.ender is not None:
+                member.ender.cancel()
             self._drop_queue(member)
             del self.members[name]
             for key in [k for k in self._push_started if k[0] == name]:
@@ -387,6 +393,14 @@ class ShardService(pb_grpc.ShardServicer):
                 "unread", "%s does not read its updates: dropping it from the member set", behind.name
             )
             behind.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
+            # ... unless it is stuck writing to a client that takes nothing: then the call is cut (the client
+            # sees CANCELLED); its session's end lets go of the rest
+            behind.ender = asyncio.get_running_loop().call_later(STUCK_SECONDS, self._cut, behind)
+
+    def _cut(self, member: _Member) -> None:
+        if self.members.get(member.name) is member and member.call is not None:
+            self.throttled.log(logging.INFO, "cut", "%s still does not read: cutting its call", member.name)
+            member.call.cancel()
 
     def _drop_queue(self, member: _Member) -> None:
         """Let go of the messages still queued for a member (its session ends)."""

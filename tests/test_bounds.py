@@ -299,8 +299,14 @@ def test_sessions_that_do_not_read_share_one_budget(tmp_path):
             readers.drain()
         finally:
             readers.stop()
-        assert [code for code, _ in readers.ended] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4, readers.ended
-        assert "bytes of messages unread (over all sessions) ran out" in readers.ended[0][1]
+        # a writer waiting for the next message ends the session with the reason; one stuck in a send to a
+        # client that takes nothing has its call cut
+        ends = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+        assert len(readers.ended) == 4 and {code for code, _ in readers.ended} <= ends, readers.ended
+        for code, details in readers.ended:
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert "bytes of messages unread (over all sessions) ran out" in details
+        assert c.log("shard").count("does not read its updates: dropping it from the member set") >= 1
         assert st["bounds"]["unread_limit"] == budget and peak[0] <= budget
         assert rss_after - rss_before < 200, (rss_before, rss_after)
         rounds = st["rounds_closed"]
