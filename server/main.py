@@ -206,7 +206,7 @@ async def serve(
     stop = stop or asyncio.Event()
     if limits is None:
         limits = service.limits if isinstance(service, ShardService) else Limits()
-    grpc_connections, http_connections = connection_caps(limits)  # before anything listens
+    _, http_connections = connection_caps(limits)  # before anything listens: a limit too low fails now
     throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
@@ -275,7 +275,8 @@ async def serve(
     gc.collect()
     gc.freeze()
     try:
-        connections = (grpc_connections, http_connections if http_port is not None else 0)
+        # gRPC's cap from what the process holds now that the model and the checkpoint are loaded
+        connections = (connection_caps(limits)[0], http_connections if http_port is not None else 0)
         await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop, connections)
     finally:
         await stop_http()

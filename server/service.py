@@ -324,6 +324,7 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
                 msg, size = getter.result()
+                getter = None
                 if msg is not None:  # taken from the queue: no longer waiting
                     self.unread.remove(msg)
                     member.queued_bytes -= size
