@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import resource
 import selectors
 import socket
@@ -415,6 +416,105 @@ def test_a_file_limit_too_low_for_the_caps_is_refused_in_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("streamdiloco: error: the open-file limit (256"), lines
     assert "not --max-connections 500: raise the limit or lower a cap" in lines[0]
+
+
+# The HTTP listener of server/bounds.py in a process of its own whose descriptors have all been taken
+# (something other than connections used them up): it must pause, not spin, and say so in a few lines.
+_FULL_PROCESS = """
+import asyncio, logging, os, socket, sys
+import uvicorn
+from fastapi import FastAPI
+from streamdiloco.server.bounds import BoundedH11, HttpListener, Limits, Throttled
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+app = FastAPI()
+
+@app.get("/ping")
+async def ping():
+    return {"ok": True}
+
+async def main():
+    loop = asyncio.get_running_loop()
+    config = uvicorn.Config(app, http=BoundedH11, lifespan="off", log_level="warning")
+    config.load()
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server._serve(sockets=[]))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    make = lambda: BoundedH11(config=config, server_state=server.server_state, app_state={})
+    listener = HttpListener(sock, make, Limits(), 100, Throttled())
+    listener.start()
+    line = loop.run_in_executor(None, sys.stdin.readline)  # its thread now, while a descriptor is free
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    print("FULL", sock.getsockname()[1], flush=True)
+    await line
+    for fd in held:
+        os.close(fd)
+    print("FREED", flush=True)
+    await loop.run_in_executor(None, sys.stdin.readline)
+    listener.close()
+    server.should_exit = True
+    await task
+
+asyncio.run(main())
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_http_listener_out_of_descriptors_pauses_without_spinning_and_serves_once_they_are_back(tmp_path):
+    out = open(tmp_path / "full.log", "w+")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FULL_PROCESS],
+        stdin=subprocess.PIPE,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
+    )
+    clients: list[socket.socket] = []
+    try:
+        log = lambda: (tmp_path / "full.log").read_text()  # noqa: E731
+        port = int(
+            wait_until("the process to take every descriptor", lambda: "FULL" in log() and log(), 60)
+            .split("FULL ")[1]
+            .split()[0]
+        )
+        for _ in range(8):  # as many as one address may hold
+            c = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT)
+            c.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            clients.append(c)
+        wait_until("it to run out", lambda: "out of descriptors" in log(), RPC_TIMEOUT)
+        cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        wait_until("two more tries", lambda: log().count("out of descriptors") >= 3, RPC_TIMEOUT)
+        busy = (_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0)
+        assert busy < 0.25, f"the listener used {busy:.0%} of a core while it could not accept"
+        proc.stdin.write("free\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        for c in clients:  # every one is served once descriptors are back
+            assert c.recv(1000).startswith(b"HTTP/1.1 200"), "a connection was not served"
+        lines = [x for x in log().splitlines() if "out of descriptors" in x]
+        assert len(lines) == LOG_BURST and "HTTP port: out of descriptors (Too many open files)" in lines[0]
+        proc.stdin.write("stop\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.wait(RPC_TIMEOUT) == 0, log()
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
 
 
 # === in-process shard: refusals over a real channel ======================================================
