@@ -293,7 +293,8 @@ async def _serve_grpc(
     connections: tuple[int, int],
 ) -> None:
     limits = service.limits
-    # Sessions and Fetches are counted by the service; this bounds every call at once, Joins included
+    # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
+    # included, gRPC takes no more until one ends (they wait in its own bounded queue)
     server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     add_to_server(service, server)
     try:
