@@ -248,6 +248,19 @@ def _add_worker_security_flags(g) -> None:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="mutual TLS: its private key (NAME.key)")
 
 
+def _add_limit_flags(g) -> None:
+    """One flag per field of server.bounds.Limits: its name, default and help are written once, there."""
+    from streamdiloco.server.bounds import Limits
+
+    for f in dataclasses.fields(Limits):
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else " (default %(default)s)"),
+        )
+
+
 def _pick(cls, v: dict) -> dict:
     return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
@@ -411,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shard_flags(g)
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
+    _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
     _add_sync_flags(sv)
     sv.set_defaults(func=_cmd_server)
@@ -598,10 +612,12 @@ def _server_security(args: argparse.Namespace):
 def _cmd_server(args: argparse.Namespace) -> int:
     import asyncio
 
+    from streamdiloco.server.bounds import Limits
     from streamdiloco.server.main import build_service, serve
 
     _setup_logging()
     cfg = _sync_config(args)  # a one-line error before anything listens
+    limits = Limits(**_pick(Limits, vars(args)))
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
@@ -626,6 +642,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             fresh=args.fresh,
             auth=auth,
             workers_file=workers_file,
+            limits=limits,
         )
 
     asyncio.run(
@@ -638,6 +655,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             http_host=http_host,
             tls=tls,
             auth=auth,
+            limits=limits,
         )
     )
     return 0

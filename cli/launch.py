@@ -229,6 +229,13 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
                 + ["--port", "0", "--http-port", str(args.http_port + s if args.http_port else 0)]
                 + ["--ready-file", str(ready[s])]
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
+                # every worker comes from this machine's address: the cap per address must fit them all
+                + [
+                    "--max-sessions-per-peer",
+                    str(max(8, args.workers)),
+                    "--max-sessions",
+                    str(max(512, args.workers)),
+                ]
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + (creds.shard_flags() if creds else [])
                 + model

@@ -47,9 +47,14 @@ SERVER_OPTIONS = _COMMON + [
 ]
 
 
-def make_server() -> grpc.aio.Server:
-    """An asyncio gRPC server with the run's message limits and keepalive."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def make_server(
+    options: list[tuple[str, int]] | None = None, maximum_concurrent_rpcs: int | None = None
+) -> grpc.aio.Server:
+    """An asyncio gRPC server with the run's message limits and keepalive, and the shard's `options`
+    (its bounds on connections: server/bounds.py)."""
+    return grpc.aio.server(
+        options=SERVER_OPTIONS + (options or []), maximum_concurrent_rpcs=maximum_concurrent_rpcs
+    )
 
 
 def make_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 from collections.abc import Callable
@@ -30,6 +31,15 @@ from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
 from streamdiloco.server.auth import Auth, WorkersFile
+from streamdiloco.server.bounds import (
+    BoundedH11,
+    HttpListener,
+    Limits,
+    Throttled,
+    connection_caps,
+    grpc_options,
+    throttle_library_logs,
+)
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.service import HISTORY, ShardService, add_to_server
@@ -54,6 +64,7 @@ def build_service(
     fresh: bool = False,
     auth: Auth | None = None,
     workers_file: WorkersFile | None = None,
+    limits: Limits | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
@@ -92,6 +103,7 @@ def build_service(
         checkpoint=checkpoint,
         auth=auth,
         workers_file=workers_file,
+        limits=limits,
     )
 
 
@@ -222,12 +234,18 @@ async def serve(
     http_host: str | None = None,
     tls: ServerTLS | None = None,
     auth: Auth | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
     /healthz while it runs, in a thread. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
-    HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC)."""
+    HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
+    on what clients may hold (else the service's, or the defaults)."""
     stop = stop or asyncio.Event()
+    if limits is None:
+        limits = service.limits if isinstance(service, ShardService) else Limits()
+    _, http_connections = connection_caps(limits)  # before anything listens: a limit too low fails now
+    throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
 
@@ -254,7 +272,7 @@ async def serve(
         pass
     if auth is None and holder.service is not None:
         auth = holder.service.auth
-    http_task, http, http_bound = None, None, None
+    http_task, http, http_bound, listener = None, None, None, None
     http_host = http_host or host
     if http_port is not None:
         sock = _bind(http_host, http_port)
@@ -263,15 +281,28 @@ async def serve(
             make_app(holder, auth),
             log_level="warning",
             lifespan="off",
+            http=BoundedH11,
             ssl_certfile=tls.cert if tls else None,
             ssl_keyfile=tls.key if tls else None,
         )
+        config.load()
         http = uvicorn.Server(config)
-        http_task = asyncio.create_task(
-            http._serve(sockets=[sock])
-        )  # uvicorn's serve() minus its signal capture
+        # uvicorn's serve() minus its signal capture and its accept loop: connections come from `listener`
+        http_task = asyncio.create_task(http._serve(sockets=[]))
+        state = http.server_state
+        listener = HttpListener(
+            sock,
+            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),
+            limits,
+            http_connections,
+            Throttled(log),
+            ssl=config.ssl,
+        )
+        listener.start()
 
     async def stop_http() -> None:
+        if listener is not None:
+            listener.close()
         if http is not None and http_task is not None:
             http.should_exit = True
             await http_task
@@ -302,8 +333,19 @@ async def serve(
     gc.collect()
     gc.freeze()
     try:
+        # gRPC's cap from what the process holds now that the model and the checkpoint are loaded
+        connections = (connection_caps(limits)[0], http_connections if http_port is not None else 0)
         await _serve_grpc(
-            service, holder, host, port, http_bound, ready_file, stop, tls, f"{scheme}://{http_host}"
+            service,
+            holder,
+            host,
+            port,
+            http_bound,
+            ready_file,
+            stop,
+            connections,
+            tls,
+            f"{scheme}://{http_host}",
         )
     finally:
         await stop_http()
@@ -317,10 +359,14 @@ async def _serve_grpc(
     http_bound: int | None,
     ready_file: str | None,
     stop: asyncio.Event,
+    connections: tuple[int, int],
     tls: ServerTLS | None,
     http_base: str,
 ) -> None:
-    server = make_server()
+    limits = service.limits
+    # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
+    # included, gRPC takes no more until one ends (they wait in its own bounded queue)
+    server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     add_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
@@ -366,6 +412,15 @@ async def _serve_grpc(
             if on
         )
         or "no credential",
+    )
+    log.info(
+        "open-file limit %d: at most %d gRPC and %d HTTP connections, %d sessions (%d per address), Hello "
+        "within %g s",
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        *connections,
+        limits.max_sessions,
+        limits.max_sessions_per_peer,
+        limits.hello_timeout,
     )
     if ready_file:
         tmp = Path(ready_file + ".tmp")

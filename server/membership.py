@@ -25,8 +25,8 @@ class Pending:
 class Sessions:
     """Session ids from Join until their Session starts."""
 
-    def __init__(self, auth: Auth, pending_seconds: float = PENDING_SECONDS):
-        self.auth, self.pending_seconds = auth, pending_seconds
+    def __init__(self, auth: Auth, pending_seconds: float = PENDING_SECONDS, max_pending: int = 4096):
+        self.auth, self.pending_seconds, self.max_pending = auth, pending_seconds, max_pending
         self.pending: dict[str, Pending] = {}
 
     def join(self, name: str, identity: Identity, now: float, connected: Container[str]) -> str:
@@ -36,6 +36,8 @@ class Sessions:
             raise Refused("already_exists", f"worker {name!r} already has a session on this shard")
         for sid in [sid for sid, p in self.pending.items() if now - p.since > self.pending_seconds]:
             del self.pending[sid]  # Joins never followed by a Session
+        while len(self.pending) >= self.max_pending:
+            del self.pending[next(iter(self.pending))]  # the oldest first
         sid = secrets.token_hex(16)
         self.pending[sid] = Pending(name, identity, now)
         return sid
