@@ -393,7 +393,7 @@ class ShardService(pb_grpc.ShardServicer):
             member = self.members[name]
             member.revoked = True
             self.state.remove_member(name)  # rounds stop waiting for it
-            member.queue.put_nowait((pb.ShardMessage(), 0))  # wake the writer so that it ends the session
+            member.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
             log.warning("%s: credential revoked, its session ends", name)
         self.close_due()
 

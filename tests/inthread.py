@@ -35,8 +35,8 @@ class Session:
         self,
         stub: pb_grpc.ShardStub,
         hello: pb.WorkerMessage | None = None,
-        timeout: float = RPC_TIMEOUT * 3,
         metadata=(),
+        timeout: float = RPC_TIMEOUT * 3,
     ):
         self.out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()

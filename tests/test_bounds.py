@@ -545,7 +545,7 @@ def test_a_session_without_hello_is_ended_at_its_deadline_and_sessions_over_the_
     s = make_shard(hello_timeout=1.0, max_sessions_per_peer=2, max_sessions=4)
     t0 = time.monotonic()
     quiet = [s.open_session(None) for _ in range(2)]
-    s.wait_for(lambda: s.service.sessions.held == 2, "two sessions to be counted")
+    s.wait_for(lambda: s.service.peer_sessions.held == 2, "two sessions to be counted")
     over = s.open_session(None).error()
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert over.details() == "sessions from 127.0.0.1 are at their limit of 2 per address"
@@ -554,7 +554,7 @@ def test_a_session_without_hello_is_ended_at_its_deadline_and_sessions_over_the_
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert e.details() == "a session must start with Hello within 1 s"
     assert 1.0 <= time.monotonic() - t0 <= 1.0 + SLACK
-    s.wait_for(lambda: s.service.sessions.held == 0, "the sessions to be let go")
+    s.wait_for(lambda: s.service.peer_sessions.held == 0, "the sessions to be let go")
     w = s.worker("a")  # room again: a worker that says Hello at once is not held to anything
     assert w.welcome is not None
     assert s.status()["bounds"]["refused"] == {"sessions": 1, "no_hello": 2}

@@ -40,7 +40,7 @@ from streamdiloco.common.codecs import concat, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
@@ -65,10 +65,9 @@ REFUSAL_CODES = {
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-# bytes that do not decode as the method's message: gRPC's own deserializer refuses them, and today the
-# status is UNKNOWN (Join, Fetch, a Session's first message) or the session's INTERNAL; whatever the code,
-# the message must say that the bytes did not parse (bounded log lines for them are issue 13's item 4)
-UNDECODABLE_CODES = REFUSAL_CODES | {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# bytes that do not decode as the method's message: the shard refuses them (INVALID_ARGUMENT, one throttled
+# log line, no traceback), and the message must say that the bytes did not parse
+UNDECODABLE_CODES = REFUSAL_CODES
 UNDECODABLE_WORDS = re.compile(r"pars|decod|deserializ", re.IGNORECASE)
 REASON = re.compile(r"[a-z_]{1,40}")
 
@@ -121,7 +120,7 @@ class RawSession:
         call = channel.stream_stream(SERVICE + "Session", request_serializer=None, response_deserializer=None)
         self.out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
-        self.call = call(iter(self.out.get, None), timeout=RPC_TIMEOUT * 3)
+        self.call = call(iter(self.out.get, None), timeout=RPC_TIMEOUT * 3, metadata=auth_metadata(TOKEN))
         self.thread = threading.Thread(target=self._receive, daemon=True)
         self.thread.start()
 
@@ -690,7 +689,7 @@ def honest_worker(shard: InThreadShard, name: str) -> Worker:
     """A member whose session lasts as long as the fuzzing does."""
     reply = shard.join(name)
     hello = pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session))
-    s = Session(shard.stub, hello, timeout=3600.0)
+    s = Session(shard.stub, hello, auth_metadata(TOKEN), timeout=3600.0)
     shard.sessions.append(s)  # cancelled when the shard shuts down
     s.next_message("welcome")
     return Worker(name, s, reply)
