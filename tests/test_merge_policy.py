@@ -291,6 +291,36 @@ def test_put_off_merges_survive_a_checkpoint():
         again.close()
 
 
+def test_a_resumed_worker_rebases_a_round_sent_before_its_checkpoint_as_it_would_have():
+    engine, transport, net = make("adaptive", rule="rebase")
+    try:
+        for _ in range(2):
+            train_step(net)
+            engine.step()
+        at_send = params(engine, 1)  # fragment 1 sent round 0 at step 2
+        train_step(net)
+        engine.step()  # step 3: put off
+        state, weights = engine.state_dict(), {k: v.clone() for k, v in net.state_dict().items()}
+    finally:
+        engine.close()
+    again, transport2, net2 = make("adaptive", rule="rebase")
+    try:
+        net2.load_state_dict(weights)
+        again.load_state_dict(state)
+        transport2.deliver(1, 0, torch.full_like(again.mirrors[1], 0.5))
+        for _ in range(2):  # asked for at the next step, merged there or at the one after
+            train_step(net2)
+            again.step()
+            again.quiesce()
+            if again.merges:
+                break
+        steps_since = again.step_count - 2
+        want = at_send + 0.01 * steps_since + 0.5 * (again.mirrors[1] - at_send)
+        torch.testing.assert_close(params(again, 1), want)
+    finally:
+        again.close()
+
+
 def test_a_stop_request_at_a_deadline_leaves_the_merge_for_the_checkpoint():
     engine, transport, net = make("adaptive")
     try:

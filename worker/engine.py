@@ -266,6 +266,11 @@ class SyncEngine:
             "pending": [(e.kind, e.fragment, e.round) for e in self.pending],
             "deferred": [list(x) for x in self.deferred],
             "sent_at": [[f, r, t] for (f, r), t in self._sent_at.items()],
+            # the send snapshots of rounds not merged yet: a resumed worker rebases them as it would have
+            "snapshots": {
+                f: (r, self._snapshots[f].clone())  # type: ignore[union-attr]
+                for f, r in self._snapshot_round.items()
+            },
             "tokens_since_sync": list(self.tokens_since_sync),
             "loss_since_sync": [list(x) for x in self.loss_since_sync],
             "generator": self.generator.get_state(),
@@ -285,6 +290,15 @@ class SyncEngine:
         self.pending = [Event(k, int(f), int(r)) for k, f, r in state["pending"]]
         self.deferred = [(int(f), int(r)) for f, r in state.get("deferred", [])]
         self._sent_at = {(int(f), int(r)): int(t) for f, r, t in state.get("sent_at", [])}
+        self._snapshot_round = {}
+        for f, (r, snap) in state.get("snapshots", {}).items():
+            f = int(f)
+            if not 0 <= f < self.layout.num_fragments or snap.shape != (self.layout.fragments[f].numel,):
+                raise ValueError(f"the checkpoint's send snapshot of fragment {f} does not fit this model")
+            if self._snapshots[f] is None:
+                self._snapshots[f] = self._flat(f)
+            self._snapshots[f].copy_(snap)  # type: ignore[union-attr]
+            self._snapshot_round[f] = int(r)
         self.tokens_since_sync = list(state["tokens_since_sync"])
         self.loss_since_sync = [(float(a), int(b)) for a, b in state["loss_since_sync"]]
         self.generator.set_state(state["generator"])
