@@ -731,11 +731,10 @@ def _nb_sumsq_int8(q: Any, scales: Any, bs: int, n: int) -> float:
     total = 0.0
     for b in range(scales.shape[0]):
         lo = b * bs
-        acc = 0
+        s = scales[b]
         for j in range(lo, min(lo + bs, n)):
-            acc += np.int64(q[j]) * np.int64(q[j])
-        s = np.float64(scales[b])
-        total += np.float64(acc) * (s * s)
+            v = np.float64(np.float32(q[j]) * s)  # the decoded value, as `decode` rounds it
+            total += v * v
     return total
 
 

@@ -87,6 +87,7 @@ class _Push:
     share: float = 0.0  # its weight in the mean, once settled (capped)
     scale: float = 1.0  # what clipping scales its values by
     mult: float = 0.0  # what its values are multiplied by in the sum: share * scale
+    loss: float | None = None  # the training loss it reported
 
     def __post_init__(self) -> None:
         if not self.share:  # not settled yet: as reported
@@ -108,7 +109,7 @@ class _OpenRound:
     used_norms: list[float] = field(default_factory=list)  # their norms as used (clipped ones at the bound)
     clipped: list[str] = field(default_factory=list)  # workers whose push was clipped, or weight capped
     capped: list[str] = field(default_factory=list)
-    loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
+    loss_sum: float = 0.0  # token-weighted (by share) sum of the inner losses of the pushes settled so far
     loss_weight: float = 0.0
     expected: frozenset[str] | None = None  # members present when the round's first push was complete
     started_at: float | None = None  # when that was: the deadline counts from here
@@ -567,7 +568,7 @@ class ShardState:
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
             rnd.expected = self._expected(fragment, rnd.number) | {worker}
-        rnd.kept.append(_Push(worker, st.weight, asm, math.sqrt(st.sumsq)))
+        rnd.kept.append(_Push(worker, st.weight, asm, math.sqrt(st.sumsq), loss=st.loss))
         rnd.weights.append(st.weight)
         rnd.norms.append(math.sqrt(st.sumsq))
         rnd.kept_bytes += asm.nbytes
@@ -580,9 +581,6 @@ class ShardState:
             rnd.kept, rnd.kept_bytes = [], 0
         rnd.weight += st.weight
         rnd.contributors.add(worker)
-        if st.loss is not None:
-            rnd.loss_sum += st.loss * st.weight
-            rnd.loss_weight += st.weight
         self.bytes_received += asm.nbytes
         self.pushes_accepted += 1
         return True
@@ -743,6 +741,9 @@ class ShardState:
         for p, share, scale in zip(pushes, shares, scales, strict=True):
             p.share, p.scale, p.mult = share, scale, share * scale
             rnd.settled += share
+            if p.loss is not None:
+                rnd.loss_sum += p.loss * share
+                rnd.loss_weight += share
             rnd.used_norms.append(min(p.norm, bound))
             if share < p.weight:
                 rnd.capped.append(p.worker)

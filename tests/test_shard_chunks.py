@@ -442,10 +442,10 @@ def test_fp32_uplink_refuses_non_finite_values():
 def test_the_loss_comes_with_the_first_chunk_and_is_token_weighted():
     st = make_state(members=("a", "b", "c"))
     push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), weight=100.0, loss=2.0)
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), weight=300.0, loss=4.0)
+    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), weight=150.0, loss=4.0)
     push_chunks(st, "c", 0, 0, enc_for(st, 0, 3), weight=50.0, loss=None)  # no loss reported
     closed = st.close_round(0)
-    assert closed.weight == 450.0 and closed.mean_loss == pytest.approx((200 + 1200) / 400)
+    assert closed.weight == 300.0 and closed.mean_loss == pytest.approx((200 + 600) / 250)
 
 
 @pytest.mark.parametrize(
