@@ -14,7 +14,10 @@ or pushing 1e30 (either alone took the model: DESIGN.md, "Trust"). So, per fragm
   times the median of the norms of this round's pushes and of the `history_rounds` rounds before (the norms
   as they were used, so clipped ones count at their bound). Clipping scales the push down, direction kept:
   the worker stays a contributor and nothing is refused. A round with no history leans on its own median,
-  which holds while honest pushes are the majority; the history covers rounds with one or two pushes;
+  which holds while honest pushes are the majority; the history covers rounds with one or two pushes.
+  One round of history (the default) never clips honest pushes that grow from one round to the next, as
+  they do under a learning-rate warm-up: with as many pushes now as then, the median lies between the two
+  rounds' norms, and twice it is at least the larger;
 - the pushes are combined by the weighted mean (the default: streaming, folded block by block), or, as
   options, the coordinate-wise trimmed mean or centered clipping (Karimireddy, He, Jaggi 2021, "Learning
   from History for Byzantine Robust Optimization"), which need every push of the round at once.
@@ -74,7 +77,7 @@ class RobustConfig:
         },
     )
     history_rounds: int = field(
-        default=2,
+        default=1,
         metadata={"help": "recent rounds of each fragment whose weights and norms join the medians"},
     )
     trim: float = field(

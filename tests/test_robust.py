@@ -212,6 +212,19 @@ def test_clipping_uses_the_recent_rounds_when_a_round_has_two_pushes():
     assert st.close_round(0).clipped == ("b",)
 
 
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_honest_pushes_that_grow_each_round_are_never_clipped(workers):
+    # a learning-rate warm-up makes each round's outer gradients up to ~3x the last round's
+    names = [f"w{i}" for i in range(workers)]
+    st = make_state(members=names)
+    n = st.ranges[0][1]
+    for r in range(5):
+        for i, name in enumerate(names):
+            st.push(name, 0, r, encode(3.0**r * delta(n, 10 * r + i), "e3m0", 128), 100.0, 3.0)
+        assert st.close_round(0).clipped == ()
+    assert st.pushes_clipped == 0
+
+
 def test_pushes_folded_ahead_of_the_close_are_clipped_too():
     names = [f"w{i:02d}" for i in range(24)]
     st = make_state(members=names)
