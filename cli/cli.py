@@ -47,6 +47,11 @@ SETUPS: dict[str, dict] = {
         "downlink_rounding": "stochastic",
     },
 }
+# The shards' defenses (server/robust.py) on the full method: off, and the two robust aggregators
+_FULL = SETUPS["full"]
+SETUPS["full-plain"] = {**_FULL, "weight_cap": 0.0, "clip_norm": 0.0}
+SETUPS["full-trimmed"] = {**_FULL, "aggregator": "trimmed"}
+SETUPS["full-cclip"] = {**_FULL, "aggregator": "centered-clip"}
 SETUP_LABELS = {
     "dp": "Data-parallel",
     "diloco": "DiLoCo (P=1, τ=0, fp32)",
@@ -54,6 +59,9 @@ SETUP_LABELS = {
     "overlap": "+ overlap (τ=1, α=0.5)",
     "full": "+ E3M0 up and down",
     "full-sr": "+ E3M0, stochastic rounding",
+    "full-plain": "+ E3M0, no defenses (plain mean)",
+    "full-trimmed": "+ E3M0, trimmed mean",
+    "full-cclip": "+ E3M0, centered clipping",
 }
 
 

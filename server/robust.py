@@ -56,10 +56,11 @@ class RobustConfig:
         },
     )
     weight_cap: float = field(
-        default=2.0,
+        default=1.0,
         metadata={
             "help": "a push's weight is cut to this multiple of the median weight of the round and the "
-            "recent rounds (honest workers of one run report about the same tokens); 0: no cap",
+            "recent rounds (honest workers of one run report the same tokens: 1 counts a liar as one "
+            "typical worker); 0: no cap",
         },
     )
     max_weight: float = field(
