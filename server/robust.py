@@ -7,9 +7,10 @@ outer gradient of those steps. Nothing stops a worker with the run's credentials
 or pushing 1e30 (either alone took the model: DESIGN.md, "Trust"). So, per fragment slice and round:
 
 - weights are cut to `max_weight` (the tokens one worker can process between two syncs, when the operator
-  knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round and the
-  `history_rounds` rounds before it. Honest workers of one run report about the same weight, so this
-  changes nothing for them; one attacker among M takes at most weight_cap / (weight_cap + M - 1) of the mean;
+  knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round (and,
+  when it has fewer than 3 pushes, of the `history_rounds` rounds before it). Honest workers of one run
+  report about the same weight, so this changes nothing for them; one attacker among M takes at most
+  weight_cap / (weight_cap + M - 1) of the mean;
 - each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm`
   times the median of the norms of this round's pushes and of the `history_rounds` rounds before (the norms
   as they were used, so clipped ones count at their bound). Clipping scales the push down, direction kept:
@@ -125,12 +126,16 @@ def median(values: Sequence[float]) -> float | None:
 
 
 def cap_weights(weights: Sequence[float], pool: Sequence[float], factor: float) -> list[float]:
-    """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to: this
-    round's and the recent rounds'); unchanged when factor is 0 or the pool is empty."""
+    """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to); unchanged
+    when factor is 0 or the pool is empty, and when the cut would be the same for every one of them (equal
+    weights above the cap, as honest workers' are when a round has more tokens than the last): then it
+    changes no push's share of the mean."""
     ref = median(pool)
     if not factor or ref is None:
         return list(weights)
     cap = factor * ref
+    if min(weights, default=cap) > cap and len(set(weights)) == 1:
+        return list(weights)
     return [min(w, cap) for w in weights]
 
 

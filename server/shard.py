@@ -158,6 +158,27 @@ def _fold_block(pushes: list[_Push], start: torch.Tensor | None, divisor: float,
         divide_into(acc, divisor, out)  # x / 1 is x: the same values as a copy
 
 
+def _history(saved: object, rounds: bool = True) -> dict | None:
+    """Weights and norms as a checkpoint keeps them ({"weights": [...], "norms": [...]}: lists of rounds'
+    lists when `rounds`, else one round's lists), checked: finite and not negative. None if malformed."""
+
+    def ok(xs: object) -> bool:
+        return isinstance(xs, list) and all(
+            isinstance(x, float | int) and not isinstance(x, bool) and 0 <= x < math.inf for x in xs
+        )
+
+    if not isinstance(saved, dict) or set(saved) != {"weights", "norms"}:
+        return None
+    out = {}
+    for key, value in saved.items():
+        lists = value if rounds else [value]
+        if not (isinstance(lists, list) and all(ok(xs) for xs in lists)):
+            return None
+        clean = [[float(x) for x in xs] for xs in lists]
+        out[key] = clean if rounds else clean[0]
+    return out
+
+
 def _finite(t: torch.Tensor) -> bool:
     return t.numel() == 0 or all(bool(torch.isfinite(x)) for x in torch.aminmax(t))  # NaN propagates
 
@@ -230,6 +251,7 @@ class CloseJob:
     aggregator: tuple[str, float, int] = ("mean", 0.0, 1)  # name, trim, centered-clip iterations
     clipped: tuple[str, ...] = ()
     capped: tuple[str, ...] = ()
+    history: dict = field(default_factory=dict)  # the round's weights and used norms (what medians keep)
     update: Encoded | None = None
 
     def run(self) -> CloseJob:
@@ -301,6 +323,7 @@ class CloseJob:
             "mean_loss": self.mean_loss,
             "partial": self.partial,
             "aggregator": list(self.aggregator),
+            "history": self.history,
             "pushes": [
                 {
                     "worker": p.worker,
@@ -388,7 +411,7 @@ class ShardState:
         self.pushes_refused: dict[str, int] = {}  # reason -> count
         self.rounds_closed = 0
         # per fragment, the recent rounds' reported weights and used norms (what caps and clips are relative
-        # to); not checkpointed: after a restart the medians start again from the round's own pushes
+        # to); checkpointed with the fragment, and logged with each round, so that a restart goes on the same
         keep = self.robust.history_rounds
         self.weight_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in self.ranges]
         self.norm_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in self.ranges]
@@ -437,6 +460,11 @@ class ShardState:
             "slice": list(self.ranges[fragment]),
             "round": round,
             "members": sorted(self.members | self.returning),
+            # what the caps and clips of the next rounds are relative to: a restart goes on bit for bit
+            "history": {
+                "weights": [list(ws) for ws in self.weight_history[fragment]],
+                "norms": [list(xs) for xs in self.norm_history[fragment]],
+            },
         }
 
     def load_fragment_state(self, fragment: int, saved: dict) -> None:
@@ -472,12 +500,18 @@ class ShardState:
         members = saved.get("members", [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(f"checkpoint of fragment {fragment} has a malformed member list")
+        history = _history(saved.get("history", {"weights": [], "norms": []}))
+        if history is None:
+            raise ValueError(f"checkpoint of fragment {fragment} has a malformed history of weights, norms")
         if fragment in self.busy:
             raise RuntimeError(f"fragment {fragment} is being closed: cannot load its state now")
         self.outer[fragment].load_state_dict(outer)
         self._masters[fragment] = self.outer[fragment].master
         self.open[fragment] = _OpenRound(rnd)
         self.restored_members.update(members)
+        keep = self.robust.history_rounds
+        self.weight_history[fragment] = deque(history["weights"], maxlen=keep)
+        self.norm_history[fragment] = deque(history["norms"], maxlen=keep)
 
     def expect_back(self, until: float) -> None:
         """After a restart: wait for the checkpoint's members as if they were here, until `until`."""
@@ -703,10 +737,8 @@ class ShardState:
             del self.staged[key]
         kept = _ordered(rnd.kept)
         self._settle(fragment, rnd, kept)
-        if rnd.weights:  # what later rounds' caps and clips are relative to
-            self.weight_history[fragment].append(rnd.weights)
-            if self.robust.clip_norm:
-                self.norm_history[fragment].append(rnd.used_norms)
+        history = {"weights": rnd.weights, "norms": rnd.used_norms if self.robust.clip_norm else []}
+        self._remember(fragment, history)
         self.open[fragment] = _OpenRound(rnd.number + 1)
         self.busy.add(fragment)
         rob = self.robust
@@ -726,7 +758,15 @@ class ShardState:
             (rob.aggregator, rob.trim, rob.center_iters),
             tuple(sorted(rnd.clipped)),
             tuple(sorted(rnd.capped)),
+            history,
         )
+
+    def _remember(self, fragment: int, history: dict) -> None:
+        """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""
+        if history["weights"]:
+            self.weight_history[fragment].append(list(history["weights"]))
+        if history["norms"]:
+            self.norm_history[fragment].append(list(history["norms"]))
 
     def _settle(self, fragment: int, rnd: _OpenRound, pushes: list[_Push]) -> None:
         """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
@@ -734,7 +774,9 @@ class ShardState:
         if not pushes:
             return
         rob = self.robust
-        weights = rnd.weights + [w for ws in self.weight_history[fragment] for w in ws]
+        weights = list(rnd.weights)
+        if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
+            weights += [w for ws in self.weight_history[fragment] for w in ws]
         shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
         scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm)
@@ -809,6 +851,9 @@ class ShardState:
             contributors = tuple(str(c) for c in record["contributors"])
             mean_loss = None if record["mean_loss"] is None else float(record["mean_loss"])
             why = str(record["why"])
+            history = _history(record.get("history", {"weights": [], "norms": []}), rounds=False)
+            if history is None:
+                raise ValueError("its weights and norms are malformed")
             name, trim, iters = record.get("aggregator", ("mean", 0.0, 1))
             aggregator = (str(name), float(trim), int(iters))
             RobustConfig(aggregator=aggregator[0], trim=aggregator[1], center_iters=aggregator[2])  # checks
@@ -819,9 +864,10 @@ class ShardState:
         if fragment in self.busy:
             raise RuntimeError(f"fragment {fragment} already has a job out")
         downlink = (self.cfg.downlink_codec, self.cfg.codec_block_size)
+        self._remember(fragment, history)
         saved = self._saved(fragment, rnd.number + 1)
         job = CloseJob(fragment, rnd.number, why, hi - lo, pushes, partial, weight, contributors, mean_loss,
-                       self.outer[fragment], downlink, saved, aggregator)  # fmt: skip
+                       self.outer[fragment], downlink, saved, aggregator, history=history)  # fmt: skip
         self.open[fragment] = _OpenRound(rnd.number + 1)
         self.busy.add(fragment)
         return self.end_close(job.run())

@@ -47,6 +47,9 @@ def test_a_weight_is_cut_to_a_multiple_of_the_median():
     assert cap_weights(honest + [6000.0], honest + [6000.0], 2.0) == honest + [6000.0]  # within 2x: kept
     assert cap_weights([10.0, 1e9], [], 2.0) == [10.0, 1e9]  # nothing to be relative to
     assert cap_weights([10.0, 1e9], [10.0, 1e9], 0.0) == [10.0, 1e9]  # off
+    # a cut that would be the same for every push changes no share of the mean: not applied
+    assert cap_weights([300.0, 300.0], [300.0, 300.0, 100.0, 100.0], 1.0) == [300.0, 300.0]
+    assert cap_weights([300.0, 400.0], [300.0, 400.0, 100.0, 100.0], 1.0) == [200.0, 200.0]
 
 
 def test_a_norm_is_clipped_to_a_multiple_of_the_median():
@@ -213,16 +216,42 @@ def test_clipping_uses_the_recent_rounds_when_a_round_has_two_pushes():
 
 
 @pytest.mark.parametrize("workers", [1, 2, 4])
-def test_honest_pushes_that_grow_each_round_are_never_clipped(workers):
-    # a learning-rate warm-up makes each round's outer gradients up to ~3x the last round's
+def test_honest_pushes_that_grow_each_round_are_never_clipped_or_capped(workers):
+    # a learning-rate warm-up makes each round's outer gradients up to ~3x the last round's; a fragment's
+    # first round has fewer tokens than the next (it is sent before H steps)
     names = [f"w{i}" for i in range(workers)]
     st = make_state(members=names)
     n = st.ranges[0][1]
     for r in range(5):
         for i, name in enumerate(names):
-            st.push(name, 0, r, encode(3.0**r * delta(n, 10 * r + i), "e3m0", 128), 100.0, 3.0)
-        assert st.close_round(0).clipped == ()
-    assert st.pushes_clipped == 0
+            st.push(name, 0, r, encode(3.0**r * delta(n, 10 * r + i), "e3m0", 128), 100.0 * 5**r, 3.0)
+        closed = st.close_round(0)
+        assert closed.clipped == () and closed.capped == ()
+    assert st.pushes_clipped == 0 and st.weights_capped == 0
+
+
+def test_the_recent_rounds_survive_a_checkpoint_and_a_replay():
+    st, twin, replayed = (make_state(members=("a", "b")) for _ in range(3))
+    n = st.ranges[0][1]
+    for r in range(2):
+        st.push("a", 0, r, encode(delta(n, r), "e3m0", 128), 100.0, 3.0)
+        st.push("b", 0, r, encode(delta(n, r + 50), "e3m0", 128), 100.0, 3.0)
+        job = st.begin_close(0)
+        record = job.record()
+        st.end_close(job.run())
+        replayed.replay_round(0, record)
+    twin.load_fragment_state(0, st.fragment_state(0))
+    for other in (twin, replayed):
+        assert list(other.weight_history[0]) == list(st.weight_history[0]) == [[100.0, 100.0]]
+        assert list(other.norm_history[0]) == list(st.norm_history[0]) and len(st.norm_history[0]) == 1
+    for s in (st, twin, replayed):  # the last round tells a liar apart in a round of two, after a restart too
+        s.push("a", 0, 2, encode(delta(n, 7), "e3m0", 128), 100.0, 3.0)
+        s.push("b", 0, 2, encode(1000 * delta(n, 8), "e3m0", 128), 100.0, 3.0)
+        assert s.close_round(0).clipped == ("b",)
+    assert torch.equal(twin.master(0), st.master(0)) and torch.equal(replayed.master(0), st.master(0))
+    bad = st.fragment_state(0) | {"history": {"weights": [[math.nan]], "norms": []}}
+    with pytest.raises(ValueError, match="fragment 0 has a malformed history of weights, norms"):
+        make_state().load_fragment_state(0, bad)
 
 
 def test_pushes_folded_ahead_of_the_close_are_clipped_too():
