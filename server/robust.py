@@ -127,15 +127,11 @@ def median(values: Sequence[float]) -> float | None:
 
 def cap_weights(weights: Sequence[float], pool: Sequence[float], factor: float) -> list[float]:
     """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to); unchanged
-    when factor is 0 or the pool is empty, and when the cut would be the same for every one of them (equal
-    weights above the cap, as honest workers' are when a round has more tokens than the last): then it
-    changes no push's share of the mean."""
+    when factor is 0 or the pool is empty."""
     ref = median(pool)
     if not factor or ref is None:
         return list(weights)
     cap = factor * ref
-    if min(weights, default=cap) > cap and len(set(weights)) == 1:
-        return list(weights)
     return [min(w, cap) for w in weights]
 
 
@@ -169,8 +165,12 @@ def trimmed_mean(n: int, k: int, read: Reader, trim: float, out: torch.Tensor, s
         x = block[:, : hi - lo]
         for i in range(k):
             read(i, lo, hi, x[i])
-        kept = x.sort(dim=0).values[b : k - b] if b else x
-        out[lo:hi].copy_(kept.to(torch.float64).sum(dim=0).div_(k - 2 * b))
+        xd = x.to(torch.float64)
+        total = xd.sum(dim=0)
+        if b:  # the sum less the b largest and the b smallest: O(k b) per value, no sort
+            total -= xd.topk(b, dim=0).values.sum(dim=0)
+            total += xd.neg_().topk(b, dim=0).values.sum(dim=0)
+        out[lo:hi].copy_(total.div_(k - 2 * b))
 
 
 def centered_clip(

@@ -777,7 +777,10 @@ class ShardState:
         weights = list(rnd.weights)
         if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
             weights += [w for ws in self.weight_history[fragment] for w in ws]
-        shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap)
+        if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
+            shares = [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
+        else:  # change no push's share of the mean
+            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
         scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm)
         for p, share, scale in zip(pushes, shares, scales, strict=True):
