@@ -8,9 +8,10 @@ or pushing 1e30 (either alone took the model: DESIGN.md, "Trust"). So, per fragm
 
 - weights are cut to `max_weight` (the tokens one worker can process between two syncs, when the operator
   knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round (and,
-  when it has fewer than 3 pushes, of the `history_rounds` rounds before it). Honest workers of one run
-  report about the same weight, so this changes nothing for them; one attacker among M takes at most
-  weight_cap / (weight_cap + M - 1) of the mean;
+  when it has fewer than 3 pushes, of the `history_rounds` rounds before it), unless the round's weights
+  are all alike (a cut would change no push's share). Honest workers of one run report the same weight, so
+  this changes nothing for them; one attacker among M takes at most weight_cap / (weight_cap + M - 1) of
+  the mean;
 - each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm`
   times the median of the norms of this round's pushes and of the `history_rounds` rounds before (the norms
   as they were used, so clipped ones count at their bound). Clipping scales the push down, direction kept:
