@@ -1138,6 +1138,7 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
         pipe: int = 1,
     ):
         flags = ["--min-workers", str(clients), "--round-timeout", "600", "--model", args.b_model]
+        flags += ["--max-sessions-per-peer", str(max(8, clients))]  # every client comes from 127.0.0.1
         started = start_shards(procs, tmp, tag, shards, flags, wrap=wrap, checkpoint=ckpt)
         try:
             targets = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in started)

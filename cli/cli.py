@@ -132,6 +132,13 @@ def _add_sync_flags(p: argparse.ArgumentParser) -> None:
         "need be (deterministic)",
     )
     g.add_argument(
+        "--merge-rule",
+        default=s.merge_rule,
+        choices=["mix", "rebase"],
+        help="mix: local = alpha * local + (1 - alpha) * global at the merge (the paper's); rebase: that mix "
+        "taken with the parameters as they were at the send, keeping the local steps since",
+    )
+    g.add_argument(
         "--fragment-update-alpha",
         type=float,
         default=s.fragment_update_alpha,
@@ -180,7 +187,87 @@ def _add_shard_flags(g) -> None:
         help="seconds after a round's first push after which it closes with those present "
         "(default %(default)s, sized for WAN stragglers)",
     )
-    g.add_argument("--token", default="", help="shared secret that workers must present at Join")
+    g.add_argument(
+        "--token",
+        default="",
+        help="the simple mode: one secret shared by every worker (any holder may use any name); "
+        "--workers-file binds each name to its own token",
+    )
+
+
+def _add_server_security_flags(g) -> None:
+    g.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="this shard's certificate (`streamdiloco certs` makes server.pem): gRPC and HTTP over TLS",
+    )
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
+    g.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PEM",
+        help="mutual TLS: every worker must show a certificate signed by this CA (ca.pem); its common "
+        "name is the worker's name",
+    )
+    g.add_argument(
+        "--workers-file",
+        default=None,
+        metavar="PATH",
+        help="per-worker tokens: lines NAME SHA256-HEX (`streamdiloco certs` writes workers.txt); a token "
+        "proves its name only. Re-read when it changes (or on SIGHUP): a worker removed or changed there "
+        "is cut off at once",
+    )
+    g.add_argument(
+        "--read-token",
+        default="",
+        help="/api/*, /metrics and the dashboard need it (Authorization: Bearer TOKEN, or ?token= for the "
+        "page); /healthz and /readyz stay open",
+    )
+    g.add_argument("--read-token-file", default=None, metavar="PATH", help="--read-token, from a file")
+    g.add_argument(
+        "--http-host",
+        default=None,
+        help="where the HTTP port listens (default: --host; but 127.0.0.1 when --host is beyond loopback "
+        "and no read token is given)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without TLS or without credentials (a private network only)",
+    )
+
+
+def _add_worker_security_flags(g) -> None:
+    g.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="read the token from this file (workers/NAME.token): not on the command line, where ps shows it",
+    )
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="connect over TLS, trusting the run's CA (ca.pem) for the shards' certificates",
+    )
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="mutual TLS: this worker's certificate (NAME.pem)"
+    )
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="mutual TLS: its private key (NAME.key)")
+
+
+def _add_limit_flags(g) -> None:
+    """One flag per field of server.bounds.Limits: its name, default and help are written once, there."""
+    from streamdiloco.server.bounds import Limits
+
+    for f in dataclasses.fields(Limits):
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else " (default %(default)s)"),
+        )
 
 
 def _add_robust_flags(g) -> None:
@@ -368,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shard_flags(g)
     _add_robust_flags(sv.add_argument_group("defenses against workers' pushes (on by default)"))
+    _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
+    _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
     _add_sync_flags(sv)
     sv.set_defaults(func=_cmd_server)
@@ -383,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--name", default=None, help="a unique name for this worker (default: host-pid)")
     g.add_argument("--rank", type=int, default=None, help="seeds the data stream (default: from the name)")
     g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
-    g.add_argument("--token", default="", help="the run's shared secret, if the shards have one")
+    g.add_argument("--token", default="", help="this worker's token, or the run's shared one (--token-file)")
+    _add_worker_security_flags(g)
     g.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the shards")
     g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
     g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
@@ -461,10 +551,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
     _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
+    g.add_argument(
+        "--tls",
+        action="store_true",
+        help="run as on the internet: make the run's credentials in OUT/certs (streamdiloco certs) and use "
+        "mutual TLS, a token per worker and a read token for the shards' HTTP",
+    )
     _add_run_flags(la.add_argument_group("run"))
     _add_sync_flags(la)
     _add_inner_flags(la)
     la.set_defaults(func=_cmd_launch)
+
+    ce = sub.add_parser(
+        "certs",
+        help="make a run's CA, server and worker certificates, worker tokens and read token",
+        description="Make a run's credentials in a folder, with Python's cryptography: ca.pem/ca.key (the "
+        "run's own CA), server.pem/server.key (for every shard; --server-names are the names and addresses "
+        "workers dial, plus localhost, 127.0.0.1 and ::1), workers/NAME.pem/.key/.token (one client "
+        "certificate and token per worker), workers.txt (NAME SHA256-HEX lines for the shards' "
+        "--workers-file) and read.token (for --read-token-file). Secrets are written readable by their "
+        "owner only. Run it again with new --workers to add workers: the CA and the rest are kept.",
+    )
+    ce.add_argument("--out", required=True, metavar="DIR", help="the folder (created if missing)")
+    ce.add_argument(
+        "--server-names",
+        default=None,
+        help="comma-separated host names and IP addresses of the shards, as workers dial them (given again, "
+        "the server certificate is remade)",
+    )
+    ce.add_argument("--workers", default="", help="comma-separated worker names (letters, digits, . _ -)")
+    ce.add_argument("--days", type=int, default=365, help="certificates' validity (default %(default)s days)")
+    ce.set_defaults(func=_cmd_certs)
+
+    tk = sub.add_parser(
+        "token",
+        help="make one worker's token and print its line for the workers file",
+        description="Write a new random token for worker NAME to --out (readable by its owner only), print "
+        "`NAME SHA256-HEX`: append that line to the shards' --workers-file (they re-read it) and give the "
+        "token file to the worker (--token-file). To revoke a worker, delete its line.",
+    )
+    tk.add_argument("name", help="the worker's name")
+    tk.add_argument(
+        "--out", required=True, metavar="PATH", help="the token file to write (never overwritten)"
+    )
+    tk.set_defaults(func=_cmd_token)
     return p
 
 
@@ -485,17 +615,47 @@ def _sync_config(args: argparse.Namespace):
     return SyncConfig(**_pick(SyncConfig, vars(args)))
 
 
+def _server_security(args: argparse.Namespace):
+    """(TLS, Auth, workers file, HTTP host) from a shard's flags; ValueError (one line) for a setup that
+    must not start: see server/auth.py's listen_plan."""
+    from streamdiloco.common.tls import ServerTLS, read_secret
+    from streamdiloco.server.auth import Auth, WorkersFile, listen_plan
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together (the shard's certificate and its key)")
+    if args.tls_client_ca and args.tls_cert is None:
+        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    if args.read_token and args.read_token_file:
+        raise ValueError("give --read-token or --read-token-file, not both")
+    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    workers_file = WorkersFile(args.workers_file) if args.workers_file else None
+    read_token = args.read_token
+    if args.read_token_file:
+        read_token = read_secret(args.read_token_file, "--read-token-file")
+    auth = Auth(
+        token=args.token,
+        workers=workers_file.load() if workers_file else None,
+        certificates=tls is not None and tls.mutual,
+        read_token=read_token,
+    )
+    http_host = listen_plan(args.host, args.http_host, tls is not None, auth, args.insecure)
+    return tls, auth, workers_file, http_host
+
+
 def _cmd_server(args: argparse.Namespace) -> int:
     import asyncio
 
+    from streamdiloco.server.bounds import Limits
     from streamdiloco.server.main import build_service, serve
 
     _setup_logging()
     cfg = _sync_config(args)  # a one-line error before anything listens
     robust = _robust_config(vars(args))
+    limits = Limits(**_pick(Limits, vars(args)))
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
+    tls, auth, workers_file, http_host = _server_security(args)
 
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
@@ -515,9 +675,53 @@ def _cmd_server(args: argparse.Namespace) -> int:
             else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
             fresh=args.fresh,
             robust=robust,
+            auth=auth,
+            workers_file=workers_file,
+            limits=limits,
         )
 
-    asyncio.run(serve(build, args.host, args.port, args.http_port, args.ready_file))
+    asyncio.run(
+        serve(
+            build,
+            args.host,
+            args.port,
+            args.http_port,
+            args.ready_file,
+            http_host=http_host,
+            tls=tls,
+            auth=auth,
+            limits=limits,
+        )
+    )
+    return 0
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from streamdiloco.certs import make_certs
+
+    names = [n.strip() for n in args.server_names.split(",") if n.strip()] if args.server_names else None
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    if not 1 <= args.days <= 3650:
+        raise ValueError(f"--days must be 1..3650, got {args.days}")
+    written = make_certs(args.out, names, workers, args.days)
+    for path in written:
+        print(path)
+    print(
+        f"shards: --tls-cert {args.out}/server.pem --tls-key {args.out}/server.key "
+        f"--tls-client-ca {args.out}/ca.pem --workers-file {args.out}/workers.txt "
+        f"--read-token-file {args.out}/read.token"
+    )
+    print(
+        f"worker NAME: --name NAME --tls-ca {args.out}/ca.pem --tls-cert {args.out}/workers/NAME.pem "
+        f"--tls-key {args.out}/workers/NAME.key --token-file {args.out}/workers/NAME.token"
+    )
+    return 0
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    from streamdiloco.certs import make_token
+
+    print(make_token(args.out, args.name))
     return 0
 
 
@@ -540,6 +744,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
         else:
             top.pop("name", None)
+    if args.token_file:
+        from streamdiloco.common.tls import read_secret
+
+        if args.token:
+            raise ValueError("give --token or --token-file, not both")
+        top["token"] = read_secret(args.token_file, "--token-file")
     cfg = WorkerConfig(
         servers=servers, **top, sync=_sync_config(args), inner=InnerConfig(**_pick(InnerConfig, v))
     )

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -137,8 +139,11 @@ def write_targets(path: Path, shards: list[int], workers: list[int]) -> None:
     path.write_text(json.dumps(groups, indent=2))
 
 
-def http_json(url: str, timeout: float = 10.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def http_json(url: str, timeout: float = 10.0, ca: Path | None = None, token: str | None = None) -> dict:
+    """GET a JSON page; over HTTPS trusting `ca`, with the read token if given."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as r:
         return json.loads(r.read())
 
 
@@ -151,7 +156,48 @@ def run_max_weight(args: argparse.Namespace) -> float:
     return float(args.batch_size * block * args.sync_every)
 
 
+class Credentials:
+    """`launch --tls`: a fresh set of the run's credentials in OUT/certs (`streamdiloco certs`), and the
+    flags that hand them to shards and workers: mutual TLS, a token per worker, a read token."""
+
+    def __init__(self, folder: Path, workers: int):
+        from streamdiloco.certs import make_certs
+
+        if folder.exists():
+            shutil.rmtree(folder)  # a new run, new credentials
+        make_certs(folder, None, [f"worker-{m}" for m in range(workers)])
+        self.folder, self.ca = folder, folder / "ca.pem"
+        self.read_token = (folder / "read.token").read_text().strip()
+
+    def shard_flags(self) -> list[str]:
+        f = self.folder
+        return [
+            *("--tls-cert", str(f / "server.pem"), "--tls-key", str(f / "server.key")),
+            *("--tls-client-ca", str(self.ca), "--workers-file", str(f / "workers.txt")),
+            *("--read-token-file", str(f / "read.token")),
+        ]
+
+    def worker_files(self, m: int) -> tuple[Path, Path, Path]:
+        """Worker m's certificate, key and token file."""
+        w = self.folder / "workers" / f"worker-{m}"
+        return w.with_suffix(".pem"), w.with_suffix(".key"), w.with_suffix(".token")
+
+    def worker_flags(self, m: int) -> list[str]:
+        cert, key, token = self.worker_files(m)
+        return [
+            "--tls-ca",
+            str(self.ca),
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--token-file",
+            str(token),
+        ]
+
+
 def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robust) -> int:
+    from streamdiloco.common.tls import ClientTLS
     from streamdiloco.worker.client import fetch_masters
 
     out = Path(args.out)
@@ -176,6 +222,8 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         )
     min_workers = args.min_workers or args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    creds = Credentials(out / "certs", args.workers) if args.tls else None
+    scheme = "https" if creds else "http"
     cluster = Cluster(out)
     t0 = time.monotonic()
 
@@ -193,7 +241,15 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
                 + ["--port", "0", "--http-port", str(args.http_port + s if args.http_port else 0)]
                 + ["--ready-file", str(ready[s])]
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
+                # every worker comes from this machine's address: the cap per address must fit them all
+                + [
+                    "--max-sessions-per-peer",
+                    str(max(8, args.workers)),
+                    "--max-sessions",
+                    str(max(512, args.workers)),
+                ]
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
+                + (creds.shard_flags() if creds else [])
                 + model
                 + sync
                 + robust,
@@ -203,9 +259,12 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
         metrics_ports = free_ports(args.workers)
         write_targets(out / "prometheus-targets.json", [p["http_port"] for p in ports], metrics_ports)
+        page = f"/?token={creds.read_token}" if creds else "/"
         say(
-            f"[launch] {args.shards} shards up at {', '.join(targets)}; dashboards: "
-            + ", ".join(f"http://127.0.0.1:{p['http_port']}/" for p in ports)
+            f"[launch] {args.shards} shards up at {', '.join(targets)}"
+            + (f" (mutual TLS, credentials in {creds.folder})" if creds else "")
+            + "; dashboards: "
+            + ", ".join(f"{scheme}://127.0.0.1:{p['http_port']}{page}" for p in ports)
             + f"; Prometheus targets in {out / 'prometheus-targets.json'}"
         )
         workers = []
@@ -216,6 +275,8 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
+            if creds:
+                argv += creds.worker_flags(m)
             workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))
         while any(w.poll() is None for w in workers):
             failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
@@ -230,11 +291,22 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         if any(codes):
             say(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log")
             return 1
-        statuses = [http_json(f"http://127.0.0.1:{p['http_port']}/api/status") for p in ports]
+        statuses = [
+            http_json(
+                f"{scheme}://127.0.0.1:{p['http_port']}/api/status",
+                ca=creds.ca if creds else None,
+                token=creds.read_token if creds else None,
+            )
+            for p in ports
+        ]
         if args.save_global:
             import torch
 
-            torch.save(fetch_masters(targets), out / "masters.pt")
+            token, tls = "", None
+            if creds:  # worker-0's credentials: Fetch needs a worker's
+                cert, key, token_file = creds.worker_files(0)
+                token, tls = token_file.read_text().strip(), ClientTLS(str(creds.ca), str(cert), str(key))
+            torch.save(fetch_masters(targets, token, tls=tls), out / "masters.pt")
         summary = summarize(
             [json.loads((out / f"worker-{m}.json").read_text()) for m in range(args.workers)],
             statuses,

@@ -48,6 +48,11 @@ class ChunkError(ValueError):
         self.reason = reason
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """Text a client sent, as a message quotes it: its first `limit` characters."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
@@ -126,7 +131,9 @@ class Assembly:
                 "bad_length", f"{self.where} has {self.total} values, the {self.what} says {total}"
             )
         if part.codec != self.codec:
-            raise ChunkError("bad_codec", f"this run's {self.role} codec is {self.codec}, got {part.codec!r}")
+            raise ChunkError(
+                "bad_codec", f"this run's {self.role} codec is {self.codec}, got {_shown(part.codec)}"
+            )
         if part.block_size != self.block_size:
             raise ChunkError("bad_codec", f"block size must be {self.block_size}, got {part.block_size}")
         end = offset + part.numel

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
+MERGE_RULES = ("mix", "rebase")
 ROUNDING_MODES = ("nearest", "stochastic")
 
 
@@ -26,6 +27,12 @@ class SyncConfig:
     # t + tau, waiting for the update if need be (the paper's; deterministic, whatever the link's timing).
     # tau = 0 always waits (blocking DiLoCo)
     merge_policy: str = "adaptive"
+    # rebase: the merge mixes global and local as the local parameters were at the send, and keeps the
+    # local steps taken since (local += (1 - alpha) * (global - local_at_send)); mix: the paper's,
+    # local = alpha * local + (1 - alpha) * global as they are at the merge, which halves (alpha 0.5) the
+    # steps taken between send and merge. Rebase measured better at tau 1 and much better when merges come
+    # late (slow links): BENCHMARKS.md
+    merge_rule: str = "rebase"
     fragment_pattern: str = "strided"  # block i -> fragment i mod P ("sequential": consecutive blocks)
     uplink_codec: str = "e3m0"  # how workers quantize their outer gradients
     downlink_codec: str = "e3m0"  # how shards quantize the outer update (with error feedback)
@@ -65,6 +72,8 @@ class SyncConfig:
             raise ValueError(
                 f"unknown merge_policy {self.merge_policy!r}: choose {' or '.join(MERGE_POLICIES)}"
             )
+        if self.merge_rule not in MERGE_RULES:
+            raise ValueError(f"unknown merge_rule {self.merge_rule!r}: choose {' or '.join(MERGE_RULES)}")
         if self.fragment_pattern not in FRAGMENT_PATTERNS:
             raise ValueError(
                 f"unknown fragment_pattern {self.fragment_pattern!r}: choose {' or '.join(FRAGMENT_PATTERNS)}"

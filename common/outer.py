@@ -228,3 +228,15 @@ def merge_local_(locals_: list[torch.Tensor], mirrors: list[torch.Tensor], alpha
             return
         for t, m in zip(locals_, mirrors, strict=True):  # low-precision parameters: mix in fp32
             t.copy_(torch.lerp(t.to(m.dtype), m, weight))
+
+
+def rebase_local_(locals_: list[torch.Tensor], corrections: list[torch.Tensor], alpha: float) -> None:
+    """The rebase merge in place: local += (1 - alpha) * correction, where correction = global - local as
+    it was at the send (views on the parameters' device, fp32)."""
+    weight = 1.0 - alpha
+    with torch.no_grad():
+        if all(t.dtype == c.dtype for t, c in zip(locals_, corrections, strict=True)):
+            torch._foreach_add_(locals_, corrections, alpha=weight)
+            return
+        for t, c in zip(locals_, corrections, strict=True):  # low-precision parameters: add in fp32
+            t.copy_(t.to(c.dtype).add_(c, alpha=weight))

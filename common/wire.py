@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from streamdiloco.common.codecs import Encoded, split
+from streamdiloco.common.tls import ClientTLS
 from streamdiloco.protos import streamdiloco_pb2 as pb
 
 PROTOCOL = 1
@@ -46,14 +47,28 @@ SERVER_OPTIONS = _COMMON + [
 ]
 
 
-def make_server() -> grpc.aio.Server:
-    """An asyncio gRPC server with the run's message limits and keepalive."""
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def make_server(
+    options: list[tuple[str, int]] | None = None, maximum_concurrent_rpcs: int | None = None
+) -> grpc.aio.Server:
+    """An asyncio gRPC server with the run's message limits and keepalive, and the shard's `options`
+    (its bounds on connections: server/bounds.py)."""
+    return grpc.aio.server(
+        options=SERVER_OPTIONS + (options or []), maximum_concurrent_rpcs=maximum_concurrent_rpcs
+    )
 
 
-def make_channel(target: str) -> grpc.Channel:
-    """A (blocking-API) channel to a shard at HOST:PORT."""
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+def make_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
+    """A (blocking-API) channel to a shard at HOST:PORT; over TLS when `tls` is given (the shard's
+    certificate must name HOST and be signed by the run's CA)."""
+    if tls is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(target, tls.grpc_credentials(), options=CHANNEL_OPTIONS)
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """A call's credential: the worker's token as gRPC metadata (on every call, Session included, so that
+    a session id alone proves nothing)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def parse_target(target: str) -> str:

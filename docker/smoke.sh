@@ -18,7 +18,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TIMEOUT="${SMOKE_TIMEOUT:-600}"
 KEEP="${SMOKE_KEEP:-0}"
-SHARD_URLS=("http://localhost:8080" "http://localhost:8081")
+SHARD_URLS=("https://localhost:8080" "https://localhost:8081") # the run's CA and read token: from the stack
 PROMETHEUS="http://localhost:9090"
 GRAFANA="http://localhost:3000"
 
@@ -53,18 +53,23 @@ cleanup() {
             compose down -v --remove-orphans || true
         fi
     fi
+    rm -f "$CA"
     exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# HTTP status code of a URL, 000 when nothing answers
-http_code() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$1" || true; }
+CA="$(mktemp)" # the run's CA (the shards serve HTTPS), copied out of the stack once it is up
+READ_TOKEN=""  # the shards' read token, likewise
+
+# HTTP status code of a URL, 000 when nothing answers (shards: trusting the run's CA)
+http_code() { curl -s -o /dev/null -m 5 --cacert "$CA" -w '%{http_code}' "$@" || true; }
 
 # rounds_closed from a shard's /api/status (JSON), empty when it does not answer
 rounds_closed() {
-    curl -sf -m 5 "$1/api/status" | grep -o '"rounds_closed": *[0-9]*' | grep -o '[0-9]*$' || true
+    curl -sf -m 5 --cacert "$CA" -H "Authorization: Bearer $READ_TOKEN" "$1/api/status" |
+        grep -o '"rounds_closed": *[0-9]*' | grep -o '[0-9]*$' || true
 }
 
 # the value of a Prometheus instant query whose result is a single number, empty when there is none
@@ -96,8 +101,13 @@ shards_ready() {
         [ "$(http_code "$u/readyz")" = 200 ] || return 1
     done
 }
+compose exec -T shard-0 cat /certs/ca.pem >"$CA" # made by the certs service before any shard started
+READ_TOKEN="$(compose exec -T shard-0 cat /certs/read.token)"
 wait_for "both shards' /readyz to answer 200" shards_ready
-say "shards ready: ${SHARD_URLS[*]} (/readyz 200)"
+say "shards ready: ${SHARD_URLS[*]} (/readyz 200, over TLS)"
+code="$(http_code "${SHARD_URLS[0]}/api/status")"
+[ "$code" = 401 ] || die "shard-0's /api/status without the read token answered $code, not 401"
+say "shard-0's /api/status needs the read token (401 without it)"
 
 first_rounds="$(rounds_closed "${SHARD_URLS[0]}")"
 first_rounds="${first_rounds:-0}"

@@ -2,7 +2,8 @@
 # Debian packages that the tests (default, or `tests`) or the WAN testbed (`wan`) need, installed when
 # missing where it can (root with apt-get); otherwise it says what to install.
 #   tests: prometheus (prometheus, promtool) for the scrape test and the config and metrics checks, chromium
-#          for the dashboard's browser test. `make test` and `.ci/run` run it.
+#          for the dashboard's browser test, tcpdump for the capture that shows TLS hides the token.
+#          `make test` and `.ci/run` run it.
 #   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
 #          connections to its delaying proxy) for benchmarks/wan.py. `make bench-wan` runs it.
 set -euo pipefail
@@ -12,6 +13,7 @@ case "$what" in
 tests)
     command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
     command -v chromium >/dev/null || missing+=(chromium)
+    command -v tcpdump >/dev/null || missing+=(tcpdump)
     ;;
 wan)
     command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)

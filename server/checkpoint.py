@@ -1,8 +1,9 @@
-"""A shard's checkpoint: one directory, one file per fragment, each replaced atomically, and a log of the
-rounds closed since.
+"""A shard's checkpoint: one directory, one file per fragment, each replaced atomically, a log of the rounds
+closed since, and meta.json, which names the run and holds the sha256 of every file that is part of the
+checkpoint.
 
-    meta.json                         the run it belongs to: shard, number of shards, sync config, model
-                                      fingerprint
+    meta.json                         the run it belongs to (shard, number of shards, sync config, model
+                                      fingerprint) and `files`: the sha256 of each file below
     fragment-<p>.pt                   fragment p's slice: the open round, the master, the outer momentum, the
                                       downlink's error-feedback residual and the rounding generator
     rounds/fragment-<p>-round-<r>.pt  round r of fragment p's inputs: its pushes, still encoded, and what
@@ -18,14 +19,33 @@ the same order into the same step: it has every round a worker may have applied,
 state drops the logs before it. Pushes of the round still open are not saved: workers keep each push until
 its round's update arrives and send it again to the restarted shard. Files of different fragments need not
 agree on anything, which is why every round writes only its own fragment.
+
+Checked at load. meta.json is the commit point: a file counts only once meta.json lists its hash, and a
+file whose bytes do not hash to what meta.json lists, or that holds a value that is not finite, is refused
+(one line naming the file). So that a crash between two writes leaves a checkpoint that loads exactly when
+it is consistent:
+- a round's log is written, then listed; the update goes out only after that. A log on disk that meta.json
+  does not list was never acknowledged: it is ignored (workers send its pushes again);
+- a fragment's state replaces the file of the same name, so meta.json first lists the new file's hash as
+  `incoming` (either hash is taken), then the file is renamed into place, then meta.json lists it alone and
+  drops the logs before it; the dropped files are deleted last;
+- a new run writes every fragment before its first meta.json (an old run's meta.json goes first: a crash
+  midway leaves no checkpoint, not a mix of two runs).
+A checkpoint of format 1 (written before hashes) loads with a warning, its files unchecked but checked
+finite, and is written again with hashes before the shard takes any worker (`pending_initial`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
+import math
 import os
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,24 +56,57 @@ from streamdiloco.server.shard import ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
-FORMAT = 1
+FORMAT = 2
+LEGACY_FORMAT = 1  # no hashes: loaded unchecked, with a warning, then written again as FORMAT
 FULL_EVERY = 8  # a fragment's whole state every this many of its rounds; the rounds between are logged
+_LOG_NAME = re.compile(r"rounds/fragment-(\d+)-round-(\d+)\.pt")
+_HASH_ASIDE = 1 << 20  # buffers at least this large are hashed on _HASHER while they are written
+_HASHER = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
 
 
-def atomic_write(path: Path, write) -> None:
+class _Hashing:
+    """A writable file that hashes what goes through it (torch.save and json see a plain file object). A
+    large buffer (a tensor's storage: torch writes each in one call) is hashed on another thread while it
+    is written: both release the GIL, so the hash costs next to nothing on the write's time."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        if memoryview(data).nbytes < _HASH_ASIDE:
+            self.sha.update(data)
+            return self.f.write(data)
+        hashed = _HASHER.submit(self.sha.update, data)  # in order: the previous update has returned
+        try:
+            return self.f.write(data)
+        finally:
+            hashed.result()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_write(path: Path, write, before_rename=None) -> str:
     """Write a file so that a crash leaves either the old or the new one: `write(f)` fills a temporary
-    file beside it, which is flushed, fsynced and renamed over `path`; then the directory is fsynced."""
+    file beside it, which is flushed, fsynced and renamed over `path`; then the directory is fsynced.
+    Returns the sha256 (hex) of what was written; `before_rename(sha)`, if given, runs once the new
+    bytes are durable and before they replace the old file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        write(f)
+        hashing = _Hashing(f)
+        write(hashing)
         f.flush()
         os.fsync(f.fileno())
+    sha = hashing.sha.hexdigest()
+    if before_rename is not None:
+        before_rename(sha)
     os.replace(tmp, path)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return sha
 
 
 def _first_line(e: Exception) -> str:
@@ -62,14 +115,37 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first[0]}"
 
 
+def _nonfinite(obj, path: str = "") -> str | None:
+    """Where `obj` (a loaded checkpoint file: dicts, lists, tensors, numbers) holds a value that is not
+    finite, in words ("outer.master: 3 of 12352 values are not finite"); None when all are finite."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() and not all(torch.isfinite(x) for x in torch.aminmax(obj)):
+            bad = int((~torch.isfinite(obj)).sum())
+            return f"{path}: {bad} of {obj.numel()} values are not finite"
+        return None
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else f"{path} is {obj}"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list | tuple) else ()
+    for key, value in items:
+        if (where := _nonfinite(value, f"{path}.{key}" if path else str(key))) is not None:
+            return where
+    return None
+
+
 class ShardCheckpoint:
     def __init__(self, directory: str | Path, fingerprint: dict):
         self.dir = Path(directory)
         self.fingerprint = fingerprint
         self.writes = 0
-        self.pending_initial = False  # a new run: write every file before the first worker comes
+        self.pending_initial = False  # write every file before the first worker comes (a new run)
         self.errors = 0
         self.last_error: str | None = None
+        # what meta.json lists: file (relative to dir) -> sha256; and the hash of a file being replaced
+        self.files: dict[str, str] = {}
+        self.incoming: dict[str, str] = {}
+        self.committed = False  # meta.json of this run is on disk: every write updates it
+        self._run: dict | None = None  # meta.json less the hashes
+        self._lock = threading.Lock()  # close jobs of two fragments write on two threads
 
     def _meta(self, state: ShardState) -> dict:
         return {
@@ -91,9 +167,9 @@ class ShardCheckpoint:
             meta = json.loads((self.dir / "meta.json").read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"{where}: cannot read meta.json ({e}); use --fresh to start over") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
             got = meta.get("format") if isinstance(meta, dict) else None
-            raise ValueError(f"{where} has format {got!r}, this shard reads {FORMAT}")
+            raise ValueError(f"{where} has format {got!r}, this shard reads {FORMAT} (and {LEGACY_FORMAT})")
         if (meta.get("shard"), meta.get("num_shards")) != (shard, num_shards):
             raise ValueError(
                 f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
@@ -107,11 +183,19 @@ class ShardCheckpoint:
                 f"{where} was written by a run with other sync settings ({', '.join(changed)}): start with "
                 "the same flags, or use --fresh (or another --checkpoint-dir) to start a new run"
             )
+        if meta["format"] == FORMAT:
+            for key in ("files", "incoming"):
+                table = meta.get(key)
+                if not isinstance(table, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in table.items()
+                ):
+                    raise ValueError(f"{where}: meta.json's {key!r} is not a table of file hashes (--fresh)")
         return meta
 
     def load(self, state: ShardState) -> None:
         """Restore every fragment of `state` from the directory; ValueError (one line) when the checkpoint
-        belongs to another run or is incomplete."""
+        belongs to another run, is incomplete, or a file is damaged (its hash differs from meta.json's, or
+        it holds values that are not finite)."""
         where = f"checkpoint {self.dir}"
         meta = self.check_meta(state.shard, state.num_shards, state.cfg)
         diff = fingerprint_diff(
@@ -119,49 +203,148 @@ class ShardCheckpoint:
         )
         if diff:
             raise ValueError(f"{where} was written for another model: {diff}; use --fresh to start over")
+        legacy = meta["format"] == LEGACY_FORMAT
+        if legacy:
+            log.warning(
+                "%s was written without file hashes (format %d): loading it unchecked; it is written again "
+                "with hashes before any worker is taken",
+                where,
+                LEGACY_FORMAT,
+            )
+        files: dict[str, str] = {}  # what the files hash to, as loaded
+        incoming = {} if legacy else meta["incoming"]
         for f in range(state.layout.num_fragments):
-            path = self.dir / f"fragment-{f}.pt"
+            name = f"fragment-{f}.pt"
+            if not legacy and name not in meta["files"]:
+                raise ValueError(f"{where} is incomplete: meta.json does not list {name}; use --fresh")
+            want = None if legacy else (meta["files"][name], incoming.get(name))
+            saved, files[name] = self._read(name, want)
             try:
-                saved = torch.load(path, map_location="cpu", weights_only=True)
-            except FileNotFoundError:
-                raise ValueError(f"{where} is incomplete: {path.name} is missing; use --fresh") from None
-            except Exception as e:  # torch raises many kinds, some with pages of advice, for damaged files
-                raise ValueError(f"{where}: {path.name} is damaged ({_first_line(e)})") from None
-            state.load_fragment_state(f, saved)
+                state.load_fragment_state(f, saved)
+            except ValueError as e:
+                raise ValueError(f"{where}: {name} does not fit ({e})") from None
             r = state.round_of(f)
-            while (path := self._log_path(f, r)).exists():  # the rounds closed since: replayed
+            while (name := f"rounds/fragment-{f}-round-{r}.pt") in meta.get("files", {}) or (
+                legacy and (self.dir / name).exists()
+            ):  # the rounds closed since: replayed
+                record, files[name] = self._read(name, None if legacy else (meta["files"][name], None))
                 try:
-                    record = torch.load(path, map_location="cpu", weights_only=True)
                     state.replay_round(f, record)
-                except Exception as e:  # a log torch cannot read, or whose pushes do not check
-                    raise ValueError(f"{where}: rounds/{path.name} is damaged ({_first_line(e)})") from None
+                except Exception as e:  # a log whose pushes do not check
+                    raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
                 r += 1
+            for listed in meta.get("files", {}):  # a listed log beyond a gap: the log of a round is missing
+                m = _LOG_NAME.fullmatch(listed)
+                if m and int(m[1]) == f and int(m[2]) > r:
+                    raise ValueError(f"{where} is incomplete: meta.json lists {listed} but not {name}")
+        self.files, self.incoming, self.committed = files, {}, True
+        self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
+        self._run["fingerprint"] = self.fingerprint
+        if legacy:
+            self.pending_initial = True  # written again, with hashes, before the shard serves
+
+    def _read(self, name: str, want: tuple[str, str | None] | None) -> tuple[object, str]:
+        """A file of the checkpoint, loaded, and its sha256; ValueError (one line) when it is missing, its
+        hash is not one of `want` (the listed one and an incoming one; None: not checked), torch cannot read
+        it, or it holds a value that is not finite."""
+        where = f"checkpoint {self.dir}"
+        try:
+            data = (self.dir / name).read_bytes()
+        except FileNotFoundError:
+            raise ValueError(f"{where} is incomplete: {name} is missing; use --fresh") from None
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read {name} ({_first_line(e)})") from None
+        sha = hashlib.sha256(data).hexdigest()
+        if want is not None and sha not in want:
+            raise ValueError(
+                f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists "
+                f"{want[0][:16]}...; restore the directory from a copy or use --fresh"
+            )
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many kinds, some with pages of advice, for damaged files
+            raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
+        del data
+        if (bad := _nonfinite(obj)) is not None:
+            raise ValueError(f"{where}: {name} is damaged: {bad}; use --fresh or restore it from a copy")
+        return obj, sha
 
     def _log_path(self, fragment: int, round: int) -> Path:
         return self.dir / "rounds" / f"fragment-{fragment}-round-{round}.pt"
+
+    def _write_meta(self) -> None:
+        """meta.json with the hashes as they are now (the caller holds the lock)."""
+        meta = json.dumps({**(self._run or {}), "files": self.files, "incoming": self.incoming}, indent=1)
+        atomic_write(self.dir / "meta.json", lambda f: f.write(meta.encode()))
+
+    def _failed(self, what: str, e: OSError) -> bool:
+        self.errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        log.error("%s to %s failed: %s", what, self.dir, self.last_error)
+        return False
 
     def full_due(self, round: int) -> bool:
         """Whether the fragment's whole state is written after this round (besides the round's log)."""
         return (round + 1) % FULL_EVERY == 0
 
     def log_round(self, fragment: int, record: dict) -> bool:
-        """Write a closing round's log (CloseJob.record); False (and an error in the log) if it could not."""
+        """Write a closing round's log (CloseJob.record) and list it in meta.json; False (and an error in
+        the log) if it could not."""
+        path = self._log_path(fragment, record["round"])
         try:
-            (self.dir / "rounds").mkdir(parents=True, exist_ok=True)
-            atomic_write(
-                self._log_path(fragment, record["round"]),
-                lambda f: torch.save(record, f, _use_new_zipfile_serialization=False),
-            )
-            self.writes += 1
+            path.parent.mkdir(parents=True, exist_ok=True)
+            sha = atomic_write(path, lambda f: torch.save(record, f, _use_new_zipfile_serialization=False))
+            with self._lock:
+                self.files[f"rounds/{path.name}"] = sha
+                if self.committed:
+                    self._write_meta()
+                self.writes += 1
             return True
         except OSError as e:
-            self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            log.error("log of fragment %d round %d to %s failed: %s", fragment, record["round"], self.dir, e)
-            return False
+            return self._failed(f"log of fragment {fragment} round {record['round']}", e)
+
+    def save_fragment(self, state: ShardState, fragment: int) -> bool:
+        """Write one fragment's file; False (and an error in the log) if it could not be written."""
+        return self.save(fragment, state.fragment_state(fragment))
+
+    def save(self, fragment: int, saved: dict) -> bool:
+        """Write a fragment's state (ShardState.fragment_state, or a close job's, on the job's thread) and
+        list it in meta.json, dropping the logs of the rounds before it."""
+        name, below = f"fragment-{fragment}.pt", int(saved["round"])
+
+        def announce(sha: str) -> None:  # the new file's hash is taken before the file is in place
+            with self._lock:
+                if self.committed:
+                    self.incoming[name] = sha
+                    self._write_meta()
+
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # torch's legacy (non-zip) format: a 300 MB fragment state is written in 0.23 s against 0.4-1 s
+            # for the zip format (which checksums it and writes it in small pieces), and this write is on
+            # every round's critical path (the update goes out once it is durable); torch.load reads both
+            sha = atomic_write(
+                self.dir / name,
+                lambda f: torch.save(saved, f, _use_new_zipfile_serialization=False),
+                announce,
+            )
+            with self._lock:
+                self.files[name] = sha
+                self.incoming.pop(name, None)
+                for listed in list(self.files):
+                    m = _LOG_NAME.fullmatch(listed)
+                    if m and int(m[1]) == fragment and int(m[2]) < below:
+                        del self.files[listed]
+                if self.committed:
+                    self._write_meta()
+                self.writes += 1
+            self._drop_logs(fragment, below)
+            return True
+        except OSError as e:
+            return self._failed(f"checkpoint of fragment {fragment}", e)
 
     def _drop_logs(self, fragment: int, below: int) -> None:
-        """Remove the fragment's round logs older than its whole state of round `below`."""
+        """Remove the fragment's round logs older than its whole state of round `below` (no longer listed)."""
         folder = self.dir / "rounds"
         if not folder.is_dir():
             return
@@ -173,38 +356,23 @@ class ShardCheckpoint:
             if r < below:
                 path.unlink(missing_ok=True)
 
-    def save_fragment(self, state: ShardState, fragment: int) -> bool:
-        """Write one fragment's file; False (and an error in the log) if it could not be written."""
-        return self.save(fragment, state.fragment_state(fragment))
-
-    def save(self, fragment: int, saved: dict) -> bool:
-        """Write a fragment's state (ShardState.fragment_state, or a close job's, on the job's thread)."""
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            # torch's legacy (non-zip) format: a 300 MB fragment state is written in 0.23 s against 0.4-1 s
-            # for the zip format (which checksums it and writes it in small pieces), and this write is on
-            # every round's critical path (the update goes out once it is durable); torch.load reads both
-            atomic_write(
-                self.dir / f"fragment-{fragment}.pt",
-                lambda f: torch.save(saved, f, _use_new_zipfile_serialization=False),
-            )
-            self.writes += 1
-            self._drop_logs(fragment, below=int(saved["round"]))
-            return True
-        except OSError as e:
-            self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            log.error("checkpoint of fragment %d to %s failed: %s", fragment, self.dir, self.last_error)
-            return False
-
     def save_all(self, state: ShardState) -> bool:
+        """Write every fragment and meta.json: a new run's first checkpoint, the last one of a shard that
+        stops, or a checkpoint of the previous format written again with hashes."""
+        self._run = self._meta(state)
+        if not self.committed:  # a new run: another run's meta.json must not name the files written now
+            try:
+                (self.dir / "meta.json").unlink(missing_ok=True)
+            except OSError as e:
+                return self._failed("removing the old meta.json", e)
+            self.files, self.incoming = {}, {}
         ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
-        try:
-            meta = json.dumps(self._meta(state), indent=1).encode()
-            atomic_write(self.dir / "meta.json", lambda f: f.write(meta))
-        except OSError as e:
-            self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            log.error("checkpoint meta.json to %s failed: %s", self.dir, self.last_error)
+        if not ok:
             return False
-        return ok
+        try:
+            with self._lock:
+                self._write_meta()
+                self.committed = True
+        except OSError as e:
+            return self._failed("checkpoint meta.json", e)
+        return True

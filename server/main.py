@@ -1,7 +1,7 @@
 """The shard process: `streamdiloco server`. gRPC (grpc.aio) for workers, HTTP (FastAPI on uvicorn) for
 health, metrics, status and the dashboard page, both on one event loop. HTTP comes up first, so that
 /healthz answers while the model and the checkpoint load (/readyz says when they have). SIGINT/SIGTERM
-stop it cleanly."""
+stop it cleanly; SIGHUP re-reads the workers file (server/auth.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import json
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -27,7 +28,18 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
+from streamdiloco.server.auth import Auth, WorkersFile
+from streamdiloco.server.bounds import (
+    BoundedH11,
+    HttpListener,
+    Limits,
+    Throttled,
+    connection_caps,
+    grpc_options,
+    throttle_library_logs,
+)
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
@@ -52,6 +64,9 @@ def build_service(
     checkpoint_dir: str | None = None,
     fresh: bool = False,
     robust: RobustConfig | None = None,
+    auth: Auth | None = None,
+    workers_file: WorkersFile | None = None,
+    limits: Limits | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
@@ -83,7 +98,16 @@ def build_service(
     elif checkpoint is not None:
         checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
     warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
-    return ShardService(state, fingerprint, token=token, chunk_bytes=chunk_bytes, checkpoint=checkpoint)
+    return ShardService(
+        state,
+        fingerprint,
+        token=token,
+        chunk_bytes=chunk_bytes,
+        checkpoint=checkpoint,
+        auth=auth,
+        workers_file=workers_file,
+        limits=limits,
+    )
 
 
 def load_initial(model, path: str) -> None:
@@ -117,9 +141,32 @@ class Holder:
         self.phase = "serving" if service is not None else "loading"
 
 
-def make_app(source: ShardService | Holder) -> FastAPI:
+OPEN_PATHS = ("/healthz", "/readyz")  # for health checks and load balancers: no token, nothing to read
+
+
+def make_app(source: ShardService | Holder, auth: Auth | None = None) -> FastAPI:
+    """The shard's HTTP app. With a read token in `auth`, everything but /healthz, /readyz and the page's
+    static files (the chart library) needs it: `Authorization: Bearer TOKEN`, or `?token=TOKEN` for the
+    page (which sends it on as the header)."""
     holder = source if isinstance(source, Holder) else Holder(source)
     app = FastAPI(title="streamdiloco shard", docs_url=None, redoc_url=None)
+
+    if auth is not None and auth.read_token:
+        reader = auth
+
+        @app.middleware("http")
+        async def need_read_token(request: Request, call_next):
+            path = request.url.path
+            if path in OPEN_PATHS or path.startswith("/static/"):
+                return await call_next(request)
+            query = request.query_params.get("token") if path == "/" else None
+            if not reader.read_allowed(request.headers.get("authorization"), query):
+                return JSONResponse(
+                    {"detail": "this needs the shard's read token (Authorization: Bearer TOKEN)"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            return await call_next(request)
 
     def not_yet() -> JSONResponse:
         return JSONResponse({"detail": f"the shard is {holder.phase}"}, status_code=503)
@@ -187,11 +234,21 @@ async def serve(
     http_port: int | None = 0,
     ready_file: str | None = None,
     stop: asyncio.Event | None = None,
+    http_host: str | None = None,
+    tls: ServerTLS | None = None,
+    auth: Auth | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
-    /healthz while it runs, in a thread."""
+    /healthz while it runs, in a thread. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
+    HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
+    on what clients may hold (else the service's, or the defaults)."""
     stop = stop or asyncio.Event()
+    if limits is None:
+        limits = service.limits if isinstance(service, ShardService) else Limits()
+    _, http_connections = connection_caps(limits)  # before anything listens: a limit too low fails now
+    throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
 
@@ -207,27 +264,59 @@ async def serve(
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    http_task, http, http_bound = None, None, None
+
+    def on_hangup() -> None:  # a new workers file at once (else within a second)
+        if holder.service is not None:
+            holder.service.reload_credentials(force=True)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    except (NotImplementedError, RuntimeError):
+        pass
+    if auth is None and holder.service is not None:
+        auth = holder.service.auth
+    http_task, http, http_bound, listener = None, None, None, None
+    http_host = http_host or host
     if http_port is not None:
-        sock = _bind(host, http_port)
+        sock = _bind(http_host, http_port)
         http_bound = sock.getsockname()[1]
-        config = uvicorn.Config(make_app(holder), log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            make_app(holder, auth),
+            log_level="warning",
+            lifespan="off",
+            http=BoundedH11,
+            ssl_certfile=tls.cert if tls else None,
+            ssl_keyfile=tls.key if tls else None,
+        )
+        config.load()
         http = uvicorn.Server(config)
-        http_task = asyncio.create_task(
-            http._serve(sockets=[sock])
-        )  # uvicorn's serve() minus its signal capture
+        # uvicorn's serve() minus its signal capture and its accept loop: connections come from `listener`
+        http_task = asyncio.create_task(http._serve(sockets=[]))
+        state = http.server_state
+        listener = HttpListener(
+            sock,
+            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),
+            limits,
+            http_connections,
+            Throttled(log),
+            ssl=config.ssl,
+        )
+        listener.start()
 
     async def stop_http() -> None:
+        if listener is not None:
+            listener.close()
         if http is not None and http_task is not None:
             http.should_exit = True
             await http_task
 
+    scheme = "https" if tls else "http"
     if holder.service is None:
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
             log.info,
             "loading the model and the checkpoint%s",
-            f"; health on http://{host}:{http_bound}/healthz" if http_bound else "",
+            f"; health on {scheme}://{http_host}:{http_bound}/healthz" if http_bound else "",
         )
         try:
             holder.service = await asyncio.to_thread(service)  # type: ignore[arg-type]
@@ -247,7 +336,20 @@ async def serve(
     gc.collect()
     gc.freeze()
     try:
-        await _serve_grpc(service, holder, host, port, http_bound, ready_file, stop)
+        # gRPC's cap from what the process holds now that the model and the checkpoint are loaded
+        connections = (connection_caps(limits)[0], http_connections if http_port is not None else 0)
+        await _serve_grpc(
+            service,
+            holder,
+            host,
+            port,
+            http_bound,
+            ready_file,
+            stop,
+            connections,
+            tls,
+            f"{scheme}://{http_host}",
+        )
     finally:
         await stop_http()
 
@@ -260,11 +362,21 @@ async def _serve_grpc(
     http_bound: int | None,
     ready_file: str | None,
     stop: asyncio.Event,
+    connections: tuple[int, int],
+    tls: ServerTLS | None,
+    http_base: str,
 ) -> None:
-    server = make_server()
+    limits = service.limits
+    # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
+    # included, gRPC takes no more until one ends (they wait in its own bounded queue)
+    server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     add_to_server(service, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.grpc_credentials())
     except RuntimeError:  # grpc's way of saying the address is in use or not ours
         bound = 0
     if bound == 0:
@@ -272,7 +384,7 @@ async def _serve_grpc(
             f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
         )
     ckpt = service.checkpoint
-    if ckpt is not None and ckpt.pending_initial:  # a new run: its starting state and meta.json
+    if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
         if not ckpt.save_all(service.state):
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
@@ -282,15 +394,36 @@ async def _serve_grpc(
     tick = asyncio.create_task(service.tick())
     service.on_fatal = stop.set
     st = service.state
+    auth = service.auth
     log.info(
-        "shard %d/%d: gRPC on %s:%d%s; %d fragments, %s values in this shard's slices",
+        "shard %d/%d: gRPC%s on %s:%d%s; %d fragments, %s values in this shard's slices; workers need %s",
         st.shard,
         st.num_shards,
+        " (mutual TLS)" if tls and tls.mutual else " (TLS)" if tls else "",
         host,
         bound,
-        f", dashboard on http://{host}:{http_bound}/" if http_bound else "",
+        f", dashboard on {http_base}:{http_bound}/" if http_bound else "",
         st.layout.num_fragments,
         f"{sum(hi - lo for lo, hi in st.ranges):,}",
+        " and ".join(
+            what
+            for what, on in (
+                ("their own token", auth.workers is not None),
+                ("a client certificate", auth.certificates),
+                ("the run token", bool(auth.token)),
+            )
+            if on
+        )
+        or "no credential",
+    )
+    log.info(
+        "open-file limit %d: at most %d gRPC and %d HTTP connections, %d sessions (%d per address), Hello "
+        "within %g s",
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        *connections,
+        limits.max_sessions,
+        limits.max_sessions_per_peer,
+        limits.hello_timeout,
     )
     if ready_file:
         tmp = Path(ready_file + ".tmp")

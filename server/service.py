@@ -18,35 +18,48 @@ thread, and the same bytes are queued to every member (Session's serializer pass
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-import secrets
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
+from streamdiloco.server.bounds import (
+    FETCHES_PER_PEER,
+    MIN_UNREAD_BYTES,
+    Limits,
+    PeerCounts,
+    Throttled,
+    UnreadBudget,
+    peer_host,
+)
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_NAME = 128
-PENDING_SECONDS = 300.0  # a Join's session id is good for this long
+PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
-MIN_QUEUE_BYTES = 256 << 20  # at least this much may wait for a member that reads slowly
+STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
+MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
 SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second,
 SAMPLES = 900  # for the last 15 minutes
 PROGRESS_POINTS = 600  # per worker: its latest reports (step, loss, blocked time), one per push
@@ -75,6 +88,9 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
+    revoked: bool = False  # its credential was revoked: its session is ended
+    call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
+    ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
 
 
 @dataclass
@@ -85,6 +101,26 @@ class Counters:
     fetch_out: int = 0
     bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
     fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
+
+
+@dataclass
+class Undecodable:
+    """What a message that does not parse becomes: the servicer refuses it with one throttled line, where
+    gRPC would log a traceback for each."""
+
+    kind: str  # the message type it should have been
+    size: int
+    error: str
+
+
+def _parse(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(cls.__name__, len(data), _short(str(e), 120))
+
+    return parse
 
 
 def check_name(name: str) -> str | None:
@@ -105,9 +141,15 @@ class ShardService(pb_grpc.ShardServicer):
         chunk_bytes: int = 1 << 20,
         clock=time.monotonic,
         checkpoint: ShardCheckpoint | None = None,
+        auth: Auth | None = None,
+        workers_file: WorkersFile | None = None,
+        limits: Limits | None = None,
     ):
-        self.state, self.fingerprint, self.token, self.clock = state, fingerprint, token, clock
+        self.state, self.fingerprint, self.clock = state, fingerprint, clock
+        self.auth = auth if auth is not None else Auth(token=token)
+        self.workers_file = workers_file  # re-read when it changes (tick) or on SIGHUP: revocation
         self.checkpoint = checkpoint
+        self.limits = limits = limits or Limits()
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
         self.stopping = False  # shutting down: sessions end, but no round closes because of that
@@ -119,10 +161,15 @@ class ShardService(pb_grpc.ShardServicer):
         self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
         down = get_codec(cfg.downlink_codec)
         update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
-        self.max_queued_bytes = max(MIN_QUEUE_BYTES, 4 * update_bytes)  # four rounds of every fragment
+        # what waits for members to read it, over all sessions: four rounds of every fragment by default
+        self.unread = UnreadBudget(limits.max_unread_bytes or max(MIN_UNREAD_BYTES, 4 * update_bytes))
+        self.peer_sessions = PeerCounts("sessions", limits.max_sessions, limits.max_sessions_per_peer)
+        self.fetches = PeerCounts("Fetch calls", limits.max_sessions, FETCHES_PER_PEER)
+        self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
+        self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self.members: dict[str, _Member] = {}
-        # session id -> (worker name, when), from Join until its Session starts (or PENDING_SECONDS pass)
-        self.pending: dict[str, tuple[str, float]] = {}
+        # the session ids Join gave out, until their Session starts; Joins never followed by one are bounded
+        self.sessions = Sessions(self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.counters = Counters()
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.started = time.time()
@@ -146,10 +193,11 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        if isinstance(request, Undecodable):
+            await self._undecodable(request, context)
         if self.stopping or self.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
+        identity = await self._authenticate(context, request.token, request.worker)
         if request.protocol != PROTOCOL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -174,22 +222,17 @@ class ShardService(pb_grpc.ShardServicer):
             diff = fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard")
         except (TypeError, KeyError, IndexError, AttributeError) as e:  # JSON, but not a fingerprint's shape
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is malformed: {type(e).__name__}: {e}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model fingerprint is malformed: {type(e).__name__}: {_short(str(e), 200)}",
             )
         if diff:
             diff = _short(diff, 1000)
-            log.warning("refused %s at Join: %s", request.worker, diff)
+            self.throttled.warning("join", "refused %s at Join: %s", request.worker, diff)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
-        if request.worker in self.members:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"worker {request.worker!r} already has a session on this shard",
-            )
-        session = secrets.token_hex(16)
-        now = time.monotonic()
-        for sid in [sid for sid, (_, t) in self.pending.items() if now - t > PENDING_SECONDS]:
-            del self.pending[sid]  # Joins never followed by a Session
-        self.pending[session] = (request.worker, now)
+        try:
+            session = self.sessions.join(request.worker, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
@@ -203,23 +246,57 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        it = request_iterator.__aiter__()
+        peer = peer_host(context.peer())
+        await self._admit(self.peer_sessions, peer, context)
         try:
-            first = await it.__anext__()
+            async with contextlib.aclosing(self._session(request_iterator, context)) as messages:
+                async for msg in messages:
+                    yield msg
+        finally:
+            self.peer_sessions.release(peer)
+
+    async def _admit(self, counts: PeerCounts, peer: str, context: grpc.aio.ServicerContext) -> None:
+        """Take one of `counts` for the peer, or refuse the call (RESOURCE_EXHAUSTED)."""
+        if (why := counts.acquire(peer)) is not None:
+            self.refused[counts.what] = self.refused.get(counts.what, 0) + 1
+            self.throttled.warning(counts.what, "refused a call: %s", why)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+
+    async def _undecodable(self, msg: Undecodable, context: grpc.aio.ServicerContext) -> None:
+        self.counters.bad_messages += 1
+        peer = peer_host(context.peer())
+        self.throttled.warning("undecodable", "a %s from %s does not parse: %s", msg.kind, peer, msg.error)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} ({msg.size} bytes) does not parse: {msg.error}"
+        )
+
+    async def _session(self, request_iterator, context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
+        timeout = self.limits.hello_timeout
+        try:
+            first = await asyncio.wait_for(it.__anext__(), timeout)
         except StopAsyncIteration:
             return
+        except asyncio.TimeoutError:
+            self.refused["no_hello"] = self.refused.get("no_hello", 0) + 1
+            self.throttled.warning(
+                "hello", "ended a session from %s: no Hello within %g s", peer_host(context.peer()), timeout
+            )
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"a session must start with Hello within {timeout:g} s"
+            )
+        if isinstance(first, Undecodable):
+            await self._undecodable(first, context)
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        if self.pending.get(first.hello.session, ("",))[0] != name or not name:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"unknown session for worker {_short(repr(name), 60)}: call Join first",
-            )
-        if name in self.members:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"worker {name!r} already has a session")
-        del self.pending[first.hello.session]
+        identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
+        try:
+            self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
+        except Refused as r:
+            await _abort(context, r)
         member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
+        member.call = asyncio.current_task()
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
         else:
@@ -229,29 +306,44 @@ class ShardService(pb_grpc.ShardServicer):
         try:
             yield self._welcome(member)
             while True:
+                if member.revoked:
+                    await context.abort(
+                        grpc.StatusCode.UNAUTHENTICATED, f"the credential of {name} was revoked"
+                    )
                 if member.overflowed:
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{name} left more than {self.max_queued_bytes:,} bytes of messages unread",
+                        f"the shard's {self.unread.limit:,} bytes of messages unread (over all sessions) ran "
+                        f"out, and {name} had the most of them",
                     )
                 getter = asyncio.create_task(member.queue.get())
                 done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:  # the worker closed its side, the call broke, or the reader failed
                     break
                 msg, size = getter.result()
-                if member.overflowed:
+                getter = None
+                if msg is not None:  # taken from the queue: no longer waiting
+                    self.unread.remove(msg)
+                    member.queued_bytes -= size
+                if member.overflowed or member.revoked:
                     continue  # ends the session at the top of the loop
-                member.queued_bytes -= size
                 member.msg_out += size
                 self.counters.msg_out += size
                 yield msg
             if reader.done() and not reader.cancelled() and (error := reader.exception()) is not None:
                 log.error("session of %s failed", name, exc_info=error)
-                await context.abort(grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {error}")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {_short(str(error))}"
+                )
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
                 getter.cancel()
+                if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
+                    self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
+            if member.ender is not None:
+                member.ender.cancel()
+            self._drop_queue(member)
             del self.members[name]
             for key in [k for k in self._push_started if k[0] == name]:
                 del self._push_started[key]
@@ -259,6 +351,51 @@ class ShardService(pb_grpc.ShardServicer):
                 self.state.remove_member(name)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
+
+    # --- credentials ---------------------------------------------------------------------------------------
+    async def _authenticate(
+        self, context: grpc.aio.ServicerContext, token: str, name: str | None
+    ) -> Identity:
+        """What the call's credentials prove (the token in its metadata, else `token` from the message; the
+        client certificate's name under mutual TLS); aborts the call when they do not allow it."""
+        offered = token
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = value[7:].strip()
+        names = (context.auth_context() or {}).get("x509_common_name") or ()
+        certificate = next(iter(names), b"").decode("utf-8", "replace") or None
+        try:
+            return self.auth.authenticate(offered, certificate, name)
+        except Refused as r:
+            await _abort(context, r)
+            raise  # not reached: abort raises
+
+    def reload_credentials(self, force: bool = False) -> None:
+        """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
+        whose credential it revoked. A file that does not parse changes nothing (one error line)."""
+        wf = self.workers_file
+        if wf is None or not (force or wf.changed()):
+            return
+        try:
+            workers = wf.load()
+        except ValueError as e:
+            log.error("keeping the credentials as they were: %s", e)
+            return
+        revoked = self.auth.reload(workers)
+        log.info(
+            "read %s: %d workers%s", wf.path, len(workers), f", revoked {sorted(revoked)}" * bool(revoked)
+        )
+        self.revoke(revoked)
+
+    def revoke(self, names: Iterable[str]) -> None:
+        """End the sessions of these workers and forget their Joins: they must prove a credential again."""
+        for name in self.sessions.revoke(names, self.members):
+            member = self.members[name]
+            member.revoked = True
+            self.state.remove_member(name)  # rounds stop waiting for it
+            member.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
+            log.warning("%s: credential revoked, its session ends", name)
+        self.close_due()
 
     def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
         member.active = True
@@ -284,19 +421,47 @@ class ShardService(pb_grpc.ShardServicer):
         if member.overflowed:
             return
         size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
-        if member.queued_bytes + size > self.max_queued_bytes:
-            member.overflowed = True
-            self.state.remove_member(member.name)  # rounds stop waiting for it; its session is ended
-            log.warning("%s does not read its updates: dropping it from the member set", member.name)
-            member.queue.put_nowait((pb.ShardMessage(), 0))  # wake the writer so that it ends the session
-            return
+        self.unread.add(msg, size)
         member.queued_bytes += size
         member.queue.put_nowait((msg, size))
+        while self.unread.over:  # one budget for all sessions: the one furthest behind goes first
+            reading = [m for m in self.members.values() if not m.overflowed]
+            if not reading:  # what is left over is a message a writer is taking: it goes at once
+                break
+            behind = max(reading, key=lambda m: m.queued_bytes)
+            behind.overflowed = True
+            self._drop_queue(behind)
+            self.state.remove_member(behind.name)  # rounds stop waiting for it; its session is ended
+            self.throttled.warning(
+                "unread", "%s does not read its updates: dropping it from the member set", behind.name
+            )
+            behind.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
+            # ... unless it is stuck writing to a client that takes nothing: then the call is cut (the client
+            # sees CANCELLED); its session's end lets go of the rest
+            behind.ender = asyncio.get_running_loop().call_later(STUCK_SECONDS, self._cut, behind)
+
+    def _cut(self, member: _Member) -> None:
+        if self.members.get(member.name) is member and member.call is not None:
+            self.throttled.log(logging.INFO, "cut", "%s still does not read: cutting its call", member.name)
+            member.call.cancel()
+
+    def _drop_queue(self, member: _Member) -> None:
+        """Let go of the messages still queued for a member (its session ends)."""
+        while not member.queue.empty():
+            msg, _ = member.queue.get_nowait()
+            if msg is not None:
+                self.unread.remove(msg)
+        member.queued_bytes = 0
 
     async def _read(self, member: _Member, it) -> None:
         async for msg in it:
-            if member.overflowed:
+            if member.overflowed or member.revoked:
                 return
+            if isinstance(msg, Undecodable):
+                self.counters.bad_messages += 1
+                self.throttled.warning("undecodable", "a %s from %s does not parse", msg.kind, member.name)
+                self._refuse(member, 0, 0, "bad_message", f"a message of {msg.size} bytes does not parse")
+                continue
             size = msg.ByteSize()
             member.msg_in += size
             self.counters.msg_in += size
@@ -341,6 +506,17 @@ class ShardService(pb_grpc.ShardServicer):
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_length"):
                 message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
                 self._refuse(member, c.fragment, c.round, "bad_length", message)
+            return
+        if c.seq == 0 and 0 < h.weight < MIN_WEIGHT:  # ShardState refuses the rest of what is not 1..2^53
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_weight"):
+                self._refuse(
+                    member,
+                    c.fragment,
+                    c.round,
+                    "bad_weight",
+                    f"fragment {c.fragment} round {c.round}: push weight must be at least {MIN_WEIGHT:g} "
+                    f"token (it counts the tokens trained on), got {h.weight}",
+                )
             return
         if c.seq == 0 and (problem := _check_progress(h)):
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_header"):
@@ -418,7 +594,9 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
-        (log.info if reason == "late" else log.warning)("refused a push from %s: %s", member.name, message)
+        message = _short(message)  # it may quote what the worker sent (a codec's name, ...)
+        level = logging.INFO if reason == "late" else logging.WARNING
+        self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
         self._send(member, pb.ShardMessage(result=result))
 
@@ -573,11 +751,13 @@ class ShardService(pb_grpc.ShardServicer):
             self.close_due()
 
     async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed; sample the dashboard's time series."""
+        """Close rounds whose deadline has passed; sample the dashboard's time series; re-read the workers
+        file when it changed."""
         while True:
             await asyncio.sleep(period)
             if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
                 self.sample()
+                self.reload_credentials()  # a revocation takes effect within a second
             try:
                 self.close_due()
             except Exception:  # keep closing rounds at their deadlines whatever one close did
@@ -585,12 +765,34 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
+        if isinstance(request, Undecodable):
+            await self._undecodable(request, context)
+        peer = peer_host(context.peer())
+        await self._admit(self.fetches, peer, context)
+        try:
+            async with contextlib.aclosing(self._fetch(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.fetches.release(peer)
+
+    async def _fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        if self.token and not secrets.compare_digest(request.token, self.token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing run token (--token)")
-        fragments = list(request.fragments) or list(range(st.layout.num_fragments))
+        await self._authenticate(context, request.token, None)
+        nfrag = st.layout.num_fragments
+        if len(request.fragments) > nfrag:  # each fragment at most once
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a Fetch names at most the run's {nfrag} fragments, got {len(request.fragments)}",
+            )
+        if len(set(request.fragments)) != len(request.fragments):
+            twice = next(f for i, f in enumerate(request.fragments) if f in request.fragments[:i])
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {twice} is named twice: name each fragment once"
+            )
+        fragments = list(request.fragments) or list(range(nfrag))
         for f in fragments:
             if not 0 <= f < st.layout.num_fragments:
                 await context.abort(
@@ -707,6 +909,14 @@ class ShardService(pb_grpc.ShardServicer):
                 "weights_capped": st.weights_capped,
             },
             "bad_messages": self.counters.bad_messages,
+            "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
+                "sessions": self.peer_sessions.held,
+                "fetches": self.fetches.held,
+                "unread_bytes": self.unread.held,
+                "unread_limit": self.unread.limit,
+                "pending_joins": len(self.sessions.pending),
+                "refused": dict(self.refused),
+            },
             "bytes": {
                 "codec_in": st.bytes_received,
                 "codec_out": self.counters.codec_out,
@@ -747,6 +957,18 @@ class ShardService(pb_grpc.ShardServicer):
         }
 
 
+_STATUS = {
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
+    """End the call with the status that an auth or membership refusal maps to."""
+    await context.abort(_STATUS[refused.code], refused.message)
+
+
 def _check_progress(h: pb.PushHeader) -> str | None:
     """The progress a push reports (step, blocked time): what the dashboard plots must be numbers."""
     if h.step > MAX_ROUND:
@@ -777,15 +999,15 @@ def rpc_handlers(service: ShardService) -> dict[str, grpc.RpcMethodHandler]:
     return {
         "Join": grpc.unary_unary_rpc_method_handler(
             service.Join,
-            request_deserializer=pb.JoinRequest.FromString,
+            request_deserializer=_parse(pb.JoinRequest),
             response_serializer=pb.JoinReply.SerializeToString,
         ),
         "Session": grpc.stream_stream_rpc_method_handler(
-            service.Session, request_deserializer=pb.WorkerMessage.FromString, response_serializer=_serialize
+            service.Session, request_deserializer=_parse(pb.WorkerMessage), response_serializer=_serialize
         ),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             service.Fetch,
-            request_deserializer=pb.FetchRequest.FromString,
+            request_deserializer=_parse(pb.FetchRequest),
             response_serializer=pb.MasterChunk.SerializeToString,
         ),
     }

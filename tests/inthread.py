@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.common.wire import PROTOCOL, make_channel, to_chunks
+from streamdiloco.common.tls import ClientTLS, ServerTLS
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import serve
@@ -30,11 +31,17 @@ END = object()  # what Session.next() gives once the shard has ended the session
 class Session:
     """A Session call fed from a queue; a thread moves what the shard sends into an inbox."""
 
-    def __init__(self, stub: pb_grpc.ShardStub, hello: pb.WorkerMessage | None = None):
+    def __init__(
+        self,
+        stub: pb_grpc.ShardStub,
+        hello: pb.WorkerMessage | None = None,
+        metadata=(),
+        timeout: float = RPC_TIMEOUT * 3,
+    ):
         self.out: queue.Queue = queue.Queue()
         self.inbox: queue.Queue = queue.Queue()
         self.sent = 0  # serialized bytes sent after Hello: what the shard counts as the member's msg_in
-        self.call = stub.Session(self._requests(), timeout=RPC_TIMEOUT * 3)
+        self.call = stub.Session(self._requests(), timeout=timeout, metadata=metadata)
         self.thread = threading.Thread(target=self._receive, daemon=True)
         self.thread.start()
         if hello is not None:
@@ -144,7 +151,7 @@ class Worker:
 
 class InThreadShard:
     """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any); with `http`, its
-    HTTP app too, on `http_port`."""
+    HTTP app too, on `http_port`; with `tls`, both over TLS (the test's channel then trusts `client`)."""
 
     def __init__(
         self,
@@ -154,8 +161,11 @@ class InThreadShard:
         token: str = "",
         port=0,
         http: bool = False,
+        tls: ServerTLS | None = None,
+        client: ClientTLS | None = None,
     ):
         self.service, self.fingerprint_json, self.token = service, fingerprint_json, token
+        self.tls, self.client = tls, client
         self.loop = asyncio.new_event_loop()
         self.stop: asyncio.Event | None = None
         self.failure: BaseException | None = None
@@ -171,7 +181,7 @@ class InThreadShard:
         ports = json.loads(ready.read_text())
         self.port, self.http_port = ports["grpc_port"], ports["http_port"]
         self.target = f"127.0.0.1:{self.port}"
-        self.channel = make_channel(self.target)
+        self.channel = make_channel(self.target, client)
         self.stub = pb_grpc.ShardStub(self.channel)
         self.sessions: list[Session] = []
 
@@ -182,7 +192,13 @@ class InThreadShard:
             self.stop = asyncio.Event()
             http_port = 0 if http else None
             await serve(
-                self.service, "127.0.0.1", port, http_port=http_port, ready_file=ready, stop=self.stop
+                self.service,
+                "127.0.0.1",
+                port,
+                http_port=http_port,
+                ready_file=ready,
+                stop=self.stop,
+                tls=self.tls,
             )
 
         try:
@@ -280,16 +296,17 @@ class InThreadShard:
         )
         return self.stub.Join(request, timeout=RPC_TIMEOUT)
 
-    def open_session(self, hello: pb.WorkerMessage | None) -> Session:
-        s = Session(self.stub, hello)
+    def open_session(self, hello: pb.WorkerMessage | None, token: str | None = None) -> Session:
+        """A Session call; its metadata carries `token` (default: the shard's run token), as a worker's do."""
+        s = Session(self.stub, hello, auth_metadata(self.token if token is None else token))
         self.sessions.append(s)
         return s
 
-    def worker(self, name: str, passive: bool = False) -> Worker:
+    def worker(self, name: str, passive: bool = False, token: str | None = None) -> Worker:
         """Join and open a session (a member at once, or passive until it sends Ready)."""
-        reply = self.join(name)
+        reply = self.join(name, token=token)
         hello = pb.WorkerMessage(hello=pb.Hello(worker=name, session=reply.session, passive=passive))
-        s = self.open_session(hello)
+        s = self.open_session(hello, token)
         welcome = s.next_message("welcome").welcome
         assert list(welcome.rounds) == list(reply.rounds)
         return Worker(name, s, reply, welcome)

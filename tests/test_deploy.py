@@ -36,7 +36,7 @@ SCHEMA_FILE = Path(__file__).with_name("grafana_dashboard.schema.json")
 
 SHARDS = ["shard-0", "shard-1"]
 WORKERS = ["worker-0", "worker-1", "worker-2"]
-SERVICES = {*SHARDS, *WORKERS, "prometheus", "grafana"}
+SERVICES = {*SHARDS, *WORKERS, "certs", "prometheus", "grafana"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -271,14 +271,70 @@ def promtool(unchecked: str) -> str:
     return path
 
 
-def test_prometheus_config_passes_promtool():
+def test_prometheus_config_passes_promtool(tmp_path):
+    # promtool wants the files the config names: the CA and read token that the stack's certs service
+    # copies to /certs/prometheus, made here by the same command
+    from streamdiloco.certs import make_certs
+
+    make_certs(tmp_path / "certs", ["shard-0", "shard-1"], [])
+    text = PROMETHEUS_FILE.read_text()
+    assert "/certs/prometheus/" in text
+    (tmp_path / "certs" / "prometheus").mkdir()
+    for name in ("ca.pem", "read.token"):
+        shutil.copy(tmp_path / "certs" / name, tmp_path / "certs" / "prometheus" / name)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(text.replace("/certs/prometheus/", f"{tmp_path}/certs/prometheus/"))
     r = subprocess.run(
-        [promtool("docker/prometheus.yml is not checked"), "check", "config", str(PROMETHEUS_FILE)],
+        [promtool("docker/prometheus.yml is not checked"), "check", "config", str(config)],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_compose_runs_as_on_the_internet(compose, commands):
+    """The stack uses what a shard on the internet needs (issue 13): the certs service makes the run's
+    credentials into a volume, shards serve mutual TLS with per-worker tokens and HTTPS with a read token
+    (which Prometheus carries), every worker has its own certificate and token, and no shard says
+    --insecure (its flags pass the shard's own listen rule)."""
+    from streamdiloco.server.auth import Auth, listen_plan
+
+    services = compose["services"]
+    certs = services["certs"]
+    script = " ".join(certs["command"])
+    assert certs["image"] == "streamdiloco:latest" and "streamdiloco certs --out /certs" in script
+    assert "--server-names shard-0,shard-1" in script and "--workers worker-0,worker-1,worker-2" in script
+    assert "/certs/prometheus" in script and certs.get("restart") == "no"
+
+    def mounts_certs(name: str) -> bool:
+        return any(v["source"] == "run-certs" and v["target"] == "/certs" for v in services[name]["volumes"])
+
+    assert mounts_certs("certs") and mounts_certs("prometheus")
+    for name in SHARDS:
+        a = commands[name]
+        assert mounts_certs(name) and not a.insecure
+        assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert (a.tls_cert, a.tls_key, a.tls_client_ca) == (
+            "/certs/server.pem",
+            "/certs/server.key",
+            "/certs/ca.pem",
+        )
+        assert (a.workers_file, a.read_token_file) == ("/certs/workers.txt", "/certs/read.token")
+        auth = Auth(workers={}, certificates=True, read_token="from the file")
+        assert listen_plan(a.host, a.http_host, True, auth, a.insecure) == "0.0.0.0"  # Prometheus reaches it
+        assert "https://127.0.0.1:8080/readyz" in " ".join(services[name]["healthcheck"]["test"])
+    for name in WORKERS:
+        a = commands[name]
+        assert mounts_certs(name) and a.tls_ca == "/certs/ca.pem"
+        assert (a.tls_cert, a.tls_key, a.token_file) == tuple(
+            f"/certs/workers/{name}.{ext}" for ext in ("pem", "key", "token")
+        )
+    job = next(
+        j for j in yaml.safe_load(PROMETHEUS_FILE.read_text())["scrape_configs"] if j["job_name"] == "shards"
+    )
+    assert job["scheme"] == "https" and job["tls_config"]["ca_file"] == "/certs/prometheus/ca.pem"
+    assert job["authorization"]["credentials_file"] == "/certs/prometheus/read.token"
 
 
 def test_prometheus_scrapes_every_shard_and_worker(compose, commands):

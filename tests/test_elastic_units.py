@@ -10,6 +10,7 @@ gRPC client. Every wait has a timeout.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -556,10 +557,22 @@ def test_a_damaged_round_log_is_refused(tmp_path):
     torch.save(record, path)
     with pytest.raises(ValueError) as e:
         ck.load(make_state())
-    assert "rounds/fragment-1-round-0.pt is damaged" in _one_line(e) and "scale" in str(e.value)
+    assert "rounds/fragment-1-round-0.pt is damaged: its sha256 is" in _one_line(e)
+    _relist(ck, "rounds/fragment-1-round-0.pt")  # listed with its new hash: its values are checked too
+    with pytest.raises(ValueError) as e:
+        ck.load(make_state())
+    assert "rounds/fragment-1-round-0.pt is damaged" in _one_line(e) and "scales" in str(e.value)
     path.write_bytes(b"not a log")
+    _relist(ck, "rounds/fragment-1-round-0.pt")
     with pytest.raises(ValueError, match="fragment-1-round-0.pt is damaged"):
         ck.load(make_state())
+
+
+def _relist(ck: ShardCheckpoint, name: str) -> None:
+    """List a file in meta.json with the hash of what it now holds (a change made with its hash)."""
+    meta = json.loads((ck.dir / "meta.json").read_text())
+    meta["files"][name] = hashlib.sha256((ck.dir / name).read_bytes()).hexdigest()
+    (ck.dir / "meta.json").write_text(json.dumps(meta))
 
 
 def test_exists_needs_meta_json(tmp_path):
@@ -630,7 +643,7 @@ def test_load_refuses_a_checkpoint_of_another_format(saved_run):
     (ck.dir / "meta.json").write_text(json.dumps({**meta, "format": 99}))
     with pytest.raises(ValueError) as e:
         ck.load(make_state())
-    assert "has format 99, this shard reads 1" in _one_line(e)
+    assert "has format 99, this shard reads 2 (and 1)" in _one_line(e)
 
 
 def test_load_refuses_fragment_files_swapped_between_fragments(saved_run):
@@ -638,6 +651,11 @@ def test_load_refuses_fragment_files_swapped_between_fragments(saved_run):
     one, two = (ck.dir / "fragment-1.pt").read_bytes(), (ck.dir / "fragment-2.pt").read_bytes()
     (ck.dir / "fragment-1.pt").write_bytes(two)
     (ck.dir / "fragment-2.pt").write_bytes(one)
+    with pytest.raises(ValueError) as e:
+        ck.load(make_state())
+    assert "fragment-1.pt is damaged: its sha256 is" in _one_line(e)
+    for name in ("fragment-1.pt", "fragment-2.pt"):  # swapped with their hashes: the slices do not fit
+        _relist(ck, name)
     with pytest.raises(ValueError) as e:
         ck.load(make_state())
     assert "checkpoint of fragment 2 slice" in _one_line(e) and "does not fit fragment 1" in str(e.value)
@@ -657,6 +675,10 @@ def test_load_refuses_a_damaged_fragment_file_in_one_line(saved_run, kind):
     ck, _ = saved_run
     path = ck.dir / "fragment-2.pt"
     path.write_bytes(_damage(kind, path.read_bytes()))
+    with pytest.raises(ValueError) as e:
+        ck.load(make_state())
+    assert "fragment-2.pt is damaged: its sha256 is" in _one_line(e) and str(ck.dir) in str(e.value)
+    _relist(ck, "fragment-2.pt")  # with its hash listed, torch's own refusal
     with pytest.raises(ValueError) as e:
         ck.load(make_state())
     assert "fragment-2.pt is damaged (" in _one_line(e) and str(ck.dir) in str(e.value)

@@ -52,8 +52,11 @@ class HeldTransport:
         self.update(fragment, round).set_result([encode(values, "fp32", 128)])
 
 
-def make(policy: str, tau: int = 1, total: int | None = None) -> tuple[SyncEngine, HeldTransport, Net]:
+def make(
+    policy: str, tau: int = 1, total: int | None = None, rule: str = "mix"
+) -> tuple[SyncEngine, HeldTransport, Net]:
     cfg = SyncConfig(
+        merge_rule=rule,
         sync_every=H,
         num_fragments=P,
         fragment_sync_delay=tau,
@@ -113,6 +116,33 @@ def test_adaptive_goes_on_training_and_merges_after_the_first_step_by_which_the_
         assert engine.merge_delay_steps == 2 and engine.deferred == [] and f not in engine.in_flight
         want = 0.5 * (local_before + 0.01) + 0.5 * engine.mirrors[f]
         torch.testing.assert_close(params(engine, f), want)
+    finally:
+        engine.close()
+
+
+def test_the_rebase_rule_mixes_against_the_send_and_keeps_the_steps_taken_since():
+    engine, transport, net = make("adaptive", rule="rebase")
+    try:
+        f = 1  # sends round 0 at step 2
+        for _ in range(2):
+            train_step(net)
+            engine.step()
+        at_send = params(engine, f)
+        for _ in range(2):  # steps 3 and 4: put off, then still not in
+            train_step(net)
+            engine.step()
+        assert engine.deferred == [(f, 0)] and engine.merges == 0
+        transport.deliver(f, 0, torch.full_like(engine.mirrors[f], 0.5))
+        engine.quiesce()
+        train_step(net)
+        engine.step()  # step 5: merged three steps after the send
+        assert engine.merges == 1 and engine.merge_delay_steps == 3
+        # three local steps of +0.01 since the send are kept whole; the mix is taken against the send
+        want = at_send + 0.03 + 0.5 * (engine.mirrors[f] - at_send)
+        torch.testing.assert_close(params(engine, f), want)
+        # the paper's mix would have halved them: the two rules differ by exactly that
+        mix = 0.5 * (at_send + 0.03) + 0.5 * engine.mirrors[f]
+        torch.testing.assert_close(params(engine, f) - mix, torch.full_like(mix, 0.015))
     finally:
         engine.close()
 
@@ -280,3 +310,5 @@ def test_a_stop_request_at_a_deadline_leaves_the_merge_for_the_checkpoint():
 def test_an_unknown_policy_says_what_to_choose():
     with pytest.raises(ValueError, match="unknown merge_policy 'eager': choose adaptive or fixed"):
         SyncConfig(merge_policy="eager")
+    with pytest.raises(ValueError, match="unknown merge_rule 'lerp': choose mix or rebase"):
+        SyncConfig(merge_rule="lerp")

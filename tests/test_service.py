@@ -648,9 +648,9 @@ def test_fetch_refuses_bad_fragments_and_offsets(shard):
 
 def test_a_member_whose_unread_messages_pass_the_bound_is_dropped_and_its_session_ended(shard):
     a, b = shard.worker("a"), shard.worker("b")
-    # the real bound is 256 MiB or four rounds of updates; here no update chunk (~300 B) fits in it, as if
-    # neither worker read its updates
-    shard.service.max_queued_bytes = 100
+    # the real budget (over all sessions) is 256 MiB or four rounds of updates; here no update chunk (~300 B)
+    # fits in it, as if neither worker read its updates
+    shard.service.unread.limit = 100
     a.push(push_messages(ENC_A))
     b.push(push_messages(ENC_B))
     for w in (a, b):

@@ -31,8 +31,10 @@ from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
+from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import (
     PROTOCOL,
+    auth_metadata,
     bytes_to_values,
     from_chunk,
     make_channel,
@@ -103,6 +105,7 @@ class ShardLink:
         token: str = "",
         join_timeout: float = 60.0,
         reconnect_timeout: float = 600.0,
+        tls: ClientTLS | None = None,
     ):
         self.target, self.worker, self.token = parse_target(target), worker, token
         self.fingerprint, self.join_timeout, self.reconnect_timeout = (
@@ -110,7 +113,9 @@ class ShardLink:
             join_timeout,
             reconnect_timeout,
         )
-        self.channel = make_channel(self.target)
+        self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
+        self.tls = tls
+        self.channel = make_channel(self.target, tls)
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before start(), then only the link's thread)
         self.config: SyncConfig | None = None
@@ -174,6 +179,7 @@ class ShardLink:
             try:
                 reply = self.stub.Join(
                     request,
+                    metadata=self.metadata,
                     timeout=max(0.1, give_up - time.monotonic()),
                     wait_for_ready=True,  # the shard may be starting: the call waits for the channel
                 )
@@ -188,7 +194,15 @@ class ShardLink:
                     self._closed.wait(1.0)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise SyncError(f"no answer from a shard at {self.target} within {timeout:g} s") from None
+                    hint = (
+                        " (over TLS: does it serve TLS, does its certificate name this host, is it signed by "
+                        "--tls-ca, and does it take this worker's certificate?)"
+                        if self.tls
+                        else ""
+                    )
+                    raise SyncError(
+                        f"no answer from a shard at {self.target} within {timeout:g} s{hint}"
+                    ) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
         try:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
@@ -226,7 +240,7 @@ class ShardLink:
         self._outbox.put(None)  # ends the previous session's request stream, if any
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox = outbox
-        call = self.stub.Session(self._requests(outbox, self._session_id))
+        call = self.stub.Session(self._requests(outbox, self._session_id), metadata=self.metadata)
         try:
             first = next(call)
         except StopIteration:
@@ -685,7 +699,8 @@ class ShardLink:
                 break
             try:
                 request = pb.FetchRequest(fragments=todo, offset=got[todo[0]].received, token=self.token)
-                call = self.stub.Fetch(request)  # no deadline: big models on slow links take long
+                # no deadline: big models on slow links take long
+                call = self.stub.Fetch(request, metadata=self.metadata)
                 for m in call:
                     self._count("in", m.ByteSize())
                     asm = got.get(m.fragment)
@@ -754,6 +769,7 @@ class GrpcTransport:
         reconnect_timeout: float = 600.0,
         states: list[dict] | None = None,
         held: list[list[int]] | None = None,
+        tls: ClientTLS | None = None,
     ) -> GrpcTransport:
         """Join every shard and open a passive session with each (nobody waits for us yet); with `states`
         (a worker checkpoint's links, in shard order) and `held` (its engine's mirror rounds, per fragment
@@ -765,7 +781,7 @@ class GrpcTransport:
         links: list[ShardLink] = []
         try:
             for i, t in enumerate(targets):
-                links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout))
+                links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout, tls))
                 links[-1].start(
                     None if states is None else states[i],
                     None if held is None else [h[i] for h in held],
@@ -907,14 +923,19 @@ def gather(futures: list[Future]) -> Future:
     return out
 
 
-def fetch_masters(targets: list[str], token: str = "", timeout: float = 60.0) -> list[torch.Tensor]:
+def fetch_masters(
+    targets: list[str], token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> list[torch.Tensor]:
     """The run's global parameters, fragment by fragment, read from the shards listed in shard order
     (no Join: Fetch is read-only). For tools and tests; workers fetch through their links."""
     per_shard: list[dict[int, list[torch.Tensor]]] = []
     for target in targets:
-        with make_channel(parse_target(target)) as channel:
+        with make_channel(parse_target(target), tls) as channel:
             got: dict[int, list[torch.Tensor]] = {}
-            for m in pb_grpc.ShardStub(channel).Fetch(pb.FetchRequest(token=token), timeout=timeout):
+            calls = pb_grpc.ShardStub(channel).Fetch(
+                pb.FetchRequest(token=token), metadata=auth_metadata(token), timeout=timeout
+            )
+            for m in calls:
                 got.setdefault(m.fragment, []).append(bytes_to_values(m.values))
             per_shard.append(got)
     return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]
@@ -934,6 +955,7 @@ def connect(
     resume: dict | None = None,
     interrupt: threading.Event | None = None,
     prepare=None,
+    tls: ClientTLS | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -945,7 +967,8 @@ def connect(
     engine sync every fragment at the last step (final_sync). `resume` is a worker checkpoint's dict (see
     worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
-    for this worker (say, to evaluate them): slow work there does not hold up the others."""
+    for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
+    over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py."""
     import os
     import socket
 
@@ -966,6 +989,7 @@ def connect(
         reconnect_timeout,
         states=None if resume is None else resume["links"],
         held=None if resume is None else resume["engine"]["mirror_rounds"],
+        tls=tls,
     )
     try:
         for link in transport.links:

@@ -37,7 +37,7 @@ import torch.nn as nn
 from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
-from streamdiloco.common.outer import merge_local_, outer_gradient
+from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 
 log = logging.getLogger("streamdiloco.worker")
@@ -106,6 +106,9 @@ class SyncEngine:
         self._staged: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # CUDA: on the device
         self._side: Any = None  # CUDA: the sync thread's stream
         self._snapshots: list[torch.Tensor | None] = [None] * layout.num_fragments  # host buffers, reused
+        # fragment -> the round whose send the snapshot buffer holds (merge_rule "rebase" mixes against it;
+        # a round this process did not send, or one sent before a restart, is mixed as it is at the merge)
+        self._snapshot_round: dict[int, int] = {}
         self._deltas: list[torch.Tensor | None] = [None] * layout.num_fragments  # sync thread's, reused
         self.ranges = [slice_ranges(f.numel, transport.num_shards) for f in layout.fragments]
         # rounds < mirror_rounds[f][s] are in slice s of fragment f's mirror (what a checkpoint holds)
@@ -354,6 +357,7 @@ class SyncEngine:
         self.loss_since_sync[fragment] = (0.0, 0)
         self.in_flight[fragment] = round
         self._sent_at[(fragment, round)] = self.step_count
+        self._snapshot_round[fragment] = round
         self._sends[fragment] = self._run(self._push, fragment, round, snapshot, weight, loss)
         self._applied_future(fragment, round)  # its update is added to the mirror as soon as it comes
         self.send_seconds += time.perf_counter() - t0
@@ -467,18 +471,26 @@ class SyncEngine:
                         mirror[lo:hi] = part.values
                         held[s] = max(held[s], part.round)
             if self.cuda:
-                self._stage(fragment)
+                self._stage(fragment, round)
             settle(done, result=True)
         except BaseException as e:
             settle(done, exc=e)
             raise
 
-    def _stage(self, fragment: int) -> None:
-        """CUDA: the fragment's mirror copied to the device, for the training thread's lerp."""
+    def _rebases(self, fragment: int, round: int) -> bool:
+        """Whether this merge is a rebase: merge_rule "rebase", and the snapshot of its send is here."""
+        return self.cfg.merge_rule == "rebase" and self._snapshot_round.get(fragment) == round
+
+    def _stage(self, fragment: int, round: int) -> None:
+        """CUDA: what the training thread's merge needs, copied to the device: the fragment's mirror (mix),
+        or the mirror minus the parameters at the send (rebase)."""
         side = self._side_stream()
+        src = self.mirrors[fragment]
+        if self._rebases(fragment, round):
+            src = torch.sub(src, self._snapshots[fragment])  # host snapshot: _push filled it first
         with torch.cuda.stream(side):
             dev = torch.empty(self.layout.fragments[fragment].numel, dtype=torch.float32, device=self.device)
-            dev.copy_(self.mirrors[fragment], non_blocking=True)
+            dev.copy_(src, non_blocking=True)
         side.synchronize()  # the pinned mirror may change again once this returns
         self._staged[fragment] = (dev, self._views(dev, fragment))
 
@@ -509,14 +521,20 @@ class SyncEngine:
             self.late_merges += delay > self.cfg.fragment_sync_delay
         self._applied.pop((fragment, round), None)
         self.in_flight.pop(fragment, None)
+        alpha = self.cfg.fragment_update_alpha
+        rebase = self._rebases(fragment, round)
         if self.cuda:
             if fragment not in self._staged:  # nothing was applied in this process (came with a fetch)
-                self._stage(fragment)
+                self._stage(fragment, round)
             dev, views = self._staged.pop(fragment)
-            merge_local_(self.params[fragment], views, self.cfg.fragment_update_alpha)
+            (rebase_local_ if rebase else merge_local_)(self.params[fragment], views, alpha)
             dev.record_stream(torch.cuda.current_stream(self.device))  # allocated on the side stream
+        elif rebase:
+            correction = torch.sub(self.mirrors[fragment], self._snapshots[fragment])
+            rebase_local_(self.params[fragment], self._views(correction, fragment), alpha)
         else:
-            merge_local_(self.params[fragment], self._mirror_views[fragment], self.cfg.fragment_update_alpha)
+            merge_local_(self.params[fragment], self._mirror_views[fragment], alpha)
+        self._snapshot_round.pop(fragment, None)
         self.merge_seconds += time.perf_counter() - t1
 
     def _wait(self, fut: Future, fragment: int, round: int) -> None:

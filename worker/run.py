@@ -27,6 +27,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
 from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
@@ -71,6 +72,9 @@ class WorkerConfig:
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free port)
     metrics_host: str = "127.0.0.1"
     auto_resume: bool = False  # resume if the checkpoint exists, else join as a new worker (restarts)
+    tls_ca: str | None = None  # TLS to the shards, trusting this CA (PEM); None: plaintext (loopback)
+    tls_cert: str | None = None  # mutual TLS: this worker's certificate and key (PEM)
+    tls_key: str | None = None
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
 
@@ -92,6 +96,7 @@ class WorkerConfig:
             raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        client_tls(self.tls_ca, self.tls_cert, self.tls_key)  # one-line errors for missing or bad files
 
     @property
     def checkpoint_path(self) -> Path:
@@ -255,6 +260,7 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
             total_steps=cfg.steps,
             name=cfg.name,
             token=cfg.token,
+            tls=client_tls(cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
             seed=cfg.seed,
             rank=cfg.data_rank,
             join_timeout=cfg.join_timeout,

@@ -14,6 +14,10 @@
   const MAX_WORKER_POINTS = 600; // per worker, as many as the shard keeps
   const MAX_GAP_S = 5; // no byte rate across a gap in the samples (the shard was down or restarted)
   const CHART_HEIGHT = 210;
+  // the shard's read token, when it has one: the page was opened as /?token=..., and the API takes it as
+  // a header only (a token in a URL ends up in logs)
+  const READ_TOKEN = new URLSearchParams(location.search).get("token");
+  const HEADERS = READ_TOKEN ? { Authorization: `Bearer ${READ_TOKEN}` } : {};
   const PALETTE = [
     "#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00",
     "#0a7f8c", "#bf3989", "#57606a", "#9a6700", "#4d2d00",
@@ -60,7 +64,7 @@
     try {
       let r;
       try {
-        r = await fetch(path, { signal: abort.signal, cache: "no-store" });
+        r = await fetch(path, { signal: abort.signal, cache: "no-store", headers: HEADERS });
       } catch (e) {
         throw new HttpError(0, e.name === "AbortError" ? "no answer in time" : "no answer");
       }

@@ -1,0 +1,145 @@
+"""What TLS costs on the wire: a shard process served plaintext and one served with mutual TLS (credentials
+from `streamdiloco certs`), both on loopback; from this process, the time of a Join (a new connection
+each: handshake included, and on one open channel) and the throughput of a Fetch of every master slice.
+
+    python benchmarks/tls.py [--model tiny] [--repeats 5] [--out benchmarks/results/tls]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_shard(tmp: Path, name: str, model: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    ready = tmp / f"{name}.ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamdiloco", "server", "--port", "0", "--http-port", "0", "--no-checkpoint"]
+        + ["--ready-file", str(ready), "--model", model, *flags],
+        stdout=open(tmp / f"{name}.log", "w"),  # noqa: SIM115 (the child holds it)
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{name} did not start: {(tmp / f'{name}.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
+
+
+def measure(target: str, model: str, repeats: int, tls, token: str) -> dict:
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.common.fingerprint import model_fingerprint
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.common.modelspec import build_model
+    from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
+    from streamdiloco.protos import streamdiloco_pb2 as pb
+    from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+    from streamdiloco.worker.client import fetch_masters
+
+    cfg = SyncConfig()
+    fp = json.dumps(model_fingerprint(build_layout(build_model(model, 0, None), cfg.num_fragments), cfg))
+    request = pb.JoinRequest(worker="w0", fingerprint_json=fp, protocol=PROTOCOL)
+    cold, warm = [], []
+    for _ in range(repeats):  # a new channel each time: TCP and TLS handshakes included
+        with make_channel(target, tls) as ch:
+            t0 = time.perf_counter()
+            pb_grpc.ShardStub(ch).Join(
+                request, metadata=auth_metadata(token), timeout=30, wait_for_ready=True
+            )
+            cold.append(time.perf_counter() - t0)
+    with make_channel(target, tls) as ch:
+        stub = pb_grpc.ShardStub(ch)
+        stub.Join(request, metadata=auth_metadata(token), timeout=30, wait_for_ready=True)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            stub.Join(request, metadata=auth_metadata(token), timeout=30)
+            warm.append(time.perf_counter() - t0)
+    fetch, nbytes = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        masters = fetch_masters([target], token, tls=tls)
+        fetch.append(time.perf_counter() - t0)
+        nbytes = sum(m.numel() * 4 for m in masters)
+    return {
+        "join_new_connection_ms": 1e3 * statistics.median(cold),
+        "join_open_channel_ms": 1e3 * statistics.median(warm),
+        "fetch_bytes": nbytes,
+        "fetch_seconds": statistics.median(fetch),
+        "fetch_mb_per_s": nbytes / statistics.median(fetch) / 1e6,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/tls")
+    args = p.parse_args()
+    from streamdiloco.certs import make_certs
+    from streamdiloco.common.tls import ClientTLS
+
+    results = {}
+    load = os.getloadavg()[0]  # other work on the machine moves these numbers: said beside them
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        certs = tmp / "certs"
+        make_certs(certs, None, ["w0"])
+        token = (certs / "workers" / "w0.token").read_text().strip()
+        setups = {
+            "plaintext, run token": (["--token", token], None),
+            "mutual TLS, worker token": (
+                [
+                    *("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")),
+                    *("--tls-client-ca", str(certs / "ca.pem"), "--workers-file", str(certs / "workers.txt")),
+                ],
+                ClientTLS(
+                    str(certs / "ca.pem"),
+                    str(certs / "workers" / "w0.pem"),
+                    str(certs / "workers" / "w0.key"),
+                ),
+            ),
+        }
+        for label, (flags, tls) in setups.items():
+            proc, target = start_shard(tmp, label.split(",")[0].replace(" ", "-"), args.model, flags)
+            try:
+                results[label] = measure(target, args.model, args.repeats, tls, token)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            print(label, json.dumps(results[label]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"model": args.model, "load_average": load, "results": results}, indent=2)
+    )
+    lines = [
+        f"TLS cost on loopback, model {args.model}, median of {args.repeats}; {os.cpu_count()} cores, "
+        f"load average {load:.1f} when it started",
+        "",
+        "| setup | Join, new connection (ms) | Join, open channel (ms) | Fetch of all masters (MB/s) |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, r in results.items():
+        lines.append(
+            f"| {label} | {r['join_new_connection_ms']:.1f} | {r['join_open_channel_ms']:.1f} | "
+            f"{r['fetch_mb_per_s']:.0f} ({r['fetch_bytes'] / 1e6:.1f} MB) |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
