@@ -47,6 +47,11 @@ SETUPS: dict[str, dict] = {
         "downlink_rounding": "stochastic",
     },
 }
+# The shards' defenses (server/robust.py) on the full method: off, and the two robust aggregators
+_FULL = SETUPS["full"]
+SETUPS["full-plain"] = {**_FULL, "weight_cap": 0.0, "clip_norm": 0.0}
+SETUPS["full-trimmed"] = {**_FULL, "aggregator": "trimmed"}
+SETUPS["full-cclip"] = {**_FULL, "aggregator": "centered-clip"}
 SETUP_LABELS = {
     "dp": "Data-parallel",
     "diloco": "DiLoCo (P=1, τ=0, fp32)",
@@ -54,6 +59,9 @@ SETUP_LABELS = {
     "overlap": "+ overlap (τ=1, α=0.5)",
     "full": "+ E3M0 up and down",
     "full-sr": "+ E3M0, stochastic rounding",
+    "full-plain": "+ E3M0, no defenses (plain mean)",
+    "full-trimmed": "+ E3M0, trimmed mean",
+    "full-cclip": "+ E3M0, centered clipping",
 }
 
 
@@ -67,6 +75,7 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
     )
+    _add_robust_flags(p.add_argument_group("the simulated shards' defenses (as `server`)"))
     _add_sync_flags(p)
     _add_inner_flags(p)
 
@@ -261,6 +270,28 @@ def _add_limit_flags(g) -> None:
         )
 
 
+def _add_robust_flags(g) -> None:
+    """The shard's defenses against workers' pushes, one flag per RobustConfig field (its help and default
+    written once, on the field)."""
+    from streamdiloco.server.robust import RobustConfig
+
+    for f in dataclasses.fields(RobustConfig):
+        kind = type(f.default)
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=f.metadata["help"] + " (default %(default)s)",
+        )
+
+
+def _robust_config(v: dict):
+    from streamdiloco.server.robust import RobustConfig
+
+    return RobustConfig(**_pick(RobustConfig, v))
+
+
 def _pick(cls, v: dict) -> dict:
     return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
@@ -274,8 +305,8 @@ def sim_config(args: argparse.Namespace | dict, **overrides):
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
     inner = InnerConfig(**_pick(InnerConfig, v))
     sync = SyncConfig(**_pick(SyncConfig, v))
-    top = {k: x for k, x in _pick(SimConfig, v).items() if k not in ("sync", "inner")}
-    return SimConfig(**top, sync=sync, inner=inner)
+    top = {k: x for k, x in _pick(SimConfig, v).items() if k not in ("sync", "inner", "robust")}
+    return SimConfig(**top, sync=sync, inner=inner, robust=_robust_config(v))
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -423,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a new run even if --checkpoint-dir holds one (replaces it)",
     )
     _add_shard_flags(g)
+    _add_robust_flags(sv.add_argument_group("defenses against workers' pushes (on by default)"))
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
     _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
@@ -518,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard s serves its dashboard, /metrics and /api/status on this port + s (default: free ports)",
     )
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
+    _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
     g.add_argument(
         "--tls",
         action="store_true",
@@ -617,6 +650,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     _setup_logging()
     cfg = _sync_config(args)  # a one-line error before anything listens
+    robust = _robust_config(vars(args))
     limits = Limits(**_pick(Limits, vars(args)))
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
@@ -640,6 +674,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             if args.no_checkpoint
             else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
             fresh=args.fresh,
+            robust=robust,
             auth=auth,
             workers_file=workers_file,
             limits=limits,
@@ -731,8 +766,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from streamdiloco.launch import run_launch
 
     _sync_config(args)  # one-line errors before any process starts
+    _robust_config(vars(args))
     _check_data(args.data)
-    return run_launch(args, _add_sync_flags, _add_inner_flags, _add_run_flags)
+    return run_launch(args, _add_sync_flags, _add_inner_flags, _add_run_flags, _add_robust_flags)
 
 
 def main(argv: list[str] | None = None) -> int:

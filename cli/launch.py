@@ -147,6 +147,15 @@ def http_json(url: str, timeout: float = 10.0, ca: Path | None = None, token: st
         return json.loads(r.read())
 
 
+def run_max_weight(args: argparse.Namespace) -> float:
+    """--max-weight for the shards: the tokens a worker of this run trains on between two syncs of a
+    fragment (batch x context x H); 0 (unknown) for a model whose context length launch cannot tell."""
+    from streamdiloco.worker.model import PRESETS
+
+    block = args.block_size or (PRESETS[args.model].block_size if args.model in PRESETS else 0)
+    return float(args.batch_size * block * args.sync_every)
+
+
 class Credentials:
     """`launch --tls`: a fresh set of the run's credentials in OUT/certs (`streamdiloco certs`), and the
     flags that hand them to shards and workers: mutual TLS, a token per worker, a read token."""
@@ -187,7 +196,7 @@ class Credentials:
         ]
 
 
-def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
+def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robust) -> int:
     from streamdiloco.common.tls import ClientTLS
     from streamdiloco.worker.client import fetch_masters
 
@@ -199,6 +208,9 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
     model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
     run = forward_flags(args, add_run)
     inner = forward_flags(args, add_inner)
+    if not args.max_weight:  # the shards can know exactly what a worker of this run may report
+        args.max_weight = run_max_weight(args)
+    robust = forward_flags(args, add_robust)
     if args.min_workers > args.workers:
         raise ValueError(
             f"--min-workers {args.min_workers} is more than --workers {args.workers}: "
@@ -239,7 +251,8 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run) -> int:
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + (creds.shard_flags() if creds else [])
                 + model
-                + sync,
+                + sync
+                + robust,
                 threads=1,  # a shard's arithmetic is small next to a worker's
             )
         ports = _wait_ready(cluster, ready)

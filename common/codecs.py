@@ -2,8 +2,9 @@
 
 One registry (`CODECS`) and four functions: `encode`, `decode` (optionally straight into a caller's buffer),
 `accumulate` (acc += weight * values, the shard's aggregation) and `add_into` (out += values, the worker's
-mirror update). The quantized codecs cut the flat vector into blocks of `block_size` values that share one
-fp32 scale; E3M0 packs two 4-bit codes per byte (the first value in the low nibble).
+mirror update); and `sumsq` (the squared norm, which the shard checks each push's size by). The quantized
+codecs cut the flat vector into blocks of `block_size` values that share one fp32 scale; E3M0 packs two
+4-bit codes per byte (the first value in the low nibble).
 
 E3M0 (the paper's 4-bit float: 1 sign bit, 3 exponent bits, no mantissa): code 0 is zero and codes 1..7 are
 2^-6 .. 2^0 times the block's scale, which is the block's largest magnitude. Rounding is to the nearest level
@@ -190,6 +191,30 @@ def add_into(enc: Encoded, out: torch.Tensor) -> None:
         out.add_(_decode_torch(enc))
 
 
+def sumsq(enc: Encoded) -> float:
+    """The sum of the squares of the values an Encoded stands for, in fp64, without decoding it (a 4-bit
+    block's is its codes' squared levels, summed exactly, times its scale squared): the shard measures each
+    push's norm with it as the chunks arrive. Values are bounded (at most 1e30), so it cannot overflow."""
+    spec = _check_encoded(enc)
+    k = _cpu_kernels() if enc.payload.device.type == "cpu" else None
+    if k is None or (spec.scaled and enc.block_size % 2):
+        return float(_decode_torch(enc).to(torch.float64).square().sum())
+    p = enc.payload.contiguous().numpy()
+    s = enc.scales.contiguous().numpy()
+    bs = enc.block_size if spec.scaled else 1
+
+    def run(a: int, b: int) -> float:
+        if enc.codec == "fp32":
+            return k.sumsq_f32(p.view(np.float32)[a:b])
+        if enc.codec == "bf16":
+            return k.sumsq_bf16(p.view(np.uint16)[a:b])
+        if enc.codec == "int8":
+            return k.sumsq_int8(p.view(np.int8)[a:b], s[a // bs : -(-b // bs)], bs, b - a)
+        return k.sumsq_e3m0(p[a // 2 : (b + 1) // 2], s[a // bs : -(-b // bs)], bs, b - a)
+
+    return float(sum(in_parallel(enc.numel, bs, run)))
+
+
 def roundtrip(
     x: torch.Tensor,
     codec: str,
@@ -214,6 +239,7 @@ def warm_up(codecs: tuple[str, ...] = ("e3m0",), block_size: int = 128) -> None:
         out = decode(enc)
         add_into(enc, out)
         accumulate(enc, torch.zeros(enc.numel, dtype=torch.float64), 0.5)
+        sumsq(enc)
 
 
 def _check_encoded(enc: Encoded) -> Codec:
@@ -681,6 +707,53 @@ def _nb_apply_bf16(vals: Any, out: Any, w: Any, mode: int) -> None:
             out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, z)
 
 
+# each byte's two E3M0 codes' squared levels (at scale 1), summed: exact in fp64 (powers of two 2^-12..1)
+_E3M0_BYTE_SQUARES = (_E3M0_BYTE_VALUES.to(torch.float64) ** 2).sum(dim=1).numpy()
+
+
+def _nb_sumsq_e3m0(payload: Any, scales: Any, bs: int, n: int) -> float:
+    total = 0.0
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        m = min(bs, n - lo)
+        base = lo >> 1
+        acc = 0.0
+        for j in range(m >> 1):
+            acc += _E3M0_BYTE_SQUARES[payload[base + j]]
+        if m & 1:
+            acc += _E3M0_BYTE_SQUARES[payload[base + (m >> 1)] & 15]  # the low code alone
+        s = np.float64(scales[b])
+        total += acc * (s * s)
+    return total
+
+
+def _nb_sumsq_int8(q: Any, scales: Any, bs: int, n: int) -> float:
+    total = 0.0
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        s = scales[b]
+        for j in range(lo, min(lo + bs, n)):
+            v = np.float64(np.float32(q[j]) * s)  # the decoded value, as `decode` rounds it
+            total += v * v
+    return total
+
+
+def _nb_sumsq_f32(vals: Any) -> float:
+    total = 0.0
+    for i in range(vals.shape[0]):
+        v = np.float64(vals[i])
+        total += v * v
+    return total
+
+
+def _nb_sumsq_bf16(vals: Any) -> float:
+    total = 0.0
+    for i in range(vals.shape[0]):
+        v = np.float64(_i2f(np.int64(vals[i]) << 16))
+        total += v * v
+    return total
+
+
 def _nb_divide_into(acc: Any, d: Any, out: Any) -> None:
     for i in range(acc.shape[0]):
         out[i] = np.float32(acc[i] / d)
@@ -909,6 +982,10 @@ def _load_kernels() -> Any:
         apply_f32 = jit(_nb_apply_f32)
         apply_bf16 = jit(_nb_apply_bf16)
         divide_into = jit(_nb_divide_into)
+        sumsq_e3m0 = jit(_nb_sumsq_e3m0)
+        sumsq_int8 = jit(_nb_sumsq_int8)
+        sumsq_f32 = jit(_nb_sumsq_f32)
+        sumsq_bf16 = jit(_nb_sumsq_bf16)
 
     # the fused outer step calls the kernels above: compiled functions, by their global names
     for name in ("encode_e3m0", "encode_int8", "apply_e3m0", "apply_int8"):

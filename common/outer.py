@@ -176,6 +176,15 @@ class OuterOptimizer:
         self._u_stale = False
         return enc
 
+    def restart(self, master: torch.Tensor) -> None:
+        """Start again from `master` (an earlier, finite one) with no momentum and no error-feedback residual:
+        what a shard does when a step came out non-finite, since the step may have written them part-way.
+        Workers never saw the failed step, so their mirrors still match this master."""
+        self.master = master
+        self.residual = torch.zeros_like(master)
+        self.sgd.state.pop(self._param, None)
+        self._spare = None  # it may be `master` itself: never a scratch buffer again
+
     def gradient_buffer(self) -> torch.Tensor:
         """A buffer of the master's size, kept for the caller to build the mean gradient in (no fresh
         100 MB tensor per round)."""

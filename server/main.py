@@ -42,6 +42,7 @@ from streamdiloco.server.bounds import (
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.metrics import loading_metrics
+from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.service import HISTORY, ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
 
@@ -62,13 +63,15 @@ def build_service(
     init: str | None = None,
     checkpoint_dir: str | None = None,
     fresh: bool = False,
+    robust: RobustConfig | None = None,
     auth: Auth | None = None,
     workers_file: WorkersFile | None = None,
     limits: Limits | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
-    holds a checkpoint of this run (and not `fresh`), restored from it."""
+    holds a checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against
+    workers' pushes (default: RobustConfig()'s, which are on)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -81,7 +84,7 @@ def build_service(
         load_initial(model, init)
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout)
+    state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
     fingerprint = model_fingerprint(layout, cfg)
     checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
     if checkpoint is not None and checkpoint.exists() and not fresh:

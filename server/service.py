@@ -699,19 +699,36 @@ class ShardService(pb_grpc.ShardServicer):
                 "round": c.round,
                 "contributors": list(c.contributors),
                 "why": c.why,
+                "clipped": list(c.clipped),
+                "capped": list(c.capped),
                 "seconds": round(seconds, 3) if seconds is not None else None,
                 "mean_loss": c.mean_loss,
                 "closed_at": time.time(),
             }
         )
         (log.error if c.why == "nonfinite" else log.info)(
-            "fragment %d round %d closed (%s): %d contributors%s",
+            "fragment %d round %d closed (%s): %d contributors%s%s",
             c.fragment,
             c.round,
             c.why,
             len(c.contributors),
             f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
+            "; THE OUTER STEP CAME OUT NON-FINITE: the round's update was not applied (a zero update went "
+            "out) and the outer optimizer restarted from the master before it"
+            if c.why == "nonfinite"
+            else "",
         )
+        if c.clipped or c.capped:  # names are bounded (check_name): at most a member list's length
+            log.warning(
+                "fragment %d round %d: %s",
+                c.fragment,
+                c.round,
+                "; ".join(
+                    f"{what} of {', '.join(names)}"
+                    for what, names in (("norm clipped", c.clipped), ("weight capped", c.capped))
+                    if names
+                ),
+            )
         if self.checkpoint is not None and self.checkpoint.full_due(c.round):
             # the fragment's whole state, after the update has gone out (the round's log made it durable);
             # the fragment holds still meanwhile: no close until it is written
@@ -886,6 +903,11 @@ class ShardService(pb_grpc.ShardServicer):
             },
             "pushes_accepted": st.pushes_accepted,
             "pushes_refused": dict(st.pushes_refused),
+            "robust": {
+                **st.robust.to_dict(),
+                "pushes_clipped": st.pushes_clipped,
+                "weights_capped": st.weights_capped,
+            },
             "bad_messages": self.counters.bad_messages,
             "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
                 "sessions": self.peer_sessions.held,

@@ -15,6 +15,12 @@ reach the size of an fp64 sum of the slice they become a group that is folded in
 (`partial`) ahead of the close (a fold job); groups are folded in the order they formed, so the result is
 the same whenever a fold runs, and depends on arrival order only when there are that many pushes.
 
+What a push's header claims is not taken on trust (server.robust): its weight is capped, its norm over
+the slice (measured as its chunks arrive) is clipped against a median of the round's and the recent rounds'
+norms, and both are settled when its pushes are handed to a fold: a group's when the group forms, the rest
+at the close. The master must come out of every outer step finite: a step that does not is undone (the
+round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
+
 Rounds close when every member that was present when the round started (its first whole push) has pushed,
 with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers` (or
 with every member's push, when fewer members than `min_workers` are left); or when every expected member
@@ -33,15 +39,25 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from streamdiloco.common.chunks import MAX_ABS_VALUE, Assembly, ChunkError
-from streamdiloco.common.codecs import Encoded, divide_into, encode, in_parallel
+from streamdiloco.common.codecs import Encoded, divide_into, encode, in_parallel, sumsq
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
+from streamdiloco.server.robust import (
+    MAX_LOSS,
+    MIN_WEIGHT,
+    RobustConfig,
+    cap_weights,
+    centered_clip,
+    clip_scales,
+    trimmed_mean,
+)
 
 __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
 
@@ -65,8 +81,17 @@ class _Push:
     """A whole push, still encoded."""
 
     worker: str
-    weight: float
+    weight: float  # as reported (cut to --max-weight)
     asm: Assembly
+    norm: float = 0.0  # L2 norm of its values over the slice (measured when clipping is on)
+    share: float = 0.0  # its weight in the mean, once settled (capped)
+    scale: float = 1.0  # what clipping scales its values by
+    mult: float = 0.0  # what its values are multiplied by in the sum: share * scale
+    loss: float | None = None  # the training loss it reported
+
+    def __post_init__(self) -> None:
+        if not self.share:  # not settled yet: as reported
+            self.share = self.mult = self.weight
 
 
 @dataclass
@@ -78,7 +103,13 @@ class _OpenRound:
     partial: torch.Tensor | None = None  # fp64 sum of weight * delta of the groups folded so far
     weight: float = 0.0
     contributors: set[str] = field(default_factory=set)
-    loss_sum: float = 0.0  # token-weighted sum of the inner losses that came with the pushes
+    weights: list[float] = field(default_factory=list)  # every whole push's reported weight, and norm:
+    norms: list[float] = field(default_factory=list)  # what caps and clips are relative to (and history)
+    settled: float = 0.0  # the sum of the shares of the pushes settled so far (the mean's divisor)
+    used_norms: list[float] = field(default_factory=list)  # their norms as used (clipped ones at the bound)
+    clipped: list[str] = field(default_factory=list)  # workers whose push was clipped, or weight capped
+    capped: list[str] = field(default_factory=list)
+    loss_sum: float = 0.0  # token-weighted (by share) sum of the inner losses of the pushes settled so far
     loss_weight: float = 0.0
     expected: frozenset[str] | None = None  # members present when the round's first push was complete
     started_at: float | None = None  # when that was: the deadline counts from here
@@ -92,6 +123,7 @@ class _Staged:
     weight: float
     loss: float | None
     asm: Assembly
+    sumsq: float = 0.0  # of the values so far (when clipping is on)
 
 
 @dataclass(frozen=True)
@@ -102,7 +134,10 @@ class ClosedRound:
     contributors: tuple[str, ...]
     weight: float
     mean_loss: float | None
-    why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left
+    why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left;
+    # nonfinite: the step came out non-finite and was undone (a zero update)
+    clipped: tuple[str, ...] = ()  # workers whose push was scaled down to the norm bound
+    capped: tuple[str, ...] = ()  # workers whose weight was cut
 
 
 def _ordered(pushes: list[_Push]) -> list[_Push]:
@@ -118,9 +153,34 @@ def _fold_block(pushes: list[_Push], start: torch.Tensor | None, divisor: float,
     elif not pushes:
         acc.zero_()
     for i, p in enumerate(pushes):
-        p.asm.accumulate_into(acc, p.weight, lo, overwrite=start is None and i == 0)  # 0 + w * x, no zeroing
+        p.asm.accumulate_into(acc, p.mult, lo, overwrite=start is None and i == 0)  # 0 + w * x, no zeroing
     if divisor != 1.0 or acc is not out:
         divide_into(acc, divisor, out)  # x / 1 is x: the same values as a copy
+
+
+def _history(saved: object, rounds: bool = True) -> dict | None:
+    """Weights and norms as a checkpoint keeps them ({"weights": [...], "norms": [...]}: lists of rounds'
+    lists when `rounds`, else one round's lists), checked: finite and not negative. None if malformed."""
+
+    def ok(xs: object) -> bool:
+        return isinstance(xs, list) and all(
+            isinstance(x, float | int) and not isinstance(x, bool) and 0 <= x < math.inf for x in xs
+        )
+
+    if not isinstance(saved, dict) or set(saved) != {"weights", "norms"}:
+        return None
+    out = {}
+    for key, value in saved.items():
+        lists = value if rounds else [value]
+        if not (isinstance(lists, list) and all(ok(xs) for xs in lists)):
+            return None
+        clean = [[float(x) for x in xs] for xs in lists]
+        out[key] = clean if rounds else clean[0]
+    return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or all(bool(torch.isfinite(x)) for x in torch.aminmax(t))  # NaN propagates
 
 
 _SCRATCH = threading.local()
@@ -188,10 +248,15 @@ class CloseJob:
     opt: OuterOptimizer
     downlink: tuple[str, int]  # codec, block size: the zero update's
     saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
+    aggregator: tuple[str, float, int] = ("mean", 0.0, 1)  # name, trim, centered-clip iterations
+    clipped: tuple[str, ...] = ()
+    capped: tuple[str, ...] = ()
+    history: dict = field(default_factory=dict)  # the round's weights and used norms (what medians keep)
     update: Encoded | None = None
 
     def run(self) -> CloseJob:
         partial = self.partial
+        old = self.opt.master
         if (
             self.weight > 0
             and partial is not None
@@ -201,19 +266,46 @@ class CloseJob:
             # finite mean; the caller logs it
             self.why = "nonfinite"
         elif self.weight > 0:
-            # the mean is folded block by block and each block stepped while it is in cache (on the CPU)
-            pushes, weight = self.pushes, self.weight
-
-            def fill(lo: int, hi: int, out: torch.Tensor) -> None:
-                _fold_block(pushes, partial, weight, lo, out)
-
-            self.update = self.opt.step_from(fill, _fold_values(pushes))
-        if self.update is None:  # nobody pushed (or the mean was not finite): a zero update; nobody waits
+            try:
+                self.update = self._step(partial)
+            except ValueError:  # the step met non-finite values (it may have written part of its state)
+                self.update = None
+            if self.update is None or not _finite(self.opt.master):
+                # no NaN or inf may reach a worker: the round's update is not applied, and the optimizer
+                # starts again from the master before it (the caller logs it loudly)
+                self.opt.restart(old)
+                self.update, self.why = None, "nonfinite"
+        if self.update is None:  # nobody pushed (or the step was not finite): a zero update; nobody waits
             self.mean_loss = None
             codec, block_size = self.downlink
             self.update = encode(torch.zeros_like(self.opt.master), codec, block_size)
         self.pushes, self.partial = [], None  # let the pushes' bytes go
         return self
+
+    def _step(self, partial: torch.Tensor | None) -> Encoded:
+        pushes, weight = self.pushes, self.weight
+        name, trim, iters = self.aggregator
+        if name == "mean":
+            # the mean is folded block by block and each block stepped while it is in cache (on the CPU)
+            def fill(lo: int, hi: int, out: torch.Tensor) -> None:
+                _fold_block(pushes, partial, weight, lo, out)
+
+            return self.opt.step_from(fill, _fold_values(pushes))
+
+        def read(i: int, lo: int, hi: int, out: torch.Tensor) -> None:
+            p = pushes[i]
+            p.asm.decode_into(out, lo)
+            if p.scale != 1.0:
+                out.mul_(p.scale)
+
+        # the options need every push at once (no groups were folded ahead): the whole gradient is built
+        g, step = self.opt.gradient_buffer(), _fold_values(pushes)
+        if name == "trimmed":
+            trimmed_mean(self.n, len(pushes), read, trim, g, step)
+        else:  # centered clipping, from the clipped weighted mean
+            fold(self.n, pushes, g, None, weight)
+            centered_clip(self.n, len(pushes), read, [p.share for p in pushes], iters, g, step)
+        return self.opt.step(g)[0]
 
     def fragment_state(self) -> dict:
         """The fragment as a checkpoint keeps it once the round has closed (call after `run`)."""
@@ -230,10 +322,15 @@ class CloseJob:
             "contributors": list(self.contributors),
             "mean_loss": self.mean_loss,
             "partial": self.partial,
+            "aggregator": list(self.aggregator),
+            "history": self.history,
             "pushes": [
                 {
                     "worker": p.worker,
                     "weight": p.weight,
+                    "share": p.share,
+                    "scale": p.scale,
+                    "mult": p.mult,
                     "parts": [
                         {
                             "offset": offset,
@@ -262,6 +359,7 @@ class ShardState:
         seed: int = 0,
         min_workers: int = 1,
         round_timeout: float = float("inf"),
+        robust: RobustConfig | None = None,
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
@@ -273,6 +371,7 @@ class ShardState:
             raise ValueError(f"--round-timeout must be positive seconds, got {round_timeout}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
         self.min_workers, self.round_timeout = min_workers, round_timeout
+        self.robust = robust if robust is not None else RobustConfig()
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
         self.outer: list[OuterOptimizer] = []
         for f, (vec, (lo, hi)) in enumerate(zip(initial, self.ranges, strict=True)):
@@ -311,6 +410,13 @@ class ShardState:
         self.pushes_accepted = 0
         self.pushes_refused: dict[str, int] = {}  # reason -> count
         self.rounds_closed = 0
+        # per fragment, the recent rounds' reported weights and used norms (what caps and clips are relative
+        # to); checkpointed with the fragment, and logged with each round, so that a restart goes on the same
+        keep = self.robust.history_rounds
+        self.weight_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in self.ranges]
+        self.norm_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in self.ranges]
+        self.pushes_clipped = 0  # pushes scaled down to the norm bound
+        self.weights_capped = 0  # pushes whose weight was cut (to --max-weight or the median's multiple)
 
     def master(self, fragment: int) -> torch.Tensor:
         """The fragment's master slice as of its last closed round (a tensor never changed in place)."""
@@ -354,6 +460,11 @@ class ShardState:
             "slice": list(self.ranges[fragment]),
             "round": round,
             "members": sorted(self.members | self.returning),
+            # what the caps and clips of the next rounds are relative to: a restart goes on bit for bit
+            "history": {
+                "weights": [list(ws) for ws in self.weight_history[fragment]],
+                "norms": [list(xs) for xs in self.norm_history[fragment]],
+            },
         }
 
     def load_fragment_state(self, fragment: int, saved: dict) -> None:
@@ -389,12 +500,18 @@ class ShardState:
         members = saved.get("members", [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(f"checkpoint of fragment {fragment} has a malformed member list")
+        history = _history(saved.get("history", {"weights": [], "norms": []}))
+        if history is None:
+            raise ValueError(f"checkpoint of fragment {fragment} has a malformed history of weights, norms")
         if fragment in self.busy:
             raise RuntimeError(f"fragment {fragment} is being closed: cannot load its state now")
         self.outer[fragment].load_state_dict(outer)
         self._masters[fragment] = self.outer[fragment].master
         self.open[fragment] = _OpenRound(rnd)
         self.restored_members.update(members)
+        keep = self.robust.history_rounds
+        self.weight_history[fragment] = deque(history["weights"], maxlen=keep)
+        self.norm_history[fragment] = deque(history["norms"], maxlen=keep)
 
     def expect_back(self, until: float) -> None:
         """After a restart: wait for the checkpoint's members as if they were here, until `until`."""
@@ -471,7 +588,13 @@ class ShardState:
         self.discarding.pop(key, None)
         if st is None:
             assert weight is not None
+            cap = self.robust.max_weight
+            if cap and weight > cap:  # more tokens than one worker can train on between two syncs
+                weight = cap
+                self.weights_capped += 1
             st = self.staged[key] = _Staged(round, weight, loss, asm)
+        if self.robust.clip_norm:
+            st.sumsq += sumsq(part)  # the push's size, as it arrives (the chunk was checked: values bounded)
         if not last:
             return False
         del self.staged[key]
@@ -479,16 +602,19 @@ class ShardState:
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
             rnd.expected = self._expected(fragment, rnd.number) | {worker}
-        rnd.kept.append(_Push(worker, st.weight, asm))
+        rnd.kept.append(_Push(worker, st.weight, asm, math.sqrt(st.sumsq), loss=st.loss))
+        rnd.weights.append(st.weight)
+        rnd.norms.append(math.sqrt(st.sumsq))
         rnd.kept_bytes += asm.nbytes
-        if rnd.kept_bytes >= self.fold_bytes[fragment]:  # as big as an fp64 sum: fold them (memory bound)
-            rnd.groups.append(_ordered(rnd.kept))
+        if rnd.kept_bytes >= self.fold_bytes[fragment] and self.robust.aggregator == "mean":
+            # as big as an fp64 sum: settle them and fold them (memory bound); the other aggregators need
+            # every push at the close
+            group = _ordered(rnd.kept)
+            self._settle(fragment, rnd, group)
+            rnd.groups.append(group)
             rnd.kept, rnd.kept_bytes = [], 0
         rnd.weight += st.weight
         rnd.contributors.add(worker)
-        if st.loss is not None:
-            rnd.loss_sum += st.loss * st.weight
-            rnd.loss_weight += st.weight
         self.bytes_received += asm.nbytes
         self.pushes_accepted += 1
         return True
@@ -553,17 +679,17 @@ class ShardState:
         if st is not None:  # st.round == round: closing a round drops the pushes still arriving for it
             return st.asm
         if seq == 0 and offset == 0:  # a push's first chunk carries its header (else: refused as bad_chunk)
-            if weight is None or not (0 < weight <= MAX_WEIGHT):
+            if weight is None or not (MIN_WEIGHT <= weight <= MAX_WEIGHT):
+                # below one token a push would count toward --min-workers while adding nothing
                 raise refuse(
                     "bad_weight",
-                    f"push weight must be a positive number of tokens, at most 2^53, got {weight}",
+                    f"push weight must be a number of tokens, at least 1 and at most 2^53, got {weight}",
                 )
-            if loss is not None and not (math.isfinite(loss) and abs(loss) <= MAX_ABS_VALUE):
-                # bounded, so that the round's token-weighted sum of losses cannot overflow
+            if loss is not None and not (0 <= loss <= MAX_LOSS):  # NaN fails both comparisons
+                # a cross-entropy: never negative, and beyond 1e4 not a measurement (it is shown and averaged)
                 raise refuse(
                     "bad_loss",
-                    f"the reported training loss must be a finite number of magnitude at most "
-                    f"{MAX_ABS_VALUE:g}, got {loss}",
+                    f"the reported training loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {loss}",
                 )
         lo, hi = self.ranges[fragment]
         cfg = self.cfg
@@ -609,22 +735,67 @@ class ShardState:
         lo, hi = self.ranges[fragment]
         for key in [k for k in self.staged if k[1] == fragment]:
             del self.staged[key]
+        kept = _ordered(rnd.kept)
+        self._settle(fragment, rnd, kept)
+        history = {"weights": rnd.weights, "norms": rnd.used_norms if self.robust.clip_norm else []}
+        self._remember(fragment, history)
         self.open[fragment] = _OpenRound(rnd.number + 1)
         self.busy.add(fragment)
+        rob = self.robust
         return CloseJob(
             fragment,
             rnd.number,
             why,
             hi - lo,
-            [p for g in rnd.groups for p in g] + _ordered(rnd.kept),
+            [p for g in rnd.groups for p in g] + kept,
             rnd.partial,
-            rnd.weight,
+            rnd.settled,
             tuple(sorted(rnd.contributors)),
             rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None,
             self.outer[fragment],
             (self.cfg.downlink_codec, self.cfg.codec_block_size),
             self._saved(fragment, rnd.number + 1),
+            (rob.aggregator, rob.trim, rob.center_iters),
+            tuple(sorted(rnd.clipped)),
+            tuple(sorted(rnd.capped)),
+            history,
         )
+
+    def _remember(self, fragment: int, history: dict) -> None:
+        """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""
+        if history["weights"]:
+            self.weight_history[fragment].append(list(history["weights"]))
+        if history["norms"]:
+            self.norm_history[fragment].append(list(history["norms"]))
+
+    def _settle(self, fragment: int, rnd: _OpenRound, pushes: list[_Push]) -> None:
+        """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
+        medians of the round's pushes so far and the recent rounds' (scalars: microseconds)."""
+        if not pushes:
+            return
+        rob = self.robust
+        weights = list(rnd.weights)
+        if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
+            weights += [w for ws in self.weight_history[fragment] for w in ws]
+        if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
+            shares = [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
+        else:  # change no push's share of the mean
+            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap)
+        norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
+        scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm)
+        for p, share, scale in zip(pushes, shares, scales, strict=True):
+            p.share, p.scale, p.mult = share, scale, share * scale
+            rnd.settled += share
+            if p.loss is not None:
+                rnd.loss_sum += p.loss * share
+                rnd.loss_weight += share
+            rnd.used_norms.append(min(p.norm, bound))
+            if share < p.weight:
+                rnd.capped.append(p.worker)
+                self.weights_capped += 1
+            if scale < 1.0:
+                rnd.clipped.append(p.worker)
+                self.pushes_clipped += 1
 
     def end_close(self, job: CloseJob) -> ClosedRound:
         """Take back a close job that has run: the fragment's master is the new one."""
@@ -633,8 +804,9 @@ class ShardState:
         self._masters[job.fragment] = job.opt.master
         self.rounds_closed += 1
         return ClosedRound(
-            job.fragment, job.round, job.update, job.contributors, job.weight, job.mean_loss, job.why
-        )
+            job.fragment, job.round, job.update, job.contributors, job.weight, job.mean_loss, job.why,
+            job.clipped, job.capped,
+        )  # fmt: skip
 
     def replay_round(self, fragment: int, record: dict) -> ClosedRound:
         """Close the open round again from a checkpoint's log of it (CloseJob.record): the same pushes,
@@ -665,7 +837,12 @@ class ShardState:
                 weight = float(p["weight"])
                 if not 0 < weight <= MAX_WEIGHT:
                     raise ValueError(f"a push's weight is {weight}")
-                pushes.append(_Push(str(p["worker"]), weight, asm))
+                # rounds logged before the defenses: taken as reported, unclipped
+                share, scale = float(p.get("share", weight)), float(p.get("scale", 1.0))
+                mult = float(p.get("mult", share * scale))
+                if not (0 < share <= weight and 0 <= scale <= 1 and 0 <= mult <= share):
+                    raise ValueError(f"a push's share {share}, scale {scale} or mult {mult} is out of range")
+                pushes.append(_Push(str(p["worker"]), weight, asm, 0.0, share, scale, mult))
             partial = record["partial"]
             if partial is not None and not (
                 isinstance(partial, torch.Tensor)
@@ -677,6 +854,12 @@ class ShardState:
             contributors = tuple(str(c) for c in record["contributors"])
             mean_loss = None if record["mean_loss"] is None else float(record["mean_loss"])
             why = str(record["why"])
+            history = _history(record.get("history", {"weights": [], "norms": []}), rounds=False)
+            if history is None:
+                raise ValueError("its weights and norms are malformed")
+            name, trim, iters = record.get("aggregator", ("mean", 0.0, 1))
+            aggregator = (str(name), float(trim), int(iters))
+            RobustConfig(aggregator=aggregator[0], trim=aggregator[1], center_iters=aggregator[2])  # checks
         except (KeyError, TypeError, AttributeError, ValueError, ChunkError) as e:
             raise ValueError(
                 f"the log of fragment {fragment} round {rnd.number} is damaged ({type(e).__name__}: {e})"
@@ -684,9 +867,10 @@ class ShardState:
         if fragment in self.busy:
             raise RuntimeError(f"fragment {fragment} already has a job out")
         downlink = (self.cfg.downlink_codec, self.cfg.codec_block_size)
+        self._remember(fragment, history)
         saved = self._saved(fragment, rnd.number + 1)
         job = CloseJob(fragment, rnd.number, why, hi - lo, pushes, partial, weight, contributors, mean_loss,
-                       self.outer[fragment], downlink, saved)  # fmt: skip
+                       self.outer[fragment], downlink, saved, aggregator, history=history)  # fmt: skip
         self.open[fragment] = _OpenRound(rnd.number + 1)
         self.busy.add(fragment)
         return self.end_close(job.run())

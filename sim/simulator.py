@@ -29,6 +29,7 @@ from streamdiloco.common.fragments import (
     unflatten_into,
 )
 from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
@@ -61,6 +62,7 @@ class SimConfig:
     device: str = "cpu"
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)  # the shards' defenses, on as on a shard
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -81,8 +83,11 @@ class InProcessCluster:
         num_shards: int,
         members: list[str],
         seed: int,
+        robust: RobustConfig | None = None,
     ):
-        self.shards = [ShardState(s, num_shards, layout, cfg, initial, seed) for s in range(num_shards)]
+        self.shards = [
+            ShardState(s, num_shards, layout, cfg, initial, seed, robust=robust) for s in range(num_shards)
+        ]
         self.members = set(members)
         self.updates: dict[tuple[int, int], Future] = {}  # each round's update, one Encoded per shard
         self.round_losses: list[tuple[int, int, float]] = []
@@ -198,7 +203,7 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     names = [f"worker-{m}" for m in range(cfg.workers)]
-    cluster = InProcessCluster(layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed)
+    cluster = InProcessCluster(layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed, cfg.robust)
     replicas = [copy.deepcopy(model) for _ in range(cfg.workers)]
     opts = [make_inner_optimizer(r, cfg.inner) for r in replicas]
     engines = [
@@ -245,6 +250,8 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
         "peak_sync_bytes": max(e.peak_push_bytes for e in engines),
         "blocked_seconds": max(e.blocked_seconds for e in engines),
         "rounds": sum(e.pushes for e in engines[:1]),
+        "pushes_clipped": sum(s.pushes_clipped for s in cluster.shards),
+        "weights_capped": sum(s.weights_capped for s in cluster.shards),
         "mirrors_match_masters": mirrors_match,
         "global_params": masters,
     }

@@ -9,17 +9,18 @@ from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
 
 
-def make_shard(shard=0, num_shards=2, **kw):
+def make_shard(shard=0, num_shards=2, robust=None, **kw):
     torch.manual_seed(0)
     model = build_gpt("nano")
     cfg = SyncConfig(sync_every=6, num_fragments=3, **kw)
     layout = build_layout(model, 3)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    return ShardState(shard, num_shards, layout, cfg, initial), cfg
+    return ShardState(shard, num_shards, layout, cfg, initial, robust=robust), cfg
 
 
 def delta_for(state, fragment, seed):
@@ -31,7 +32,14 @@ def delta_for(state, fragment, seed):
 def test_mean_is_weighted_by_tokens_and_independent_of_order():
     masters = []
     for order in itertools.permutations(range(4)):
-        state, cfg = make_shard(uplink_codec="int8", downlink_codec="fp32", outer_lr=1.0, outer_momentum=0.0)
+        # the plain mean (the defenses would cut the weights above the median: tests/test_robust.py)
+        state, cfg = make_shard(
+            robust=RobustConfig.off(),
+            uplink_codec="int8",
+            downlink_codec="fp32",
+            outer_lr=1.0,
+            outer_momentum=0.0,
+        )
         for w in order:
             state.push(f"w{w}", 1, 0, encode(delta_for(state, 1, w), "int8"), weight=100.0 * (w + 1))
         before = state.master(1).clone()
