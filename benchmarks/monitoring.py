@@ -43,7 +43,7 @@ from wire import Procs, machine, say, wait_quiet  # noqa: E402
 from streamdiloco.common.codecs import encode  # noqa: E402
 from streamdiloco.common.config import SyncConfig  # noqa: E402
 from streamdiloco.launch import free_ports  # noqa: E402
-from streamdiloco.server import service as service_module  # noqa: E402
+from streamdiloco.server import dashboard as dashboard_module  # noqa: E402
 from streamdiloco.server.main import build_service  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,14 +64,15 @@ def part_a(reps: int) -> dict:
     svc = build_service(cfg, "tiny", 0, 2, min_workers=1)
     st = svc.state
     now = time.time()
-    n = service_module.PROGRESS_POINTS
+    dash = svc.dashboard
+    n = dashboard_module.PROGRESS_POINTS
     for w in range(16):  # full buffers: what a long run with many workers has, a push a second each
-        svc._record_progress(f"site-{w:02d}", 0, 2.5, 0.0)
-        svc.progress[f"site-{w:02d}"].extend((now - n + i, i * 30, 2.5, 0.01 * i) for i in range(n))
-    for i in range(service_module.SAMPLES):
-        svc.samples.append((now - service_module.SAMPLES + i, i * 10**6, i * 2 * 10**6, 16, 0))
-    for i in range(service_module.HISTORY):
-        svc.history.append(
+        dash.record_progress(f"site-{w:02d}", 0, 2.5, 0.0)
+        dash.progress[f"site-{w:02d}"].extend((now - n + i, i * 30, 2.5, 0.01 * i) for i in range(n))
+    for i in range(dashboard_module.SAMPLES):
+        dash.samples.append((now - dashboard_module.SAMPLES + i, i * 10**6, i * 2 * 10**6, 16, 0))
+    for i in range(dashboard_module.HISTORY):
+        dash.record_round(
             {
                 "fragment": i % 5,
                 "round": i // 5,
@@ -79,7 +80,7 @@ def part_a(reps: int) -> dict:
                 "why": "all",
                 "seconds": 0.2,
                 "mean_loss": 2.5,
-                "closed_at": now - service_module.HISTORY + i,
+                "closed_at": now - dashboard_module.HISTORY + i,
             }
         )
     since = time.time() - 2.0

@@ -41,9 +41,10 @@ from streamdiloco.server.bounds import (
     throttle_library_logs,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.dashboard import HISTORY
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.service import HISTORY, ShardService, add_to_server
+from streamdiloco.server.service import ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
 
 log = logging.getLogger("streamdiloco.shard")

@@ -174,11 +174,11 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_payload_sent_bytes", "Encoded update bytes sent, summed over members", value=c.codec_out
         )
-        if svc.last_loss is not None:
+        if svc.dashboard.last_loss is not None:
             yield GaugeMetricFamily(
                 f"{P}_training_loss",
                 "Token-weighted mean training loss reported with the pushes of the latest closed round",
-                value=svc.last_loss,
+                value=svc.dashboard.last_loss,
             )
         ckpt = svc.checkpoint
         yield CounterMetricFamily(

@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from streamdiloco.server.bounds import (
     peer_host,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.dashboard import DashboardData, Sample
 from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
@@ -56,14 +56,10 @@ log = logging.getLogger("streamdiloco.shard")
 MAX_NAME = 128
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
-HISTORY = 500  # closed rounds kept for /api/status
 MAX_ROUND = 1 << 53
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
-SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second,
-SAMPLES = 900  # for the last 15 minutes
-PROGRESS_POINTS = 600  # per worker: its latest reports (step, loss, blocked time), one per push
-PROGRESS_WORKERS = 64  # workers whose reports are kept; the longest silent is forgotten first
+SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
 
@@ -171,13 +167,10 @@ class ShardService(pb_grpc.ShardServicer):
         # the session ids Join gave out, until their Session starts; Joins never followed by one are bounded
         self.sessions = Sessions(self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.counters = Counters()
-        self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
+        self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.started = time.time()
         self._digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        self.last_loss: float | None = None  # mean training loss of the latest round closed with losses
-        self.samples: deque[tuple[float, int, int, int, int]] = deque(maxlen=SAMPLES)
-        self.progress: dict[str, deque[tuple[float, int, float | None, float]]] = {}
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
         self._push_started: dict[tuple[str, int], tuple[float, int, float | None, float]] = {}
         self.metrics = ShardMetrics(self)
@@ -564,25 +557,17 @@ class ShardService(pb_grpc.ShardServicer):
                 member.step, member.blocked_seconds = step, blocked
                 if loss is not None:
                     member.last_loss = loss
-                self._record_progress(member.name, step, loss, blocked)
+                self.dashboard.record_progress(member.name, step, loss, blocked)
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
             self._send(member, pb.ShardMessage(result=result))
             self.close_due()
-
-    def _record_progress(self, name: str, step: int, loss: float | None, blocked: float) -> None:
-        series = self.progress.get(name)
-        if series is None:
-            if len(self.progress) >= PROGRESS_WORKERS:  # forget the worker silent the longest
-                del self.progress[min(self.progress, key=lambda w: self.progress[w][-1][0])]
-            series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
-        series.append((time.time(), step, loss, blocked))
 
     @property
     def passive_sessions(self) -> int:
         """Connected workers that are not members yet (joining)."""
         return sum(not m.active for m in self.members.values())
 
-    def _sample_now(self) -> tuple[float, int, int, int, int]:
+    def _sample_now(self) -> Sample:
         c = self.counters
         n = len(self.state.members)
         return time.time(), c.msg_in, c.msg_out + c.fetch_out, n, self.passive_sessions
@@ -590,7 +575,7 @@ class ShardService(pb_grpc.ShardServicer):
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
         self._sampled_at = time.monotonic()
-        self.samples.append(self._sample_now())
+        self.dashboard.samples.append(self._sample_now())
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
@@ -691,9 +676,7 @@ class ShardService(pb_grpc.ShardServicer):
             self.counters.codec_out += c.update.nbytes
         seconds = self.clock() - started if started is not None else None
         self.metrics.round_closed(c.why, seconds, c.update.nbytes)
-        if c.mean_loss is not None:
-            self.last_loss = c.mean_loss
-        self.history.append(
+        self.dashboard.record_round(
             {
                 "fragment": c.fragment,
                 "round": c.round,
@@ -924,37 +907,14 @@ class ShardService(pb_grpc.ShardServicer):
                 "message_bytes_out": self.counters.msg_out,
                 "fetch_out": self.counters.fetch_out,
             },
-            "training_loss": self.last_loss,
-            "round_seconds": _stats([r["seconds"] for r in self.history if r["seconds"] is not None]),
-            "recent_rounds": list(self.history)[-rounds:] if rounds else [],
+            "training_loss": self.dashboard.last_loss,
+            "round_seconds": self.dashboard.round_seconds(),
+            "recent_rounds": self.dashboard.recent_rounds(rounds),
         }
 
     def series(self, since: float = 0.0) -> dict:
-        """The dashboard's time series after `since` (a time.time()): the shard's samples (one a second, and
-        one of this moment), the closed rounds, and each worker's reported progress. The page asks for what
-        is new since its last poll."""
-        return {
-            "now": time.time(),
-            "samples": [
-                {"t": t, "bytes_in": bi, "bytes_out": bo, "members": m, "passive": p}
-                for t, bi, bo, m, p in [*self.samples, self._sample_now()]  # and the values of this moment
-                if t > since
-            ],
-            "rounds": [
-                {k: r[k] for k in ("closed_at", "fragment", "round", "seconds", "mean_loss", "why")}
-                | {"contributors": len(r["contributors"])}
-                for r in self.history
-                if r["closed_at"] > since
-            ],
-            "workers": {
-                name: [
-                    {"t": t, "step": step, "loss": loss, "blocked_seconds": blocked}
-                    for t, step, loss, blocked in points
-                    if t > since
-                ]
-                for name, points in self.progress.items()
-            },
-        }
+        """The dashboard's time series after `since` (a time.time()), with the values of this moment."""
+        return self.dashboard.series(since, self._sample_now())
 
 
 _STATUS = {
@@ -978,14 +938,6 @@ def _check_progress(h: pb.PushHeader) -> str | None:
             f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
         )
     return None
-
-
-def _stats(xs: list[float]) -> dict:
-    """Median and max of the recent rounds' durations (first whole push to close)."""
-    if not xs:
-        return {"rounds": 0, "median": None, "max": None}
-    ys = sorted(xs)
-    return {"rounds": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]}
 
 
 def _serialize(msg: pb.ShardMessage | bytes) -> bytes:

@@ -281,7 +281,7 @@ class InThreadShard:
                 "codec_in": st.bytes_received,
                 "rounds_closed": st.rounds_closed,
                 "members": sorted(st.members),
-                "progress": {w: list(points) for w, points in self.service.progress.items()},
+                "progress": {w: list(points) for w, points in self.service.dashboard.progress.items()},
             }
 
         return self.on_loop(snap)

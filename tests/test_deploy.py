@@ -529,7 +529,7 @@ def exported() -> dict[str, set[str]]:
     from streamdiloco.worker.metrics import WorkerMetrics
 
     service = build_service(SyncConfig(), "nano", 0, 1)
-    service.last_loss = 2.0  # the round mean loss appears once a round has closed with a loss
+    service.dashboard.last_loss = 2.0  # the round mean loss appears once a round has closed with a loss
     service.metrics.round_closed("all", 0.5, 1024)
     route = next(r for r in make_app(service).routes if getattr(r, "path", None) == "/metrics")
     shard = series_names(asyncio.run(route.endpoint()).body)

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
 from streamdiloco.launch import free_ports
-from streamdiloco.server import service as service_module
+from streamdiloco.server import dashboard as dashboard_module
 from streamdiloco.server.main import serve
 from streamdiloco.worker.metrics import WorkerMetrics
 
@@ -147,19 +147,19 @@ def test_metrics_and_series_count_what_the_shard_did(shard):
 
 def test_progress_is_kept_for_a_bounded_number_of_workers(shard):
     svc = shard.service
-    n = service_module.PROGRESS_WORKERS
+    n = dashboard_module.PROGRESS_WORKERS
 
     def report():
         for i in range(n + 5):
-            svc._record_progress(f"w{i}", i, 1.0, 0.0)
-        for _ in range(service_module.PROGRESS_POINTS + 10):
-            svc._record_progress(f"w{n + 4}", 1, 1.0, 0.0)
+            svc.dashboard.record_progress(f"w{i}", i, 1.0, 0.0)
+        for _ in range(dashboard_module.PROGRESS_POINTS + 10):
+            svc.dashboard.record_progress(f"w{n + 4}", 1, 1.0, 0.0)
 
     shard.on_loop(report)
-    kept = shard.on_loop(lambda: {w: len(p) for w, p in svc.progress.items()})
+    kept = shard.on_loop(lambda: {w: len(p) for w, p in svc.dashboard.progress.items()})
     assert len(kept) == n
     assert "w0" not in kept and "w4" not in kept and "w5" in kept  # the longest silent went first
-    assert kept[f"w{n + 4}"] == service_module.PROGRESS_POINTS
+    assert kept[f"w{n + 4}"] == dashboard_module.PROGRESS_POINTS
 
 
 def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
