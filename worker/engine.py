@@ -198,6 +198,26 @@ class SyncEngine:
         with self._mirror_lock:
             self.mirror_rounds = [list(r) for r in rounds]
 
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The global model as this worker knows it (its mirror: the shards' masters as of the latest
+        updates it has), as a state_dict of the model: on the CPU, each parameter in its own dtype, buffers
+        as the model holds them. The local parameters are α-mixed with local steps, not the global model:
+        save or evaluate this instead (`model.load_state_dict(engine.global_state_dict())`)."""
+        out = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        # a parameter may appear under several names (tied weights): every name of it gets its global value
+        names_of: dict[int, list[str]] = {}
+        for key, tensor in self.model.state_dict(keep_vars=True).items():
+            names_of.setdefault(id(tensor), []).append(key)
+        params = dict(self.model.named_parameters())
+        with self._mirror_lock:
+            for f, fragment in enumerate(self.layout.fragments):
+                mirror = self.mirrors[f]
+                for e in fragment.entries:
+                    value = mirror[e.offset : e.offset + e.numel].view(e.shape)
+                    for key in names_of.get(id(params[e.name]), [e.name]):
+                        out[key] = value.to(out[key].dtype, copy=True)
+        return out
+
     def catch_up(self, first_rounds: list[int]) -> None:
         """For a worker that starts at step > 0: merge the rounds from `first_rounds` (the first round of
         each fragment not in the fetched masters) whose merge step is already behind us."""
