@@ -515,13 +515,24 @@ class SyncEngine:
         """Whether this merge is a rebase: merge_rule "rebase", and the snapshot of its send is here."""
         return self.cfg.merge_rule == "rebase" and self._snapshot_round.get(fragment) == round
 
+    def _correction(self, fragment: int) -> torch.Tensor:
+        """The rebase's correction, mirror minus the parameters at the send (the host snapshot, which _push
+        filled), in the fragment's outer-gradient buffer: free until the fragment's next send, which comes
+        after this merge, so no fragment-sized allocation per merge."""
+        push = self._sends.get(fragment)  # none after a resume from a checkpoint
+        if push is not None:
+            push.result()  # the push that used the buffer is through (its update is in)
+        if self._deltas[fragment] is None:
+            self._deltas[fragment] = self._flat(fragment)
+        return torch.sub(self.mirrors[fragment], self._snapshots[fragment], out=self._deltas[fragment])
+
     def _stage(self, fragment: int, round: int) -> None:
         """CUDA: what the training thread's merge needs, copied to the device: the fragment's mirror (mix),
         or the mirror minus the parameters at the send (rebase)."""
         side = self._side_stream()
         src = self.mirrors[fragment]
         if self._rebases(fragment, round):
-            src = torch.sub(src, self._snapshots[fragment])  # host snapshot: _push filled it first
+            src = self._correction(fragment)
         with torch.cuda.stream(side):
             dev = torch.empty(self.layout.fragments[fragment].numel, dtype=torch.float32, device=self.device)
             dev.copy_(src, non_blocking=True)
@@ -564,7 +575,7 @@ class SyncEngine:
             (rebase_local_ if rebase else merge_local_)(self.params[fragment], views, alpha)
             dev.record_stream(torch.cuda.current_stream(self.device))  # allocated on the side stream
         elif rebase:
-            correction = torch.sub(self.mirrors[fragment], self._snapshots[fragment])
+            correction = self._correction(fragment)
             rebase_local_(self.params[fragment], self._views(correction, fragment), alpha)
         else:
             merge_local_(self.params[fragment], self._mirror_views[fragment], alpha)
