@@ -595,6 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, metavar="PATH", help="the token file to write (never overwritten)"
     )
     tk.set_defaults(func=_cmd_token)
+
+    from streamdiloco.export import add_export_parser
+
+    add_export_parser(sub)
     return p
 
 

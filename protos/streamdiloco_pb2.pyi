@@ -157,27 +157,35 @@ class ShardMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., update: _Optional[_Union[Chunk, _Mapping]] = ..., result: _Optional[_Union[PushResult, _Mapping]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("fragments", "offset", "token")
+    __slots__ = ("fragments", "offset", "token", "describe")
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     fragments: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     token: str
-    def __init__(self, fragments: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+    describe: bool
+    def __init__(self, fragments: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., token: _Optional[str] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class MasterChunk(_message.Message):
-    __slots__ = ("fragment", "round", "offset", "total", "values", "last")
+    __slots__ = ("fragment", "round", "offset", "total", "values", "last", "fingerprint_json", "shard", "num_shards")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     offset: int
     total: int
     values: bytes
     last: bool
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    fingerprint_json: str
+    shard: int
+    num_shards: int
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., fingerprint_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...

@@ -809,6 +809,9 @@ class ShardService(pb_grpc.ShardServicer):
                     values=values_to_bytes(master[lo:hi]),
                     last=hi == n,
                 )
+                if request.describe and i == 0 and lo == los[0]:  # which run this is, once per stream
+                    msg.fingerprint_json = json.dumps(self.fingerprint)
+                    msg.shard, msg.num_shards = st.shard, st.num_shards
                 self.counters.fetch_out += msg.ByteSize()
                 yield msg
 
