@@ -202,7 +202,9 @@ def from_checkpoints(
         if meta["config"] != metas[0]["config"]:
             cfg0, cfg1 = metas[0]["config"], meta["config"]
             keys = sorted(k for k in set(cfg0) | set(cfg1) if cfg0.get(k) != cfg1.get(k))
-            raise ValueError(f"{first} and {d} are from runs with other sync settings ({', '.join(keys)})")
+            raise ValueError(
+                f"{first} and {d} are from different runs: other sync settings ({', '.join(keys)})"
+            )
         if (
             diff := fingerprint_diff(meta["fingerprint"], metas[0]["fingerprint"], str(d), str(first))
         ) is not None:

@@ -1,0 +1,240 @@
+"""`streamdiloco export`: the run's global model out of the shards' checkpoint directories and out of a live
+run (Fetch), as safetensors with no model code, round-tripping into a fresh model bit for bit; with a model,
+its whole state_dict and, for a transformers model, a save_pretrained folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+
+import pytest
+import torch
+from procs import Cluster, http_json, streamdiloco
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.modelspec import build_model
+from streamdiloco.export import FINGERPRINT_KEY, ROUNDS_KEY, layout_from_fingerprint
+from streamdiloco.worker.client import fetch_masters
+from streamdiloco.worker.model import build_gpt
+
+RUN = ["--sync-every", "6", "--num-fragments", "3"]
+TOKEN = "export-test-token"
+
+
+def global_params(model: torch.nn.Module, masters: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The masters (fetched fragment vectors) cut into the model's parameters, in their dtypes."""
+    layout = build_layout(model, 3, "strided")
+    return {
+        e.name: masters[f][e.offset : e.offset + e.numel].view(e.shape)
+        for f, frag in enumerate(layout.fragments)
+        for e in frag.entries
+    }
+
+
+def run(tmp, model: str, steps: int = 12) -> tuple[Cluster, list[str], list[int]]:
+    """Two shards and one worker of `model` for `steps` steps (two rounds of each fragment at H=6); the
+    shards keep running. Returns the cluster (the caller exits it), the shards' targets and the open round
+    of each fragment at the end."""
+    c = Cluster(tmp).__enter__()
+    flags = ["--model", model, *RUN, "--num-shards", "2", "--token", TOKEN]
+    shards = [c.shard(f"shard{s}", *flags, "--shard", str(s)) for s in range(2)]
+    targets = [target for target, _ in shards]
+    c.worker(
+        "w0", targets, "--model", model, *RUN, "--steps", str(steps), "--token", TOKEN, "--log-every", "6"
+    )
+    assert c.wait("w0") == 0, c.log("w0")[-3000:]
+    rounds = [[f["round"] for f in http_json(http)["fragments"]] for _, http in shards]
+    assert rounds[0] == rounds[1]
+    return c, targets, rounds[0]
+
+
+def export(*args: str):
+    return streamdiloco("export", *args, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def nano_run(tmp_path_factory):
+    """A finished nano run: the masters (Fetched while the shards served), a live export, and the shards'
+    checkpoint directories after the shards were killed (SIGKILL: the last rounds come from their logs)."""
+    tmp = tmp_path_factory.mktemp("nano")
+    c, targets, rounds = run(tmp, "nano")
+    try:
+        masters = fetch_masters(targets, TOKEN)
+        live = export(
+            "--servers", ",".join(targets), "--token", TOKEN, "--out", str(tmp / "live.safetensors")
+        )
+        bad_token = export(
+            "--servers", ",".join(targets), "--token", "wrong", "--out", str(tmp / "no.safetensors")
+        )
+        reversed_order = export(
+            "--servers", ",".join(targets[::-1]), "--token", TOKEN, "--out", str(tmp / "no.safetensors")
+        )
+        for s in range(2):
+            c.procs[f"shard{s}"].send_signal(signal.SIGKILL)
+            c.procs[f"shard{s}"].wait()
+    finally:
+        c.__exit__(None, None, None)
+    dirs = [tmp / f"shard{s}-checkpoint" for s in range(2)]
+    return {
+        "tmp": tmp,
+        "masters": masters,
+        "rounds": rounds,
+        "live": live,
+        "bad_token": bad_token,
+        "reversed": reversed_order,
+        "dirs": dirs,
+    }
+
+
+def test_the_layout_comes_back_from_the_fingerprint_alone():
+    model = build_gpt("nano")
+    for p, pattern in ((1, "strided"), (3, "strided"), (3, "sequential")):
+        layout = build_layout(model, p, pattern)
+        fp = json.loads(
+            json.dumps(
+                model_fingerprint(
+                    layout, SyncConfig(sync_every=6 * p, num_fragments=p, fragment_pattern=pattern)
+                )
+            )
+        )
+        assert layout_from_fingerprint(fp) == layout
+
+
+def test_export_from_checkpoints_round_trips_into_a_fresh_model_bit_for_bit(nano_run):
+    out = nano_run["tmp"] / "model.safetensors"
+    dirs = nano_run["dirs"][::-1]  # any order
+    r = export("--checkpoints", ",".join(map(str, dirs)), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "shard 1 of 2" in r.stderr and "wrote" in r.stderr  # progress
+    fresh = build_gpt("nano")
+    want = global_params(fresh, nano_run["masters"])
+    got = load_file(out)
+    assert set(got) == set(want)  # each parameter once: the tied embedding and head under one name
+    missing, unexpected = fresh.load_state_dict(got, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]  # the tied head: the embedding's other name
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, want[name]), name
+    assert not torch.equal(want["transformer.wte.weight"], build_model("nano", 0).transformer.wte.weight)
+    with safe_open(out, "pt") as f:
+        meta = f.metadata()
+    fp = json.loads(meta[FINGERPRINT_KEY])
+    assert fp["num_fragments"] == 3 and fp["sync_every"] == 6
+    assert json.loads(meta[ROUNDS_KEY]) == nano_run["rounds"]  # the shards' open rounds at the end
+
+
+def test_export_from_a_live_run_over_fetch_equals_the_masters(nano_run):
+    r = nano_run["live"]
+    assert r.returncode == 0, r.stderr
+    fresh = build_gpt("nano")
+    want = global_params(fresh, nano_run["masters"])
+    got = load_file(nano_run["tmp"] / "live.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    with safe_open(nano_run["tmp"] / "live.safetensors", "pt") as f:
+        assert json.loads(f.metadata()[ROUNDS_KEY]) == nano_run["rounds"]
+
+
+def test_with_the_model_the_file_holds_its_state_dict_and_loads_strictly(nano_run):
+    out = nano_run["tmp"] / "full.safetensors"
+    r = export("--checkpoints", ",".join(map(str, nano_run["dirs"])), "--model", "nano", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    fresh = build_gpt("nano")
+    load_model(fresh, out)  # strict: every name of the state_dict (the tied head from the embedding)
+    want = global_params(fresh, nano_run["masters"])
+    want["lm_head.weight"] = want["transformer.wte.weight"]
+    assert set(fresh.state_dict()) == set(want)
+    assert all(torch.equal(t, want[name]) for name, t in fresh.state_dict().items())
+
+
+def one_line_error(r, *words: str) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("streamdiloco: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert all(w in lines[-1] for w in words), lines[-1]
+
+
+def test_bad_inputs_give_one_line_errors_and_write_nothing(nano_run, tmp_path):
+    d0, d1 = nano_run["dirs"]
+    out = tmp_path / "model.safetensors"
+    one_line_error(export("--checkpoints", str(d0), "--out", str(out)), "shard 1 of 2 is missing")
+    one_line_error(export("--checkpoints", f"{d0},{d0}", "--out", str(out)), "both shard 0")
+    one_line_error(export("--checkpoints", f"{d0},{tmp_path}", "--out", str(out)), "no meta.json")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(d1, damaged)
+    data = bytearray((damaged / "fragment-0.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "fragment-0.pt").write_bytes(data)
+    one_line_error(export("--checkpoints", f"{d0},{damaged}", "--out", str(out)), "fragment-0.pt is damaged")
+    # shard 1 of another run (H=12): its fingerprint differs
+    with Cluster(tmp_path) as c:
+        c.shard(
+            "other",
+            "--model",
+            "nano",
+            "--sync-every",
+            "12",
+            "--num-fragments",
+            "3",
+            "--num-shards",
+            "2",
+            "--shard",
+            "1",
+        )
+        c.procs["other"].send_signal(signal.SIGTERM)
+        assert c.wait("other", 60) == 0, c.log("other")
+    r = export("--checkpoints", f"{d0},{tmp_path / 'other-checkpoint'}", "--out", str(out))
+    one_line_error(r, "different runs", "sync_every")
+    one_line_error(
+        export("--checkpoints", ",".join(map(str, nano_run["dirs"])), "--model", "tiny", "--out", str(out)),
+        "--model tiny does not fit the run",
+    )
+    one_line_error(nano_run["bad_token"], "refused the credentials", "--token")
+    one_line_error(nano_run["reversed"], "in place 0 of 2", "is shard 1 of 2", "in order")
+    assert not out.exists() and not (nano_run["tmp"] / "no.safetensors").exists()
+    assert not list(tmp_path.glob("*.tmp")) and not list(nano_run["tmp"].glob("*.tmp"))
+
+
+def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
+    spec = "tests.hf_gpt2:tiny_gpt2"
+    c, targets, _ = run(tmp_path, spec)
+    try:
+        masters = fetch_masters(targets, TOKEN)
+        for s in range(2):
+            c.procs[f"shard{s}"].send_signal(signal.SIGTERM)
+            assert c.wait(f"shard{s}", 60) == 0
+    finally:
+        c.__exit__(None, None, None)
+    dirs = ",".join(str(tmp_path / f"shard{s}-checkpoint") for s in range(2))
+    r = export(
+        "--checkpoints",
+        dirs,
+        "--model",
+        spec,
+        "--out",
+        str(tmp_path / "m.safetensors"),
+        "--hf-out",
+        str(tmp_path / "hf"),
+    )
+    assert r.returncode == 0, r.stderr
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    want = global_params(hf, masters)
+    for name, p in hf.named_parameters():
+        assert torch.equal(p, want[name]), name
+    assert torch.equal(hf.lm_head.weight, want["transformer.wte.weight"])  # tied as GPT-2 ties them
+    r = export(
+        "--checkpoints",
+        dirs,
+        "--model",
+        "nano",
+        "--hf-out",
+        str(tmp_path / "x"),
+        "--out",
+        str(tmp_path / "n.safetensors"),
+    )
+    one_line_error(r, "does not fit the run")
