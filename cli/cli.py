@@ -549,7 +549,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="shard s serves its dashboard, /metrics and /api/status on this port + s (default: free ports)",
     )
-    g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
+    g.add_argument(
+        "--save-global",
+        action="store_true",
+        help="also save masters.pt, model.safetensors (as `export`) and each worker's mirror",
+    )
     _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
     g.add_argument(
         "--tls",

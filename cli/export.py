@@ -77,10 +77,10 @@ class GlobalModel:
         }
 
 
-def _dtype(name: str, param: str) -> torch.dtype:
+def _dtype(name: str, param: str, where: str = "the fingerprint") -> torch.dtype:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"the fingerprint gives parameter {param!r} the dtype {name!r}, not a float dtype")
+        raise ValueError(f"{where} gives parameter {param[:80]!r} the dtype {name[:40]!r}, not a float dtype")
     return dtype
 
 
@@ -104,7 +104,7 @@ def layout_from_fingerprint(fp: object, where: str = "the fingerprint") -> Fragm
             raise ValueError(f"{where} gives parameter {p[0][:80]!r} the shape {str(shape)[:80]}")
         if p[0] in by_name:
             raise ValueError(f"{where} lists parameter {p[0][:80]!r} twice")
-        _dtype(p[2], p[0])
+        _dtype(p[2], p[0], where)
         by_name[p[0]] = (tuple(shape), p[2])
         total += math.prod(shape)
         if total > MAX_VALUES:
@@ -141,7 +141,9 @@ def _size(values: int) -> str:
     return f"{values * 4 / 1e6:,.1f} MB"
 
 
-def _rounds(per_shard: list[list[int]], mixed_ok: bool, where: Callable[[int], str]) -> list[int | list[int]]:
+def agree_rounds(
+    per_shard: list[list[int]], mixed_ok: bool, where: Callable[[int], str]
+) -> list[int | list[int]]:
     """Each fragment's round, from every shard's: one number when they agree; else a ValueError naming the
     rounds (or, with `mixed_ok`, the list of them)."""
     out: list[int | list[int]] = []
@@ -238,7 +240,7 @@ def from_checkpoints(
         done = sum(hi - lo for lo, hi in state.ranges)
         progress(f"shard {s} of {num_shards}: {where[s]}, {_size(done)}, rounds {rounds[-1]}")
         del state
-    return GlobalModel(fp, layout, vectors, _rounds(rounds, mixed_rounds, lambda s: str(where[s])))
+    return GlobalModel(fp, layout, vectors, agree_rounds(rounds, mixed_rounds, lambda s: str(where[s])))
 
 
 # --- from a live run (Fetch) -----------------------------------------------------------------------------
@@ -408,7 +410,7 @@ def from_servers(
             if len({rs[f] for rs in rounds}) > 1:
                 time.sleep(0.2)
     vectors = [torch.cat([per_shard[s][f] for s in range(len(shards))]) for f in range(layout.num_fragments)]
-    return GlobalModel(fp0, layout, vectors, _rounds(rounds, mixed_rounds, lambda s: targets[s]))
+    return GlobalModel(fp0, layout, vectors, agree_rounds(rounds, mixed_rounds, lambda s: targets[s]))
 
 
 # --- writing -----------------------------------------------------------------------------------------------

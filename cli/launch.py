@@ -198,7 +198,7 @@ class Credentials:
 
 def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robust) -> int:
     from streamdiloco.common.tls import ClientTLS
-    from streamdiloco.worker.client import fetch_masters
+    from streamdiloco.export import from_servers, write_safetensors
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -306,7 +306,10 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
             if creds:  # worker-0's credentials: Fetch needs a worker's
                 cert, key, token_file = creds.worker_files(0)
                 token, tls = token_file.read_text().strip(), ClientTLS(str(creds.ca), str(cert), str(key))
-            torch.save(fetch_masters(targets, token, tls=tls), out / "masters.pt")
+            # checked as `streamdiloco export` checks a live run: one run, each fragment's slices of one round
+            global_model = from_servers(targets, token, tls)
+            torch.save(global_model.vectors, out / "masters.pt")
+            write_safetensors(global_model.tensors(), out / "model.safetensors", global_model.metadata())
         summary = summarize(
             [json.loads((out / f"worker-{m}.json").read_text()) for m in range(args.workers)],
             statuses,

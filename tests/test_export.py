@@ -18,7 +18,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.modelspec import build_model
-from streamdiloco.export import FINGERPRINT_KEY, ROUNDS_KEY, layout_from_fingerprint
+from streamdiloco.export import FINGERPRINT_KEY, ROUNDS_KEY, agree_rounds, layout_from_fingerprint
 from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
 
@@ -238,3 +238,77 @@ def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_
         str(tmp_path / "n.safetensors"),
     )
     one_line_error(r, "does not fit the run")
+
+
+def test_launch_save_global_writes_the_global_model_as_safetensors(tmp_path):
+    out = tmp_path / "run"
+    r = streamdiloco(
+        "launch", "--shards", "2", "--workers", "1", "--out", str(out), "--save-global", "--model", "nano",
+        "--steps", "12", *RUN, "--log-every", "6",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    masters = torch.load(out / "masters.pt")
+    mirror = torch.load(out / "worker-0-global.pt")
+    assert all(torch.equal(a, b) for a, b in zip(mirror, masters, strict=True))
+    want = global_params(build_gpt("nano"), masters)
+    got = load_file(out / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def fingerprint() -> dict:
+    model = build_gpt("nano")
+    return json.loads(
+        json.dumps(model_fingerprint(build_layout(model, 3), SyncConfig(sync_every=6, num_fragments=3)))
+    )
+
+
+def _set(fp: dict, path: tuple, value) -> dict:
+    target = fp
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return fp
+
+
+@pytest.mark.parametrize(
+    "path, value, words",
+    [
+        (("params",), None, "lacks its lists"),
+        (("fragments",), [], "lacks its lists"),
+        (("params", 0), ["x", [2]], "not [name, shape, dtype]"),
+        (("params", 0, 1), [-1, 4], "the shape"),
+        (("params", 0, 1), [1 << 30, 1 << 30], "claims more than"),
+        (("params", 0, 1), [True], "the shape"),
+        (("params", 0, 2), "int64", "not a float dtype"),
+        (("params", 0, 2), "Tensor", "not a float dtype"),
+        (("params", 1, 0), "transformer.wte.weight", "twice"),
+        (("fragments", 0, 1, 0), "nope", "not a parameter"),
+        (("fragments", 0), "blocks", "not [blocks, names]"),
+        (("fragments", 2, 1), [], "in order, each once"),
+        (("blocks_path",), 3, "must be strings"),
+    ],
+)
+def test_a_fingerprint_that_is_not_one_is_refused_in_one_line(path, value, words):
+    """A shard's fingerprint comes off the network: every field is checked before anything is allocated."""
+    fp = fingerprint()
+    if path == ("params", 1, 0):
+        value = fp["params"][0][0]
+    with pytest.raises(ValueError) as e:
+        layout_from_fingerprint(_set(fp, path, value), "the shard's fingerprint")
+    assert (
+        words in str(e.value)
+        and str(e.value).startswith("the shard's fingerprint")
+        and "\n" not in str(e.value)
+    )
+
+
+def test_shards_at_different_rounds_are_named_unless_mixed_rounds_is_given():
+    where = ["dirA", "dirB"].__getitem__
+    assert agree_rounds([[3, 2, 2], [3, 2, 2]], False, where) == [3, 2, 2]
+    with pytest.raises(ValueError) as e:
+        agree_rounds([[3, 2, 2], [3, 1, 2]], False, where)
+    assert str(e.value).startswith(
+        "the shards hold different rounds of fragment 1: 2 on shard 0 (dirA), 1 on"
+    )
+    assert "--mixed-rounds" in str(e.value)
+    assert agree_rounds([[3, 2, 2], [3, 1, 2]], True, where) == [3, [2, 1], 2]
