@@ -137,6 +137,14 @@ def layout_from_fingerprint(fp: object, where: str = "the fingerprint") -> Fragm
     return FragmentLayout(tuple(out), blocks_path, pattern)
 
 
+def _empty(numel: int, what: str) -> torch.Tensor:
+    """An fp32 vector for `what`; a one-line error when this machine cannot hold it."""
+    try:
+        return torch.empty(numel, dtype=torch.float32)
+    except RuntimeError as e:  # the size comes from a fingerprint: say so rather than print a traceback
+        raise ValueError(f"cannot hold {what} ({numel:,} values) in memory: {str(e)[:120]}") from None
+
+
 def _size(values: int) -> str:
     return f"{values * 4 / 1e6:,.1f} MB"
 
@@ -154,8 +162,9 @@ def agree_rounds(
         if not mixed_ok:
             at = ", ".join(f"{r} on shard {s} ({where(s)})" for s, r in enumerate(rounds))
             raise ValueError(
-                f"the shards hold different rounds of fragment {f}: {at}; a shard stopped before the others "
-                "closed the round: export anyway with --mixed-rounds (each slice as of its own shard's round)"
+                f"the shards hold different rounds of fragment {f}: {at}; the round closed on some shards "
+                "only (one stopped, or is behind): export anyway with --mixed-rounds (each slice as of its "
+                "own shard's round)"
             )
         out.append(list(rounds))
     return out
@@ -227,7 +236,7 @@ def from_checkpoints(
         cfg = SyncConfig.from_dict(metas[0]["config"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"{first}: meta.json's sync settings do not check ({e})") from None
-    vectors = [torch.empty(f.numel, dtype=torch.float32) for f in layout.fragments]
+    vectors = [_empty(f.numel, f"fragment {f.index}") for f in layout.fragments]
     rounds: list[list[int]] = []
     for s in range(num_shards):
         # no initial values: every slice comes from the checkpoint (a zero-stride view costs no memory)
@@ -257,56 +266,43 @@ def _rpc_message(target: str, e) -> str:
 
 
 class _ShardFetch:
-    """One shard's slices of the fragments asked for, fetched into place in the fragments' vectors."""
+    """Fetches from one shard, listed at place `shard` of `num_shards` in --servers."""
 
-    def __init__(self, target: str, shard: int, token: str, tls, timeout: float):
-        self.target, self.shard, self.token, self.tls, self.timeout = target, shard, token, tls, timeout
+    def __init__(self, target: str, shard: int, num_shards: int, token: str, tls, timeout: float):
+        self.target, self.shard, self.num_shards = target, shard, num_shards
+        self.token, self.tls, self.timeout = token, tls, timeout
+        self.fingerprint: dict | None = None  # as the shard described its run
 
-    def describe_and_fetch(
-        self, num_shards: int, progress: Progress
-    ) -> tuple[dict, list[torch.Tensor], list[int]]:
-        """The shard's fingerprint, its master slices (one per fragment) and their rounds."""
-        fp: dict | None = None
-        slices: list[torch.Tensor] = []
-        rounds: list[int] = []
-        state: dict = {}
+    def _described(self, m) -> FragmentLayout:
+        """The run's layout from the stream's first chunk; ValueError unless the shard is the one listed."""
+        if not m.fingerprint_json:
+            raise ValueError(
+                f"the shard at {self.target} does not say which run it serves (an older streamdiloco?): "
+                "export from its checkpoint directory instead"
+            )
+        if (m.shard, m.num_shards) != (self.shard, self.num_shards):
+            raise ValueError(
+                f"--servers lists the shard at {self.target} in place {self.shard} of {self.num_shards}, "
+                f"but it is shard {m.shard} of {m.num_shards}: list every shard, in order"
+            )
+        if len(m.fingerprint_json) > MAX_FINGERPRINT_BYTES:
+            raise ValueError(
+                f"the shard at {self.target} sent a fingerprint of over {MAX_FINGERPRINT_BYTES:,} bytes"
+            )
+        try:
+            self.fingerprint = json.loads(m.fingerprint_json)
+        except ValueError as e:
+            raise ValueError(
+                f"the shard at {self.target} sent a fingerprint that is not JSON ({e})"
+            ) from None
+        return layout_from_fingerprint(self.fingerprint, f"the fingerprint of the shard at {self.target}")
 
-        def first(m) -> None:
-            nonlocal fp
-            if not m.fingerprint_json:
-                raise ValueError(
-                    f"the shard at {self.target} does not say which run it serves (an older streamdiloco?): "
-                    "export from its checkpoint directory instead"
-                )
-            if (m.shard, m.num_shards) != (self.shard, num_shards):
-                raise ValueError(
-                    f"--servers lists the shard at {self.target} in place {self.shard} of {num_shards}, "
-                    f"but it is shard {m.shard} of {m.num_shards}: list every shard, in order"
-                )
-            if len(m.fingerprint_json) > MAX_FINGERPRINT_BYTES:
-                raise ValueError(
-                    f"the shard at {self.target} sent a fingerprint of over {MAX_FINGERPRINT_BYTES:,} bytes"
-                )
-            try:
-                fp = json.loads(m.fingerprint_json)
-            except ValueError as e:
-                raise ValueError(
-                    f"the shard at {self.target} sent a fingerprint that is not JSON ({e})"
-                ) from None
-            state["layout"] = layout_from_fingerprint(fp, f"the fingerprint of the shard at {self.target}")
-
-        self._stream(None, first, slices, rounds, state, num_shards, progress)
-        assert fp is not None
-        return fp, slices, rounds
-
-    def fetch(self, fragment: int, layout: FragmentLayout, num_shards: int) -> tuple[torch.Tensor, int]:
-        """One fragment's slice again, and its round."""
-        slices: list[torch.Tensor] = []
-        rounds: list[int] = []
-        self._stream(fragment, None, slices, rounds, {"layout": layout}, num_shards, _quiet)
-        return slices[0], rounds[0]
-
-    def _stream(self, fragment, first, slices, rounds, state, num_shards: int, progress: Progress) -> None:
+    def fetch(
+        self, layout: FragmentLayout | None = None, fragment: int | None = None, progress: Progress = _quiet
+    ) -> tuple[FragmentLayout, list[torch.Tensor], list[int]]:
+        """The shard's slice of every fragment (or of `fragment`) and their rounds; without a `layout`, the
+        shard is asked to describe its run first (`self.fingerprint`). Every chunk is checked (order,
+        offsets, lengths, one round per fragment: common/chunks.py's MasterAssembly) and values finite."""
         import grpc
 
         from streamdiloco.common.chunks import ChunkError, MasterAssembly
@@ -315,8 +311,10 @@ class _ShardFetch:
         from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 
         request = pb.FetchRequest(
-            token=self.token, describe=first is not None, fragments=[] if fragment is None else [fragment]
+            token=self.token, describe=layout is None, fragments=[] if fragment is None else [fragment]
         )
+        slices: list[torch.Tensor] = []
+        rounds: list[int] = []
         asm: MasterAssembly | None = None
         received, last_said = 0, time.monotonic()
         try:
@@ -325,21 +323,21 @@ class _ShardFetch:
                     request, metadata=auth_metadata(self.token), timeout=self.timeout
                 )
                 for m in call:
-                    if first is not None and "layout" not in state:
-                        first(m)
-                    layout: FragmentLayout = state["layout"]
+                    if layout is None:
+                        layout = self._described(m)
                     want = len(slices) if fragment is None else fragment
-                    if asm is None:  # the stream's next fragment starts
-                        if m.fragment != want or want >= layout.num_fragments:
+                    if asm is None:  # the next fragment's first chunk
+                        due = want < layout.num_fragments and not (fragment is not None and slices)
+                        if m.fragment != want or not due:
                             raise ValueError(
-                                f"the shard at {self.target} sent fragment {m.fragment} where fragment "
-                                f"{want} was due"
+                                f"the shard at {self.target} sent fragment {m.fragment} where "
+                                + (f"fragment {want} was due" if due else "the Fetch was over")
                             )
-                        lo, hi = slice_ranges(layout.fragments[want].numel, num_shards)[self.shard]
-                        asm = MasterAssembly(hi - lo, where=f"fragment {want}'s slice")
+                        lo, hi = slice_ranges(layout.fragments[want].numel, self.num_shards)[self.shard]
+                        asm = MasterAssembly(hi - lo, _empty(hi - lo, f"fragment {want}'s slice"))
                     elif m.fragment != want:
                         raise ValueError(
-                            f"the shard at {self.target} sent fragment {m.fragment} mid-fragment {want}"
+                            f"the shard at {self.target} sent fragment {m.fragment} amid fragment {want}"
                         )
                     try:
                         done = asm.add(m.round, m.offset, m.total, bytes_to_values(m.values), m.last)
@@ -359,12 +357,12 @@ class _ShardFetch:
                         last_said = time.monotonic()
         except grpc.RpcError as e:
             raise ValueError(_rpc_message(self.target, e)) from None
-        layout = state.get("layout")
         wanted = 1 if fragment is not None else (layout.num_fragments if layout is not None else 1)
-        if asm is not None or len(slices) != wanted:
+        if layout is None or asm is not None or len(slices) != wanted:
             raise ValueError(
                 f"the shard at {self.target} ended the Fetch after {len(slices)} of {wanted} fragments"
             )
+        return layout, slices, rounds
 
 
 def from_servers(
@@ -381,36 +379,40 @@ def from_servers(
     again from the shards behind, for up to `settle` seconds, so that every slice is of the same round."""
     if not targets:
         raise ValueError("--servers: give every shard as HOST:PORT, comma-separated, in shard order")
-    shards = [_ShardFetch(t, s, token, tls, timeout) for s, t in enumerate(targets)]
-    fp0: dict | None = None
+    shards = [_ShardFetch(t, s, len(targets), token, tls, timeout) for s, t in enumerate(targets)]
+    layout: FragmentLayout | None = None
     per_shard: list[list[torch.Tensor]] = []
     rounds: list[list[int]] = []
     for sh in shards:
-        fp, slices, rs = sh.describe_and_fetch(len(targets), progress)
-        if fp0 is None:
-            fp0 = fp
-        elif fp != fp0:
+        got, slices, rs = sh.fetch(progress=progress)
+        first = shards[0]
+        if layout is None:
+            layout = got
+        elif sh.fingerprint != first.fingerprint:
             from streamdiloco.common.fingerprint import fingerprint_diff
 
-            diff = fingerprint_diff(fp, fp0, f"shard at {sh.target}", f"shard at {targets[0]}")
-            raise ValueError(f"the shards at {targets[0]} and {sh.target} serve different runs: {diff}")
+            them = f"shard at {first.target}"
+            diff = fingerprint_diff(
+                sh.fingerprint or {}, first.fingerprint or {}, f"shard at {sh.target}", them
+            )
+            raise ValueError(f"the shards at {first.target} and {sh.target} serve different runs: {diff}")
         per_shard.append(slices)
         rounds.append(rs)
-        got = _size(sum(x.numel() for x in slices))
-        progress(f"shard {sh.shard} of {len(targets)} at {sh.target}: {got}, rounds {rs}")
-    assert fp0 is not None
-    layout = layout_from_fingerprint(fp0)
+        size = _size(sum(x.numel() for x in slices))
+        progress(f"shard {sh.shard} of {len(targets)} at {sh.target}: {size}, rounds {rs}")
+    assert layout is not None and shards[0].fingerprint is not None
     deadline = time.monotonic() + settle
     for f in range(layout.num_fragments):
         while len({rs[f] for rs in rounds}) > 1 and time.monotonic() < deadline:
             top = max(rs[f] for rs in rounds)  # a round closing: fetch it again where it has not closed yet
             for s, sh in enumerate(shards):
                 if rounds[s][f] < top:
-                    per_shard[s][f], rounds[s][f] = sh.fetch(f, layout, len(targets))
+                    _, [per_shard[s][f]], [rounds[s][f]] = sh.fetch(layout, f)
             if len({rs[f] for rs in rounds}) > 1:
                 time.sleep(0.2)
     vectors = [torch.cat([per_shard[s][f] for s in range(len(shards))]) for f in range(layout.num_fragments)]
-    return GlobalModel(fp0, layout, vectors, agree_rounds(rounds, mixed_rounds, lambda s: targets[s]))
+    fp = shards[0].fingerprint
+    return GlobalModel(fp, layout, vectors, agree_rounds(rounds, mixed_rounds, lambda s: targets[s]))
 
 
 # --- writing -----------------------------------------------------------------------------------------------
