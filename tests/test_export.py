@@ -10,15 +10,25 @@ import signal
 
 import pytest
 import torch
+from inthread import InThreadShard, push_messages
 from procs import Cluster, http_json, streamdiloco
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
+from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.modelspec import build_model
-from streamdiloco.export import FINGERPRINT_KEY, ROUNDS_KEY, agree_rounds, layout_from_fingerprint
+from streamdiloco.export import (
+    FINGERPRINT_KEY,
+    ROUNDS_KEY,
+    agree_rounds,
+    from_servers,
+    layout_from_fingerprint,
+)
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.main import build_service
 from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
 
@@ -312,3 +322,50 @@ def test_shards_at_different_rounds_are_named_unless_mixed_rounds_is_given():
     )
     assert "--mixed-rounds" in str(e.value)
     assert agree_rounds([[3, 2, 2], [3, 1, 2]], True, where) == [3, [2, 1], 2]
+
+
+def test_a_live_export_waits_for_a_round_that_closed_on_one_shard_to_close_on_the_other(tmp_path):
+    """Two in-process shards; a worker's push closes round 0 of fragment 0 on shard 0 only. The export
+    names the difference (or, with mixed_rounds, keeps each slice's round); given time, it fetches the
+    fragment again once the round has closed on shard 1 too, and every slice is of round 1."""
+    cfg = SyncConfig(sync_every=6, num_fragments=3)
+    fp = json.dumps(model_fingerprint(build_layout(build_model("nano", 0), 3), cfg))
+    shards = [
+        InThreadShard(build_service(cfg, "nano", s, 2, min_workers=1, token=TOKEN), tmp_path, fp, token=TOKEN)
+        for s in range(2)
+    ]
+    try:
+        workers = [s.worker("w0") for s in shards]
+
+        def close_round_0(s: int) -> None:
+            lo, hi = shards[s].service.state.ranges[0]
+            workers[s].push(push_messages(encode(torch.randn(hi - lo) * 1e-2, "e3m0", 128)))
+            assert workers[s].session.result().accepted
+            shards[s].wait_for(lambda: shards[s].service.state.round_of(0) == 1, f"round 0 to close on {s}")
+
+        close_round_0(0)
+        assert not any(c.fingerprint_json for c in shards[0].fetch())  # workers' Fetches: no description
+        described = list(shards[1].stub.Fetch(pb.FetchRequest(token=TOKEN, describe=True), timeout=10))
+        assert json.loads(described[0].fingerprint_json) == json.loads(fp)
+        assert (described[0].shard, described[0].num_shards) == (1, 2)
+        assert not any(c.fingerprint_json for c in described[1:])  # once per stream
+        targets = [s.target for s in shards]
+        with pytest.raises(
+            ValueError, match=r"different rounds of fragment 0: 1 on shard 0 \(127.0.0.1:\d+\), 0 on"
+        ):
+            from_servers(targets, TOKEN, settle=0.2)
+        mixed = from_servers(targets, TOKEN, settle=0.0, mixed_rounds=True)
+        assert mixed.rounds == [[1, 0], 0, 0]
+
+        def progress(line: str) -> None:  # shard 0 fetched at round 1 of fragment 0, shard 1 at round 0 ...
+            if line.startswith("shard 1 of 2"):
+                close_round_0(1)  # ... and now the round closes there too
+
+        gm = from_servers(targets, TOKEN, settle=30.0, progress=progress)
+        assert gm.rounds == [1, 0, 0]
+        for f, vec in enumerate(gm.vectors):
+            masters = [s.on_loop(lambda s=s, f=f: s.service.state.master(f).clone()) for s in shards]
+            assert torch.equal(vec, torch.cat(masters))
+    finally:
+        for s in shards:
+            s.shutdown()
