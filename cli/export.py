@@ -437,9 +437,10 @@ def load_into_model(model: torch.nn.Module, gm: GlobalModel, spec: str) -> None:
                 f"--model {spec} does not fit the run: {name} is {list(p.shape)} {dtype} there, "
                 f"{list(e.shape)} {e.dtype} in the run"
             )
-    with torch.no_grad():
-        for name, value in gm.tensors().items():
-            params[name].copy_(value)
+    with torch.no_grad():  # straight from the flat vectors (copy_ rounds to the dtype as .to() does)
+        for fragment, vec in zip(gm.layout.fragments, gm.vectors, strict=True):
+            for e in fragment.entries:
+                params[e.name].copy_(vec[e.offset : e.offset + e.numel].view(e.shape))
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -476,6 +477,23 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
 
     if args.hf_out and not args.model:
         raise ValueError("--hf-out needs --model (a transformers model's factory, to save_pretrained)")
+    if Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a directory: give the file to write (model.safetensors)")
+    model = None
+    if args.model:  # built first: a wrong spec fails before a long fetch
+        from streamdiloco.common.modelspec import build_model
+
+        model = build_model(args.model, args.seed, args.block_size)
+        if args.hf_out:
+            try:
+                from transformers import PreTrainedModel
+            except ImportError:
+                raise ValueError("--hf-out needs transformers (pip install transformers)") from None
+            if not isinstance(model, PreTrainedModel):
+                raise ValueError(
+                    f"--hf-out needs a transformers model: --model {args.model} builds "
+                    f"a {type(model).__name__}"
+                )
     if args.checkpoints:
         dirs = [d.strip() for d in args.checkpoints.split(",") if d.strip()]
         gm = from_checkpoints(dirs, args.mixed_rounds, progress)
@@ -491,23 +509,9 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
         targets = [t.strip() for t in args.servers.split(",") if t.strip()]
         gm = from_servers(targets, token, tls, args.timeout, args.settle, args.mixed_rounds, progress)
     metadata = gm.metadata()
-    model = None
-    if args.model:
-        from streamdiloco.common.modelspec import build_model
-
-        model = build_model(args.model, args.seed, args.block_size)
+    if model is not None:
         load_into_model(model, gm, args.model)
         tensors = model_tensors(model)
-        if args.hf_out:
-            try:
-                from transformers import PreTrainedModel
-            except ImportError:
-                raise ValueError("--hf-out needs transformers (pip install transformers)") from None
-            if not isinstance(model, PreTrainedModel):
-                raise ValueError(
-                    f"--hf-out needs a transformers model: --model {args.model} builds "
-                    f"a {type(model).__name__}"
-                )
     else:
         tensors = gm.tensors()
     gm.vectors.clear()  # the tensors are copies: the flat vectors go before the file is written

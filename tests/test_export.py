@@ -247,7 +247,11 @@ def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_
         "--out",
         str(tmp_path / "n.safetensors"),
     )
-    one_line_error(r, "does not fit the run")
+    one_line_error(r, "--hf-out needs a transformers model: --model nano builds a GPT")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "n.safetensors").exists()
+    plain = transformers.GPT2LMHeadModel(hf.config)
+    load_model(plain, tmp_path / "m.safetensors")  # --model's file: the whole state_dict, strictly
+    assert all(torch.equal(p, want[name]) for name, p in plain.named_parameters())
 
 
 def test_launch_save_global_writes_the_global_model_as_safetensors(tmp_path):
