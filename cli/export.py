@@ -31,10 +31,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry, slice_ranges
+
+if TYPE_CHECKING:
+    from streamdiloco.common.tls import ClientTLS
 
 FINGERPRINT_KEY = "streamdiloco.fingerprint"  # `server --init` reads the run's layout from it: keep the name
 ROUNDS_KEY = "streamdiloco.rounds"
@@ -268,7 +272,9 @@ def _rpc_message(target: str, e) -> str:
 class _ShardFetch:
     """Fetches from one shard, listed at place `shard` of `num_shards` in --servers."""
 
-    def __init__(self, target: str, shard: int, num_shards: int, token: str, tls, timeout: float):
+    def __init__(
+        self, target: str, shard: int, num_shards: int, token: str, tls: ClientTLS | None, timeout: float
+    ):
         self.target, self.shard, self.num_shards = target, shard, num_shards
         self.token, self.tls, self.timeout = token, tls, timeout
         self.fingerprint: dict | None = None  # as the shard described its run
@@ -368,7 +374,7 @@ class _ShardFetch:
 def from_servers(
     targets: list[str],
     token: str = "",
-    tls=None,
+    tls: ClientTLS | None = None,
     timeout: float = 120.0,
     settle: float = 30.0,
     mixed_rounds: bool = False,
@@ -479,7 +485,7 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
         raise ValueError("--hf-out needs --model (a transformers model's factory, to save_pretrained)")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a directory: give the file to write (model.safetensors)")
-    model = None
+    model, pretrained = None, None  # pretrained: the model again, once it is known to be a transformers one
     if args.model:  # built first: a wrong spec fails before a long fetch
         from streamdiloco.common.modelspec import build_model
 
@@ -494,6 +500,7 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
                     f"--hf-out needs a transformers model: --model {args.model} builds "
                     f"a {type(model).__name__}"
                 )
+            pretrained = model
     if args.checkpoints:
         dirs = [d.strip() for d in args.checkpoints.split(",") if d.strip()]
         gm = from_checkpoints(dirs, args.mixed_rounds, progress)
@@ -520,13 +527,13 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
     progress(f"writing {args.out}: {len(tensors)} tensors, {values:,} values, {nbytes / 1e6:,.1f} MB")
     write_safetensors(tensors, args.out, metadata)
     progress(f"wrote {args.out} (rounds {gm.rounds})")
-    if model is not None and args.hf_out:
-        model.save_pretrained(args.hf_out)
+    if pretrained is not None:
+        pretrained.save_pretrained(args.hf_out)
         progress(f"wrote {args.hf_out} (save_pretrained: load it with from_pretrained)")
     return 0
 
 
-def add_export_parser(sub) -> None:
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
     """The `export` subcommand, under `streamdiloco`'s subparsers."""
     ex = sub.add_parser(
         "export",
