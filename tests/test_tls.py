@@ -320,6 +320,7 @@ def test_launch_tls_runs_a_local_cluster_as_on_the_internet(tmp_path):
     assert "every worker's mirror equals the shards' masters: yes" in r.stdout
     assert "(mutual TLS)" in (out / "shard0.log").read_text()
     assert (out / "masters.pt").exists()  # fetched with worker-0's certificate and token
+    assert (out / "model.safetensors").exists()  # the same Fetch, checked as `export` checks it
 
 
 def test_bad_worker_security_flags_are_one_line(tmp_path, certs):
