@@ -28,6 +28,7 @@ from streamdiloco.export import (
     layout_from_fingerprint,
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
@@ -373,3 +374,92 @@ def test_a_live_export_waits_for_a_round_that_closed_on_one_shard_to_close_on_th
     finally:
         for s in shards:
             s.shutdown()
+
+
+class FakeShard(pb_grpc.ShardServicer):
+    """A shard that answers Fetch with whatever the test makes of an honest stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def Fetch(self, request, context):
+        yield from self.stream(request)
+
+
+NANO_FP = model_fingerprint(
+    build_layout(build_model("nano", 0), 3), SyncConfig(sync_every=6, num_fragments=3)
+)
+NANO_VALUES = [
+    torch.randn(f.numel, generator=torch.Generator().manual_seed(f.index))
+    for f in build_layout(build_model("nano", 0), 3).fragments
+]
+
+
+def honest(request: pb.FetchRequest) -> list[pb.MasterChunk]:
+    """One shard of one: every fragment whole, in chunks of 5,000 values, round 4; described if asked."""
+    out = []
+    for f, values in enumerate(NANO_VALUES):
+        for lo in range(0, values.numel(), 5000):
+            hi = min(values.numel(), lo + 5000)
+            chunk = values[lo:hi].numpy().tobytes()
+            last = hi == values.numel()
+            out.append(
+                pb.MasterChunk(fragment=f, round=4, offset=lo, total=values.numel(), values=chunk, last=last)
+            )
+    if request.describe:
+        out[0].fingerprint_json, out[0].shard, out[0].num_shards = json.dumps(NANO_FP), 0, 1
+    return out
+
+
+def _changed(**fields):
+    def change(chunks: list[pb.MasterChunk], i: int) -> list[pb.MasterChunk]:
+        for k, v in fields.items():
+            setattr(chunks[i], k, v)
+        return chunks
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda c: c, None),
+        (lambda c: _changed(fingerprint_json="")(c, 0), "does not say which run it serves"),
+        (lambda c: _changed(shard=1, num_shards=2)(c, 0), "in place 0 of 1, but it is shard 1 of 2"),
+        (lambda c: _changed(fingerprint_json="{not json")(c, 0), "a fingerprint that is not JSON"),
+        (lambda c: _changed(fingerprint_json='{"params": 3}')(c, 0), "lacks its lists of parameters"),
+        (lambda c: _changed(total=7)(c, 1), "fragment 0: the slice has 24704 values, the shard says 7"),
+        (lambda c: _changed(offset=3)(c, 1), "fragment 0: offset 3, expected 5000"),
+        (lambda c: _changed(round=5)(c, 1), "fragment 0: round 5 after chunks of round 4"),
+        (lambda c: _changed(values=b"\0" * 7)(c, 1), "whole 4-byte numbers"),
+        (
+            lambda c: _changed(values=torch.full((5000,), float("nan")).numpy().tobytes())(c, 1),
+            "non-finite values",
+        ),
+        (lambda c: [x for x in c if x.fragment != 1], "sent fragment 2 where fragment 1 was due"),
+        (lambda c: c + [c[-1]], "sent fragment 2 where the Fetch was over"),
+        (lambda c: [x for x in c if x.fragment == 0], "ended the Fetch after 1 of 3 fragments"),
+        (lambda c: c[:-1], "ended the Fetch after 2 of 3 fragments"),
+    ],
+)
+def test_a_shard_that_sends_a_bad_fetch_stream_is_refused_in_one_line(mutate, words):
+    """What comes off the network is checked: the description, then each chunk (chunks.MasterAssembly)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    pb_grpc.add_ShardServicer_to_server(FakeShard(lambda request: mutate(honest(request))), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        if words is None:
+            gm = from_servers([f"127.0.0.1:{port}"], timeout=30)
+            assert gm.rounds == [4, 4, 4] and gm.fingerprint == NANO_FP
+            assert all(torch.equal(a, b) for a, b in zip(gm.vectors, NANO_VALUES))
+            return
+        with pytest.raises(ValueError) as e:
+            from_servers([f"127.0.0.1:{port}"], timeout=30)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    finally:
+        server.stop(None)
