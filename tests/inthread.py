@@ -120,13 +120,16 @@ def push_messages(
     values_per_chunk: int = 512,
     step: int = 0,
     blocked: float = 0.0,
+    **progress,
 ) -> list[pb.WorkerMessage]:
+    """A push's messages; `progress`: more PushHeader fields (total_steps, tokens, eval_loss, ...)."""
     header = pb.PushHeader(
         weight=weight,
         has_loss=loss is not None,
         loss=0.0 if loss is None else loss,
         step=step,
         blocked_seconds=blocked,
+        **progress,
     )
     return [
         pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None))
