@@ -518,6 +518,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
     )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=200,
+        help="steps between evaluations of the global parameters, shown on the shards' dashboards "
+        "(default %(default)s; 0: at the start and the end only)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, blocked "
+        "time); needs pip install 'streamdiloco[tensorboard]'",
+    )
     _add_run_flags(wk.add_argument_group("run"))
     _add_sync_flags(wk)
     _add_inner_flags(wk)

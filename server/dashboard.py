@@ -69,7 +69,7 @@ class DashboardData:
             evals = self.evals.setdefault(name, deque(maxlen=EVAL_POINTS))
             if not evals or evals[-1][1] != r.eval_step:  # one point per evaluation, not per push
                 # the tokens it had at the eval's step, from its tokens per step until now
-                tokens = round(r.tokens * r.eval_step / r.step) if 0 < r.eval_step < r.step else r.tokens
+                tokens = round(r.tokens * r.eval_step / r.step) if 0 <= r.eval_step < r.step else r.tokens
                 evals.append((now, r.eval_step, tokens, r.eval_loss))
 
     def rates(self, name: str) -> dict:
