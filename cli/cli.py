@@ -577,6 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard s serves its dashboard, /metrics and /api/status on this port + s (default: free ports)",
     )
     g.add_argument("--save-global", action="store_true", help="also save masters.pt and each worker's mirror")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=200,
+        help="workers' steps between evaluations of the global parameters (dashboard; default %(default)s)",
+    )
     _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
     g.add_argument(
         "--tls",

@@ -278,6 +278,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
             argv += ["--metrics-port", str(metrics_ports[m])]
             argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
+            argv += ["--eval-every", str(args.eval_every)]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             if creds:
