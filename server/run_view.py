@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -122,16 +123,28 @@ class RunView:
         self._answer: dict | None = None
         self._at = -math.inf
         self._lock = asyncio.Lock()
+        # its own threads, at most one fetch per peer at a time: a peer that hangs holds one thread, and
+        # neither the event loop's default executor nor more threads
+        self._pool = ThreadPoolExecutor(max(1, len(peers.urls)), thread_name_prefix="peers")
+        self._fetching: dict[str, Future] = {}
 
     def fetch(self, url: str) -> dict:
         """One peer's summary (in a thread): up, or down with the reason in a few words."""
         headers = {"Authorization": f"Bearer {self.peers.read_token}"} if self.peers.read_token else {}
         request = urllib.request.Request(f"{url}/api/status?rounds=0&hashes=0", headers=headers)
+        deadline = time.monotonic() + PEER_TIMEOUT
         try:
             with urllib.request.urlopen(request, timeout=PEER_TIMEOUT, context=self.context) as r:
-                body = r.read(MAX_ANSWER_BYTES + 1)
-            if len(body) > MAX_ANSWER_BYTES:
-                raise ValueError(f"answer over {MAX_ANSWER_BYTES >> 20} MiB")
+                parts: list[bytes] = []
+                size = 0
+                while part := r.read(1 << 16):  # the timeout is per read: the deadline is for the whole
+                    parts.append(part)
+                    size += len(part)
+                    if size > MAX_ANSWER_BYTES:
+                        raise ValueError(f"answer over {MAX_ANSWER_BYTES >> 20} MiB")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("answer too slow")
+            body = b"".join(parts)
             return {"url": url, "up": True, "error": None, **shard_summary(json.loads(body))}
         except urllib.error.HTTPError as e:  # 401 (no read token), 503 (loading, stopping)
             return {"url": url, "up": False, "error": f"HTTP {e.code}"}
@@ -143,11 +156,14 @@ class RunView:
         async with self._lock:  # pages polling at once share one round of fetches
             if self._answer is not None and time.monotonic() - self._at < CACHE_SECONDS:
                 return self._answer
-            loop = asyncio.get_running_loop()
-            jobs = [loop.run_in_executor(None, self.fetch, url) for url in self.peers.urls]
-            done, _ = await asyncio.wait(jobs, timeout=PEER_TIMEOUT + 1.0) if jobs else (set(), set())
+            for url in self.peers.urls:  # a fetch still running from an earlier round goes on
+                if url not in self._fetching or self._fetching[url].done():
+                    self._fetching[url] = self._pool.submit(self.fetch, url)
+            jobs = [asyncio.wrap_future(self._fetching[url]) for url in self.peers.urls]
+            if jobs:
+                await asyncio.wait(jobs, timeout=PEER_TIMEOUT + 1.0)
             shards = [
-                job.result() if job in done else {"url": url, "up": False, "error": "no answer in time"}
+                job.result() if job.done() else {"url": url, "up": False, "error": "no answer in time"}
                 for url, job in zip(self.peers.urls, jobs, strict=True)
             ]
             own = self.own()

@@ -19,12 +19,16 @@ from inthread import InThreadShard, push_messages
 from procs import shard_process, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import build_layout
 from streamdiloco.launch import free_ports
 from streamdiloco.server import dashboard as dash
 from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.main import build_service
 from streamdiloco.server.run_view import PEER_TIMEOUT, Peers, parse_peers
-from streamdiloco.worker.report import TensorBoardLogger
+from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.model import build_gpt
+from streamdiloco.worker.report import Progress, TensorBoardLogger
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 
@@ -215,6 +219,26 @@ def test_the_run_view_shows_every_shard_and_a_peer_down_or_hanging_as_down(tmp_p
 
 
 # --- the worker: --eval-every reported to the shard, --tensorboard -------------------------------------
+class NoWire:
+    num_shards = 1
+
+
+def test_the_engine_reports_what_the_shards_take_and_leaves_out_an_eval_loss_they_would_refuse():
+    model = build_gpt("nano")
+    engine = SyncEngine(
+        model, build_layout(model, 3, "strided"), SyncConfig(num_fragments=3), NoWire(), total_steps=90
+    )
+    assert engine.progress() == Progress(total_steps=90)  # nothing measured yet: nothing said
+    engine._count(512, 3.0)  # a step's counting, as step() does it
+    engine.report(eval_loss=2.5, compute_utilization=0.75)
+    assert engine.progress() == Progress(1, 0.0, 90, 512, 0.75, 2.5, 1)
+    engine._count(512, 3.0)
+    engine.report(eval_loss=math.nan, compute_utilization=1.0000001)  # a push would be refused for NaN
+    engine.report(eval_loss=-1.0)
+    engine.report(eval_loss=1e5)
+    assert engine.progress() == Progress(2, 0.0, 90, 1024, 1.0, 2.5, 1)  # the last good one; clamped
+
+
 def test_tensorboard_logger_writes_scalars_that_tensorboard_reads_back(tmp_path):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     logger = TensorBoardLogger(str(tmp_path / "tb"))

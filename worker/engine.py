@@ -45,6 +45,7 @@ log = logging.getLogger("streamdiloco.worker")
 
 WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
+MAX_REPORTED_LOSS = 1e4  # the shards refuse a push that reports a loss beyond (server/robust.py MAX_LOSS)
 
 
 class StopRequested(Exception):
@@ -336,8 +337,12 @@ class SyncEngine:
     # --- what the dashboards show --------------------------------------------------------------------
     def report(self, eval_loss: float | None = None, compute_utilization: float | None = None) -> None:
         """Tell the shards (with the next pushes; their dashboards show it) the eval loss of the global
-        parameters measured now, and the fraction of the training time spent computing (0..1)."""
-        if eval_loss is not None:
+        parameters measured now, and the fraction of the training time spent computing (0..1). An eval loss
+        the shards would refuse (not a cross-entropy in [0, 1e4]: they refuse the push that carries it) is
+        left out, with a warning."""
+        if eval_loss is not None and not 0.0 <= eval_loss <= MAX_REPORTED_LOSS:  # NaN too
+            log.warning("eval loss %s is not reported to the shards: not a loss in [0, 1e4]", eval_loss)
+        elif eval_loss is not None:
             self.eval_loss, self.eval_step = float(eval_loss), self.step_count
         if compute_utilization is not None:
             self.compute_utilization = min(1.0, max(0.0, float(compute_utilization)))
