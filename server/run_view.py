@@ -61,6 +61,12 @@ def _number(x, lo: float = 0.0) -> float | None:
     return float(x) if math.isfinite(x) and x >= lo else None
 
 
+def _of(status: dict, key: str, kind: type):
+    """status[key] if it is a `kind` (a dict or a list), else an empty one."""
+    value = status.get(key)
+    return value if isinstance(value, kind) else kind()
+
+
 def shard_summary(status: dict) -> dict:
     """What the run view shows of a shard, from its /api/status; ValueError if it is not one."""
     if not isinstance(status, dict):
@@ -68,18 +74,18 @@ def shard_summary(status: dict) -> dict:
     shard, num_shards = status.get("shard"), status.get("num_shards")
     if not (isinstance(shard, int) and isinstance(num_shards, int) and 0 <= shard < num_shards <= 1 << 16):
         raise ValueError("not a shard's status (no shard index)")
-    b = status.get("bytes") if isinstance(status.get("bytes"), dict) else {}
-    rs = status.get("round_seconds") if isinstance(status.get("round_seconds"), dict) else {}
-    members = status.get("members") if isinstance(status.get("members"), list) else []
-    refused = status.get("pushes_refused") if isinstance(status.get("pushes_refused"), dict) else {}
-    fragments = status.get("fragments") if isinstance(status.get("fragments"), list) else []
+    b: dict = _of(status, "bytes", dict)
+    rs: dict = _of(status, "round_seconds", dict)
+    members: list = _of(status, "members", list)
+    refused: dict = _of(status, "pushes_refused", dict)
+    fragments: list = _of(status, "fragments", list)
     rounds = [f.get("round") for f in fragments[:4096] if isinstance(f, dict)]
     return {
         "shard": shard,
         "num_shards": num_shards,
         "ready": status.get("ready") is True,
         "uptime_seconds": _number(status.get("uptime_seconds")),
-        "members": sum(isinstance(m, dict) and m.get("state") == "member" for m in members),
+        "members": sum(1 for m in members if isinstance(m, dict) and m.get("state") == "member"),
         "rounds_closed": _number(status.get("rounds_closed")),
         "rounds": [r if isinstance(r, int) and not isinstance(r, bool) else None for r in rounds],
         "pushes_accepted": _number(status.get("pushes_accepted")),
