@@ -1,8 +1,9 @@
 """The run dashboard's data (issue 14, part 7). What workers report with their pushes (total steps, tokens,
 compute utilization, the global parameters' eval loss) is kept per worker, bounded, and gives each worker's
-pace and ETA; a shard's /api/run shows every shard of the run from its --peers, a peer that is down or hangs
-as down, without holding the page; a real worker with --eval-every reports its eval losses to the shard and,
-with --tensorboard, writes them as event files that TensorBoard reads back."""
+pace and ETA; a shard's /api/run shows every shard of the run from its --peers (over TLS, with the read
+token), a peer that is down or hangs as down, without holding the page; a real worker with --eval-every
+reports its eval losses to the shard and, with --tensorboard, writes them as event files that TensorBoard
+reads back; the README's W&B logger fits the worker's loggers hook."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ import pytest
 from inthread import InThreadShard, push_messages
 from procs import shard_process, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
+from test_tls import READ, https, server_tls
 
 import streamdiloco.worker.run as worker_run
+from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.launch import free_ports
 from streamdiloco.server import dashboard as dash
+from streamdiloco.server.auth import Auth
 from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.main import build_service
 from streamdiloco.server.run_view import PEER_TIMEOUT, Peers, parse_peers
@@ -328,3 +332,33 @@ def test_the_readmes_wandb_logger_fits_the_workers_hook(monkeypatch):
         (200, {"eval/loss": 2.5}),
         "finished",
     ]
+
+
+def test_the_run_view_reads_its_peers_over_tls_with_the_read_token(tmp_path):
+    certs = tmp_path / "certs"
+    make_certs(certs, None, [])
+    ca = str(certs / "ca.pem")
+
+    def tls_shard(shard: int, peers: Peers | None = None, read: str = READ) -> InThreadShard:
+        auth = Auth(read_token=read)
+        service = build_service(CFG, "nano", shard=shard, num_shards=2, chunk_bytes=256, auth=auth)
+        return InThreadShard(service, tmp_path, GOOD_FP, http=True, tls=server_tls(certs), peers=peers)
+
+    s1 = tls_shard(1)
+    other = tls_shard(1, read="another run's read token")
+    urls = (f"https://127.0.0.1:{s1.http_port}", f"https://127.0.0.1:{other.http_port}")
+    s0 = tls_shard(0, Peers(urls, READ, ca))
+    try:
+        assert https(s0.http_port, "/api/run", certs / "ca.pem")[0] == 401  # the run view needs it too
+        code, body = https(s0.http_port, "/api/run", certs / "ca.pem", READ)
+        assert code == 200
+        shards = json.loads(body)["shards"]
+        assert [(x["up"], x.get("shard"), x["url"]) for x in shards] == [
+            (True, 0, None),
+            (True, 1, urls[0]),
+            (False, None, urls[1]),
+        ]
+        assert shards[2]["error"] == "HTTP 401"  # a shard whose read token is not ours: down, and why
+    finally:
+        for s in (s0, s1, other):
+            s.shutdown()
