@@ -399,8 +399,8 @@
     if (u) {
       u.setData(data);
     } else {
-      const yAxis = { size: 64 };
-      if (ticks) yAxis.values = (u, splits) => splits.map(ticks);
+      // uPlot's own labels keep 3 decimals: blocked times of a few ms would all read "0"
+      const yAxis = { size: 64, values: (u, splits) => splits.map(ticks || ((v) => `${+v.toPrecision(6)}`)) };
       const xSeries = x === "t"
         ? { label: "time", value: timeOf }
         : { label: x === "step" ? "step" : "tokens", value: (u, v) => (v == null ? "latest" : fmtCount(v)) };
