@@ -146,6 +146,7 @@ class Run:
     def worker(self, m: int, servers: str, flags: list[str], threads: int) -> None:
         name = f"{self.tag}-w{m}"
         argv = ["worker", "--servers", servers, "--name", f"w{m}", "--rank", str(m)]
+        argv += ["--eval-every", "0"]  # only the start's and the end's evaluations, as when measured
         argv += [
             "--summary",
             str(self.tmp / f"{name}.json"),

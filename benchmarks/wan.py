@@ -622,6 +622,7 @@ class Sweep:
             argv = ["-m", "streamdiloco", "worker", "--servers", f"{DC_ADDR}:{SHARD_PORT}", "--name", w]
             argv += ["--rank", str(i), "--steps", str(a.steps), "--summary", str(d / f"{w}.json")]
             argv += ["--checkpoint", str(d / f"{w}.pt"), "--checkpoint-every", "0", "--log-every", "10"]
+            argv += ["--eval-every", "0"]  # no evaluations inside the training time DDP is compared with
             argv += [*self.train_flags(), *self.sync_flags(), *shlex.split(a.worker_flags)]
             env = self.env
             procs.append(self.procs.start(f"{d.name}-{w}", in_ns(ns, sys.executable, *argv), env_extra=env))

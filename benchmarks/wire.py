@@ -592,6 +592,7 @@ def run_framing(
             argv += ["--steps", str(steps), "--batch-size", str(spec["batch_size"]), "--eval-batches", "1"]
             argv += ["--log-every", str(max(1, steps // 3)), "--summary", str(tmp / f"{tag}-worker{m}.json")]
             argv += ["--checkpoint", str(tmp / f"{tag}-worker{m}.pt")]
+            argv += ["--eval-every", "0"]  # compute utilization without evaluations, as recorded
             wprocs.append(
                 (f"{tag}-worker{m}", procs.start(f"{tag}-worker{m}", sd(*argv, *model_flags, *sync_flags)))
             )

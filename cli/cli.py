@@ -433,6 +433,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--http-port", type=int, default=8080, help="HTTP status port (default %(default)s)")
     g.add_argument("--ready-file", default=None, help="write the bound ports here (JSON) once serving")
+    g.add_argument(
+        "--peers",
+        default="",
+        metavar="URL,...",
+        help="every shard's HTTP address (http(s)://HOST:PORT, comma-separated): the dashboard then shows "
+        "the whole run (launch sets it)",
+    )
+    g.add_argument(
+        "--peers-ca",
+        default=None,
+        metavar="PEM",
+        help="the CA of the peers' HTTPS certificates (default: --tls-client-ca, the run's CA)",
+    )
     g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per chunk (default 1 MiB)")
     g.add_argument(
         "--init",
@@ -518,6 +531,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
     )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=200,
+        help="steps between evaluations of the global parameters, shown on the shards' dashboards "
+        "(default %(default)s; 0: at the start and the end only)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, blocked "
+        "time); needs pip install 'streamdiloco[tensorboard]'",
+    )
     _add_run_flags(wk.add_argument_group("run"))
     _add_sync_flags(wk)
     _add_inner_flags(wk)
@@ -553,6 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--save-global",
         action="store_true",
         help="also save masters.pt, model.safetensors (as `export`) and each worker's mirror",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=200,
+        help="workers' steps between evaluations of the global parameters (dashboard; default %(default)s)",
     )
     _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
     g.add_argument(
@@ -664,6 +697,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
     tls, auth, workers_file, http_host = _server_security(args)
+    peers = _peers(args, auth)
 
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
@@ -699,9 +733,21 @@ def _cmd_server(args: argparse.Namespace) -> int:
             tls=tls,
             auth=auth,
             limits=limits,
+            peers=peers,
         )
     )
     return 0
+
+
+def _peers(args: argparse.Namespace, auth):
+    """The run's shards for the dashboard's run view (--peers), read with this shard's read token."""
+    from streamdiloco.common.tls import read_pem
+    from streamdiloco.server.run_view import Peers, parse_peers
+
+    ca = args.peers_ca or args.tls_client_ca
+    if args.peers_ca:
+        read_pem(args.peers_ca, "--peers-ca", "certificate")
+    return Peers(parse_peers(args.peers), auth.read_token, ca)
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:

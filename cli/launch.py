@@ -234,11 +234,16 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
     signal.signal(signal.SIGHUP, on_term)
     try:
         ready = [out / f"shard{s}.ready" for s in range(args.shards)]
+        # known before the shards start: each one's dashboard shows them all (--peers)
+        http_ports = (
+            [args.http_port + s for s in range(args.shards)] if args.http_port else free_ports(args.shards)
+        )
+        peers = ",".join(f"{scheme}://127.0.0.1:{p}" for p in http_ports)
         for s in range(args.shards):
             cluster.start(
                 f"shard{s}",
                 ["server", "--shard", str(s), "--num-shards", str(args.shards), "--host", "127.0.0.1"]
-                + ["--port", "0", "--http-port", str(args.http_port + s if args.http_port else 0)]
+                + ["--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
                 + ["--ready-file", str(ready[s])]
                 + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
                 # every worker comes from this machine's address: the cap per address must fit them all
@@ -273,6 +278,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
             argv += ["--metrics-port", str(metrics_ports[m])]
             argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
+            argv += ["--eval-every", str(args.eval_every)]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             if creds:

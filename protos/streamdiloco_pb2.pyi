@@ -87,18 +87,32 @@ class Ready(_message.Message):
     def __init__(self, from_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("weight", "has_loss", "loss", "step", "blocked_seconds")
+    __slots__ = ("weight", "has_loss", "loss", "step", "blocked_seconds", "total_steps", "tokens", "has_utilization", "compute_utilization", "has_eval_loss", "eval_loss", "eval_step")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    HAS_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
     weight: float
     has_loss: bool
     loss: float
     step: int
     blocked_seconds: float
-    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., step: _Optional[int] = ..., blocked_seconds: _Optional[float] = ...) -> None: ...
+    total_steps: int
+    tokens: int
+    has_utilization: bool
+    compute_utilization: float
+    has_eval_loss: bool
+    eval_loss: float
+    eval_step: int
+    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., step: _Optional[int] = ..., blocked_seconds: _Optional[float] = ..., total_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., has_utilization: _Optional[bool] = ..., compute_utilization: _Optional[float] = ..., has_eval_loss: _Optional[bool] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "push", "ready")

@@ -1,26 +1,49 @@
 """The dashboard's data: what a shard shows over time, bounded. Closed rounds (for /api/status and the
 page's round markers), one sample a second of the shard's counters (bytes in and out, members, passive
-sessions), and each worker's reported progress (step, loss, blocked time: one point per push). The
-servicer records into it on its event loop; /api/status, /api/series and the metrics read it there."""
+sessions), and each worker's reported progress (step, loss, blocked time, tokens, compute utilization: one
+point per push; its eval losses: one point per evaluation). The servicer records into it on its event loop;
+/api/status, /api/series and the metrics read it there. Everything here came from workers, checked by the
+servicer (finite, in range); what a worker can make it hold is bounded: points per worker, workers kept."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 HISTORY = 500  # closed rounds kept for /api/status
 SAMPLES = 900  # the shard's samples, one a second: the last 15 minutes
 PROGRESS_POINTS = 600  # per worker: its latest reports (step, loss, blocked time), one per push
+EVAL_POINTS = 200  # per worker: its latest eval losses, one per evaluation it reported
 PROGRESS_WORKERS = 64  # workers whose reports are kept; the longest silent is forgotten first
+RATE_SECONDS = 60.0  # tokens/s, steps/s and the ETA: over a worker's reports of the last minute
 
 Sample = tuple[float, int, int, int, int]  # time.time(), bytes in, bytes out, members, passive sessions
+# time.time(), step, training loss, blocked seconds, tokens, compute utilization
+Point = tuple[float, int, float | None, float, int, float | None]
+EvalPoint = tuple[float, int, int, float]  # time.time() it was reported, step, tokens (estimated), eval loss
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a worker reported with an accepted push (the servicer checked every field)."""
+
+    step: int
+    loss: float | None = None  # mean training loss since its previous push of the fragment
+    blocked: float = 0.0  # seconds it has waited for updates so far
+    total_steps: int = 0  # 0: not said
+    tokens: int = 0
+    utilization: float | None = None  # compute time over training time, 0..1
+    eval_loss: float | None = None  # its latest eval loss of the global parameters, measured at eval_step
+    eval_step: int = 0
 
 
 class DashboardData:
     def __init__(self) -> None:
         self.history: deque[dict] = deque(maxlen=HISTORY)  # recent closed rounds
         self.samples: deque[Sample] = deque(maxlen=SAMPLES)
-        self.progress: dict[str, deque[tuple[float, int, float | None, float]]] = {}
+        self.progress: dict[str, deque[Point]] = {}
+        self.evals: dict[str, deque[EvalPoint]] = {}  # only for workers in `progress`
         self.last_loss: float | None = None  # mean training loss of the latest round closed with losses
 
     def record_round(self, record: dict) -> None:
@@ -29,13 +52,41 @@ class DashboardData:
             self.last_loss = record["mean_loss"]
         self.history.append(record)
 
-    def record_progress(self, name: str, step: int, loss: float | None, blocked: float) -> None:
+    def record_progress(
+        self, name: str, step: int, loss: float | None, blocked: float, report: Report | None = None
+    ) -> None:
+        r = report or Report(step, loss, blocked)
+        now = time.time()
         series = self.progress.get(name)
         if series is None:
             if len(self.progress) >= PROGRESS_WORKERS:  # forget the worker silent the longest
-                del self.progress[min(self.progress, key=lambda w: self.progress[w][-1][0])]
+                gone = min(self.progress, key=lambda w: self.progress[w][-1][0])
+                del self.progress[gone]
+                self.evals.pop(gone, None)
             series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
-        series.append((time.time(), step, loss, blocked))
+        series.append((now, r.step, r.loss, r.blocked, r.tokens, r.utilization))
+        if r.eval_loss is not None:
+            evals = self.evals.setdefault(name, deque(maxlen=EVAL_POINTS))
+            if not evals or evals[-1][1] != r.eval_step:  # one point per evaluation, not per push
+                # the tokens it had at the eval's step, from its tokens per step until now
+                tokens = round(r.tokens * r.eval_step / r.step) if 0 <= r.eval_step < r.step else r.tokens
+                evals.append((now, r.eval_step, tokens, r.eval_loss))
+
+    def rates(self, name: str) -> dict:
+        """A worker's steps/s and tokens/s over its reports of the last RATE_SECONDS (None where its reports
+        do not tell: fewer than two, or no step between them)."""
+        out: dict = {"steps_per_second": None, "tokens_per_second": None}
+        points = self.progress.get(name)
+        if not points:
+            return out
+        last = points[-1]
+        first = next((p for p in points if p[0] >= last[0] - RATE_SECONDS), last)
+        dt = last[0] - first[0]
+        if dt > 0 and last[1] > first[1]:
+            out["steps_per_second"] = (last[1] - first[1]) / dt
+            if last[4] >= first[4]:
+                out["tokens_per_second"] = (last[4] - first[4]) / dt
+        return out
 
     def round_seconds(self) -> dict:
         """Median and max of the recent rounds' durations (first whole push to close)."""
@@ -49,7 +100,8 @@ class DashboardData:
 
     def series(self, since: float, now: Sample) -> dict:
         """The time series after `since` (a time.time()): the samples (and `now`, this moment's), the closed
-        rounds, and each worker's reported progress. The page asks for what is new since its last poll."""
+        rounds, and each worker's reported progress and evaluations. The page asks for what is new since its
+        last poll."""
         return {
             "now": time.time(),
             "samples": [
@@ -65,10 +117,25 @@ class DashboardData:
             ],
             "workers": {
                 name: [
-                    {"t": t, "step": step, "loss": loss, "blocked_seconds": blocked}
-                    for t, step, loss, blocked in points
+                    {
+                        "t": t,
+                        "step": step,
+                        "loss": loss,
+                        "blocked_seconds": blocked,
+                        "tokens": tokens,
+                        "utilization": utilization,
+                    }
+                    for t, step, loss, blocked, tokens, utilization in points
                     if t > since
                 ]
                 for name, points in self.progress.items()
+            },
+            "evals": {
+                name: [
+                    {"t": t, "step": step, "tokens": tokens, "eval_loss": loss}
+                    for t, step, tokens, loss in points
+                    if t > since
+                ]
+                for name, points in self.evals.items()
             },
         }

@@ -44,6 +44,7 @@ from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import HISTORY
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
+from streamdiloco.server.run_view import Peers, RunView
 from streamdiloco.server.service import ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
 
@@ -145,11 +146,16 @@ class Holder:
 OPEN_PATHS = ("/healthz", "/readyz")  # for health checks and load balancers: no token, nothing to read
 
 
-def make_app(source: ShardService | Holder, auth: Auth | None = None) -> FastAPI:
+def make_app(source: ShardService | Holder, auth: Auth | None = None, peers: Peers | None = None) -> FastAPI:
     """The shard's HTTP app. With a read token in `auth`, everything but /healthz, /readyz and the page's
     static files (the chart library) needs it: `Authorization: Bearer TOKEN`, or `?token=TOKEN` for the
-    page (which sends it on as the header)."""
+    page (which sends it on as the header). `peers`: the run's other shards, for /api/run (default: this
+    shard alone)."""
     holder = source if isinstance(source, Holder) else Holder(source)
+    run_view = RunView(
+        peers or Peers(()),
+        lambda: holder.service.status(0, False) if holder.service is not None else None,
+    )
     app = FastAPI(title="streamdiloco shard", docs_url=None, redoc_url=None)
 
     if auth is not None and auth.read_token:
@@ -211,6 +217,12 @@ def make_app(source: ShardService | Holder, auth: Auth | None = None) -> FastAPI
     ):
         return JSONResponse(holder.service.series(since)) if holder.service is not None else not_yet()
 
+    @app.get("/api/run")
+    async def run() -> JSONResponse:
+        """Every shard of the run (from --peers): each one's rounds, pushes, bytes and round times, up or
+        down, and the run's totals."""
+        return JSONResponse(await run_view.get())
+
     @app.get("/", include_in_schema=False)
     async def dashboard() -> FileResponse:
         return FileResponse(STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
@@ -239,12 +251,14 @@ async def serve(
     tls: ServerTLS | None = None,
     auth: Auth | None = None,
     limits: Limits | None = None,
+    peers: Peers | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
     /healthz while it runs, in a thread. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
     HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
-    on what clients may hold (else the service's, or the defaults)."""
+    on what clients may hold (else the service's, or the defaults). `peers`: the run's shards, for the
+    dashboard's run view."""
     stop = stop or asyncio.Event()
     if limits is None:
         limits = service.limits if isinstance(service, ShardService) else Limits()
@@ -282,7 +296,7 @@ async def serve(
         sock = _bind(http_host, http_port)
         http_bound = sock.getsockname()[1]
         config = uvicorn.Config(
-            make_app(holder, auth),
+            make_app(holder, auth, peers),
             log_level="warning",
             lifespan="off",
             http=BoundedH11,

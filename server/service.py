@@ -46,9 +46,10 @@ from streamdiloco.server.bounds import (
     peer_host,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.dashboard import DashboardData, Sample
+from streamdiloco.server.dashboard import DashboardData, Report, Sample
 from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
+from streamdiloco.server.robust import MAX_LOSS
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -84,6 +85,7 @@ class _Member:
     active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
+    report: Report | None = None  # all of that report (total steps, tokens, utilization, eval loss)
     revoked: bool = False  # its credential was revoked: its session is ended
     call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
     ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
@@ -172,7 +174,7 @@ class ShardService(pb_grpc.ShardServicer):
         self._digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
         self.serving = False  # serve() sets it once gRPC listens: /readyz
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
-        self._push_started: dict[tuple[str, int], tuple[float, int, float | None, float]] = {}
+        self._push_started: dict[tuple[str, int], tuple[float, Report]] = {}
         self.metrics = ShardMetrics(self)
         self.pool = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
         self._jobs: set[asyncio.Task] = set()  # fold and close jobs out (awaited before a final checkpoint)
@@ -541,23 +543,18 @@ class ShardService(pb_grpc.ShardServicer):
             return
         now = self.clock()
         if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
-            self._push_started[(member.name, c.fragment)] = (
-                now,
-                h.step,
-                h.loss if h.has_loss else None,
-                h.blocked_seconds,
-            )
+            self._push_started[(member.name, c.fragment)] = (now, _report(h))
         if done:
             member.pushes += 1
             self.metrics.push_size.observe(self.state.bytes_received - before)
             started = self._push_started.pop((member.name, c.fragment), None)
             if started is not None:  # the worker's progress, reported with an accepted push
-                t0, step, loss, blocked = started
+                t0, report = started
                 self.metrics.push_transfer.observe(max(0.0, now - t0))
-                member.step, member.blocked_seconds = step, blocked
-                if loss is not None:
-                    member.last_loss = loss
-                self.dashboard.record_progress(member.name, step, loss, blocked)
+                member.step, member.blocked_seconds, member.report = report.step, report.blocked, report
+                if report.loss is not None:
+                    member.last_loss = report.loss
+                self.dashboard.record_progress(member.name, report.step, report.loss, report.blocked, report)
             result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
             self._send(member, pb.ShardMessage(result=result))
             self.close_due()
@@ -858,6 +855,7 @@ class ShardService(pb_grpc.ShardServicer):
                     "last_loss": m.last_loss,
                     "step": m.step,
                     "blocked_seconds": m.blocked_seconds,
+                    **self._reported(m),
                     "message_bytes_in": m.msg_in,
                     "message_bytes_out": m.msg_out,
                     "receiving": [  # pushes whose chunks are arriving
@@ -915,6 +913,23 @@ class ShardService(pb_grpc.ShardServicer):
             "recent_rounds": self.dashboard.recent_rounds(rounds),
         }
 
+    def _reported(self, m: _Member) -> dict:
+        """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""
+        r = m.report
+        rates = self.dashboard.rates(m.name)
+        eta = None
+        if r is not None and r.total_steps and rates["steps_per_second"]:
+            eta = max(0, r.total_steps - r.step) / rates["steps_per_second"]
+        return {
+            "total_steps": r.total_steps if r is not None and r.total_steps else None,
+            "tokens": r.tokens if r is not None else None,
+            "compute_utilization": r.utilization if r is not None else None,
+            "eval_loss": r.eval_loss if r is not None else None,
+            "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
+            **rates,
+            "eta_seconds": eta,
+        }
+
     def series(self, since: float = 0.0) -> dict:
         """The dashboard's time series after `since` (a time.time()), with the values of this moment."""
         return self.dashboard.series(since, self._sample_now())
@@ -933,14 +948,39 @@ async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
 
 
 def _check_progress(h: pb.PushHeader) -> str | None:
-    """The progress a push reports (step, blocked time): what the dashboard plots must be numbers."""
-    if h.step > MAX_ROUND:
-        return f"the reported step must be at most 2^53, got {h.step}"
+    """The progress a push reports (step, blocked time, total steps, tokens, utilization, eval loss): what
+    the dashboard plots must be numbers in range; a push with one that is not is refused as a whole."""
+    for what, value in (
+        ("step", h.step),
+        ("total steps", h.total_steps),
+        ("token count", h.tokens),
+        ("eval step", h.eval_step),
+    ):
+        if value > MAX_ROUND:
+            return f"the reported {what} must be at most 2^53, got {value}"
     if not (0.0 <= h.blocked_seconds <= MAX_BLOCKED_SECONDS):  # also refuses NaN
         return (
             f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
         )
+    if h.has_utilization and not (0.0 <= h.compute_utilization <= 1.0):
+        return f"the reported compute utilization must be a fraction in [0, 1], got {h.compute_utilization}"
+    if h.has_eval_loss and not (0.0 <= h.eval_loss <= MAX_LOSS):
+        return f"the reported eval loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {h.eval_loss}"
     return None
+
+
+def _report(h: pb.PushHeader) -> Report:
+    """A push header's progress, once _check_progress has passed it."""
+    return Report(
+        step=h.step,
+        loss=h.loss if h.has_loss else None,
+        blocked=h.blocked_seconds,
+        total_steps=h.total_steps,
+        tokens=h.tokens,
+        utilization=h.compute_utilization if h.has_utilization else None,
+        eval_loss=h.eval_loss if h.has_eval_loss else None,
+        eval_step=h.eval_step,
+    )
 
 
 def _serialize(msg: pb.ShardMessage | bytes) -> bytes:

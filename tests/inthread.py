@@ -20,6 +20,7 @@ from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, to_c
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import serve
+from streamdiloco.server.run_view import Peers
 from streamdiloco.server.service import ShardService
 
 RPC_TIMEOUT = 10.0  # every call carries a deadline: nothing here can hang
@@ -120,13 +121,16 @@ def push_messages(
     values_per_chunk: int = 512,
     step: int = 0,
     blocked: float = 0.0,
+    **progress,
 ) -> list[pb.WorkerMessage]:
+    """A push's messages; `progress`: more PushHeader fields (total_steps, tokens, eval_loss, ...)."""
     header = pb.PushHeader(
         weight=weight,
         has_loss=loss is not None,
         loss=0.0 if loss is None else loss,
         step=step,
         blocked_seconds=blocked,
+        **progress,
     )
     return [
         pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None))
@@ -151,7 +155,8 @@ class Worker:
 
 class InThreadShard:
     """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any); with `http`, its
-    HTTP app too, on `http_port`; with `tls`, both over TLS (the test's channel then trusts `client`)."""
+    HTTP app too, on `http_port`; with `tls`, both over TLS (the test's channel then trusts `client`);
+    `peers`: the run's shards for its dashboard's run view."""
 
     def __init__(
         self,
@@ -163,8 +168,10 @@ class InThreadShard:
         http: bool = False,
         tls: ServerTLS | None = None,
         client: ClientTLS | None = None,
+        peers: Peers | None = None,
     ):
         self.service, self.fingerprint_json, self.token = service, fingerprint_json, token
+        self.peers = peers
         self.tls, self.client = tls, client
         self.loop = asyncio.new_event_loop()
         self.stop: asyncio.Event | None = None
@@ -199,6 +206,7 @@ class InThreadShard:
                 ready_file=ready,
                 stop=self.stop,
                 tls=self.tls,
+                peers=self.peers,
             )
 
         try:

@@ -156,6 +156,15 @@ def test_help_lists_the_flags():
         ),
         (["worker", "--servers", "127.0.0.1:1", "--checkpoint-every", "-1"], "--checkpoint-every must be 0"),
         (["worker", "--servers", "127.0.0.1:1", "--step-delay", "-1"], "--step-delay must be in [0, 3600)"),
+        (["worker", "--servers", "127.0.0.1:1", "--eval-every", "-1"], "--eval-every must be 0 (start"),
+        (
+            ["server", "--model", "nano", "--peers", "shardb:8080"],
+            "--peers: give each shard's HTTP address as http(s)://HOST:PORT, got 'shardb:8080'",
+        ),
+        (
+            ["server", "--model", "nano", "--peers-ca", "/nonexistent/ca.pem"],
+            "--peers-ca /nonexistent/ca.pem: cannot read it",
+        ),
         (
             ["worker", "--servers", "127.0.0.1:1", "--reconnect-timeout", "0"],
             "--reconnect-timeout must be positive",

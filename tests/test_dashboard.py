@@ -1,5 +1,7 @@
-"""The shard's dashboard page in a real browser: Debian's chromium, driven by Playwright, watches a run of
-2 shard and 2 worker processes on loopback. Every panel fills with live data, from this machine alone."""
+"""The run's dashboard page in a real browser: Debian's chromium, driven by Playwright, watches a run of
+2 shard and 2 worker processes on loopback from shard 0's address. Every panel fills with live data, from
+this machine alone: both shards (shard 0 fetches shard 1's status: --peers), each worker's step of total,
+ETA and eval-loss curve, and the workers' charts over steps and tokens as well as time."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from urllib.parse import urlsplit
 
 import pytest
 from procs import Cluster, http_json, wait_until
+
+from streamdiloco.launch import free_ports
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -20,7 +24,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
-CHARTS = ("rounds", "loss", "bytes", "durations", "blocked", "members")
+CHARTS = ("rounds", "loss", "eval", "bytes", "durations", "blocked", "members")
 
 # What the page shows, read in the page: its test hook (window.sdDashboard) and its canvases.
 READ_PAGE = """() => {
@@ -30,6 +34,8 @@ READ_PAGE = """() => {
     const values = u.data.slice(1).map((ys) => ys.filter((v) => v != null));
     charts[name] = {
       labels: u.series.slice(1).map((s) => s.label),
+      x: u.series[0].label,
+      xmax: Math.max(...u.data[0]),
       points: u.data[0].length,
       values: values.map((vs) => vs.length),
       finite: values.every((vs) => vs.every(Number.isFinite)),
@@ -38,7 +44,13 @@ READ_PAGE = """() => {
   }
   const rows = [...document.querySelectorAll("#members tbody tr[data-worker]")].map(
     (tr) => [...tr.cells].slice(0, 2).map((td) => td.textContent));
-  return {charts, rows, polls: d.polls, connected: d.connected, sizes: d.sizes,
+  const cells = (selector) => [...document.querySelectorAll(selector)].map((td) => td.textContent);
+  const shards = [...document.querySelectorAll("#shards tbody tr")].map(
+    (tr) => [tr.dataset.shard, tr.className, tr.cells[1].textContent]);
+  return {charts, rows, shards, polls: d.polls, connected: d.connected, sizes: d.sizes,
+          steps: cells("#members tbody tr[data-worker] td:nth-child(3)"),
+          eta: cells("#members td.eta"), evals: cells("#members td.eval"),
+          run: cells("#run-stats b"),
           shard: document.getElementById("shard").textContent,
           config: document.getElementById("config").textContent,
           marker: window.testMarker ?? null};
@@ -74,14 +86,19 @@ def _wait(c: Cluster, page, what: str, pred, timeout: float):
         raise AssertionError(f"{e}\nthe page shows: {page.evaluate(READ_PAGE)}\n{logs}") from None
 
 
-def test_the_dashboard_shows_the_workers_and_live_charts_from_the_shard_alone(tmp_path):
+def test_the_dashboard_shows_the_run_its_workers_and_live_charts_from_one_shard(tmp_path):
     sync_api = _playwright()
-    shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "2"]
-    # paced (0.1 s a step): rounds close every ~0.2 s while the browser watches, for about a minute
+    ports = free_ports(2)  # each shard's HTTP port, known before they start: both are each one's --peers
+    peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "2", "--peers", peers]
+    # paced (0.1 s a step): rounds close every ~0.2 s while the browser watches, for about a minute; an
+    # evaluation of the global parameters every 20 steps
     work = [*NANO, "--steps", "600", "--step-delay", "0.1", "--checkpoint-every", "0", "--log-every", "100"]
+    work += ["--eval-every", "20"]
     with Cluster(tmp_path) as c, sync_api.sync_playwright() as pw:
-        t0, h0 = c.shard("shard0", "--shard", "0", *shard_flags)
-        t1, _ = c.shard("shard1", "--shard", "1", *shard_flags)
+        t0, h0 = c.shard("shard0", "--shard", "0", "--http-port", str(ports[0]), *shard_flags)
+        t1, h1 = c.shard("shard1", "--shard", "1", "--http-port", str(ports[1]), *shard_flags)
+        assert (h0, h1) == tuple(ports)
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={"width": 1280, "height": 1400})
         errors: list[str] = []
@@ -116,7 +133,10 @@ def test_the_dashboard_shows_the_workers_and_live_charts_from_the_shard_alone(tm
             )
 
         first = _wait(c, page, "the page to show both workers and closed rounds", shown, timeout=90)
-        assert first["shard"] == "shard 0 of 2"
+        assert first["shard"] == "run, from shard 0 of 2"
+        # the run: both shards, up (shard 1's status fetched by shard 0), and the totals
+        assert first["shards"] == [["0", "", "ready"], ["1", "", "ready"]]
+        assert first["run"][0] == "2 / 2"
         assert first["config"].startswith("H=6 · 3 fragments (strided) · τ=1")
         status = http_json(h0)
         assert {m["name"] for m in status["members"]} == {"worker-a", "worker-b"}
@@ -128,12 +148,26 @@ def test_the_dashboard_shows_the_workers_and_live_charts_from_the_shard_alone(tm
             return got if more and charts["rounds"]["max"] > before["rounds"]["max"] else None
 
         later = _wait(c, page, "the charts to grow", grown, timeout=60)
+
+        def evaluated():  # each worker's ETA, and an eval curve of a few points (every 20 steps)
+            got = page.evaluate(READ_PAGE)
+            evals = got["sizes"]["evals"]
+            enough = sorted(evals) == ["worker-a", "worker-b"] and all(n >= 3 for n in evals.values())
+            return got if enough and all(e != "–" for e in got["eta"]) and got["eta"] else None
+
+        later = _wait(c, page, "an ETA and eval points for both workers", evaluated, timeout=120)
         assert later["marker"] == 1 and later["polls"] > first["polls"] and later["connected"]
         charts = later["charts"]
         assert set(charts) == set(CHARTS)
         for name, chart in charts.items():
             assert chart["points"] > 0 and chart["finite"], (name, chart)
         assert charts["rounds"]["labels"] == ["fragment 0", "fragment 1", "fragment 2"]
+        # per worker: step of the 600, an ETA (min or s), a last eval loss; and the eval curve
+        assert all(s.endswith(" / 600") for s in later["steps"]), later["steps"]
+        assert all(e.endswith(" s") for e in later["eta"]), later["eta"]
+        assert all(0 < float(e) < 10 for e in later["evals"]), later["evals"]
+        assert charts["eval"]["labels"] == ["worker-a", "worker-b"] and charts["eval"]["x"] == "time"
+        assert all(n >= 3 for n in charts["eval"]["values"]) and 0 < charts["eval"]["max"] < 10
         assert charts["rounds"]["max"] >= 2
         # one loss line per worker, every point a finite loss near the start of training
         assert charts["loss"]["labels"] == ["worker-a", "worker-b"]
@@ -144,8 +178,30 @@ def test_the_dashboard_shows_the_workers_and_live_charts_from_the_shard_alone(tm
         coloured = page.evaluate(COLOURED_PIXELS)
         assert all(n > 100 for n in coloured.values()), coloured
 
+        # the workers' charts over steps, then tokens: the same points, another x-axis
+        for axis, most in (("step", 600), ("tokens", 600 * 16 * 32)):
+            page.check(f'input[name="xaxis"][value="{axis}"]')
+            over = page.evaluate(READ_PAGE)["charts"]
+            for name in ("loss", "eval", "blocked"):
+                assert over[name]["x"] == axis and 0 < over[name]["xmax"] <= most, (axis, name, over[name])
+            assert all(n >= 3 for n in over["eval"]["values"]), over["eval"]
+            assert over["rounds"]["x"] == "time"  # the shard's own charts stay over time
+        page.check('input[name="xaxis"][value="time"]')
+        assert page.evaluate(READ_PAGE)["charts"]["loss"]["x"] == "time"
+
         assert errors == [], errors
         assert elsewhere == [], f"the page asked other hosts: {elsewhere}"
+
+        # shard 1 goes away: the page, from shard 0, shows it down and goes on
+        c.procs["shard1"].kill()
+        polls = page.evaluate(READ_PAGE)["polls"]
+
+        def shard1_down():
+            got = page.evaluate(READ_PAGE)
+            return got if got["shards"][1][1] == "down" and got["polls"] > polls + 1 else None
+
+        down = _wait(c, page, "the run view to show shard 1 down", shard1_down, timeout=30)
+        assert down["shards"][0] == ["0", "", "ready"] and down["run"][0] == "1 / 2" and down["connected"]
 
         # the shard goes away: the page says so and keeps trying
         c.procs["shard0"].kill()

@@ -395,6 +395,35 @@ REFUSALS = {
     "blocked-nan": (push_messages(ENC_A, blocked=math.nan), "bad_header", "blocked time must be 0..1e+09"),
     "blocked-negative": (push_messages(ENC_A, blocked=-1.0), "bad_header", "seconds, got -1.0"),
     "blocked-inf": (push_messages(ENC_A, blocked=math.inf), "bad_header", "seconds, got inf"),
+    # what the run dashboard shows (step of total, tokens, utilization, eval loss): numbers in range only
+    "total-steps-huge": (
+        push_messages(ENC_A, total_steps=2**63),
+        "bad_header",
+        "total steps must be at most 2^53, got 9223372036854775808",
+    ),
+    "tokens-huge": (push_messages(ENC_A, tokens=2**64 - 1), "bad_header", "token count must be at most 2^53"),
+    "eval-step-huge": (push_messages(ENC_A, eval_step=2**60), "bad_header", "eval step must be at most 2^53"),
+    "utilization-5": (
+        push_messages(ENC_A, has_utilization=True, compute_utilization=5.0),
+        "bad_header",
+        "compute utilization must be a fraction in [0, 1], got 5.0",
+    ),
+    "utilization-nan": (
+        push_messages(ENC_A, has_utilization=True, compute_utilization=math.nan),
+        "bad_header",
+        "in [0, 1], got nan",
+    ),
+    "eval-loss-nan": (
+        push_messages(ENC_A, has_eval_loss=True, eval_loss=math.nan),
+        "bad_header",
+        "eval loss must be a cross-entropy in [0, 10000], got nan",
+    ),
+    "eval-loss-negative": (
+        push_messages(ENC_A, has_eval_loss=True, eval_loss=-1.0),
+        "bad_header",
+        "got -1.0",
+    ),
+    "eval-loss-inf": (push_messages(ENC_A, has_eval_loss=True, eval_loss=math.inf), "bad_header", "got inf"),
     "chunk-repeated": (_GOOD[:2] + _GOOD[1:], "bad_chunk", "chunk 1 repeated (next expected is 2)"),
     "chunk-restarted": (_GOOD[:3] + _GOOD, "bad_chunk", "chunk 0 repeated (next expected is 3)"),
     "chunk-out-of-order": (

@@ -45,6 +45,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.worker.engine import StopRequested, SyncEngine, settle
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind, Update
+from streamdiloco.worker.report import Progress
 
 __all__ = [
     "GrpcTransport",
@@ -144,7 +145,7 @@ class ShardLink:
         self.reconnects = 0
         self.resent = 0
         self.results = dict.fromkeys(PUSH_OUTCOMES, 0)  # answers to pushes, by outcome (for /metrics)
-        self.progress: Callable[[], tuple[int, float]] = lambda: (0, 0.0)  # (step, blocked s) for headers
+        self.progress: Callable[[], Progress] = Progress  # what each push's header reports (dashboards)
         self.on_answer: Callable[[float], None] | None = None  # gets seconds from a push's send to its answer
         self._bytes = {"out": 0, "in": 0}
         self._bytes_lock = threading.Lock()
@@ -565,13 +566,20 @@ class ShardLink:
 
     def _send_push(self, fragment: int, round: int, push: Kept) -> None:
         assert self.state is not None
-        step, blocked = self.progress()
+        p = self.progress()
         header = pb.PushHeader(
             weight=push.weight,
             has_loss=push.loss is not None,
             loss=push.loss or 0.0,
-            step=step,
-            blocked_seconds=blocked,
+            step=p.step,
+            blocked_seconds=p.blocked_seconds,
+            total_steps=p.total_steps,
+            tokens=p.tokens,
+            has_utilization=p.compute_utilization is not None,
+            compute_utilization=p.compute_utilization or 0.0,
+            has_eval_loss=p.eval_loss is not None,
+            eval_loss=p.eval_loss or 0.0,
+            eval_step=p.eval_step,
         )
         for chunk in to_chunks(push.enc, fragment, round, self.chunk_values):
             self._outbox.put(
@@ -876,8 +884,8 @@ class GrpcTransport:
     def resent(self) -> int:
         return sum(link.resent for link in self.links)
 
-    def report_progress(self, progress: Callable[[], tuple[int, float]]) -> None:
-        """What every push's header reports: (inner steps done, seconds blocked so far), for the dashboard."""
+    def report_progress(self, progress: Callable[[], Progress]) -> None:
+        """What every push's header reports (steps, blocked time, tokens, eval loss...), for the dashboard."""
         for link in self.links:
             link.progress = progress
 
@@ -1023,12 +1031,12 @@ def connect(
         if resume is not None:
             engine.load_state_dict(resume["engine"])
             # before resume(): the pushes it sends again report the resumed step, not 0
-            transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
+            transport.report_progress(engine.progress)
             transport.resume(engine.next_rounds)
             log.info("%s resumes at step %d", name, engine.step_count)
             return engine
         engine.set_mirror_rounds(transport.installed)
-        transport.report_progress(lambda: (engine.step_count, engine.blocked_seconds))
+        transport.report_progress(engine.progress)
         transport.follow(engine.next_rounds)
         if start:
             log.info("%s joins the run in progress at step %d", name, start)

@@ -39,11 +39,13 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
+from streamdiloco.worker.report import Progress
 
 log = logging.getLogger("streamdiloco.worker")
 
 WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
+MAX_REPORTED_LOSS = 1e4  # the shards refuse a push that reports a loss beyond (server/robust.py MAX_LOSS)
 
 
 class StopRequested(Exception):
@@ -125,6 +127,11 @@ class SyncEngine:
         self.pushes = 0
         self.blocked_seconds = 0.0
         self.merges = 0
+        self.tokens = 0  # tokens trained on, as step() was told
+        # what the trainer reports for the shards' dashboards (report()): sent with the next pushes
+        self.eval_loss: float | None = None
+        self.eval_step = 0
+        self.compute_utilization: float | None = None
         self.in_flight: dict[int, int] = {}  # fragment -> round sent and not merged yet
         self.waits = 0  # merges whose update had not arrived yet
         # adaptive merges: rounds whose merge step has passed without their update, oldest first; checked
@@ -267,6 +274,7 @@ class SyncEngine:
         "waits",
         "late_merges",
         "merge_delay_steps",
+        "tokens",
     )
 
     def state_dict(self) -> dict:
@@ -326,6 +334,31 @@ class SyncEngine:
             if k in self.COUNTERS:
                 setattr(self, k, v)
 
+    # --- what the dashboards show --------------------------------------------------------------------
+    def report(self, eval_loss: float | None = None, compute_utilization: float | None = None) -> None:
+        """Tell the shards (with the next pushes; their dashboards show it) the eval loss of the global
+        parameters measured now, and the fraction of the training time spent computing (0..1). An eval loss
+        the shards would refuse (not a cross-entropy in [0, 1e4]: they refuse the push that carries it) is
+        left out, with a warning."""
+        if eval_loss is not None and not 0.0 <= eval_loss <= MAX_REPORTED_LOSS:  # NaN too
+            log.warning("eval loss %s is not reported to the shards: not a loss in [0, 1e4]", eval_loss)
+        elif eval_loss is not None:
+            self.eval_loss, self.eval_step = float(eval_loss), self.step_count
+        if compute_utilization is not None:
+            self.compute_utilization = min(1.0, max(0.0, float(compute_utilization)))
+
+    def progress(self) -> Progress:
+        """What every push's header reports, as of now."""
+        return Progress(
+            step=self.step_count,
+            blocked_seconds=self.blocked_seconds,
+            total_steps=self.total_steps or 0,
+            tokens=self.tokens,
+            compute_utilization=self.compute_utilization,
+            eval_loss=self.eval_loss,
+            eval_step=self.eval_step,
+        )
+
     # --- the hook ------------------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
@@ -353,6 +386,7 @@ class SyncEngine:
 
     def _count(self, tokens: int, loss: float | None) -> None:
         self.step_count += 1
+        self.tokens += tokens
         for f in range(self.layout.num_fragments):
             self.tokens_since_sync[f] += tokens
             if loss is not None:

@@ -2,8 +2,10 @@
 
 Join every shard, fetch the masters (local = mirror = master), then train: AdamW inner steps, and after each
 one the sync engine's hook, which pushes fragments in the background and merges their updates tau steps
-later. Progress every --log-every steps; at the end the eval loss of the global parameters (the mirror),
-the mirror's hashes (compare them with the shards' /api/status) and a JSON summary.
+later. Progress every --log-every steps; every --eval-every steps the eval loss of the global parameters
+(the mirror), reported to the shards with the next pushes (their dashboards plot it); at the end the eval
+loss once more, the mirror's hashes (compare them with the shards' /api/status) and a JSON summary.
+Scalars also go to `ScalarLogger`s (worker/report.py): TensorBoard with --tensorboard DIR, or your own.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.metrics import WorkerMetrics
+from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
     InnerConfig,
     evaluate,
@@ -60,6 +63,11 @@ class WorkerConfig:
     device: str = "cpu"
     log_every: int = 20
     eval_batches: int = 8
+    # steps between evaluations of the global parameters during training (reported to the shards' dashboards
+    # and the loggers); 0: only at the start and the end. Each costs --eval-batches forward passes, on the
+    # training thread between steps (the sync threads go on meanwhile)
+    eval_every: int = 200
+    tensorboard: str | None = None  # write TensorBoard scalars to this folder (needs the tensorboard package)
     token: str = ""
     join_timeout: float = 60.0
     summary: str | None = None  # write the summary JSON here
@@ -86,6 +94,8 @@ class WorkerConfig:
         for name in ("steps", "batch_size", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 (start and end only) or more, got {self.eval_every}")
         if self.checkpoint_every < 0:
             raise ValueError(
                 f"--checkpoint-every must be 0 (only when stopping) or more, got {self.checkpoint_every}"
@@ -207,7 +217,9 @@ class StopFlag:
         )
 
 
-def run_worker(cfg: WorkerConfig) -> dict:
+def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
+    """Train as `cfg` says; `loggers` get the worker's scalars too (with --tensorboard, a TensorBoardLogger
+    is added)."""
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
     resuming = cfg.resume or (cfg.auto_resume and cfg.checkpoint_path.exists())
@@ -230,16 +242,23 @@ def run_worker(cfg: WorkerConfig) -> dict:
     data = ByteDataset.load(cfg.data, block)
     val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
     stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
+    loggers = list(loggers)
+    if cfg.tensorboard:
+        loggers.append(TensorBoardLogger(cfg.tensorboard))
     metrics = WorkerMetrics(cfg.name, cfg.model, str(device), cfg.steps)
-    if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port, cfg.metrics_host)
     try:
-        return _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics)
+        if cfg.metrics_port is not None:
+            metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        return _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics, loggers)
     finally:
         metrics.close()
+        for logger in loggers:
+            logger.close()
 
 
-def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics: WorkerMetrics) -> dict:
+def _run(
+    cfg, t_start, device, resume, model, block, data, val, stream, metrics: WorkerMetrics, loggers
+) -> dict:
     stop = StopFlag()
     stop.install()
 
@@ -290,6 +309,7 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         gc.freeze()
         if eval_start:
             metrics.eval_loss = eval_start[0]
+            engine.report(eval_loss=eval_start[0])  # the eval curve's first point, at the joining step
         return _train(
             cfg,
             model,
@@ -304,6 +324,7 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
             t_start,
             eval_start,
             metrics,
+            loggers,
         )
     finally:
         engine.close()
@@ -324,6 +345,7 @@ def _train(
     t_start,
     eval_start,
     metrics,
+    loggers: list[ScalarLogger],
 ) -> dict:
     stats = {
         "tokens": 0,
@@ -374,6 +396,33 @@ def _train(
         }
         save_checkpoint(path, state)
 
+    def log_scalars(scalars: dict[str, float]) -> None:
+        for logger in loggers:
+            logger.log_scalars(engine.step_count, scalars)
+
+    eval_model = None
+
+    def eval_global() -> float:
+        """The eval loss of the global parameters (the mirror, as of now), in a second model: the local
+        parameters stay as they are. Reported to the shards with the next pushes, and to the loggers."""
+        nonlocal eval_model
+        t0 = time.perf_counter()
+        if eval_model is None:
+            eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
+        eval_model.load_state_dict(engine.global_state_dict())
+        loss = evaluate(eval_model, val, device)
+        seconds = time.perf_counter() - t0
+        stats["eval_seconds"] = stats.get("eval_seconds", 0.0) + seconds
+        engine.report(eval_loss=loss)
+        metrics.eval_loss = loss
+        log.info(
+            "%s step %d/%d  eval loss %.4f (global params, %.2f s)", cfg.name, step, cfg.steps, loss, seconds
+        )
+        log_scalars({"eval/loss": loss})
+        return loss
+
+    if eval_start and resume is None:
+        log_scalars({"eval/loss": eval_start[0]})
     t_train0 = time.perf_counter() - stats["train_seconds"]
     metrics.stats, metrics.step, metrics.phase = stats, first, "training"
     metrics.mark(stats["compute_seconds"])
@@ -411,8 +460,21 @@ def _train(
             stopped = True
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
+        el = time.perf_counter() - t_train0
+        engine.report(compute_utilization=stats["compute_seconds"] / el)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopped:
+            eval_global()
         if step % cfg.log_every == 0 or step == cfg.steps:
-            el = time.perf_counter() - t_train0
+            log_scalars(
+                {
+                    "train/loss": sum(recent) / len(recent),
+                    "perf/tokens_per_second": stats["tokens"] / el,
+                    "perf/compute_utilization": stats["compute_seconds"] / el,
+                    "sync/blocked_seconds": engine.blocked_seconds,
+                    "sync/bytes_sent": engine.bytes_sent,
+                    "sync/bytes_received": engine.bytes_received,
+                }
+            )
             log.info(
                 "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
                 "sent %s B  received %s B",
@@ -462,6 +524,7 @@ def _train(
         unflatten_into(vec, fragment_params(eval_model, frag))
     eval_loss = evaluate(eval_model, val, device)
     metrics.eval_loss, metrics.phase = eval_loss, "finished"
+    log_scalars({"eval/loss": eval_loss})
     digests = mirror_digests(engine)
     for f, hs in enumerate(digests):
         log.info(
@@ -485,6 +548,7 @@ def _train(
         "pushes": engine.pushes,
         "blocked_seconds": engine.blocked_seconds,
         "compute_seconds": compute,
+        "eval_seconds": stats.get("eval_seconds", 0.0),  # --eval-every's evaluations, in train_seconds
         "train_seconds": train_seconds,
         "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
         "final_sync_seconds": stats.get("final_sync_seconds", 0.0),  # the last step's sync, in train_seconds

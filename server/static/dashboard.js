@@ -1,7 +1,9 @@
-/* The shard's live dashboard. Polls api/status and api/series on this origin (series: only the points
-   after the previous answer's `now`), keeps bounded arrays of what came, and draws them with uPlot
-   (vendored next to this file). Everything the shard sends is shown with textContent, never as HTML:
-   worker names come from the workers. Read-only hook for tests and the console: window.sdDashboard. */
+/* The run's live dashboard. Polls api/run (every shard of the run: this shard fetches its peers), api/status
+   and api/series on this origin (series: only the points after the previous answer's `now`), keeps bounded
+   arrays of what came, and draws them with uPlot (vendored next to this file). The workers' charts plot
+   over wall time, steps or tokens (a toggle). Everything the shards send is shown with textContent, never
+   as HTML: worker names come from the workers. Read-only hook for tests and the console:
+   window.sdDashboard. */
 (() => {
   "use strict";
 
@@ -12,6 +14,8 @@
   const MAX_SAMPLES = 1800; // the shard samples once a second, and each poll adds the moment's values
   const MAX_ROUNDS = 5000;
   const MAX_WORKER_POINTS = 600; // per worker, as many as the shard keeps
+  const MAX_EVAL_POINTS = 200; // per worker, as many as the shard keeps
+  const MAX_WORKERS = 64; // workers charted (the shard keeps as many); the table shows every member
   const MAX_GAP_S = 5; // no byte rate across a gap in the samples (the shard was down or restarted)
   const CHART_HEIGHT = 210;
   // the shard's read token, when it has one: the page was opened as /?token=..., and the API takes it as
@@ -28,24 +32,32 @@
     now: null,
     samples: [], // {t, bytes_in, bytes_out, members, passive}, cumulative counters
     rounds: [], // closed rounds {closed_at, fragment, round, seconds, mean_loss, why, contributors}
-    workers: new Map(), // name -> [{t, step, loss, blocked_seconds}]
+    workers: new Map(), // name -> [{t, step, loss, blocked_seconds, tokens, utilization}]
+    evals: new Map(), // name -> [{t, step, tokens, eval_loss}]: the global parameters' eval loss
   };
+  const X_AXES = { time: "t", step: "step", tokens: "tokens" }; // the workers' charts' x: a point's key
+  let xAxis = "time";
   const charts = {}; // name -> uPlot
   const signatures = {}; // name -> the series set a chart was built for
   const colors = new Map(); // worker name -> colour, the same in the table and every chart
   const conn = { up: false, phase: "connecting", error: null, lastAnswer: null, polls: 0 };
   let lastStatus = null;
+  let lastRun = null;
 
   window.sdDashboard = Object.freeze({
     charts,
     get lastStatus() { return lastStatus; },
+    get lastRun() { return lastRun; },
+    get xAxis() { return xAxis; },
     get connected() { return conn.up; },
     get phase() { return conn.phase; },
     get polls() { return conn.polls; },
     get sizes() {
       const workers = {};
       for (const [name, points] of store.workers) workers[name] = points.length;
-      return { samples: store.samples.length, rounds: store.rounds.length, workers };
+      const evals = {};
+      for (const [name, points] of store.evals) evals[name] = points.length;
+      return { samples: store.samples.length, rounds: store.rounds.length, workers, evals };
     },
   });
 
@@ -78,16 +90,18 @@
 
   async function poll() {
     try {
-      const [status, series] = await Promise.all([
+      const [status, series, run] = await Promise.all([
         getJSON("api/status?rounds=0&hashes=0"),
         getJSON(`api/series?since=${store.since}`),
+        getJSON("api/run"),
       ]);
+      lastRun = run;
       Object.assign(conn, { up: true, phase: status.ready ? "ready" : "not ready", error: null });
       conn.lastAnswer = Date.now();
       conn.polls += 1;
       lastStatus = status;
       absorb(series);
-      render(status);
+      render(status, run);
     } catch (err) {
       if (err instanceof HttpError) {
         conn.up = err.status !== 0; // a 503 while the shard loads or stops
@@ -116,6 +130,13 @@
       append(mine, (Object.hasOwn(series.workers, name) ? series.workers[name] : []), MAX_WORKER_POINTS, oldest, (p) => p.t);
       if (!mine.length) store.workers.delete(name); // silent for the whole window: off the charts
     }
+    // eval points are few and slow to come: kept as long as their worker is on the charts
+    for (const [name, points] of Object.entries(series.evals || {})) {
+      if (!store.workers.has(name)) continue;
+      if (!store.evals.has(name)) store.evals.set(name, []);
+      append(store.evals.get(name), points, MAX_EVAL_POINTS, -Infinity, (p) => p.t);
+    }
+    for (const name of store.evals.keys()) if (!store.workers.has(name)) store.evals.delete(name);
   }
 
   /** Append `more` to `list`, then drop from the front what is older than `oldest` or beyond `max`. */
@@ -128,9 +149,10 @@
 
   // --- the page around the charts -------------------------------------------------------------------
 
-  function render(status) {
+  function render(status, run) {
     renderConnection();
     renderHeader(status);
+    renderRun(run);
     renderStats(status);
     renderMembers(status);
     renderCharts(status);
@@ -159,8 +181,9 @@
 
   function renderHeader(s) {
     const c = s.config;
-    byId("shard").textContent = `shard ${s.shard} of ${s.num_shards}`;
-    document.title = `shard ${s.shard}/${s.num_shards} · streamdiloco`;
+    byId("shard").textContent = `run, from shard ${s.shard} of ${s.num_shards}`;
+    byId("this-shard").textContent = `${s.shard} of ${s.num_shards}`;
+    document.title = `run (shard ${s.shard}/${s.num_shards}) · streamdiloco`;
     byId("uptime").textContent = `up ${fmtDuration(s.uptime_seconds)}`;
     byId("config").textContent = [
       `H=${c.sync_every}`,
@@ -172,6 +195,55 @@
       `min workers ${s.min_workers}`,
       `round timeout ${s.round_timeout} s`,
     ].join(" · ");
+  }
+
+  function renderRun(run) {
+    const t = run.totals;
+    const missing = t.num_shards != null && t.shards < t.num_shards;
+    byId("shard-count").textContent = `${t.shards_up} of ${t.shards} shards answer` +
+      (missing ? ` (the run has ${t.num_shards}: start the shards with --peers naming every one)` : "");
+    byId("run-stats").replaceChildren(
+      ...[
+        ["shards up", `${t.shards_up} / ${t.shards}`, t.shards_up < t.shards],
+        ["rounds closed, all shards", fmtInt(t.rounds_closed)],
+        ["pushes accepted", fmtInt(t.pushes_accepted)],
+        ["pushes refused", fmtInt(t.pushes_refused), t.pushes_refused > 0],
+        ["bytes in", fmtBytes(t.bytes_in)],
+        ["bytes out", fmtBytes(t.bytes_out)],
+        ["round s, slowest shard's median", fmtSec(t.round_seconds_median)],
+      ].map(([label, value, bad]) => card(label, value, bad)),
+    );
+    const rows = run.shards.map((x) => {
+      const tr = el("tr", x.up ? "" : "down");
+      tr.dataset.shard = x.up ? String(x.shard) : "";
+      if (!x.up) {
+        const why = el("td", "", `down: ${x.error}`);
+        why.colSpan = 9;
+        tr.append(el("td", "", "?"), why, el("td", "muted", x.url));
+        return tr;
+      }
+      tr.append(
+        el("td", "", `${x.shard} of ${x.num_shards}`),
+        el("td", x.ready ? "" : "passive", x.ready ? "ready" : "not ready"),
+        num(fmtInt(x.members)),
+        num(fmtInt(x.rounds_closed)),
+        el("td", "", x.rounds.map((r) => (r == null ? "–" : r)).join(" · ")),
+        num(fmtInt(x.pushes_accepted)),
+        num(fmtInt(x.pushes_refused)),
+        num(fmtBytes(x.bytes_in)),
+        num(fmtBytes(x.bytes_out)),
+        num(`${fmtSec(x.round_seconds_median)} / ${fmtSec(x.round_seconds_max)}`),
+        el("td", "muted", x.url == null ? "this shard" : x.url),
+      );
+      return tr;
+    });
+    document.querySelector("#shards tbody").replaceChildren(...rows);
+  }
+
+  function card(label, value, bad) {
+    const c = el("div", bad ? "bad" : "");
+    c.append(el("b", "", value), el("span", "", label));
+    return c;
   }
 
   function renderStats(s) {
@@ -202,13 +274,7 @@
         : ["checkpoints", "off"],
       ["bad messages", fmtInt(s.bad_messages), s.bad_messages > 0],
     ];
-    byId("stats").replaceChildren(
-      ...cards.map(([label, value, bad]) => {
-        const card = el("div", bad ? "bad" : "");
-        card.append(el("b", "", value), el("span", "", label));
-        return card;
-      }),
-    );
+    byId("stats").replaceChildren(...cards.map(([label, value, bad]) => card(label, value, bad)));
   }
 
   function renderMembers(s) {
@@ -233,8 +299,12 @@
       tr.append(
         name,
         el("td", m.state === "member" ? "" : "passive", m.state),
-        num(m.step == null ? "–" : fmtInt(m.step)),
+        num(m.step == null ? "–" : m.total_steps ? `${fmtInt(m.step)} / ${fmtInt(m.total_steps)}` : fmtInt(m.step)),
+        num(m.eta_seconds == null ? "–" : fmtDuration(m.eta_seconds), "eta"),
+        num(m.tokens_per_second == null ? "–" : fmtInt(Math.round(m.tokens_per_second))),
+        num(m.compute_utilization == null ? "–" : `${(100 * m.compute_utilization).toFixed(0)}%`),
         num(m.last_loss == null ? "–" : m.last_loss.toFixed(4)),
+        num(m.eval_loss == null ? "–" : m.eval_loss.toFixed(4), "eval"),
         num(fmtInt(m.pushes)),
         num(fmtInt(m.refused)),
         num(m.blocked_seconds == null ? "–" : m.blocked_seconds.toFixed(2)),
@@ -246,7 +316,7 @@
     });
     if (!rows.length) {
       const td = el("td", "empty", "no workers connected");
-      td.colSpan = 10;
+      td.colSpan = 14;
       rows.push(el("tr"));
       rows[0].append(td);
     }
@@ -262,7 +332,7 @@
   function renderCharts(status) {
     const P = status.config.num_fragments;
     const fragments = [...Array(P).keys()];
-    const workers = [...store.workers.keys()].sort();
+    const workers = [...store.workers.keys()].sort().slice(0, MAX_WORKERS);
     const fixed = (digits) => legendValue((v) => v.toFixed(digits));
     const byFragment = fragments.map((p) => ({ label: `fragment ${p}`, stroke: colorOfFragment(p) }));
     const byWorker = (digits) =>
@@ -274,7 +344,13 @@
       data: fragmentRounds(P, status),
       fromZero: true,
     });
-    draw("loss", { series: byWorker(3), data: workerSeries(workers, "loss") });
+    const x = X_AXES[xAxis];
+    draw("loss", { series: byWorker(3), data: workerSeries(workers, store.workers, "loss", x), x });
+    draw("eval", {
+      series: byWorker(4).map((s) => ({ ...s, points: { show: true, size: 6, fill: s.stroke } })),
+      data: workerSeries(workers, store.evals, "eval_loss", x),
+      x,
+    });
     draw("bytes", {
       series: [
         { label: "in", stroke: PALETTE[0], fill: "#0969da22", value: legendValue((v) => `${fmtBytes(v)}/s`) },
@@ -294,7 +370,12 @@
       data: roundDurations(P),
       fromZero: true,
     });
-    draw("blocked", { series: byWorker(2), data: workerSeries(workers, "blocked_seconds"), fromZero: true });
+    draw("blocked", {
+      series: byWorker(2),
+      data: workerSeries(workers, store.workers, "blocked_seconds", x),
+      fromZero: true,
+      x,
+    });
     draw("members", {
       series: [
         { label: "members", stroke: PALETTE[2], paths: stepped, value: fixed(0) },
@@ -305,10 +386,11 @@
     });
   }
 
-  /** Create the chart, or give it the new data; a new chart when its set of series changed. */
-  function draw(name, { series, data, fromZero = false, ticks = null }) {
+  /** Create the chart, or give it the new data; a new chart when its set of series or its x-axis changed.
+      `x`: "t" (wall time), "step" or "tokens". */
+  function draw(name, { series, data, fromZero = false, ticks = null, x = "t" }) {
     const fig = byId(`chart-${name}`);
-    const signature = series.map((s) => s.label).join("\n");
+    const signature = [x, ...series.map((s) => s.label)].join("\n");
     let u = charts[name];
     if (u && signatures[name] !== signature) {
       u.destroy();
@@ -317,15 +399,23 @@
     if (u) {
       u.setData(data);
     } else {
-      const yAxis = { size: 64 };
-      if (ticks) yAxis.values = (u, splits) => splits.map(ticks);
+      // uPlot's own labels keep 3 decimals: blocked times of a few ms would all read "0"
+      const yAxis = { size: 64, values: (u, splits) => splits.map(ticks || ((v) => `${+v.toPrecision(6)}`)) };
+      const xSeries = x === "t"
+        ? { label: "time", value: timeOf }
+        : { label: x === "step" ? "step" : "tokens", value: (u, v) => (v == null ? "latest" : fmtCount(v)) };
+      const xAxisOpts = x === "t" ? {} : { label: x === "step" ? "steps" : "tokens", labelSize: 18,
+        values: (u, splits) => splits.map(fmtCount) };
+      const scales = fromZero ? { y: { range: (u, min, max) => [0, max > 0 ? max * 1.08 : 1] } } : {};
+      if (x !== "t") scales.x = { time: false };
       const opts = {
         width: chartWidth(fig),
         height: CHART_HEIGHT,
-        series: [{ label: "time", value: timeOf }, ...series],
-        axes: [{}, yAxis],
-        scales: fromZero ? { y: { range: (u, min, max) => [0, max > 0 ? max * 1.08 : 1] } } : {},
-        cursor: { drag: { x: false, y: false }, sync: { key: "sd" } }, // no zoom: the data keeps moving
+        series: [xSeries, ...series],
+        axes: [xAxisOpts, yAxis],
+        scales,
+        // no zoom: the data keeps moving; the cursor moves together on the charts with the same x-axis
+        cursor: { drag: { x: false, y: false }, sync: { key: `sd-${x}` } },
       };
       charts[name] = new uPlot(opts, data, fig);
       signatures[name] = signature;
@@ -365,11 +455,12 @@
     return [xs, ...ys];
   }
 
-  /** One x array for all workers (their reports merged by time); null where a worker did not report. */
-  function workerSeries(names, field) {
+  /** One x array for all workers (their points merged by `x`: time, step or tokens); null where a worker
+      has no point. */
+  function workerSeries(names, source, field, x) {
     const events = [];
     names.forEach((name, i) => {
-      for (const p of store.workers.get(name)) events.push([p.t, i, p[field]]);
+      for (const p of source.get(name) || []) events.push([p[x], i, p[field]]);
     });
     events.sort((a, b) => a[0] - b[0]);
     const xs = events.map((e) => e[0]);
@@ -449,12 +540,22 @@
     return node;
   }
 
-  function num(text) {
-    return el("td", "num", text);
+  function num(text, className = "") {
+    return el("td", className ? `num ${className}` : "num", text);
   }
 
   function fmtInt(n) {
     return n == null ? "–" : n.toLocaleString("en-US");
+  }
+
+  /** Steps and tokens on an axis: 1200, 35k, 1.2M. */
+  function fmtCount(n) {
+    if (n == null) return "–";
+    const a = Math.abs(n);
+    if (a >= 1e9) return `${+(n / 1e9).toFixed(1)}G`;
+    if (a >= 1e6) return `${+(n / 1e6).toFixed(1)}M`;
+    if (a >= 1e4) return `${+(n / 1e3).toFixed(1)}k`;
+    return `${Math.round(n)}`;
   }
 
   function fmtSec(s) {
@@ -478,6 +579,15 @@
     if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
     if (s < 86400) return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
     return `${Math.floor(s / 86400)} d ${Math.floor((s % 86400) / 3600)} h`;
+  }
+
+  // the workers' charts over time, steps or tokens: drawn again at once with what is stored
+  for (const input of document.querySelectorAll('input[name="xaxis"]')) {
+    input.addEventListener("change", () => {
+      if (!input.checked || !Object.hasOwn(X_AXES, input.value)) return;
+      xAxis = input.value;
+      if (lastStatus) renderCharts(lastStatus);
+    });
   }
 
   poll();
