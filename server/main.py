@@ -28,6 +28,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
 from streamdiloco.server.auth import Auth, WorkersFile
@@ -279,7 +280,10 @@ async def serve(
     http_task, http, http_bound, listener = None, None, None, None
     http_host = http_host or host
     if http_port is not None:
-        sock = _bind(http_host, http_port)
+        try:
+            sock = _bind(http_host, http_port)
+        except OSError as e:
+            raise bind_error("--http-port", http_host, http_port, e, "another shard") from None
         http_bound = sock.getsockname()[1]
         config = uvicorn.Config(
             make_app(holder, auth),
@@ -312,6 +316,9 @@ async def serve(
             await http_task
 
     scheme = "https" if tls else "http"
+    if port and (taken := probe(host, port)) is not None:  # now, not after the model has loaded
+        await stop_http()
+        raise bind_error("--port", host, port, taken, "another shard")
     if holder.service is None:
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
@@ -381,9 +388,7 @@ async def _serve_grpc(
     except RuntimeError:  # grpc's way of saying the address is in use or not ours
         bound = 0
     if bound == 0:
-        raise OSError(
-            f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
-        )
+        raise bind_error("--port", host, port, probe(host, port), "another shard")
     ckpt = service.checkpoint
     if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
         if not ckpt.save_all(service.state):
