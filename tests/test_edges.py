@@ -8,7 +8,7 @@ import contextlib
 import socket
 
 import pytest
-from procs import streamdiloco
+from procs import Cluster, streamdiloco, wait_until
 
 
 @contextlib.contextmanager
@@ -68,3 +68,40 @@ def test_launch_http_port_in_use_is_named_by_its_flag(tmp_path):
         f"streamdiloco: error: --http-port {port}: address 127.0.0.1:{port} already in use "
         "(another run? pick another port or 0)"
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_shard_at_the_address_says_so_while_it_waits_then_names_the_flag(tmp_path):
+    port = free_port()
+    r = streamdiloco(
+        "worker",
+        *("--servers", f"127.0.0.1:{port}", "--model", "nano", "--join-timeout", "7"),
+        *("--checkpoint", str(tmp_path / "w.pt")),
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert f"waiting for shard at 127.0.0.1:{port} (retrying, 5s of --join-timeout 7s)" in r.stderr, r.stderr
+    assert one_error_line(r) == (
+        f"streamdiloco: error: no shard answered at 127.0.0.1:{port} within --join-timeout 7s: "
+        "is it running, and is the address right?"
+    )
+
+
+def test_a_worker_started_before_its_shard_joins_once_the_shard_is_up(tmp_path):
+    port = free_port()
+    with Cluster(tmp_path) as c:
+        w0 = c.worker("w0", [f"127.0.0.1:{port}"], "--model", "nano", "--steps", "4")
+
+        def waiting() -> bool:
+            assert w0.poll() is None, c.log("w0")[-3000:]
+            return f"waiting for shard at 127.0.0.1:{port}" in c.log("w0")
+
+        wait_until("the worker to say it waits", waiting, timeout=120)
+        c.shard("shard", "--model", "nano", port=port)
+        assert c.wait("w0", timeout=300) == 0, c.log("w0")[-3000:]
+    assert c.summary("w0")["steps"] == 4

@@ -60,6 +60,7 @@ __all__ = [
 log = logging.getLogger("streamdiloco.worker")
 
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
+JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
 
 
 class SyncError(RuntimeError):
@@ -169,6 +170,8 @@ class ShardLink:
         `reconnecting`, _Retry if it cannot be reached (or still holds our old session)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
+        if not reconnecting:
+            self._wait_for_shard(give_up, timeout)
         request = pb.JoinRequest(
             worker=self.worker,
             token=self.token,
@@ -194,15 +197,7 @@ class ShardLink:
                     self._closed.wait(1.0)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    hint = (
-                        " (over TLS: does it serve TLS, does its certificate name this host, is it signed by "
-                        "--tls-ca, and does it take this worker's certificate?)"
-                        if self.tls
-                        else ""
-                    )
-                    raise SyncError(
-                        f"no answer from a shard at {self.target} within {timeout:g} s{hint}"
-                    ) from None
+                    raise SyncError(self._no_answer(timeout)) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
         try:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
@@ -233,6 +228,42 @@ class ShardLink:
         if self.state is None:
             self.state = LinkState(len(slices))
         self._session_id = reply.session
+
+    def _wait_for_shard(self, give_up: float, timeout: float) -> None:
+        """Wait until the channel connects, saying so every JOIN_PROGRESS_EVERY seconds: a shard not started
+        yet, or a wrong address, is not 60 s of silence. SyncError naming the address and the flag when
+        `give_up` passes."""
+        start = time.monotonic()
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            while True:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise SyncError(self._no_answer(timeout))
+                try:
+                    ready.result(timeout=min(JOIN_PROGRESS_EVERY, left))
+                    return
+                except grpc.FutureTimeoutError:
+                    if self._closing:
+                        raise SyncError(f"closed while waiting for the shard at {self.target}") from None
+                    if give_up - time.monotonic() > 0:
+                        log.info(
+                            "waiting for shard at %s (retrying, %.0fs of --join-timeout %gs)",
+                            self.target,
+                            time.monotonic() - start,
+                            timeout,
+                        )
+        finally:
+            ready.cancel()
+
+    def _no_answer(self, timeout: float) -> str:
+        hint = (
+            " (over TLS: does it serve TLS, does its certificate name this host, is it signed by --tls-ca, "
+            "and does it take this worker's certificate?)"
+            if self.tls
+            else ": is it running, and is the address right?"
+        )
+        return f"no shard answered at {self.target} within --join-timeout {timeout:g}s{hint}"
 
     def open_session(self) -> pb.Welcome:
         """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
