@@ -105,3 +105,52 @@ def test_a_worker_started_before_its_shard_joins_once_the_shard_is_up(tmp_path):
         c.shard("shard", "--model", "nano", port=port)
         assert c.wait("w0", timeout=300) == 0, c.log("w0")[-3000:]
     assert c.summary("w0")["steps"] == 4
+
+
+def test_a_token_a_shard_does_not_check_is_refused_by_name_and_logged_once_per_worker(tmp_path):
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("shard", "--model", "nano")  # no --token: loopback, checks nothing
+        for name in ("w0", "w0", "w1"):  # w0 again, as a restart policy would
+            r = streamdiloco(
+                "worker",
+                *("--servers", target, "--name", name, "--model", "nano", "--token", "s3cret"),
+                *("--checkpoint", str(tmp_path / f"{name}.pt")),
+                timeout=120,
+            )
+            assert r.returncode == 1
+            assert one_error_line(r) == (
+                f"streamdiloco: error: shard at {target} refused Join: FAILED_PRECONDITION: the worker sent "
+                "a token, but this shard checks none (started without --token or --workers-file, it takes no "
+                "credential at all): start the shard with the run's --token, or drop the worker's --token"
+            )
+        log = c.log("shard")
+        assert log.count("refused w0 at Join: the worker sent a token") == 1, log
+        assert log.count("refused w1 at Join: the worker sent a token") == 1, log
+
+
+def test_a_worker_without_the_shards_token_is_told_to_give_one(tmp_path):
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("shard", "--model", "nano", "--token", "s3cret")
+        r = streamdiloco(
+            "worker",
+            *("--servers", target, "--name", "w0", "--model", "nano"),
+            *("--checkpoint", str(tmp_path / "w0.pt")),
+            timeout=120,
+        )
+    assert r.returncode == 1
+    assert one_error_line(r) == (
+        f"streamdiloco: error: shard at {target} refused Join: UNAUTHENTICATED: wrong or missing run token "
+        "(--token): the worker sent none, and this shard needs the run token: give the worker --token or "
+        "--token-file"
+    )
+
+
+def test_auth_refuses_a_token_it_does_not_check():
+    from streamdiloco.server.auth import Auth
+
+    assert Auth().unchecked_token("") is None  # no token on either side: loopback's simple case
+    assert Auth(token="t").unchecked_token("t") is None
+    assert Auth(workers={}).unchecked_token("t") is None
+    assert "takes no credential at all" in Auth().unchecked_token("t").message
+    refused = Auth(certificates=True).unchecked_token("t")
+    assert refused.code == "failed_precondition" and "takes client certificates only" in refused.message
