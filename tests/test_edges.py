@@ -154,3 +154,73 @@ def test_auth_refuses_a_token_it_does_not_check():
     assert "takes no credential at all" in Auth().unchecked_token("t").message
     refused = Auth(certificates=True).unchecked_token("t")
     assert refused.code == "failed_precondition" and "takes client certificates only" in refused.message
+
+
+LOGITS_ONLY = """
+import torch.nn as nn
+
+
+class LogitsOnly(nn.Module):
+    \"\"\"A model for another loop: forward(idx) returns the logits, no loss.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 256)
+
+    def forward(self, idx, targets=None):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build():
+    return LogitsOnly()
+"""
+
+
+def test_a_model_the_worker_cli_cannot_train_is_one_line_before_joining(tmp_path, monkeypatch):
+    (tmp_path / "logits_only.py").write_text(LOGITS_ONLY)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    port = free_port()  # nothing listens: the check comes before the worker looks for a shard
+    r = streamdiloco(
+        "worker",
+        *("--servers", f"127.0.0.1:{port}", "--model", "logits_only:build", "--block-size", "16"),
+        *("--checkpoint", str(tmp_path / "w.pt")),
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert one_error_line(r) == (
+        "streamdiloco: error: --model logits_only:build: forward(idx, targets) returned a tensor of shape "
+        "[16, 16, 256]: the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as "
+        "the built-in GPT's does; train any other model with your own loop and streamdiloco.connect() "
+        "(README: the sync engine around your own model and loop)"
+    )
+    assert "waiting for shard" not in r.stderr
+
+
+def test_check_model_output_takes_the_builtin_gpt_and_names_what_others_return():
+    import torch
+
+    from streamdiloco.common.modelspec import build_model
+    from streamdiloco.worker.train import check_model_output
+
+    gpt = build_model("nano")
+    x = torch.zeros(2, 8, dtype=torch.long)
+    check_model_output(gpt, x, x, "nano")  # (logits, loss): nothing to say
+    assert gpt.training  # the check leaves the mode as it was
+
+    class Pair(torch.nn.Module):
+        def forward(self, idx, targets):
+            return idx.float(), idx.float()  # a pair, but no scalar loss
+
+    class Fails(torch.nn.Module):
+        def forward(self, idx):  # no targets argument
+            return idx
+
+    with pytest.raises(ValueError, match="returned a pair whose second item is a tensor of shape"):
+        check_model_output(Pair(), x, x, "m:pair")
+    with pytest.raises(ValueError, match=r"^--model m:fails: forward\(idx, targets\) failed \(TypeError: "):
+        check_model_output(Fails(), x, x, "m:fails")

@@ -35,6 +35,7 @@ from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.train import (
     InnerConfig,
+    check_model_output,
     evaluate,
     forward_backward,
     lr_at,
@@ -248,6 +249,8 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
     model.to(device)
+    x, y = val[0]
+    check_model_output(model, x.to(device), y.to(device), cfg.model)  # before any shard hears of us
     # made now, not after joining: building AdamW the first time takes about a second, which a joiner
     # must not spend while the others already wait for its first push
     opt = make_inner_optimizer(model, cfg.inner)
