@@ -219,6 +219,9 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         old.unlink()
     sync = forward_flags(args, add_sync)
     model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
+    layout: list[str] = []  # the fragments' layout, for shards and workers alike
+    for flag, value in (("--blocks-path", args.blocks_path), ("--fragments", args.fragments)):
+        layout += [flag, value] if value else []
     run = forward_flags(args, add_run)
     inner = forward_flags(args, add_inner)
     if not args.max_weight:  # the shards can know exactly what a worker of this run may report
@@ -270,6 +273,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + (creds.shard_flags() if creds else [])
                 + model
+                + layout
                 + sync
                 + robust,
                 threads=1,  # a shard's arithmetic is small next to a worker's
@@ -300,7 +304,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             if creds:
                 argv += creds.worker_flags(m)
-            workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))
+            workers.append(cluster.start(f"worker-{m}", argv + run + layout + sync + inner, threads=threads))
         while any(w.poll() is None for w in workers):
             failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
             failed += [

@@ -14,7 +14,7 @@ import os
 import resource
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -69,11 +69,14 @@ def build_service(
     auth: Auth | None = None,
     workers_file: WorkersFile | None = None,
     limits: Limits | None = None,
+    blocks_path: str | None = None,
+    fragments: Sequence[Sequence[str]] | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
     holds a checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against
-    workers' pushes (default: RobustConfig()'s, which are on)."""
+    workers' pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as
+    the workers give it to connect() (--blocks-path, --fragments)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -84,7 +87,7 @@ def build_service(
     model = build_model(model_spec, seed, block_size)
     if init:
         load_initial(model, init)
-    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
+    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern, blocks_path, fragments)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
     fingerprint = model_fingerprint(layout, cfg)

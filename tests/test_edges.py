@@ -5,9 +5,11 @@ the user (blocks_path, fragments) on both sides. Real processes where the behavi
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 
 import pytest
+import torch
 from procs import Cluster, streamdiloco, wait_until
 
 
@@ -202,8 +204,6 @@ def test_a_model_the_worker_cli_cannot_train_is_one_line_before_joining(tmp_path
 
 
 def test_check_model_output_takes_the_builtin_gpt_and_names_what_others_return():
-    import torch
-
     from streamdiloco.common.modelspec import build_model
     from streamdiloco.worker.train import check_model_output
 
@@ -224,3 +224,140 @@ def test_check_model_output_takes_the_builtin_gpt_and_names_what_others_return()
         check_model_output(Pair(), x, x, "m:pair")
     with pytest.raises(ValueError, match=r"^--model m:fails: forward\(idx, targets\) failed \(TypeError: "):
         check_model_output(Fails(), x, x, "m:fails")
+
+
+# --- the layout given by the user: blocks_path, fragments ----------------------------------------------
+
+
+class TwoLists(torch.nn.Module):
+    """Blocks in `layers` (3), and a longer nn.ModuleList that is not blocks: the largest is the wrong one."""
+
+    def __init__(self):
+        nn = torch.nn
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.probes = nn.ModuleList(nn.Linear(4, 1, bias=False) for _ in range(5))
+        self.head = nn.Linear(4, 16)
+
+
+def names(layout) -> list[list[str]]:
+    return [list(f.names) for f in layout.fragments]
+
+
+def test_blocks_path_names_the_list_of_blocks():
+    from streamdiloco.common.fragments import build_layout
+
+    model = TwoLists()
+    assert build_layout(model, 3).blocks_path == "probes"  # the largest list, not the blocks
+    layout = build_layout(model, 3, "sequential", blocks_path="layers")
+    assert layout.blocks_path == "layers" and [f.blocks for f in layout.fragments] == [(0, 1), (2,), ()]
+    assert names(layout)[0] == ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+    assert "probes.4.weight" in names(layout)[2] and "embed.weight" in names(layout)[2]
+    with pytest.raises(ValueError, match="blocks_path 'head' is a Linear, not an nn.ModuleList"):
+        build_layout(model, 3, blocks_path="head")
+
+
+def test_fragments_group_parameters_by_name_and_the_rest_makes_one_more():
+    from streamdiloco.common.fragments import build_layout
+
+    model = TwoLists()
+    layout = build_layout(model, 3, groups=[["embed", "head.weight"], ["layers"]])
+    assert names(layout) == [
+        ["embed.weight", "head.weight"],
+        [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")],
+        [f"probes.{i}.weight" for i in range(5)] + ["head.bias"],  # named by no group: the last fragment
+    ]
+    assert layout.pattern == "custom" and all(f.blocks == () for f in layout.fragments)
+    assert [e.offset for e in layout.fragments[0].entries] == [0, 64]  # one flat vector per fragment
+    # the longer name wins: layers.2 goes with the second group, the rest of `layers` with the first
+    layout = build_layout(model, 2, groups=[["layers", "embed", "probes", "head"], ["layers.2"]])
+    assert names(layout)[1] == ["layers.2.weight", "layers.2.bias"]
+
+
+@pytest.mark.parametrize(
+    ("groups", "P", "words"),
+    [
+        ([["embed"], ["layer"]], 3, "fragments: 'layer' (group 1) names no parameter or module"),
+        ([["embed"], []], 3, "each a non-empty list of names"),
+        (
+            [["layers.0"], ["layers", "layers.0.weight", "layers.0.bias"]],
+            2,
+            "group 0 ['layers.0'] gets no parameter",
+        ),
+        ([["layers"], ["embed", "layers"]], 2, "'layers' is in group 0 and group 1: name it once"),
+        (
+            [["embed"], ["layers"]],
+            5,
+            "2 groups and the parameters they do not name make 3 fragments, but num_fragments is 5: set "
+            "num_fragments (--num-fragments) to 3",
+        ),
+    ],
+)
+def test_fragments_that_do_not_fit_the_model_are_one_line_errors(groups, P, words):
+    from streamdiloco.common.fragments import build_layout
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_layout(TwoLists(), P, groups=groups)
+
+
+def test_the_cli_spelling_of_fragments():
+    from streamdiloco.common.fragments import parse_groups
+
+    assert parse_groups(" embed, head ;layers.0") == (("embed", "head"), ("layers.0",))
+    for bad in ("", "a;;b", ";"):
+        with pytest.raises(ValueError, match="--fragments"):
+            parse_groups(bad)
+
+
+def test_the_fingerprint_carries_the_groups_and_a_shard_with_another_layout_says_so():
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
+    from streamdiloco.common.fragments import build_layout
+
+    model, cfg = TwoLists(), SyncConfig(sync_every=30, num_fragments=3)
+    plain = model_fingerprint(build_layout(model, 3, blocks_path="layers"), cfg)
+    assert "fragment_groups" not in plain  # a run without groups keeps its fingerprint (and checkpoints)
+    grouped = model_fingerprint(build_layout(model, 3, groups=[["embed", "head"], ["layers"]]), cfg)
+    assert grouped["fragment_groups"] == [["embed", "head"], ["layers"]]
+    assert fingerprint_diff(grouped, plain, them="shard") == (
+        "model fingerprint differs from the shard's: the worker groups parameters as 'embed,head;layers', "
+        "the shard splits the blocks of 'layers': give both the same fragments (connect(fragments=...), "
+        "--fragments)"
+    )
+    other = model_fingerprint(build_layout(model, 3, groups=[["embed"], ["layers", "head"]]), cfg)
+    assert "groups parameters as 'embed;layers,head'" in fingerprint_diff(grouped, other)
+    assert fingerprint_diff(grouped, dict(grouped)) is None
+
+
+NANO_GROUPS = "transformer.h.0,transformer.h.1;transformer.h.2,transformer.h.3"
+
+
+def test_shard_and_worker_cli_train_with_the_users_fragments_and_another_grouping_is_refused(tmp_path):
+    layout = ("--model", "nano", "--num-fragments", "3", "--fragments", NANO_GROUPS)
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("shard", *layout)
+        other = streamdiloco(
+            "worker",
+            *("--servers", target, "--name", "other", "--model", "nano", "--num-fragments", "3"),
+            *("--checkpoint", str(tmp_path / "other.pt")),
+            timeout=120,
+        )
+        assert other.returncode == 1
+        assert (
+            "the worker splits the blocks of 'transformer.h', the shard groups parameters as "
+            in one_error_line(other)
+        )
+        c.worker("w0", [target], *layout, "--steps", "4")
+        assert c.wait("w0", timeout=300) == 0, c.log("w0")[-3000:]
+    assert c.summary("w0")["steps"] == 4
+    assert "3 fragments" in c.log("w0")
+
+
+def test_a_bad_fragments_flag_is_one_line_before_anything_starts(tmp_path):
+    r = streamdiloco("server", "--model", "nano", "--fragments", "a;;b", "--port", "0", "--http-port", "0")
+    assert r.returncode == 2 and "--fragments 'a;;b': give groups" in one_error_line(r)
+    r = streamdiloco("worker", "--servers", "127.0.0.1:1", "--blocks-path", "x", "--fragments", "a")
+    assert r.returncode == 2 and one_error_line(r) == (
+        "streamdiloco: error: give --blocks-path or --fragments, not both"
+    )

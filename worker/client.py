@@ -18,7 +18,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -987,6 +987,8 @@ def connect(
     interrupt: threading.Event | None = None,
     prepare=None,
     tls: ClientTLS | None = None,
+    blocks_path: str | None = None,
+    fragments: Sequence[Sequence[str]] | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -999,7 +1001,18 @@ def connect(
     worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
-    over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py."""
+    over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py. `join_timeout`:
+    seconds to wait for each shard to answer (the worker CLI's --join-timeout); while none does, a line says
+    so every few seconds.
+
+    The fragments: by default the model's largest nn.ModuleList holds its blocks, split into P-1 fragments,
+    and every other parameter makes the last one. `blocks_path="encoder.layers"` names the ModuleList (for a
+    model with several, or whose largest list is not its blocks). `fragments=[["embed", "head"],
+    ["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]` groups the parameters yourself: each group (names
+    of parameters or of modules, whose parameters all go with it) syncs together as one fragment, and what
+    no group names makes one more, the last; P (`sync.num_fragments`) must equal the fragments made. The
+    shards must build the same layout: start them with the same --blocks-path or --fragments (the
+    fingerprint carries the layout, and a shard with another refuses this worker by saying so)."""
     import os
     import socket
 
@@ -1009,7 +1022,7 @@ def connect(
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
+    layout = build_layout(model, sync.num_fragments, sync.fragment_pattern, blocks_path, fragments)
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,

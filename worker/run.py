@@ -25,7 +25,7 @@ import torch
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
-from streamdiloco.common.fragments import fragment_params, unflatten_into
+from streamdiloco.common.fragments import fragment_params, parse_groups, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
@@ -76,6 +76,8 @@ class WorkerConfig:
     tls_ca: str | None = None  # TLS to the shards, trusting this CA (PEM); None: plaintext (loopback)
     tls_cert: str | None = None  # mutual TLS: this worker's certificate and key (PEM)
     tls_key: str | None = None
+    blocks_path: str | None = None  # the nn.ModuleList of blocks (default: the model's largest)
+    fragments: str | None = None  # the user's groups of parameter names, "a,b;c,d" (common/fragments.py)
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
 
@@ -98,6 +100,14 @@ class WorkerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         client_tls(self.tls_ca, self.tls_cert, self.tls_key)  # one-line errors for missing or bad files
+        if self.blocks_path and self.fragments:
+            raise ValueError("give --blocks-path or --fragments, not both")
+        if self.fragments:
+            parse_groups(self.fragments)  # a one-line error for a bad --fragments, now
+
+    @property
+    def fragment_groups(self) -> tuple[tuple[str, ...], ...] | None:
+        return parse_groups(self.fragments) if self.fragments else None
 
     @property
     def checkpoint_path(self) -> Path:
@@ -128,6 +138,8 @@ def _checkpoint_key(cfg: WorkerConfig) -> dict:
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "data": cfg.data,
+        "blocks_path": cfg.blocks_path,
+        "fragments": cfg.fragments,
         "sync": cfg.sync.to_dict(),
     }
 
@@ -271,6 +283,8 @@ def _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics:
             resume=resume,
             interrupt=stop.event,
             prepare=lambda: eval_start.append(evaluate(model, val, device)),  # the global params as fetched
+            blocks_path=cfg.blocks_path,
+            fragments=cfg.fragment_groups,
         )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()
