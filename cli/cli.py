@@ -221,6 +221,12 @@ def _add_shard_flags(g) -> None:
         help="the simple mode: one secret shared by every worker (any holder may use any name); "
         "--workers-file binds each name to its own token",
     )
+    g.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="--token, read from this file: not on the command line, where ps shows it",
+    )
 
 
 def _add_server_security_flags(g) -> None:
@@ -689,6 +695,12 @@ def _cmd_server(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
+    if args.token_file:
+        from streamdiloco.common.tls import read_secret
+
+        if args.token:
+            raise ValueError("give --token or --token-file, not both")
+        args.token = read_secret(args.token_file, "--token-file")
     tls, auth, workers_file, http_host = _server_security(args)
     blocks_path, fragments = _layout(args)
 
