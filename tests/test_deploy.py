@@ -801,3 +801,45 @@ def test_smoke_script():
     if shutil.which("shellcheck"):
         r = subprocess.run(["shellcheck", str(smoke)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout
+
+
+def test_own_model_override_mounts_the_package_everywhere(tmp_path):
+    """docker/own-model.yml, merged over the stack: every shard and worker mounts the model's folder on
+    PYTHONPATH and names its factory, and `--model PKG:factory` builds from such a folder (as a container
+    does, from another working directory)."""
+    package = tmp_path / "models" / "mygpt"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "def build():\n    from streamdiloco.worker.model import build_gpt\n\n    return build_gpt('nano')\n"
+    )
+    env = {**ENV, "STREAMDILOCO_MODEL_DIR": str(tmp_path / "models"), "STREAMDILOCO_MODEL": "mygpt:build"}
+    r = run_compose("-f", str(DOCKER / "own-model.yml"), "config", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name in SHARDS + WORKERS:
+        s = services[name]
+        assert s["environment"]["PYTHONPATH"] == "/models", name
+        mount = next(v for v in s["volumes"] if v["target"] == "/models")
+        assert (mount["type"], mount["source"], mount.get("read_only")) == (
+            "bind",
+            env["STREAMDILOCO_MODEL_DIR"],
+            True,
+        )
+        assert any(v["target"] == "/checkpoints" for v in s["volumes"]), f"{name} lost its checkpoint volume"
+        command = s["command"] if name in SHARDS else entrypoint_argv(s, HOSTNAME)
+        assert command[command.index("--model") + 1] == "mygpt:build", name
+        assert "OMP_NUM_THREADS" in s["environment"], (
+            f"{name}: the stack's environment was replaced, not merged"
+        )
+    build = "from streamdiloco.common.modelspec import build_model; build_model('mygpt:build')"
+    r = subprocess.run(
+        [sys.executable, "-c", build],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "models")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    r = run_compose("-f", str(DOCKER / "own-model.yml"), "config", "--quiet")
+    assert r.returncode != 0 and "set STREAMDILOCO_MODEL_DIR" in r.stderr, r.stderr
