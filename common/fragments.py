@@ -124,17 +124,17 @@ def build_layout(
     num_fragments: int,
     pattern: str = "strided",
     blocks_path: str | None = None,
-    groups: Sequence[Sequence[str]] | None = None,
+    user_groups: Sequence[Sequence[str]] | None = None,
 ) -> FragmentLayout:
     """Split the model's parameters into P fragments: P-1 of blocks and one of everything else (P >= 2),
-    or a single fragment of the whole model (P = 1); or, with `groups`, as the user grouped them (see
+    or a single fragment of the whole model (P = 1); or, with `user_groups`, as the user grouped them (see
     group_layout)."""
     if num_fragments < 1:
         raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
-    if groups is not None:
+    if user_groups is not None:
         if blocks_path:
             raise ValueError("give blocks_path or fragments, not both: fragments name every group")
-        return group_layout(model, groups, num_fragments)
+        return group_layout(model, user_groups, num_fragments)
     # named_parameters() yields each shared (tied) parameter once, under its first name
     params = list(model.named_parameters())
     if num_fragments == 1:
@@ -182,42 +182,42 @@ def group_layout(model: nn.Module, groups: Sequence[Sequence[str]], num_fragment
     the longer one wins ("blocks" and "blocks.0": blocks.0 goes with the second). Parameters that no group
     names form one more fragment, the last (as the embeddings do by default). The fingerprint carries the
     groups, so a shard with another grouping refuses the worker by saying so."""
-    groups = tuple(tuple(str(n) for n in g) for g in groups)
-    if not groups or any(not g for g in groups):
+    names = tuple(tuple(str(n) for n in g) for g in groups)
+    if not names or any(not g for g in names):
         raise ValueError("fragments: give a list of groups, each a non-empty list of names")
     seen: dict[str, int] = {}
-    for i, group in enumerate(groups):
+    for i, group in enumerate(names):
         for prefix in group:
             if seen.setdefault(prefix, i) != i:
                 raise ValueError(
                     f"fragments: {prefix!r} is in group {seen[prefix]} and group {i}: name it once"
                 )
     params = list(model.named_parameters())
-    owner: list[int] = []  # each parameter's group; len(groups): none names it
+    owner: list[int] = []  # each parameter's group; len(names): no group names it
     for name, _ in params:
-        best, best_len = len(groups), -1
-        for i, group in enumerate(groups):
+        best, best_len = len(names), -1
+        for i, group in enumerate(names):
             for prefix in group:
                 if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
                     best, best_len = i, len(prefix)
         owner.append(best)
-    for i, group in enumerate(groups):
+    for i, group in enumerate(names):
         for prefix in group:
             if not any(n == prefix or n.startswith(prefix + ".") for n, _ in params):
                 raise ValueError(f"fragments: {prefix!r} (group {i}) names no parameter or module")
         if i not in owner:
             raise ValueError(f"fragments: group {i} {list(group)} gets no parameter (longer names elsewhere)")
-    made = len(groups) + (1 if len(groups) in owner else 0)
+    made = len(names) + (1 if len(names) in owner else 0)
     if made != num_fragments:
-        rest = " and the parameters they do not name" if made > len(groups) else ""
+        rest = " and the parameters they do not name" if made > len(names) else ""
         raise ValueError(
-            f"fragments: {len(groups)} groups{rest} make "
+            f"fragments: {len(names)} groups{rest} make "
             f"{made} fragments, but num_fragments is {num_fragments}: set num_fragments (--num-fragments) to "
             f"{made}"
         )
     members = [[(n, p) for (n, p), o in zip(params, owner, strict=True) if o == g] for g in range(made)]
     return FragmentLayout(
-        tuple(_fragment(i, group, ()) for i, group in enumerate(members)), "", "custom", groups
+        tuple(_fragment(i, group, ()) for i, group in enumerate(members)), "", "custom", names
     )
 
 

@@ -262,7 +262,7 @@ def test_fragments_group_parameters_by_name_and_the_rest_makes_one_more():
     from streamdiloco.common.fragments import build_layout
 
     model = TwoLists()
-    layout = build_layout(model, 3, groups=[["embed", "head.weight"], ["layers"]])
+    layout = build_layout(model, 3, user_groups=[["embed", "head.weight"], ["layers"]])
     assert names(layout) == [
         ["embed.weight", "head.weight"],
         [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")],
@@ -271,7 +271,7 @@ def test_fragments_group_parameters_by_name_and_the_rest_makes_one_more():
     assert layout.pattern == "custom" and all(f.blocks == () for f in layout.fragments)
     assert [e.offset for e in layout.fragments[0].entries] == [0, 64]  # one flat vector per fragment
     # the longer name wins: layers.2 goes with the second group, the rest of `layers` with the first
-    layout = build_layout(model, 2, groups=[["layers", "embed", "probes", "head"], ["layers.2"]])
+    layout = build_layout(model, 2, user_groups=[["layers", "embed", "probes", "head"], ["layers.2"]])
     assert names(layout)[1] == ["layers.2.weight", "layers.2.bias"]
 
 
@@ -298,7 +298,7 @@ def test_fragments_that_do_not_fit_the_model_are_one_line_errors(groups, P, word
     from streamdiloco.common.fragments import build_layout
 
     with pytest.raises(ValueError, match=re.escape(words)):
-        build_layout(TwoLists(), P, groups=groups)
+        build_layout(TwoLists(), P, user_groups=groups)
 
 
 def test_the_cli_spelling_of_fragments():
@@ -318,14 +318,14 @@ def test_the_fingerprint_carries_the_groups_and_a_shard_with_another_layout_says
     model, cfg = TwoLists(), SyncConfig(sync_every=30, num_fragments=3)
     plain = model_fingerprint(build_layout(model, 3, blocks_path="layers"), cfg)
     assert "fragment_groups" not in plain  # a run without groups keeps its fingerprint (and checkpoints)
-    grouped = model_fingerprint(build_layout(model, 3, groups=[["embed", "head"], ["layers"]]), cfg)
+    grouped = model_fingerprint(build_layout(model, 3, user_groups=[["embed", "head"], ["layers"]]), cfg)
     assert grouped["fragment_groups"] == [["embed", "head"], ["layers"]]
     assert fingerprint_diff(grouped, plain, them="shard") == (
         "model fingerprint differs from the shard's: the worker groups parameters as 'embed,head;layers', "
         "the shard splits the blocks of 'layers': give both the same fragments (connect(fragments=...), "
         "--fragments)"
     )
-    other = model_fingerprint(build_layout(model, 3, groups=[["embed"], ["layers", "head"]]), cfg)
+    other = model_fingerprint(build_layout(model, 3, user_groups=[["embed"], ["layers", "head"]]), cfg)
     assert "groups parameters as 'embed;layers,head'" in fingerprint_diff(grouped, other)
     assert fingerprint_diff(grouped, dict(grouped)) is None
 
