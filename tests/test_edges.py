@@ -5,6 +5,7 @@ the user (blocks_path, fragments) on both sides. Real processes where the behavi
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 
@@ -361,3 +362,18 @@ def test_a_bad_fragments_flag_is_one_line_before_anything_starts(tmp_path):
     assert r.returncode == 2 and one_error_line(r) == (
         "streamdiloco: error: give --blocks-path or --fragments, not both"
     )
+
+
+def test_launch_gives_the_users_fragments_to_its_shards_and_workers(tmp_path):
+    from streamdiloco.common.modelspec import build_model
+
+    groups = "transformer.h.0;transformer.h.1,transformer.h.2,transformer.h.3"  # unlike any built-in split
+    r = streamdiloco(
+        *("launch", "--shards", "1", "--workers", "1", "--steps", "4", "--log-every", "2", "--save-global"),
+        *("--model", "nano", "--num-fragments", "3", "--fragments", groups, "--out", str(tmp_path)),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    block = sum(p.numel() for p in build_model("nano").transformer.h[0].parameters())
+    masters = torch.load(tmp_path / "masters.pt")
+    assert [m.numel() for m in masters[:2]] == [block, 3 * block]  # the shard's layout is the user's
+    assert json.loads((tmp_path / "summary.json").read_text())["mirrors_match_masters"]
