@@ -377,3 +377,29 @@ def test_launch_gives_the_users_fragments_to_its_shards_and_workers(tmp_path):
     masters = torch.load(tmp_path / "masters.pt")
     assert [m.numel() for m in masters[:2]] == [block, 3 * block]  # the shard's layout is the user's
     assert json.loads((tmp_path / "summary.json").read_text())["mirrors_match_masters"]
+
+
+def test_a_shard_refuses_malformed_fragment_groups_with_a_status_not_a_crash(tmp_path):
+    """fragment_groups crosses the network in a worker's fingerprint: whatever shape a client gives it, the
+    shard answers with a status and one line, and keeps serving."""
+    import grpc
+    from inthread import InThreadShard
+
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.common.fingerprint import model_fingerprint
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.common.modelspec import build_model
+    from streamdiloco.server.main import build_service
+
+    cfg = SyncConfig(sync_every=6, num_fragments=3)
+    good = model_fingerprint(build_layout(build_model("nano"), 3), cfg)
+    shard = InThreadShard(build_service(cfg, "nano", 0, 1), tmp_path, json.dumps(good))
+    try:
+        for bad in (5, "x" * 100_000, [[1, [2]], None], {"a": 1}, [[]] * 10_000):
+            with pytest.raises(grpc.RpcError) as e:
+                shard.join("w0", fp=json.dumps({**good, "fragment_groups": bad}))
+            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            assert "\n" not in e.value.details() and len(e.value.details()) <= 1200, e.value.details()[:300]
+        assert shard.join("w0").session  # still serving
+    finally:
+        shard.shutdown()
