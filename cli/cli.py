@@ -93,6 +93,34 @@ def _add_model_flags(g) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for init, data streams and rounding (default 0)")
 
 
+def _add_layout_flags(g) -> None:
+    """How the model's parameters are grouped into fragments: shards and workers must agree (connect()'s
+    blocks_path= and fragments=)."""
+    g.add_argument(
+        "--blocks-path",
+        default=None,
+        metavar="NAME",
+        help="the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest)",
+    )
+    g.add_argument(
+        "--fragments",
+        default=None,
+        metavar="GROUPS",
+        help="group the parameters yourself: groups of parameter or module names, ';' between groups and ',' "
+        "within one (embed,head;blocks.0,blocks.1); what no group names makes one more fragment. P = the "
+        "fragments made",
+    )
+
+
+def _layout(args: argparse.Namespace):
+    """(blocks_path, fragment groups) from the layout flags; ValueError (one line) for a bad --fragments."""
+    from streamdiloco.common.fragments import parse_groups
+
+    if args.blocks_path and args.fragments:
+        raise ValueError("give --blocks-path or --fragments, not both")
+    return args.blocks_path, parse_groups(args.fragments) if args.fragments else None
+
+
 def _add_run_flags(g) -> None:
     """Training flags shared by `simulate`, `compare`, `worker` and `launch`."""
     g.add_argument("--steps", type=int, default=600, help="inner steps per worker (default %(default)s)")
@@ -192,6 +220,12 @@ def _add_shard_flags(g) -> None:
         default="",
         help="the simple mode: one secret shared by every worker (any holder may use any name); "
         "--workers-file binds each name to its own token",
+    )
+    g.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="--token, read from this file: not on the command line, where ps shows it",
     )
 
 
@@ -470,7 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_robust_flags(sv.add_argument_group("defenses against workers' pushes (on by default)"))
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
     _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
-    _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
+    g = sv.add_argument_group("model (the same as the workers')")
+    _add_model_flags(g)
+    _add_layout_flags(g)
     _add_sync_flags(sv)
     sv.set_defaults(func=_cmd_server)
 
@@ -545,7 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, blocked "
         "time); needs pip install 'streamdiloco[tensorboard]'",
     )
-    _add_run_flags(wk.add_argument_group("run"))
+    g = wk.add_argument_group("run")
+    _add_run_flags(g)
+    _add_layout_flags(g)
     _add_sync_flags(wk)
     _add_inner_flags(wk)
     wk.set_defaults(func=_cmd_worker)
@@ -594,7 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run as on the internet: make the run's credentials in OUT/certs (streamdiloco certs) and use "
         "mutual TLS, a token per worker and a read token for the shards' HTTP",
     )
-    _add_run_flags(la.add_argument_group("run"))
+    g = la.add_argument_group("run")
+    _add_run_flags(g)
+    _add_layout_flags(g)
     _add_sync_flags(la)
     _add_inner_flags(la)
     la.set_defaults(func=_cmd_launch)
@@ -696,8 +736,15 @@ def _cmd_server(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= port <= 65535:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
+    if args.token_file:
+        from streamdiloco.common.tls import read_secret
+
+        if args.token:
+            raise ValueError("give --token or --token-file, not both")
+        args.token = read_secret(args.token_file, "--token-file")
     tls, auth, workers_file, http_host = _server_security(args)
     peers = _peers(args, auth)
+    blocks_path, fragments = _layout(args)
 
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
@@ -720,6 +767,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             auth=auth,
             workers_file=workers_file,
             limits=limits,
+            blocks_path=blocks_path,
+            fragments=fragments,
         )
 
     asyncio.run(
@@ -820,6 +869,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from streamdiloco.launch import run_launch
 
     _sync_config(args)  # one-line errors before any process starts
+    _layout(args)
     _robust_config(vars(args))
     _check_data(args.data)
     return run_launch(args, _add_sync_flags, _add_inner_flags, _add_run_flags, _add_robust_flags)

@@ -111,11 +111,24 @@ def _wait_ready(cluster: Cluster, files: list[Path], timeout: float = 120.0) -> 
     while not all(f.exists() for f in files):
         for name, proc in cluster.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {proc.returncode} before it was ready")
+                last = _last_line(cluster.out / f"{name}.log")
+                raise RuntimeError(
+                    f"{name} exited with status {proc.returncode} before it was ready"
+                    + (f": {last}" if last else "")
+                )
         if time.monotonic() > deadline:
             raise RuntimeError(f"shards not ready after {timeout:.0f}s")
         time.sleep(0.1)
     return [json.loads(f.read_text()) for f in files]
+
+
+def _last_line(path: Path) -> str:
+    """The last line a child wrote (its one-line error, when it failed to start)."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def free_ports(n: int) -> list[int]:
@@ -206,6 +219,9 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         old.unlink()
     sync = forward_flags(args, add_sync)
     model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
+    layout: list[str] = []  # the fragments' layout, for shards and workers alike
+    for flag, value in (("--blocks-path", args.blocks_path), ("--fragments", args.fragments)):
+        layout += [flag, value] if value else []
     run = forward_flags(args, add_run)
     inner = forward_flags(args, add_inner)
     if not args.max_weight:  # the shards can know exactly what a worker of this run may report
@@ -220,6 +236,12 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         raise ValueError(
             f"--http-port {args.http_port}: shard ports {args.http_port}.. must be at most 65535"
         )
+    if args.http_port:  # said now, by the flag, rather than by a shard that exits
+        from streamdiloco.common.ports import bind_error, probe
+
+        for port in range(args.http_port, args.http_port + args.shards):
+            if (taken := probe("127.0.0.1", port)) is not None:
+                raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
     min_workers = args.min_workers or args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     creds = Credentials(out / "certs", args.workers) if args.tls else None
@@ -256,11 +278,16 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + (creds.shard_flags() if creds else [])
                 + model
+                + layout
                 + sync
                 + robust,
                 threads=1,  # a shard's arithmetic is small next to a worker's
             )
-        ports = _wait_ready(cluster, ready)
+        try:
+            ports = _wait_ready(cluster, ready)
+        except RuntimeError as e:
+            say(f"[launch] {e}; stopping everything; see {out}/*.log")
+            return 1
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
         metrics_ports = free_ports(args.workers)
         write_targets(out / "prometheus-targets.json", [p["http_port"] for p in ports], metrics_ports)
@@ -283,7 +310,7 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             if creds:
                 argv += creds.worker_flags(m)
-            workers.append(cluster.start(f"worker-{m}", argv + run + sync + inner, threads=threads))
+            workers.append(cluster.start(f"worker-{m}", argv + run + layout + sync + inner, threads=threads))
         while any(w.poll() is None for w in workers):
             failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
             failed += [

@@ -14,7 +14,7 @@ from streamdiloco.common.fragments import FragmentLayout
 
 
 def model_fingerprint(layout: FragmentLayout, cfg: SyncConfig) -> dict:
-    return {
+    fp = {
         "params": [[e.name, list(e.shape), e.dtype] for f in layout.fragments for e in f.entries],
         "fragments": [[list(f.blocks), list(f.names)] for f in layout.fragments],
         "blocks_path": layout.blocks_path,
@@ -25,6 +25,9 @@ def model_fingerprint(layout: FragmentLayout, cfg: SyncConfig) -> dict:
         "downlink_codec": cfg.downlink_codec,
         "codec_block_size": cfg.codec_block_size,
     }
+    if layout.groups is not None:  # only then: a run's fingerprint (and its checkpoints') stays as it was
+        fp["fragment_groups"] = [list(g) for g in layout.groups]
+    return fp
 
 
 def fingerprint_digest(fp: dict) -> str:
@@ -35,6 +38,11 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     """None when equal, else one sentence naming the first difference."""
     if ours == theirs:
         return None
+    if ours.get("fragment_groups") != theirs.get("fragment_groups"):
+        return (
+            f"model fingerprint differs from the {them}'s: the {us} {_grouping(ours)}, the {them} "
+            f"{_grouping(theirs)}: give both the same fragments (connect(fragments=...), --fragments)"
+        )
     for key in (
         "sync_every",
         "num_fragments",
@@ -80,6 +88,13 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     return (
         f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
     )
+
+
+def _grouping(fp: dict) -> str:
+    groups = fp.get("fragment_groups")
+    if groups is not None:
+        return f"groups parameters as {';'.join(','.join(map(str, g)) for g in groups)[:300]!r}"
+    return f"splits the blocks of {fp.get('blocks_path')!r}"
 
 
 def tensor_digest(x) -> str:

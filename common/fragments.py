@@ -1,12 +1,13 @@
 """Fragment layout: which parameters belong to which fragment, and each fragment's flat fp32 layout.
 
 A run has P fragments (num_fragments), each on the wire at its own offset. With P >= 2, the model's
-transformer blocks (its largest nn.ModuleList, or a list the user names) are split into P - 1 block
-fragments, strided by default (block i -> fragment i mod (P-1)) or sequential (consecutive blocks), and
+transformer blocks (its largest nn.ModuleList, or the one the user names: blocks_path) are split into P - 1
+block fragments, strided by default (block i -> fragment i mod (P-1)) or sequential (consecutive blocks), and
 every other parameter (embeddings, final norm, head) forms the last fragment, numbered P - 1, as the paper
 gives the embeddings a fragment of their own. With P = 1 the whole model is one fragment: plain DiLoCo.
 Each fragment has a fixed layout of (name, shape, offset) entries, so it can be read and written as one
-contiguous fp32 vector.
+contiguous fp32 vector. A user may instead group the parameters by name (fragments=, `group_layout`): for
+models whose parameters sync best in another grouping, or that have no list of blocks.
 
 Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
 """
@@ -49,6 +50,8 @@ class FragmentLayout:
     fragments: tuple[Fragment, ...]
     blocks_path: str  # dotted name of the ModuleList holding the blocks
     pattern: str
+    # the user's own grouping (fragments=, --fragments): each group's name prefixes; None for blocks
+    groups: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def num_fragments(self) -> int:
@@ -81,8 +84,9 @@ def find_block_list(model: nn.Module) -> str:
                 best, best_key = name, key
     if best is None:
         raise ValueError(
-            "the model has no nn.ModuleList of blocks to split into fragments: "
-            "name one with blocks_path=..., or use num_fragments=1"
+            "the model has no nn.ModuleList of blocks to split into fragments: name one with blocks_path=... "
+            "(--blocks-path), group the parameters yourself with fragments=... (--fragments), or use "
+            "num_fragments=1"
         )
     return best
 
@@ -116,12 +120,21 @@ def _fragment(index: int, named: Sequence[tuple[str, torch.Tensor]], blocks: tup
 
 
 def build_layout(
-    model: nn.Module, num_fragments: int, pattern: str = "strided", blocks_path: str | None = None
+    model: nn.Module,
+    num_fragments: int,
+    pattern: str = "strided",
+    blocks_path: str | None = None,
+    user_groups: Sequence[Sequence[str]] | None = None,
 ) -> FragmentLayout:
     """Split the model's parameters into P fragments: P-1 of blocks and one of everything else (P >= 2),
-    or a single fragment of the whole model (P = 1)."""
+    or a single fragment of the whole model (P = 1); or, with `user_groups`, as the user grouped them (see
+    group_layout)."""
     if num_fragments < 1:
         raise ValueError(f"num_fragments must be at least 1, got {num_fragments}")
+    if user_groups is not None:
+        if blocks_path:
+            raise ValueError("give blocks_path or fragments, not both: fragments name every group")
+        return group_layout(model, user_groups, num_fragments)
     # named_parameters() yields each shared (tied) parameter once, under its first name
     params = list(model.named_parameters())
     if num_fragments == 1:
@@ -149,6 +162,63 @@ def build_layout(
         for i, group in enumerate(members)
     )
     return FragmentLayout(fragments, path, pattern)
+
+
+def parse_groups(text: str, flag: str = "--fragments") -> tuple[tuple[str, ...], ...]:
+    """The CLI's spelling of fragments=: groups separated by `;`, names in a group by `,`
+    ("embed,head;blocks.0,blocks.1;blocks.2,blocks.3")."""
+    groups = tuple(tuple(n.strip() for n in g.split(",") if n.strip()) for g in text.split(";"))
+    if not groups or any(not g for g in groups):
+        raise ValueError(
+            f"{flag} {text!r}: give groups of parameter or module names, the groups separated by ';' and "
+            "the names by ',' (embed,head;blocks.0,blocks.1)"
+        )
+    return groups
+
+
+def group_layout(model: nn.Module, groups: Sequence[Sequence[str]], num_fragments: int) -> FragmentLayout:
+    """The user's fragments: group i holds every parameter whose name is one of its names or starts with
+    one of them and a dot (a module's name takes all its parameters); where names of two groups both match,
+    the longer one wins ("blocks" and "blocks.0": blocks.0 goes with the second). Parameters that no group
+    names form one more fragment, the last (as the embeddings do by default). The fingerprint carries the
+    groups, so a shard with another grouping refuses the worker by saying so."""
+    names = tuple(tuple(str(n) for n in g) for g in groups)
+    if not names or any(not g for g in names):
+        raise ValueError("fragments: give a list of groups, each a non-empty list of names")
+    seen: dict[str, int] = {}
+    for i, group in enumerate(names):
+        for prefix in group:
+            if seen.setdefault(prefix, i) != i:
+                raise ValueError(
+                    f"fragments: {prefix!r} is in group {seen[prefix]} and group {i}: name it once"
+                )
+    params = list(model.named_parameters())
+    owner: list[int] = []  # each parameter's group; len(names): no group names it
+    for name, _ in params:
+        best, best_len = len(names), -1
+        for i, group in enumerate(names):
+            for prefix in group:
+                if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
+                    best, best_len = i, len(prefix)
+        owner.append(best)
+    for i, group in enumerate(names):
+        for prefix in group:
+            if not any(n == prefix or n.startswith(prefix + ".") for n, _ in params):
+                raise ValueError(f"fragments: {prefix!r} (group {i}) names no parameter or module")
+        if i not in owner:
+            raise ValueError(f"fragments: group {i} {list(group)} gets no parameter (longer names elsewhere)")
+    made = len(names) + (1 if len(names) in owner else 0)
+    if made != num_fragments:
+        rest = " and the parameters they do not name" if made > len(names) else ""
+        raise ValueError(
+            f"fragments: {len(names)} groups{rest} make "
+            f"{made} fragments, but num_fragments is {num_fragments}: set num_fragments (--num-fragments) to "
+            f"{made}"
+        )
+    members = [[(n, p) for (n, p), o in zip(params, owner, strict=True) if o == g] for g in range(made)]
+    return FragmentLayout(
+        tuple(_fragment(i, group, ()) for i, group in enumerate(members)), "", "custom", names
+    )
 
 
 def fragment_params(model: nn.Module, fragment: Fragment) -> list[torch.Tensor]:

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Smoke test of the compose stack (docker-compose.yml): build the image, start 2 shards, 3 workers,
-# Prometheus and Grafana, wait until both shards are ready and training makes progress, print what was
-# seen, and take everything down again (containers, network and volumes) however it ends.
+# Smoke test of the compose stack (docker-compose.yml): build the image, start 2 shards, 3 workers (the
+# scaled `worker` service), Prometheus and Grafana, wait until both shards are ready and training makes
+# progress, scale the workers to 4 and see Prometheus find the fourth, print what was seen, and take
+# everything down again (containers, network and volumes) however it ends.
+#
+# The stack's secrets come from .env (see .env.example) or the environment; where neither sets them, this
+# script makes throwaway ones for its run.
 #
 # Needs: a running Docker engine with the compose plugin (`docker compose version`), network access to
 # pull python:3.11-slim, prom/prometheus and grafana/grafana and to pip-install PyTorch (CPU wheels) and
@@ -34,6 +38,15 @@ docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is it runnin
 command -v curl >/dev/null 2>&1 || die "curl not found: this script needs curl"
 
 compose() { docker compose --project-directory "$ROOT" -f "$ROOT/docker-compose.yml" "$@"; }
+
+# a secret for this run only, where neither the environment nor .env gives one
+secret() { head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+for var in STREAMDILOCO_TOKEN GRAFANA_ADMIN_PASSWORD; do
+    if [ -z "${!var:-}" ] && ! grep -qs "^$var=." "$ROOT/.env"; then
+        export "$var=$(secret)"
+        say "$var: not set in the environment or .env; using a throwaway one for this run"
+    fi
+done
 
 STARTED=0
 cleanup() {
@@ -134,6 +147,15 @@ say "Prometheus: tokens/s = $(prom_value 'sum(rate(streamdiloco_worker_tokens_to
 loss="$(prom_value 'avg(streamdiloco_shard_training_loss)')"
 say "Prometheus: round mean training loss = ${loss:-none yet}"
 
+workers_scraped() { # workers_scraped N: Prometheus scrapes N worker replicas (found through Docker's DNS)
+    [ "$(prom_value 'count(up{job="workers"} == 1)')" = "$1" ]
+}
+wait_for "Prometheus to scrape the 3 worker replicas" workers_scraped 3
+say "scaling the workers to 4 (docker compose up -d --scale worker=4)"
+compose up -d --no-build --scale worker=4
+wait_for "Prometheus to scrape the 4th worker replica" workers_scraped 4
+say "Prometheus: worker replicas up = $(prom_value 'count(up{job="workers"} == 1)')"
+
 grafana_has_dashboard() {
     [ "$(http_code "$GRAFANA/api/health")" = 200 ] &&
         [ "$(http_code "$GRAFANA/api/dashboards/uid/streamdiloco")" = 200 ]
@@ -142,4 +164,4 @@ wait_for "Grafana to serve the provisioned dashboard (uid streamdiloco)" grafana
 say "Grafana: $GRAFANA/d/streamdiloco answers (anonymous viewer)"
 
 compose ps
-say "OK: shards ready, rounds closing, Prometheus scraping, Grafana dashboard provisioned"
+say "OK: shards ready, rounds closing, workers scaling, Prometheus scraping, Grafana dashboard provisioned"

@@ -140,6 +140,26 @@ class Auth:
         return bool(self.token) or self.workers is not None or self.certificates
 
     @property
+    def checks_tokens(self) -> bool:
+        """Whether a worker's token means anything here (the run token, or per-worker tokens)."""
+        return bool(self.token) or self.workers is not None
+
+    def unchecked_token(self, token: str) -> Refused | None:
+        """A worker that offers a token to a shard that checks none is refused: its operator believes the
+        run is closed, and it is not (a shard started without --token, perhaps with --insecure, takes anyone;
+        or the worker found another shard than the run's). Joining anyway would hide that; one flag on
+        either side fixes it."""
+        if not token or self.checks_tokens:
+            return None
+        takes = "client certificates only" if self.certificates else "no credential at all"
+        return Refused(
+            "failed_precondition",
+            f"the worker sent a token, but this shard checks none (started without --token or "
+            f"--workers-file, it takes {takes}): start the shard with the run's --token, or drop the "
+            "worker's --token",
+        )
+
+    @property
     def binds_names(self) -> bool:
         """Whether a credential proves one name (so that nobody else can use it)."""
         return self.workers is not None or self.certificates
@@ -163,7 +183,13 @@ class Auth:
             bound = certificate
             proved.append("certificate")
         if self.workers is not None:
-            owner = self._owner.get(token_hash(token)) if token else None
+            if not token:
+                raise Refused(
+                    "unauthenticated",
+                    "unknown or revoked worker token (see --token-file): the worker sent none, and this "
+                    "shard needs each worker's own: give the worker --token-file workers/NAME.token",
+                )
+            owner = self._owner.get(token_hash(token))
             if owner is None:
                 raise Refused("unauthenticated", "unknown or revoked worker token (see --token-file)")
             if bound is not None and owner != bound:
@@ -174,6 +200,12 @@ class Auth:
             bound = owner
             proved.insert(0, "worker token")
         elif self.token:
+            if not token:
+                raise Refused(
+                    "unauthenticated",
+                    "wrong or missing run token (--token): the worker sent none, and this shard needs the "
+                    "run token: give the worker --token or --token-file",
+                )
             if not secrets.compare_digest(token.encode(), self.token.encode()):
                 raise Refused("unauthenticated", "wrong or missing run token (--token)")
             proved.append("run token")

@@ -14,7 +14,7 @@ import os
 import resource
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -28,6 +28,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
 from streamdiloco.server.auth import Auth, WorkersFile
@@ -69,11 +70,14 @@ def build_service(
     auth: Auth | None = None,
     workers_file: WorkersFile | None = None,
     limits: Limits | None = None,
+    blocks_path: str | None = None,
+    fragments: Sequence[Sequence[str]] | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
     holds a checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against
-    workers' pushes (default: RobustConfig()'s, which are on)."""
+    workers' pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as
+    the workers give it to connect() (--blocks-path, --fragments)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -84,7 +88,7 @@ def build_service(
     model = build_model(model_spec, seed, block_size)
     if init:
         load_initial(model, init)
-    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
+    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern, blocks_path, fragments)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
     fingerprint = model_fingerprint(layout, cfg)
@@ -293,7 +297,10 @@ async def serve(
     http_task, http, http_bound, listener = None, None, None, None
     http_host = http_host or host
     if http_port is not None:
-        sock = _bind(http_host, http_port)
+        try:
+            sock = _bind(http_host, http_port)
+        except OSError as e:
+            raise bind_error("--http-port", http_host, http_port, e, "another shard") from None
         http_bound = sock.getsockname()[1]
         config = uvicorn.Config(
             make_app(holder, auth, peers),
@@ -326,6 +333,9 @@ async def serve(
             await http_task
 
     scheme = "https" if tls else "http"
+    if port and (taken := probe(host, port)) is not None:  # now, not after the model has loaded
+        await stop_http()
+        raise bind_error("--port", host, port, taken, "another shard")
     if holder.service is None:
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
@@ -395,9 +405,7 @@ async def _serve_grpc(
     except RuntimeError:  # grpc's way of saying the address is in use or not ours
         bound = 0
     if bound == 0:
-        raise OSError(
-            f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
-        )
+        raise bind_error("--port", host, port, probe(host, port), "another shard")
     ckpt = service.checkpoint
     if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
         if not ckpt.save_all(service.state):

@@ -57,6 +57,7 @@ log = logging.getLogger("streamdiloco.shard")
 MAX_NAME = 128
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
 MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
+MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard checks no token (then: throttled)
 MAX_ROUND = 1 << 53
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
@@ -165,6 +166,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.fetches = PeerCounts("Fetch calls", limits.max_sessions, FETCHES_PER_PEER)
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
+        self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
         self.members: dict[str, _Member] = {}
         # the session ids Join gave out, until their Session starts; Joins never followed by one are bounded
         self.sessions = Sessions(self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
@@ -201,6 +203,12 @@ class ShardService(pb_grpc.ShardServicer):
             )
         if problem := check_name(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if (unchecked := self.auth.unchecked_token(self._offered_token(context, request.token))) is not None:
+            if request.worker not in self._told_unchecked:  # once per name (a restart policy retries)
+                if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
+                    self._told_unchecked.add(request.worker)
+                self.throttled.warning("unchecked-token", "refused %s at Join: %s", request.worker, unchecked)
+            await _abort(context, unchecked)
         if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -353,10 +361,7 @@ class ShardService(pb_grpc.ShardServicer):
     ) -> Identity:
         """What the call's credentials prove (the token in its metadata, else `token` from the message; the
         client certificate's name under mutual TLS); aborts the call when they do not allow it."""
-        offered = token
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = value[7:].strip()
+        offered = self._offered_token(context, token)
         names = (context.auth_context() or {}).get("x509_common_name") or ()
         certificate = next(iter(names), b"").decode("utf-8", "replace") or None
         try:
@@ -364,6 +369,15 @@ class ShardService(pb_grpc.ShardServicer):
         except Refused as r:
             await _abort(context, r)
             raise  # not reached: abort raises
+
+    @staticmethod
+    def _offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
+        """The token a call offers: its metadata's bearer token, else `token` from the message."""
+        offered = token
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+                offered = value[7:].strip()
+        return offered
 
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
@@ -939,6 +953,7 @@ _STATUS = {
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

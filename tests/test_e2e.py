@@ -249,4 +249,7 @@ def test_a_second_shard_on_a_port_in_use_fails_with_one_line(tmp_path):
             "server", "--model", "nano", "--port", port, "--http-port", "0", "--no-checkpoint", timeout=120
         )
     assert r.returncode == 1, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("streamdiloco: error: cannot listen for gRPC")
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"streamdiloco: error: --port {port}: address 127.0.0.1:{port} already in use "
+        "(another shard? pick another port or 0)"
+    )

@@ -18,7 +18,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -61,6 +61,7 @@ __all__ = [
 log = logging.getLogger("streamdiloco.worker")
 
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
+JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
 
 
 class SyncError(RuntimeError):
@@ -170,6 +171,8 @@ class ShardLink:
         `reconnecting`, _Retry if it cannot be reached (or still holds our old session)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
+        if not reconnecting:
+            self._wait_for_shard(give_up, timeout)
         request = pb.JoinRequest(
             worker=self.worker,
             token=self.token,
@@ -195,15 +198,7 @@ class ShardLink:
                     self._closed.wait(1.0)
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    hint = (
-                        " (over TLS: does it serve TLS, does its certificate name this host, is it signed by "
-                        "--tls-ca, and does it take this worker's certificate?)"
-                        if self.tls
-                        else ""
-                    )
-                    raise SyncError(
-                        f"no answer from a shard at {self.target} within {timeout:g} s{hint}"
-                    ) from None
+                    raise SyncError(self._no_answer(timeout)) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
         try:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
@@ -234,6 +229,42 @@ class ShardLink:
         if self.state is None:
             self.state = LinkState(len(slices))
         self._session_id = reply.session
+
+    def _wait_for_shard(self, give_up: float, timeout: float) -> None:
+        """Wait until the channel connects, saying so every JOIN_PROGRESS_EVERY seconds: a shard not started
+        yet, or a wrong address, is not 60 s of silence. SyncError naming the address and the flag when
+        `give_up` passes."""
+        start = time.monotonic()
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            while True:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise SyncError(self._no_answer(timeout))
+                try:
+                    ready.result(timeout=min(JOIN_PROGRESS_EVERY, left))
+                    return
+                except grpc.FutureTimeoutError:
+                    if self._closing:
+                        raise SyncError(f"closed while waiting for the shard at {self.target}") from None
+                    if give_up - time.monotonic() > 0:
+                        log.info(
+                            "waiting for shard at %s (retrying, %.0fs of --join-timeout %gs)",
+                            self.target,
+                            time.monotonic() - start,
+                            timeout,
+                        )
+        finally:
+            ready.cancel()
+
+    def _no_answer(self, timeout: float) -> str:
+        hint = (
+            " (over TLS: does it serve TLS, does its certificate name this host, is it signed by --tls-ca, "
+            "and does it take this worker's certificate?)"
+            if self.tls
+            else ": is it running, and is the address right?"
+        )
+        return f"no shard answered at {self.target} within --join-timeout {timeout:g}s{hint}"
 
     def open_session(self) -> pb.Welcome:
         """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
@@ -964,6 +995,8 @@ def connect(
     interrupt: threading.Event | None = None,
     prepare=None,
     tls: ClientTLS | None = None,
+    blocks_path: str | None = None,
+    fragments: Sequence[Sequence[str]] | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -976,7 +1009,18 @@ def connect(
     worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
-    over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py."""
+    over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py. `join_timeout`:
+    seconds to wait for each shard to answer (the worker CLI's --join-timeout); while none does, a line says
+    so every few seconds.
+
+    The fragments: by default the model's largest nn.ModuleList holds its blocks, split into P-1 fragments,
+    and every other parameter makes the last one. `blocks_path="encoder.layers"` names the ModuleList (for a
+    model with several, or whose largest list is not its blocks). `fragments=[["embed", "head"],
+    ["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]` groups the parameters yourself: each group (names
+    of parameters or of modules, whose parameters all go with it) syncs together as one fragment, and what
+    no group names makes one more, the last; P (`sync.num_fragments`) must equal the fragments made. The
+    shards must build the same layout: start them with the same --blocks-path or --fragments (the
+    fingerprint carries the layout, and a shard with another refuses this worker by saying so)."""
     import os
     import socket
 
@@ -986,7 +1030,7 @@ def connect(
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
-    layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
+    layout = build_layout(model, sync.num_fragments, sync.fragment_pattern, blocks_path, fragments)
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from streamdiloco import __version__
 from streamdiloco.common.metrics import PREFIX, PUSH_OUTCOMES, WAN_SECONDS
+from streamdiloco.common.ports import bind_error
 
 log = logging.getLogger("streamdiloco.worker")
 
@@ -78,7 +79,10 @@ class WorkerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics in a background thread; returns the bound port (port 0 picks one)."""
-        self.server, _ = start_http_server(port, host, registry=self.registry)
+        try:
+            self.server, _ = start_http_server(port, host, registry=self.registry)
+        except OSError as e:
+            raise bind_error("--metrics-port", host, port, e, "another worker") from None
         bound = self.server.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound

@@ -27,7 +27,7 @@ import torch
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
-from streamdiloco.common.fragments import fragment_params, unflatten_into
+from streamdiloco.common.fragments import fragment_params, parse_groups, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
@@ -38,6 +38,7 @@ from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
     InnerConfig,
+    check_model_output,
     evaluate,
     forward_backward,
     lr_at,
@@ -83,6 +84,8 @@ class WorkerConfig:
     tls_ca: str | None = None  # TLS to the shards, trusting this CA (PEM); None: plaintext (loopback)
     tls_cert: str | None = None  # mutual TLS: this worker's certificate and key (PEM)
     tls_key: str | None = None
+    blocks_path: str | None = None  # the nn.ModuleList of blocks (default: the model's largest)
+    fragments: str | None = None  # the user's groups of parameter names, "a,b;c,d" (common/fragments.py)
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
 
@@ -107,6 +110,14 @@ class WorkerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
         client_tls(self.tls_ca, self.tls_cert, self.tls_key)  # one-line errors for missing or bad files
+        if self.blocks_path and self.fragments:
+            raise ValueError("give --blocks-path or --fragments, not both")
+        if self.fragments:
+            parse_groups(self.fragments)  # a one-line error for a bad --fragments, now
+
+    @property
+    def fragment_groups(self) -> tuple[tuple[str, ...], ...] | None:
+        return parse_groups(self.fragments) if self.fragments else None
 
     @property
     def checkpoint_path(self) -> Path:
@@ -137,6 +148,8 @@ def _checkpoint_key(cfg: WorkerConfig) -> dict:
         "steps": cfg.steps,
         "batch_size": cfg.batch_size,
         "data": cfg.data,
+        "blocks_path": cfg.blocks_path,
+        "fragments": cfg.fragments,
         "sync": cfg.sync.to_dict(),
     }
 
@@ -267,6 +280,8 @@ def _run(
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
     model.to(device)
+    x, y = val[0]
+    check_model_output(model, x.to(device), y.to(device), cfg.model)  # before any shard hears of us
     # made now, not after joining: building AdamW the first time takes about a second, which a joiner
     # must not spend while the others already wait for its first push
     opt = make_inner_optimizer(model, cfg.inner)
@@ -287,6 +302,8 @@ def _run(
             resume=resume,
             interrupt=stop.event,
             prepare=lambda: eval_start.append(evaluate(model, val, device)),  # the global params as fetched
+            blocks_path=cfg.blocks_path,
+            fragments=cfg.fragment_groups,
         )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()

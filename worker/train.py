@@ -61,6 +61,47 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> floa
     return float(loss.detach())
 
 
+CLI_MODELS = (
+    "the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as the built-in GPT's "
+    "does; train any other model with your own loop and streamdiloco.connect() (README: the sync engine "
+    "around your own model and loop)"
+)
+
+
+def check_model_output(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: str) -> None:
+    """Run one batch through `model` (no gradients) and check it answers as the CLI's loop expects, so that
+    a model built for another loop fails here with one line naming `spec` (--model), not with a traceback
+    from deep in training."""
+    was_training = model.training
+    model.eval()  # no dropout: the check draws nothing from the generator that training then uses
+    try:
+        with torch.no_grad():
+            out = model(x, y)
+    except Exception as e:  # any model's own error: its first line is what the user needs
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"--model {spec}: forward(idx, targets) failed ({type(e).__name__}: {first}): {CLI_MODELS}"
+        ) from None
+    finally:
+        model.train(was_training)
+    if isinstance(out, tuple | list) and len(out) == 2:
+        loss = out[1]
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point():
+            return
+        got = f"a pair whose second item is {_describe(loss)}, not a scalar loss"
+    else:
+        got = _describe(out)
+    raise ValueError(f"--model {spec}: forward(idx, targets) returned {got}: {CLI_MODELS}")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> None:
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
