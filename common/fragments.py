@@ -14,7 +14,7 @@ Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -49,6 +49,9 @@ class FragmentLayout:
     fragments: tuple[Fragment, ...]
     blocks_path: str  # dotted name of the ModuleList holding the blocks
     pattern: str
+    # the model's architectural hyperparameters, which shapes cannot show (fingerprint.model_config_of): they
+    # go into the model fingerprint with the layout
+    model_config: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_fragments(self) -> int:
@@ -125,7 +128,7 @@ def build_layout(
     # named_parameters() yields each shared (tied) parameter once, under its first name
     params = list(model.named_parameters())
     if num_fragments == 1:
-        return FragmentLayout((_fragment(0, params, ()),), blocks_path or "", pattern)
+        return FragmentLayout((_fragment(0, params, ()),), blocks_path or "", pattern, _model_config(model))
     path = blocks_path or find_block_list(model)
     try:
         blocks = model.get_submodule(path)
@@ -148,7 +151,13 @@ def build_layout(
         _fragment(i, group, tuple(groups[i]) if i < num_block_fragments else ())
         for i, group in enumerate(members)
     )
-    return FragmentLayout(fragments, path, pattern)
+    return FragmentLayout(fragments, path, pattern, _model_config(model))
+
+
+def _model_config(model: nn.Module) -> dict:
+    from streamdiloco.common.fingerprint import model_config_of  # fingerprint imports this module
+
+    return model_config_of(model)
 
 
 def fragment_params(model: nn.Module, fragment: Fragment) -> list[torch.Tensor]:
