@@ -182,13 +182,15 @@ def read_config(path: str | Path) -> dict[str, dict[str, Any]]:
     classes = section_classes()
     out: dict[str, dict[str, Any]] = {}
     for section, table in data.items():
+        if not isinstance(table, dict):
+            home = [s for s, c in classes.items() if section in {f.name for f in dataclasses.fields(c)}]
+            where = f"put it under [{home[0]}]" if home else f"the sections are {', '.join(classes)}"
+            raise ValueError(f"{path}: {section} = ... is in no section: {where}")
         if section not in classes:
             hint = _close(section, classes)
             raise ValueError(
                 f"{path}: unknown section [{section}]{hint}; the sections are {', '.join(classes)}"
             )
-        if not isinstance(table, dict):
-            raise ValueError(f"{path}: {section} must be a section ([{section}]), not a value")
         cls = classes[section]
         known = {f.name: f for f in dataclasses.fields(cls) if f.init}
         out[section] = {}
