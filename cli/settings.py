@@ -125,15 +125,47 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+GIVEN = "flags_given"  # the namespace's set of the settings' dests given on the command line
+
+
+class _Store(argparse.Action):
+    """Stores the value, and notes that the user gave this flag (its default is already in the namespace,
+    so that a parse without resolve() still has every setting)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _note(namespace, self.dest)
+
+
+class _StoreBool(argparse.BooleanOptionalAction):
+    """--x/--no-x, noting that the user gave one of them."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.help = help  # as written: some Pythons append their own "(default: ...)"
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note(namespace, self.dest)
+
+
+def _note(namespace: argparse.Namespace, dest: str) -> None:
+    given = getattr(namespace, GIVEN, None)
+    if given is None:
+        given = set()
+        setattr(namespace, GIVEN, given)
+    given.add(dest)
+
+
 def add_flags(
     group: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     skip: tuple[str, ...] = (),
     help_for: dict[str, str] | None = None,
 ) -> None:
-    """One flag per field of the dataclass `cls` (but `skip`), with the field's name as dest, its help (or
-    `help_for`'s), choices and default (shown in --help). A flag left out leaves no attribute (SUPPRESS):
-    `resolve` then takes the config file's value or the default, and knows the user did not set it."""
+    """One flag per field of the dataclass `cls` (but `skip`), with the field's name as dest, its default,
+    its help (or `help_for`'s, with the default shown) and choices. The flags the user gives are noted
+    (args.flags_given): `resolve` then knows which values came from the command line."""
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue
@@ -143,11 +175,13 @@ def add_flags(
         if "default" not in text:
             shown = "on" if default is True else "off" if default is False else default
             text += f" (default {shown})"
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": text.replace("%", "%%")}
         if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
+            kw["action"] = _StoreBool
         else:
-            kw.update(type=kind, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
+            kw.update(
+                action=_Store, type=kind, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar")
+            )
         group.add_argument(flag_of(f), **kw)
 
 
@@ -226,6 +260,7 @@ def resolve(args: argparse.Namespace, sections: tuple[str, ...], config: str | N
     values are also set on `args` (so a command reads args.sync_every as before), and args.sync_set holds
     the [sync] fields the user set."""
     from_file = read_config(config) if config else {}
+    on_command_line = getattr(args, GIVEN, None) or set()
     classes = section_classes()
     values: dict[str, dict[str, Any]] = {}
     given: dict[str, frozenset[str]] = {}
@@ -235,7 +270,7 @@ def resolve(args: argparse.Namespace, sections: tuple[str, ...], config: str | N
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
-            if hasattr(args, f.name):
+            if f.name in on_command_line:
                 value = getattr(args, f.name)
                 set_here.add(f.name)
             elif f.name in from_file.get(section, {}):
