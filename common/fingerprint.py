@@ -32,7 +32,7 @@ NON_ARCHITECTURAL = frozenset(
 )
 
 
-def model_config_of(model) -> dict:
+def model_config_of(model: object) -> dict:
     """The architectural hyperparameters of `model.config` as plain JSON data: a dataclass's fields (the
     built-in GPT's GPTConfig) or a `to_dict()` (a transformers model), less NON_ARCHITECTURAL keys, keys
     that start with "_" and dropout rates (training noise, not the function), and values that are not
@@ -41,10 +41,11 @@ def model_config_of(model) -> dict:
     import dataclasses
 
     config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         items = dataclasses.asdict(config)
-    elif callable(getattr(config, "to_dict", None)):
-        items = config.to_dict()
+    elif callable(to_dict):
+        items = to_dict()
     else:
         return {}
     if not isinstance(items, dict):
