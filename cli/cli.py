@@ -66,7 +66,8 @@ SETUP_LABELS = {
 
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
-LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits")
+LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker")
+WORKER_SECTIONS = ("model", "run", "sync", "inner", "worker")
 
 # Each section of the config file (cli/settings.py) as a group of flags in --help
 _TITLES = {
@@ -77,6 +78,7 @@ _TITLES = {
     "server": "rounds (every shard of a run alike)",
     "robust": "defenses against workers' pushes (on by default)",
     "limits": "limits: what clients may make the shard hold",
+    "worker": "worker (every worker of a run alike)",
 }
 
 
@@ -373,10 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--servers", required=True, help="every shard as HOST:PORT, comma-separated")
     g.add_argument("--name", default=None, help="a unique name for this worker (default: host-pid)")
     g.add_argument("--rank", type=int, default=None, help="seeds the data stream (default: from the name)")
-    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
     g.add_argument("--token", default="", help="this worker's token, or the run's shared one (--token-file)")
     _add_worker_security_flags(g)
-    g.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the shards")
     g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
     g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
     g.add_argument(
@@ -385,9 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="this worker's checkpoint (default: checkpoints/NAME.pt), written every --checkpoint-every "
         "steps and when it stops",
-    )
-    g.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between checkpoints, 0: only when stopping"
     )
     g.add_argument(
         "--resume",
@@ -408,19 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
     )
-    g.add_argument(
-        "--reconnect-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to keep trying to reach a shard that went away (default %(default)s)",
-    )
-    g.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
-    )
-    _add_settings(wk, ("model", "run", "sync", "inner"))
+    _add_settings(wk, WORKER_SECTIONS)
     wk.set_defaults(func=_cmd_worker)
 
     la = sub.add_parser(
@@ -433,7 +418,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = la.add_argument_group("cluster")
     g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
     g.add_argument("--workers", type=int, default=2, help="M, worker processes (default %(default)s)")
-    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
     g.add_argument(
         "--threads",
         type=int,

@@ -266,7 +266,7 @@ def run_launch(args: argparse.Namespace) -> int:
             argv = ["worker", "--config", str(run_toml), "--servers", ",".join(targets)]
             argv += ["--name", f"worker-{m}", "--rank", str(m)]
             argv += ["--metrics-port", str(metrics_ports[m])]
-            argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
+            argv += ["--summary", str(out / f"worker-{m}.json")]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]

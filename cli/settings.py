@@ -79,6 +79,28 @@ class ShardSettings:
     chunk_bytes: int = field(default=1 << 20, metadata={"help": "payload bytes per chunk (default 1 MiB)"})
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The worker process's own settings that every worker of a run may share (its name, rank, checkpoint
+    path and credentials stay flags). The fields are WorkerConfig's (worker/run.py), with its defaults: a
+    test holds them equal."""
+
+    log_every: int = field(default=20, metadata={"help": "steps between progress lines"})
+    checkpoint_every: int = field(
+        default=100, metadata={"help": "steps between the worker's checkpoints, 0: only when stopping"}
+    )
+    join_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for the shards"})
+    reconnect_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to keep trying to reach a shard that went away"}
+    )
+    step_delay: float = field(
+        default=0.0,
+        metadata={
+            "help": "sleep this many seconds after every step: a slow worker on purpose, to try stragglers"
+        },
+    )
+
+
 def section_classes() -> dict[str, type]:
     """Every section of the config file and its dataclass, in the order the file lists them."""
     from streamdiloco.common.config import SyncConfig
@@ -94,6 +116,7 @@ def section_classes() -> dict[str, type]:
         "server": ShardSettings,
         "robust": RobustConfig,
         "limits": Limits,
+        "worker": WorkerSettings,
     }
 
 

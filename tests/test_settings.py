@@ -21,7 +21,7 @@ from streamdiloco.worker.model import build_gpt
 
 COMMANDS = {  # each command and the config file's sections it reads
     "server": ("model", "sync", "server", "robust", "limits"),
-    "worker": ("model", "run", "sync", "inner"),
+    "worker": ("model", "run", "sync", "inner", "worker"),
     "launch": LAUNCH_SECTIONS,
     "simulate": ("model", "run", "sync", "inner", "robust"),
     "compare": ("model", "run", "sync", "inner", "robust"),
@@ -119,10 +119,11 @@ def test_the_flags_users_know_keep_their_names():
     inner = "--lr --warmup-steps --min-lr-ratio --weight-decay --grad-clip".split()
     run = "--steps --batch-size --data --eval-batches --device --model --block-size --seed".split()
     shard = "--min-workers --round-timeout --chunk-bytes --aggregator --clip-norm --max-sessions".split()
+    worker = "--log-every --checkpoint-every --join-timeout --reconnect-timeout --step-delay".split()
     for command, flags in {
-        "worker": sync + inner + run,
+        "worker": sync + inner + run + worker,
         "simulate": sync + inner + run,
-        "launch": sync + inner + run + shard,
+        "launch": sync + inner + run + shard + ["--log-every"],
         "server": sync + shard + ["--model", "--seed", "--block-size"],
     }.items():
         missing = set(flags) - _options(command)
@@ -132,6 +133,15 @@ def test_the_flags_users_know_keep_their_names():
 def test_help_shows_each_setting_with_its_default():
     text = _subparser("worker").format_help()
     assert "(default 30)" in text and "--no-final-sync" in text and "[sync]" in text
+
+
+def test_the_worker_section_is_worker_configs_fields_with_its_defaults():
+    from streamdiloco.settings import WorkerSettings
+    from streamdiloco.worker.run import WorkerConfig
+
+    theirs = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    for f in dataclasses.fields(WorkerSettings):
+        assert f.name in theirs and theirs[f.name] == f.default, f.name
 
 
 def test_no_two_sections_share_a_field_name():
