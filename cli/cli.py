@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one shard of the outer-optimizer server",
         description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
         "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
-        "same model and Streaming DiLoCo flags as the workers.",
+        "same model and Streaming DiLoCo flags as the workers (or the same --config file).",
     )
     g = sv.add_argument_group("shard")
     g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
