@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout
@@ -33,19 +34,19 @@ NON_ARCHITECTURAL = frozenset(
 
 
 def model_config_of(model: object) -> dict:
-    """The architectural hyperparameters of `model.config` as plain JSON data: a dataclass's fields (the
-    built-in GPT's GPTConfig) or a `to_dict()` (a transformers model), less NON_ARCHITECTURAL keys, keys
-    that start with "_" and dropout rates (training noise, not the function), and values that are not
-    numbers, strings, booleans or lists of them. {} for a model without a config (a plain nn.Module): its
-    shapes are all the fingerprint can check."""
+    """The architectural hyperparameters of `model.config` as plain JSON data: its `to_dict()` (a
+    transformers model: n_head, rope parameters, ...) or a dataclass's fields (the built-in GPTConfig), less
+    NON_ARCHITECTURAL keys, keys that start with "_" and dropout rates (training noise, not the function),
+    and values that are not plain data (numbers, strings, booleans, None, and lists and tables of them).
+    {} for a model without a config (a plain nn.Module): its shapes are all the fingerprint can check."""
     import dataclasses
 
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        items = dataclasses.asdict(config)
-    elif callable(to_dict):
+    if callable(to_dict):  # first: transformers' configs may be dataclasses too, but to_dict() is theirs
         items = to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        items = dataclasses.asdict(config)
     else:
         return {}
     if not isinstance(items, dict):
@@ -60,15 +61,30 @@ def model_config_of(model: object) -> dict:
             or "pdrop" in key
         ):
             continue
-        if isinstance(value, tuple):
-            value = list(value)
-        if _plain(value) or (isinstance(value, list) and all(_plain(v) for v in value)):
-            out[key] = value
+        plain = _plain(value)
+        if plain is not _NOT_PLAIN:
+            out[key] = plain
     return dict(sorted(out.items()))
 
 
-def _plain(value) -> bool:
-    return value is None or isinstance(value, bool | int | float | str)
+_NOT_PLAIN = object()
+
+
+def _plain(value, depth: int = 0):
+    """`value` as JSON data (tuples as lists), or _NOT_PLAIN."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NOT_PLAIN
+    if depth >= 4:
+        return _NOT_PLAIN
+    if isinstance(value, list | tuple):
+        items = [_plain(v, depth + 1) for v in value]
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        table = {k: _plain(v, depth + 1) for k, v in value.items()}
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in table.values()) else table
+    return _NOT_PLAIN
 
 
 def model_fingerprint(

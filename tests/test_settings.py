@@ -281,6 +281,8 @@ def test_model_config_of_the_builtin_gpt_a_transformers_style_config_and_a_plain
                 "_name_or_path": "gpt2",
                 "id2label": {"0": "LABEL_0"},
                 "layer_types": ("full", "full"),
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                "quantization": {"method": object()},  # not plain data: left out
             }
 
     class HF(torch.nn.Module):
@@ -292,8 +294,21 @@ def test_model_config_of_the_builtin_gpt_a_transformers_style_config_and_a_plain
         "layer_types": ["full", "full"],
         "n_embd": 768,
         "n_head": 12,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
     }
     assert model_config_of(torch.nn.Linear(2, 2)) == {}
+
+
+def test_model_config_of_a_transformers_gpt2_keeps_heads_and_drops_dropout():
+    transformers = pytest.importorskip("transformers")
+
+    class Model:
+        config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64)
+
+    got = model_config_of(Model())
+    assert got["n_head"] == 4 and got["n_layer"] == 2 and got["model_type"] == "gpt2"
+    assert not any("pdrop" in k or "dropout" in k for k in got) and "transformers_version" not in got
+    json.dumps(got, allow_nan=False)  # plain data: it crosses the wire in the fingerprint
 
 
 def test_fingerprint_diff_names_the_seed_and_the_model_config_key():
