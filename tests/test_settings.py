@@ -130,6 +130,13 @@ def test_the_flags_users_know_keep_their_names():
         assert not missing, f"`streamdiloco {command}` lost {sorted(missing)}"
 
 
+def test_the_codec_help_names_every_codec():
+    from streamdiloco.common.codecs import CODECS
+    from streamdiloco.common.config import _CODEC_NAMES
+
+    assert _CODEC_NAMES == ", ".join(list(CODECS)[:-1]) + " or " + list(CODECS)[-1]
+
+
 def test_help_shows_each_setting_with_its_default():
     text = _subparser("worker").format_help()
     assert "(default 30)" in text and "--no-final-sync" in text and "[sync]" in text
