@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from streamdiloco.cli import SETUP_LABELS, SETUPS, _add_sim_flags, sim_config
+from streamdiloco.settings import resolve
 from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
 from streamdiloco.sim.simulator import simulate
 
@@ -50,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="simulations at once (default %(default)s)")
     p.add_argument("--out", default="benchmarks/results/quality", help="output folder")
     args = p.parse_args(argv)
+    try:
+        resolve(args, args.sections, args.config)  # --config FILE: the flags' values from a file
+    except ValueError as e:
+        print(f"quality.py: error: {e}", file=sys.stderr)
+        return 2
     setups = args.setups.split(",")
     workers = [int(m) for m in args.workers_list.split(",")]
     runs = [(s, m) for m in workers for s in setups]

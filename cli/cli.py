@@ -65,50 +65,61 @@ SETUP_LABELS = {
 }
 
 
+# The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
+LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker")
+WORKER_SECTIONS = ("model", "run", "sync", "inner", "worker")
+
+# Each section of the config file (cli/settings.py) as a group of flags in --help
+_TITLES = {
+    "model": "model (the same on shards and workers)",
+    "run": "run",
+    "sync": "Streaming DiLoCo (shards and workers must agree)",
+    "inner": "inner optimizer (AdamW)",
+    "server": "rounds (every shard of a run alike)",
+    "robust": "defenses against workers' pushes (on by default)",
+    "limits": "limits: what clients may make the shard hold",
+    "worker": "worker (every worker of a run alike)",
+}
+
+
+def _add_settings(
+    p: argparse.ArgumentParser,
+    sections: tuple[str, ...],
+    titles: dict[str, str] | None = None,
+    help_for: dict[str, str] | None = None,
+) -> None:
+    """--config and one group of flags per section (each field of its dataclass, cli/settings.py); main()
+    resolves them (command line > config file > default) before the command runs."""
+    from streamdiloco.settings import add_flags, section_classes
+
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="TOML",
+        help="read the run's settings from this file (sections "
+        + ", ".join(f"[{s}]" for s in sections)
+        + "; `streamdiloco config` writes one); flags given here override it",
+    )
+    classes = section_classes()
+    for section in sections:
+        title = (titles or {}).get(section) or _TITLES[section]
+        add_flags(p.add_argument_group(f"{title} [{section}]"), classes[section], help_for=help_for)
+    p.set_defaults(sections=sections)
+
+
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run")
+    g = p.add_argument_group("simulation")
     g.add_argument("--workers", type=int, default=2, help="M, the number of workers (default %(default)s)")
-    _add_run_flags(g)
     g.add_argument(
         "--shards", type=int, default=1, dest="num_shards", help="S, shards each fragment is cut into"
     )
     g.add_argument(
         "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
     )
-    _add_robust_flags(p.add_argument_group("the simulated shards' defenses (as `server`)"))
-    _add_sync_flags(p)
-    _add_inner_flags(p)
-
-
-def _add_model_flags(g) -> None:
-    g.add_argument(
-        "--model",
-        default="tiny",
-        help="built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory "
-        "(default %(default)s)",
-    )
-    g.add_argument(
-        "--block-size", type=int, default=None, help="context length in bytes (default: the preset's)"
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed for init, data streams and rounding (default 0)")
-
-
-def _add_layout_flags(g) -> None:
-    """How the model's parameters are grouped into fragments: shards and workers must agree (connect()'s
-    blocks_path= and fragments=)."""
-    g.add_argument(
-        "--blocks-path",
-        default=None,
-        metavar="NAME",
-        help="the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest)",
-    )
-    g.add_argument(
-        "--fragments",
-        default=None,
-        metavar="GROUPS",
-        help="group the parameters yourself: groups of parameter or module names, ';' between groups and ',' "
-        "within one (embed,head;blocks.0,blocks.1); what no group names makes one more fragment. P = the "
-        "fragments made",
+    _add_settings(
+        p,
+        ("model", "run", "sync", "inner", "robust"),
+        titles={"robust": "the simulated shards' defenses (as `server`)"},
     )
 
 
@@ -121,100 +132,7 @@ def _layout(args: argparse.Namespace):
     return args.blocks_path, parse_groups(args.fragments) if args.fragments else None
 
 
-def _add_run_flags(g) -> None:
-    """Training flags shared by `simulate`, `compare`, `worker` and `launch`."""
-    g.add_argument("--steps", type=int, default=600, help="inner steps per worker (default %(default)s)")
-    g.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per worker per step (default %(default)s)"
-    )
-    _add_model_flags(g)
-    g.add_argument(
-        "--data", default=None, metavar="PATH", help="a text file to train on (default: built-in plays)"
-    )
-    g.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
-    g.add_argument("--device", default="cpu", help="torch device for training: cpu, cuda, cuda:1 ...")
-
-
-def _add_sync_flags(p: argparse.ArgumentParser) -> None:
-    from streamdiloco.common.codecs import CODECS
-    from streamdiloco.common.config import SyncConfig
-
-    s = SyncConfig()
-    g = p.add_argument_group("Streaming DiLoCo (shards and workers must agree)")
-    g.add_argument(
-        "--sync-every", type=int, default=s.sync_every, help="H, steps between syncs of a fragment"
-    )
-    g.add_argument(
-        "--num-fragments", type=int, default=s.num_fragments, help="P, fragments (blocks fill P-1)"
-    )
-    g.add_argument("--fragment-pattern", default=s.fragment_pattern, choices=["strided", "sequential"])
-    g.add_argument(
-        "--fragment-sync-delay", type=int, default=s.fragment_sync_delay, help="tau, steps of overlap"
-    )
-    g.add_argument(
-        "--merge-policy",
-        default=s.merge_policy,
-        choices=["adaptive", "fixed"],
-        help="adaptive: merge tau steps after the send, or later if the update is not in yet, waiting only "
-        "at the fragment's next send (full compute on slow links); fixed: at exactly tau steps, waiting if "
-        "need be (deterministic)",
-    )
-    g.add_argument(
-        "--merge-rule",
-        default=s.merge_rule,
-        choices=["mix", "rebase"],
-        help="mix: local = alpha * local + (1 - alpha) * global at the merge (the paper's); rebase: that mix "
-        "taken with the parameters as they were at the send, keeping the local steps since",
-    )
-    g.add_argument(
-        "--fragment-update-alpha",
-        type=float,
-        default=s.fragment_update_alpha,
-        help="alpha, weight of the local parameters at the merge",
-    )
-    g.add_argument("--uplink-codec", default=s.uplink_codec, help=f"one of {', '.join(CODECS)}")
-    g.add_argument("--downlink-codec", default=s.downlink_codec, help=f"one of {', '.join(CODECS)}")
-    g.add_argument("--codec-block-size", type=int, default=s.codec_block_size, help="values per scale")
-    g.add_argument("--uplink-rounding", default=s.uplink_rounding, help="nearest or stochastic")
-    g.add_argument("--downlink-rounding", default=s.downlink_rounding, help="nearest or stochastic")
-    g.add_argument("--outer-lr", type=float, default=s.outer_lr, help="outer Nesterov learning rate")
-    g.add_argument("--outer-momentum", type=float, default=s.outer_momentum)
-    g.add_argument(
-        "--no-final-sync",
-        dest="final_sync",
-        action="store_false",
-        help="do not sync every fragment at the last step",
-    )
-
-
-def _add_inner_flags(p: argparse.ArgumentParser) -> None:
-    from streamdiloco.worker.train import InnerConfig
-
-    i = InnerConfig()
-    g = p.add_argument_group("inner optimizer (AdamW)")
-    g.add_argument("--lr", type=float, default=i.lr, help="peak learning rate (default %(default)s)")
-    g.add_argument("--warmup-steps", type=int, default=i.warmup_steps)
-    g.add_argument(
-        "--min-lr-ratio", type=float, default=i.min_lr_ratio, help="cosine floor, as a fraction of --lr"
-    )
-    g.add_argument("--weight-decay", type=float, default=i.weight_decay)
-    g.add_argument("--grad-clip", type=float, default=i.grad_clip, help="gradient-norm clip, 0 disables")
-
-
 def _add_shard_flags(g) -> None:
-    g.add_argument(
-        "--min-workers",
-        type=int,
-        default=1,
-        help="contributions a round needs before it may close (default %(default)s)",
-    )
-    g.add_argument(
-        "--round-timeout",
-        type=float,
-        default=120.0,
-        help="seconds after a round's first push after which it closes with those present "
-        "(default %(default)s, sized for WAN stragglers)",
-    )
     g.add_argument(
         "--token",
         default="",
@@ -291,35 +209,6 @@ def _add_worker_security_flags(g) -> None:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="mutual TLS: its private key (NAME.key)")
 
 
-def _add_limit_flags(g) -> None:
-    """One flag per field of server.bounds.Limits: its name, default and help are written once, there."""
-    from streamdiloco.server.bounds import Limits
-
-    for f in dataclasses.fields(Limits):
-        g.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=f.default,
-            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else " (default %(default)s)"),
-        )
-
-
-def _add_robust_flags(g) -> None:
-    """The shard's defenses against workers' pushes, one flag per RobustConfig field (its help and default
-    written once, on the field)."""
-    from streamdiloco.server.robust import RobustConfig
-
-    for f in dataclasses.fields(RobustConfig):
-        kind = type(f.default)
-        g.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=kind,
-            default=f.default,
-            choices=f.metadata.get("choices"),
-            help=f.metadata["help"] + " (default %(default)s)",
-        )
-
-
 def _robust_config(v: dict):
     from streamdiloco.server.robust import RobustConfig
 
@@ -337,6 +226,11 @@ def sim_config(args: argparse.Namespace | dict, **overrides):
     from streamdiloco.worker.train import InnerConfig
 
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
+    if v.get("blocks_path") or v.get("fragments"):
+        raise ValueError(
+            "--blocks-path and --fragments are for shards and workers: the simulator splits the model's "
+            "largest nn.ModuleList of blocks"
+        )
     inner = InnerConfig(**_pick(InnerConfig, v))
     sync = SyncConfig(**_pick(SyncConfig, v))
     top = {k: x for k, x in _pick(SimConfig, v).items() if k not in ("sync", "inner", "robust")}
@@ -454,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one shard of the outer-optimizer server",
         description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
         "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
-        "same model and Streaming DiLoCo flags as the workers.",
+        "same model and Streaming DiLoCo flags as the workers (or the same --config file).",
     )
     g = sv.add_argument_group("shard")
     g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
@@ -480,7 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help="the CA of the peers' HTTPS certificates (default: --tls-client-ca, the run's CA)",
     )
-    g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="payload bytes per chunk (default 1 MiB)")
     g.add_argument(
         "--init",
         default=None,
@@ -501,13 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a new run even if --checkpoint-dir holds one (replaces it)",
     )
     _add_shard_flags(g)
-    _add_robust_flags(sv.add_argument_group("defenses against workers' pushes (on by default)"))
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
-    _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
-    g = sv.add_argument_group("model (the same as the workers')")
-    _add_model_flags(g)
-    _add_layout_flags(g)
-    _add_sync_flags(sv)
+    _add_settings(sv, ("model", "sync", "server", "robust", "limits"))
     sv.set_defaults(func=_cmd_server)
 
     wk = sub.add_parser(
@@ -520,10 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--servers", required=True, help="every shard as HOST:PORT, comma-separated")
     g.add_argument("--name", default=None, help="a unique name for this worker (default: host-pid)")
     g.add_argument("--rank", type=int, default=None, help="seeds the data stream (default: from the name)")
-    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
     g.add_argument("--token", default="", help="this worker's token, or the run's shared one (--token-file)")
     _add_worker_security_flags(g)
-    g.add_argument("--join-timeout", type=float, default=60.0, help="seconds to wait for the shards")
     g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
     g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
     g.add_argument(
@@ -532,9 +418,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="this worker's checkpoint (default: checkpoints/NAME.pt), written every --checkpoint-every "
         "steps and when it stops",
-    )
-    g.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between checkpoints, 0: only when stopping"
     )
     g.add_argument(
         "--resume",
@@ -555,37 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
     )
-    g.add_argument(
-        "--reconnect-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to keep trying to reach a shard that went away (default %(default)s)",
-    )
-    g.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
-    )
-    g.add_argument(
-        "--eval-every",
-        type=int,
-        default=200,
-        help="steps between evaluations of the global parameters, shown on the shards' dashboards "
-        "(default %(default)s; 0: at the start and the end only)",
-    )
-    g.add_argument(
-        "--tensorboard",
-        default=None,
-        metavar="DIR",
-        help="write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, blocked "
-        "time); needs pip install 'streamdiloco[tensorboard]'",
-    )
-    g = wk.add_argument_group("run")
-    _add_run_flags(g)
-    _add_layout_flags(g)
-    _add_sync_flags(wk)
-    _add_inner_flags(wk)
+    _add_settings(wk, WORKER_SECTIONS)
     wk.set_defaults(func=_cmd_worker)
 
     la = sub.add_parser(
@@ -598,9 +451,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = la.add_argument_group("cluster")
     g.add_argument("--shards", type=int, default=2, help="S, shard processes (default %(default)s)")
     g.add_argument("--workers", type=int, default=2, help="M, worker processes (default %(default)s)")
-    g.add_argument("--min-workers", type=int, default=0, help="per round (default: all M workers)")
-    g.add_argument("--round-timeout", type=float, default=120.0, help="seconds (default %(default)s)")
-    g.add_argument("--log-every", type=int, default=20, help="steps between progress lines (default 20)")
     g.add_argument(
         "--threads",
         type=int,
@@ -620,24 +470,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save masters.pt, model.safetensors (as `export`) and each worker's mirror",
     )
     g.add_argument(
-        "--eval-every",
-        type=int,
-        default=200,
-        help="workers' steps between evaluations of the global parameters (dashboard; default %(default)s)",
-    )
-    _add_robust_flags(la.add_argument_group("the shards' defenses (as `server`; --max-weight from the run)"))
-    g.add_argument(
         "--tls",
         action="store_true",
         help="run as on the internet: make the run's credentials in OUT/certs (streamdiloco certs) and use "
         "mutual TLS, a token per worker and a read token for the shards' HTTP",
     )
-    g = la.add_argument_group("run")
-    _add_run_flags(g)
-    _add_layout_flags(g)
-    _add_sync_flags(la)
-    _add_inner_flags(la)
+    g.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the run's settings as a config file (what launch writes to OUT/run.toml) and exit",
+    )
+    _add_settings(
+        la,
+        LAUNCH_SECTIONS,
+        titles={"robust": "the shards' defenses (as `server`)"},
+        help_for={
+            "min_workers": "contributions a round needs before it may close (default: all M workers)",
+            "max_weight": "tokens one worker can process between two syncs of a fragment (default: "
+            "batch x context x H of this run)",
+        },
+    )
     la.set_defaults(func=_cmd_launch)
+
+    cf = sub.add_parser(
+        "config",
+        help="write a config file of the run's settings (the defaults, a --config file and flags)",
+        description="Print (or write to --out) a complete config file: every setting of every section, "
+        "each with its help as a comment, from the defaults, overridden by a --config file and then by the "
+        "flags given here. Shards, workers and launch read it with --config FILE.",
+    )
+    cf.add_argument("--out", default=None, metavar="PATH", help="write the file here (default: print it)")
+    cf.add_argument(
+        "--print", action="store_true", help="print the file (the default when --out is not given)"
+    )
+    _add_settings(cf, LAUNCH_SECTIONS)
+    cf.set_defaults(func=_cmd_config)
 
     ce = sub.add_parser(
         "certs",
@@ -799,6 +666,19 @@ def _peers(args: argparse.Namespace, auth):
     return Peers(parse_peers(args.peers), auth.read_token, ca)
 
 
+def _cmd_config(args: argparse.Namespace) -> int:
+    settings = args.settings
+    for section in settings.values:  # only a file whose settings would start a run
+        settings.build(section)
+    text = settings.to_toml(comments=True)
+    if args.out is None or args.print:
+        print(text, end="")
+    if args.out is not None:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_certs(args: argparse.Namespace) -> int:
     from streamdiloco.certs import make_certs
 
@@ -868,11 +748,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from streamdiloco.launch import run_launch
 
-    _sync_config(args)  # one-line errors before any process starts
-    _layout(args)
-    _robust_config(vars(args))
+    _layout(args)  # one-line errors before any process starts
     _check_data(args.data)
-    return run_launch(args, _add_sync_flags, _add_inner_flags, _add_run_flags, _add_robust_flags)
+    return run_launch(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -881,6 +759,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "workers_list", "unset") is None:
         args.workers_list = str(args.workers)
     try:
+        if getattr(args, "sections", None):
+            from streamdiloco.settings import resolve
+
+            args.settings = resolve(args, args.sections, args.config)
         return args.func(args)
     except ValueError as e:
         print(f"streamdiloco: error: {e}", file=sys.stderr)

@@ -17,24 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def forward_flags(args: argparse.Namespace, add_flags, only: tuple[str, ...] = ()) -> list[str]:
-    """The command-line flags (from the groups that `add_flags` defines; `only` these dests if given) whose
-    values differ from their defaults, to pass on to a child process."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_flags(p)
-    out: list[str] = []
-    for a in p._actions:
-        if not a.option_strings or not hasattr(args, a.dest) or (only and a.dest not in only):
-            continue
-        value = getattr(args, a.dest)
-        if value == a.default:
-            continue
-        if isinstance(a, argparse._StoreFalseAction | argparse._StoreTrueAction):
-            out.append(a.option_strings[0])
-        else:
-            out += [a.option_strings[0], str(value)]
-    return out
+from streamdiloco.settings import Settings
 
 
 def say(text: str) -> None:
@@ -209,29 +192,48 @@ class Credentials:
         ]
 
 
-def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robust) -> int:
+def run_settings(args: argparse.Namespace) -> Settings:
+    """The run's settings as launch hands them to every shard and worker (OUT/run.toml): the user's
+    (flags > --config file > defaults), with what launch knows of its own cluster where the user left it
+    unset: rounds wait for all M workers, --max-weight is a worker's tokens between two syncs, and the
+    shards take as many sessions from this machine's one address as it runs workers."""
+    settings: Settings = args.settings
+    v, given = settings.values, settings.given
+    if not v["server"]["min_workers"]:  # 0, as before: all of them
+        v["server"]["min_workers"] = args.workers
+    if "min_workers" not in given["server"]:
+        v["server"]["min_workers"] = args.workers
+    if not v["robust"]["max_weight"]:  # the shards can know exactly what a worker of this run may report
+        v["robust"]["max_weight"] = run_max_weight(args)
+    limits = v["limits"]
+    if "max_sessions_per_peer" not in given["limits"]:  # every worker comes from this machine's address
+        limits["max_sessions_per_peer"] = max(limits["max_sessions_per_peer"], args.workers)
+    if "max_sessions" not in given["limits"]:
+        limits["max_sessions"] = max(limits["max_sessions"], args.workers)
+    if v["server"]["min_workers"] > args.workers:
+        raise ValueError(
+            f"--min-workers {v['server']['min_workers']} is more than --workers {args.workers}: "
+            "rounds would never close"
+        )
+    for section in v:  # one-line errors before any process starts
+        settings.build(section)
+    return settings
+
+
+def run_launch(args: argparse.Namespace) -> int:
     from streamdiloco.common.tls import ClientTLS
     from streamdiloco.export import from_servers, write_safetensors
 
+    settings = run_settings(args)
+    if args.print_config:
+        print(settings.to_toml(comments=True), end="")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.ready"):
         old.unlink()
-    sync = forward_flags(args, add_sync)
-    model = forward_flags(args, add_run, only=("model", "block_size", "seed"))
-    layout: list[str] = []  # the fragments' layout, for shards and workers alike
-    for flag, value in (("--blocks-path", args.blocks_path), ("--fragments", args.fragments)):
-        layout += [flag, value] if value else []
-    run = forward_flags(args, add_run)
-    inner = forward_flags(args, add_inner)
-    if not args.max_weight:  # the shards can know exactly what a worker of this run may report
-        args.max_weight = run_max_weight(args)
-    robust = forward_flags(args, add_robust)
-    if args.min_workers > args.workers:
-        raise ValueError(
-            f"--min-workers {args.min_workers} is more than --workers {args.workers}: "
-            "rounds would never close"
-        )
+    run_toml = out / "run.toml"  # the one source of the run's settings for every child
+    run_toml.write_text(settings.to_toml(comments=True))
     if args.http_port and not 0 < args.http_port <= 65536 - args.shards:
         raise ValueError(
             f"--http-port {args.http_port}: shard ports {args.http_port}.. must be at most 65535"
@@ -242,7 +244,6 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         for port in range(args.http_port, args.http_port + args.shards):
             if (taken := probe("127.0.0.1", port)) is not None:
                 raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
-    min_workers = args.min_workers or args.workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     creds = Credentials(out / "certs", args.workers) if args.tls else None
     scheme = "https" if creds else "http"
@@ -264,23 +265,11 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         for s in range(args.shards):
             cluster.start(
                 f"shard{s}",
-                ["server", "--shard", str(s), "--num-shards", str(args.shards), "--host", "127.0.0.1"]
-                + ["--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
+                ["server", "--config", str(run_toml), "--shard", str(s), "--num-shards", str(args.shards)]
+                + ["--host", "127.0.0.1", "--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
                 + ["--ready-file", str(ready[s])]
-                + ["--min-workers", str(min_workers), "--round-timeout", str(args.round_timeout)]
-                # every worker comes from this machine's address: the cap per address must fit them all
-                + [
-                    "--max-sessions-per-peer",
-                    str(max(8, args.workers)),
-                    "--max-sessions",
-                    str(max(512, args.workers)),
-                ]
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
-                + (creds.shard_flags() if creds else [])
-                + model
-                + layout
-                + sync
-                + robust,
+                + (creds.shard_flags() if creds else []),
                 threads=1,  # a shard's arithmetic is small next to a worker's
             )
         try:
@@ -301,16 +290,16 @@ def run_launch(args: argparse.Namespace, add_sync, add_inner, add_run, add_robus
         )
         workers = []
         for m in range(args.workers):
-            argv = ["worker", "--servers", ",".join(targets), "--name", f"worker-{m}", "--rank", str(m)]
+            argv = ["worker", "--config", str(run_toml), "--servers", ",".join(targets)]
+            argv += ["--name", f"worker-{m}", "--rank", str(m)]
             argv += ["--metrics-port", str(metrics_ports[m])]
-            argv += ["--summary", str(out / f"worker-{m}.json"), "--log-every", str(args.log_every)]
+            argv += ["--summary", str(out / f"worker-{m}.json")]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
-            argv += ["--eval-every", str(args.eval_every)]
             if args.save_global:
                 argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
             if creds:
                 argv += creds.worker_flags(m)
-            workers.append(cluster.start(f"worker-{m}", argv + run + layout + sync + inner, threads=threads))
+            workers.append(cluster.start(f"worker-{m}", argv, threads=threads))
         while any(w.poll() is None for w in workers):
             failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
             failed += [

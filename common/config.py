@@ -7,42 +7,87 @@ ValueError whose one-line message says what to change.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
 MERGE_RULES = ("mix", "rebase")
 ROUNDING_MODES = ("nearest", "stochastic")
+# the codec registry's names (common/codecs.py), for help texts only: the check below asks the registry
+_CODEC_NAMES = "fp32, bf16, int8 or e3m0"
 
 
 @dataclass(frozen=True)
 class SyncConfig:
-    sync_every: int = 30  # H: inner steps between two syncs of the same fragment
-    num_fragments: int = 5  # P: fragments on the schedule; the blocks fill P-1, the rest of the model 1
-    fragment_sync_delay: int = 1  # tau: steps between sending a fragment and merging its update
-    fragment_update_alpha: float = 0.5  # alpha: weight of the local parameters at the merge
+    sync_every: int = field(
+        default=30, metadata={"help": "H, inner steps between two syncs of the same fragment"}
+    )
+    num_fragments: int = field(
+        default=5,
+        metadata={"help": "P, fragments on the schedule: the blocks fill P-1, the rest of the model 1"},
+    )
+    fragment_sync_delay: int = field(
+        default=1, metadata={"help": "tau, steps between sending a fragment and merging its update"}
+    )
+    fragment_update_alpha: float = field(
+        default=0.5, metadata={"help": "alpha, weight of the local parameters at the merge"}
+    )
     # adaptive: a round's update is merged tau steps after its send if it has arrived, else after the first
     # later step by which it has, and training waits only if it is still missing at the fragment's next send
     # (compute keeps going on links slower than one round trip per tau steps). fixed: always at exactly
     # t + tau, waiting for the update if need be (the paper's; deterministic, whatever the link's timing).
     # tau = 0 always waits (blocking DiLoCo)
-    merge_policy: str = "adaptive"
+    merge_policy: str = field(
+        default="adaptive",
+        metadata={
+            "choices": MERGE_POLICIES,
+            "help": "adaptive: merge tau steps after the send, or later if the update is not in yet, waiting "
+            "only at the fragment's next send (full compute on slow links); fixed: at exactly tau steps, "
+            "waiting if need be (deterministic)",
+        },
+    )
     # rebase: the merge mixes global and local as the local parameters were at the send, and keeps the
     # local steps taken since (local += (1 - alpha) * (global - local_at_send)); mix: the paper's,
     # local = alpha * local + (1 - alpha) * global as they are at the merge, which halves (alpha 0.5) the
     # steps taken between send and merge. Rebase measured better at tau 1 and much better when merges come
     # late (slow links): BENCHMARKS.md
-    merge_rule: str = "rebase"
-    fragment_pattern: str = "strided"  # block i -> fragment i mod P ("sequential": consecutive blocks)
-    uplink_codec: str = "e3m0"  # how workers quantize their outer gradients
-    downlink_codec: str = "e3m0"  # how shards quantize the outer update (with error feedback)
-    codec_block_size: int = 128  # values that share one scale in the quantized codecs
-    uplink_rounding: str = "nearest"  # nearest | stochastic (unbiased)
-    downlink_rounding: str = "nearest"
-    outer_lr: float = 1.0  # measured best with momentum 0.95 at H=30 (BENCHMARKS.md; paper: 0.7 or 0.4)
-    outer_momentum: float = 0.95
-    outer_nesterov: bool = True
-    final_sync: bool = True  # at the last step, sync every fragment so the global model has all the work
+    merge_rule: str = field(
+        default="rebase",
+        metadata={
+            "choices": MERGE_RULES,
+            "help": "mix: local = alpha * local + (1 - alpha) * global at the merge (the paper's); rebase: "
+            "that mix taken with the parameters as they were at the send, keeping the local steps since",
+        },
+    )
+    fragment_pattern: str = field(
+        default="strided",
+        metadata={
+            "choices": FRAGMENT_PATTERNS,
+            "help": "strided: block i goes to fragment i mod P; sequential: consecutive blocks",
+        },
+    )
+    uplink_codec: str = field(
+        default="e3m0", metadata={"help": "how workers quantize their outer gradients: " + _CODEC_NAMES}
+    )
+    downlink_codec: str = field(
+        default="e3m0",
+        metadata={"help": "how shards quantize the outer update (with error feedback): " + _CODEC_NAMES},
+    )
+    codec_block_size: int = field(
+        default=128, metadata={"help": "values that share one scale in the quantized codecs"}
+    )
+    uplink_rounding: str = field(
+        default="nearest", metadata={"help": "nearest or stochastic (unbiased), for the uplink codec"}
+    )
+    downlink_rounding: str = field(default="nearest", metadata={"help": "nearest or stochastic"})
+    # measured best with momentum 0.95 at H=30 (BENCHMARKS.md; the paper: 0.7 or 0.4)
+    outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
+    outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
+    outer_nesterov: bool = field(default=True, metadata={"help": "Nesterov momentum in the outer step"})
+    final_sync: bool = field(
+        default=True,
+        metadata={"help": "at the last step, sync every fragment so that the global model has all the work"},
+    )
 
     def __post_init__(self) -> None:
         from streamdiloco.common.codecs import CODECS  # local import: codecs imports nothing from here

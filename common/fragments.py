@@ -15,7 +15,7 @@ Pure: no I/O, no networking. Shared by the worker, the shard and the simulator.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,9 @@ class FragmentLayout:
     pattern: str
     # the user's own grouping (fragments=, --fragments): each group's name prefixes; None for blocks
     groups: tuple[tuple[str, ...], ...] | None = None
+    # the model's architectural hyperparameters, which shapes cannot show (fingerprint.model_config_of): they
+    # go into the model fingerprint with the layout
+    model_config: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_fragments(self) -> int:
@@ -138,7 +141,9 @@ def build_layout(
     # named_parameters() yields each shared (tied) parameter once, under its first name
     params = list(model.named_parameters())
     if num_fragments == 1:
-        return FragmentLayout((_fragment(0, params, ()),), blocks_path or "", pattern)
+        return FragmentLayout(
+            (_fragment(0, params, ()),), blocks_path or "", pattern, model_config=_model_config(model)
+        )
     path = blocks_path or find_block_list(model)
     try:
         blocks = model.get_submodule(path)
@@ -161,7 +166,13 @@ def build_layout(
         _fragment(i, group, tuple(groups[i]) if i < num_block_fragments else ())
         for i, group in enumerate(members)
     )
-    return FragmentLayout(fragments, path, pattern)
+    return FragmentLayout(fragments, path, pattern, model_config=_model_config(model))
+
+
+def _model_config(model: nn.Module) -> dict:
+    from streamdiloco.common.fingerprint import model_config_of  # fingerprint imports this module
+
+    return model_config_of(model)
 
 
 def parse_groups(text: str, flag: str = "--fragments") -> tuple[tuple[str, ...], ...]:
@@ -217,7 +228,11 @@ def group_layout(model: nn.Module, groups: Sequence[Sequence[str]], num_fragment
         )
     members = [[(n, p) for (n, p), o in zip(params, owner, strict=True) if o == g] for g in range(made)]
     return FragmentLayout(
-        tuple(_fragment(i, group, ()) for i, group in enumerate(members)), "", "custom", names
+        tuple(_fragment(i, group, ()) for i, group in enumerate(members)),
+        "",
+        "custom",
+        groups=names,
+        model_config=_model_config(model),
     )
 
 

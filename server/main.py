@@ -91,7 +91,7 @@ def build_service(
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern, blocks_path, fragments)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
-    fingerprint = model_fingerprint(layout, cfg)
+    fingerprint = model_fingerprint(layout, cfg, seed)
     checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
     if checkpoint is not None and checkpoint.exists() and not fresh:
         checkpoint.load(state)

@@ -1035,7 +1035,7 @@ def connect(
     transport = GrpcTransport.open(
         targets,
         name,
-        model_fingerprint(layout, sync),
+        model_fingerprint(layout, sync, seed),
         token,
         join_timeout,
         reconnect_timeout,

@@ -7,7 +7,7 @@ method trains with exactly the same code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -15,13 +15,16 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class InnerConfig:
-    lr: float = 1.5e-3  # AdamW peak; measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
+    # measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
+    lr: float = field(default=1.5e-3, metadata={"help": "AdamW's peak learning rate"})
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "the cosine schedule's floor, as a fraction of --lr"}
+    )
+    warmup_steps: int = field(default=100, metadata={"help": "steps of linear warm-up to --lr"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW's weight decay (not on norms, biases)"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW's beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW's beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip, 0 disables"})
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
