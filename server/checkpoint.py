@@ -175,7 +175,7 @@ class ShardCheckpoint:
                 f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
                 f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
             )
-        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        config = c if isinstance(c := meta.get("config"), dict) else {}
         ours = cfg.to_dict()
         if config != ours:
             changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))

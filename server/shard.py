@@ -467,7 +467,7 @@ class ShardState:
             },
         }
 
-    def load_fragment_state(self, fragment: int, saved: dict) -> None:
+    def load_fragment_state(self, fragment: int, saved: object) -> None:
         """Restore a fragment from `fragment_state`'s dict; ValueError, with nothing changed, if it does not
         fit this shard's slice of the fragment."""
         if not isinstance(saved, dict) or not isinstance(saved.get("outer"), dict):
@@ -808,10 +808,12 @@ class ShardState:
             job.clipped, job.capped,
         )  # fmt: skip
 
-    def replay_round(self, fragment: int, record: dict) -> ClosedRound:
+    def replay_round(self, fragment: int, record: object) -> ClosedRound:
         """Close the open round again from a checkpoint's log of it (CloseJob.record): the same pushes,
         checked again, folded in the same order into the same step. ValueError, with nothing changed, when
         the record is damaged or is not of the open round."""
+        if not isinstance(record, dict):
+            raise ValueError(f"it is a {type(record).__name__}, not a round's record")
         rnd = self.open[fragment]
         lo, hi = self.ranges[fragment]
         try:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -59,7 +60,7 @@ class WorkerMetrics:
         )
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the standard process_* names
-        self.server = None
+        self.server: WSGIServer | None = None
 
     def mark(self, compute_seconds: float) -> None:
         """The training loop's compute seconds so far, at the start and after every step."""

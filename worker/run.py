@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -325,7 +326,7 @@ def _train(
     eval_start,
     metrics,
 ) -> dict:
-    stats = {
+    stats: dict[str, Any] = {
         "tokens": 0,
         "inner_steps": 0,
         "compute_seconds": 0.0,
