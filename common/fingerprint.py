@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout
+
+if TYPE_CHECKING:
+    import torch
 
 
 def model_fingerprint(layout: FragmentLayout, cfg: SyncConfig) -> dict:
@@ -82,7 +86,7 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
     )
 
 
-def tensor_digest(x) -> str:
+def tensor_digest(x: torch.Tensor) -> str:
     """A short hash of a tensor's fp32 bytes: shards publish it for each master slice, workers log it for
     each mirror slice, and equal hashes mean bit-equal parameters."""
     data = x.detach().to(device="cpu").contiguous().float().numpy().tobytes()

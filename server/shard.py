@@ -144,7 +144,9 @@ def _ordered(pushes: list[_Push]) -> list[_Push]:
     return sorted(pushes, key=lambda p: p.worker)  # a worker pushes once per round: names are unique
 
 
-def _fold_block(pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor):
+def _fold_block(
+    pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor
+) -> None:
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor for values [lo, lo +
     out.numel()), summed in fp64 (out: fp32 or fp64; the division is rounded once)."""
     acc = out if out.dtype == torch.float64 else _scratch(out.numel())
@@ -200,7 +202,9 @@ def _fold_values(pushes: list[_Push]) -> int:
     return max(align, FOLD_VALUES // align * align)
 
 
-def fold(n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0):
+def fold(
+    n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0
+) -> None:
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
     block of values at a time (out may be start itself). Large slices are folded by the codec threads, each
     on its own range of blocks (the values do not depend on the split)."""

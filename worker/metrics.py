@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -19,7 +20,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from streamdiloco import __version__
 from streamdiloco.common.metrics import PREFIX, PUSH_OUTCOMES, WAN_SECONDS
@@ -98,7 +99,7 @@ class _Collector:
     def __init__(self, m: WorkerMetrics):
         self.m = m
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         m = self.m
         eng, tr, stats = m.engine, m.transport, m.stats or {}
         info = InfoMetricFamily(P, "This worker")

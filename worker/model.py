@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -113,7 +113,9 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} bytes is longer than block_size={self.config.block_size}")
@@ -129,7 +131,7 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def gpt_config(preset: str = "tiny", **overrides) -> GPTConfig:
+def gpt_config(preset: str = "tiny", **overrides: Any) -> GPTConfig:
     """A preset's config with some fields overridden; unknown names get a clear error."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
@@ -138,6 +140,6 @@ def gpt_config(preset: str = "tiny", **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def build_gpt(preset: str = "tiny", **overrides) -> GPT:
+def build_gpt(preset: str = "tiny", **overrides: Any) -> GPT:
     """The model factory used by the CLI (`--model tiny`, `--model small`, ...)."""
     return GPT(gpt_config(preset, **overrides))
