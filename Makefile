@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
 
-$(STAMP): pyproject.toml
+# The exact, tested versions of constraints.txt (pyproject.toml has only ranges); --build-constraint: pip >= 25.3
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt --build-constraint constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
