@@ -4,9 +4,11 @@ The code sits in top-level folders (cli/ is the package `streamdiloco`, common/ 
 that pyproject.toml's `package-dir` maps into one package. mypy cannot follow that mapping (nor the editable
 install's import hook), so a plain `mypy common` types every `streamdiloco.*` import as Any and a wrong call
 across modules passes. This script builds the package as a tree of symlinks to the real files
-(build/typecheck/streamdiloco/), runs `mypy -p streamdiloco` on it, and prints mypy's report with the real
-paths (common/schedule.py, not build/typecheck/streamdiloco/common/schedule.py). Any extra arguments go to
-mypy (e.g. `--disallow-untyped-defs`). The exit status is mypy's.
+(build/typecheck/streamdiloco/), runs mypy on it and on the scripts that use the package (benchmarks/,
+examples/: modules `benchmarks.wire`, ..., so that benchmarks/codecs.py is not taken for the standard
+library's codecs), and prints mypy's report with the real paths (common/schedule.py, not
+build/typecheck/streamdiloco/common/schedule.py). Any extra arguments go to mypy (e.g.
+`--disallow-untyped-defs`). The exit status is mypy's.
 
     python scripts/typecheck.py            # `make typecheck`; `make test` runs it too
 """
@@ -27,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: mypy itself depends on tomli there
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "streamdiloco"
+SCRIPTS = ("benchmarks", "examples")  # folders of scripts that import the package, checked with it
 
 
 def package_dirs(root: Path) -> dict[str, str]:
@@ -79,7 +82,16 @@ def real_paths(text: str, root: Path, base: Path) -> str:
 def main(argv: list[str]) -> int:
     base = build_tree(ROOT)
     env = dict(os.environ, MYPYPATH=str(base))
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", PACKAGE, *argv]
+    # module names from the folders given (streamdiloco.* from MYPYPATH, benchmarks.* from the root)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--explicit-package-bases",
+    ]
+    cmd += [str((base / PACKAGE).relative_to(ROOT)), *SCRIPTS, *argv]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     sys.stdout.write(real_paths(r.stdout, ROOT, base))
     sys.stderr.write(real_paths(r.stderr, ROOT, base))

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("cli", "common", "server", "worker", "protos", "sim")
+SOURCES = ("cli", "common", "server", "worker", "protos", "sim", "benchmarks", "examples")
 
 
 def _copy_project(dest: Path) -> Path:
     for folder in SOURCES:
-        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "static"))
+        shutil.copytree(
+            ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "static", "results")
+        )
     (dest / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "typecheck.py", dest / "scripts" / "typecheck.py")
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
@@ -48,6 +50,10 @@ def test_wrong_calls_across_modules_fail_the_check_with_the_real_paths(tmp_path)
         "\n"
         'cfg = SyncConfig(sync_every="30", no_such_field=1)\n'
     )
+    # a script beside the package (examples/, benchmarks/) is checked against it too
+    (root / "examples" / "wrong_call.py").write_text(
+        "from streamdiloco.worker.model import build_gpt\n\nmodel = build_gpt(3)\n"
+    )
     # an import of a first-party module that does not exist: an error, where it used to be Any
     (root / "common" / "missing.py").write_text("from streamdiloco.common.no_such_module import x  # noqa\n")
     r = _typecheck(root)
@@ -55,13 +61,19 @@ def test_wrong_calls_across_modules_fail_the_check_with_the_real_paths(tmp_path)
     errors = [line for line in r.stdout.splitlines() if ": error: " in line]
     # only these files fail, and the report names the repository's files, not the symlink tree's
     files = sorted({e.split(":")[0] for e in errors})
-    assert files == ["cli/wrong_call.py", "common/missing.py", "server/wrong_call.py"], r.stdout
+    assert files == [
+        "cli/wrong_call.py",
+        "common/missing.py",
+        "examples/wrong_call.py",
+        "server/wrong_call.py",
+    ], r.stdout
     text = "\n".join(errors)
     assert 'Argument 1 to "send_step" has incompatible type "str"; expected "int"' in text
     assert 'Argument 2 to "send_step" has incompatible type "None"; expected "int"' in text
     assert 'Argument 3 to "send_step" has incompatible type "int"; expected "SyncConfig"' in text
     assert 'Argument "sync_every" to "SyncConfig" has incompatible type "str"; expected "int"' in text
     assert 'Unexpected keyword argument "no_such_field" for "SyncConfig"' in text
+    assert 'Argument 1 to "build_gpt" has incompatible type "int"; expected "str"' in text
     assert 'Cannot find implementation or library stub for module named "streamdiloco.common.no_such' in text
     assert "build/typecheck" not in r.stdout + r.stderr
 
