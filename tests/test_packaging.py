@@ -120,55 +120,60 @@ def constraints() -> dict[str, str]:
     return pins
 
 
-def wheel_requirements(wheel: Path) -> list[Requirement]:
-    """Requires-Dist of the wheel's METADATA: what pip asks of a user's environment."""
+def wheel_requirements(wheel: Path, extra: str = "") -> dict[str, Requirement]:
+    """Requires-Dist of the wheel's METADATA, what pip asks of a user's environment: the run-time ones, or
+    with `extra` those that the extra adds."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = email.message_from_bytes(z.read(meta))
-    return [Requirement(r) for r in msg.get_all("Requires-Dist")]
+    reqs = [Requirement(r) for r in msg.get_all("Requires-Dist")]
+    if extra:
+        assert extra in msg.get_all("Provides-Extra"), f"the wheel has no extra {extra!r}"
+
+    def wanted(r: Requirement, x: str) -> bool:
+        return r.marker is None or r.marker.evaluate({"extra": x})
+
+    return {canonicalize_name(r.name): r for r in reqs if wanted(r, extra) and not (extra and wanted(r, ""))}
 
 
 def test_the_wheel_asks_for_ranges_and_constraints_pin_a_version_inside_each(wheel):
-    reqs = wheel_requirements(wheel)
-    runtime = {canonicalize_name(r.name): r for r in reqs if r.marker is None}
-    dev = {
-        canonicalize_name(r.name): r
-        for r in reqs
-        if r.marker is not None and r.marker.evaluate({"extra": "dev"})
-    }
+    runtime, dev = wheel_requirements(wheel), wheel_requirements(wheel, "dev")
     assert {"torch", "grpcio", "protobuf", "numba"} <= set(runtime) and {"pytest", "mypy"} <= set(dev)
-    for r in reqs:
+    with zipfile.ZipFile(wheel) as z:  # every extra's too
+        meta = email.message_from_bytes(z.read(next(n for n in z.namelist() if n.endswith("/METADATA"))))
+    every = [Requirement(r) for r in meta.get_all("Requires-Dist")]
+    for r in every:
         ops = {s.operator for s in r.specifier}
         assert not ops & {"==", "==="}, f"{r}: an exact pin in the wheel replaces a user's {r.name}"
         assert ">=" in ops, f"{r}: no lower bound"
     torch = runtime["torch"].specifier
     assert torch.contains("2.13.0") and torch.contains("2.12.0") and not torch.contains("3.0.0"), torch
     # the generated code's own floors (protos/*_pb2*.py refuse older runtimes)
-    assert not runtime["grpcio"].specifier.contains("1.85.0") and not runtime["protobuf"].specifier.contains(
-        "7.35.0"
-    )
+    assert not runtime["grpcio"].specifier.contains("1.85.0")
+    assert not runtime["protobuf"].specifier.contains("7.35.0")
     pins = constraints()
-    for name, r in {**runtime, **dev}.items():
+    for r in every:
+        name = canonicalize_name(r.name)
         assert name in pins, f"constraints.txt does not pin {name}: `make` would install whatever is newest"
         assert r.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {r}"
     build = {"setuptools"}  # pyproject.toml's build-system (--build-constraint)
-    assert set(pins) == set(runtime) | set(dev) | build, set(pins) ^ (set(runtime) | set(dev) | build)
+    named = {canonicalize_name(r.name) for r in every} | build
+    assert set(pins) == named, f"constraints.txt pins what nothing requires: {sorted(set(pins) - named)}"
 
 
-def test_make_installs_the_exact_versions_of_constraints():
-    """The environment the tests run in is the one `make` built: every pinned package at its pin."""
+def test_make_installs_the_exact_versions_of_constraints(wheel):
+    """The environment the tests run in is the one `make` built: every run-time and dev package at its pin."""
     stamp = re.search(r"^\$\(STAMP\): (.*)\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
     assert stamp and "constraints.txt" in stamp.group(1).split(), (
         "the venv is not rebuilt when constraints change"
     )
     assert re.search(r"pip install .*-c constraints\.txt .*-e '\.\[dev\]'", stamp.group(2)), stamp.group(2)
-    for name, version in constraints().items():
-        if name == "setuptools":  # a build dependency (and whatever torch's range allows at run time)
-            continue
+    pins = constraints()
+    for name in {**wheel_requirements(wheel), **wheel_requirements(wheel, "dev")}:
         installed = importlib.metadata.version(name)
         # 2.13.0+cpu is torch 2.13.0 from the CPU index: == ignores the local label
-        assert Requirement(f"{name}=={version}").specifier.contains(installed), (
-            f"{name} {installed}, not {version}"
+        assert Requirement(f"{name}=={pins[name]}").specifier.contains(installed), (
+            f"{name} {installed}, not {pins[name]}"
         )
 
 
