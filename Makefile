@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
+.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
 
-$(STAMP): pyproject.toml
+# The exact, tested versions of constraints.txt (pyproject.toml has only ranges); --build-constraint: pip >= 25.3
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt --build-constraint constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -28,8 +29,12 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(BIN)/ruff check .
-	$(BIN)/mypy common
+	$(BIN)/python scripts/typecheck.py
 	$(BIN)/pytest -q
+
+# mypy over the package as it imports (streamdiloco.*), through a symlink tree: scripts/typecheck.py
+typecheck: $(STAMP)
+	$(BIN)/python scripts/typecheck.py
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def codec_table(
     dst = torch.empty_like(x)
     memcpy = n / _time(lambda: dst.copy_(x), repeats) / 1e6
     compiled = C._cpu_kernels() is not None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for codec in CODECS:
         fast = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, codec, block, compiled).items()}
         ref = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, codec, block, False).items()}

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ def part_a(models: list[str], reps: int, scratch: Path) -> list[dict]:
                 close_ms.append(1e3 * (t1 - t0))
                 save_ms.append(1e3 * (t2 - t1))
                 sizes.append((ckpt.dir / f"fragment-{f}.pt").stat().st_size)
-        row = {
+        row: dict[str, Any] = {
             "model": model_name,
             "params": sum(p.numel() for p in model.parameters()),
             "fragment_mb": statistics.median(sizes) / 1e6,

@@ -31,6 +31,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi.encoders import jsonable_encoder
@@ -84,7 +85,7 @@ def part_a(reps: int) -> dict:
             }
         )
     since = time.time() - 2.0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, fn in [
         ("/metrics", svc.metrics.render),
         ("/api/status", lambda: JSONResponse(svc.status(20)).body),

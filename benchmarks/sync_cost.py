@@ -61,6 +61,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -121,7 +122,7 @@ def width_for(params: int, blocks: int = BLOCKS, vocab: int = VOCAB) -> int:
     return max(8, int(round(w / 8)) * 8)
 
 
-def synthetic_model() -> nn.Module:
+def synthetic_model() -> SyntheticModel:
     """The factory the shards load (--model benchmarks.sync_cost:synthetic_model); the size (e.g. 100M)
     comes from $SYNC_COST_PARAMS."""
     return SyntheticModel(width_for(parse_size(os.environ.get(PARAMS_ENV, "1M"))))
@@ -129,7 +130,7 @@ def synthetic_model() -> nn.Module:
 
 # --- output -------------------------------------------------------------------------------------------------
 class Tee:
-    def __init__(self):
+    def __init__(self) -> None:
         self.lines: list[str] = []
         self.lock = threading.Lock()
 
@@ -477,7 +478,7 @@ def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args
         name = f"{tag}-shard{s}"
         out.append((name, procs.start(name, argv, env_extra=env), ready))
     deadline = time.monotonic() + args.start_timeout
-    infos = {}
+    infos: dict[str, Any] = {}
     while len(infos) < len(out):
         for name, p, ready in out:
             if p.poll() is not None:

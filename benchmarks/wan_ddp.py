@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         step_seconds=step_seconds,
         eval_loss=evaluate(model, val),
         train_loss_last=statistics.fmean(losses[-10:]),
-        iface_bytes_training=None if bytes0 is None else {k: bytes1[k] - bytes0[k] for k in bytes0},
+        iface_bytes_training=None
+        if bytes0 is None or bytes1 is None
+        else {k: bytes1[k] - bytes0[k] for k in bytes0},
         finished=True,
     )
     write_json(summary_path, summary)

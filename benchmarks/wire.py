@@ -56,6 +56,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -73,7 +74,7 @@ MB = 1e6
 
 # --- output: print and keep a copy for run.log ------------------------------------------------------------
 class Tee:
-    def __init__(self):
+    def __init__(self) -> None:
         self.lines: list[str] = []
 
     def __call__(self, line: str = "") -> None:
@@ -529,13 +530,13 @@ class Proxies:
 
 
 # --- (a) framing overhead -----------------------------------------------------------------------------------
-A_RUNS = {
+A_RUNS: dict[str, dict[str, Any]] = {
     # model: (steps, H, batch, block size): H small for many syncs; small gets a short context so that its
     # steps are quick on 2 cores (the bytes on the wire do not depend on batch or context, only wpe shrinks)
     "tiny": dict(steps=60, sync_every=10, batch_size=16, block_size=None),
     "small": dict(steps=30, sync_every=10, batch_size=2, block_size=64),
 }
-A_QUICK = {"tiny": dict(steps=30, sync_every=10, batch_size=8, block_size=None)}
+A_QUICK: dict[str, dict[str, Any]] = {"tiny": dict(steps=30, sync_every=10, batch_size=8, block_size=None)}
 
 
 def predicted_codec_bytes(model: str, block_size: int | None, cfg: SyncConfig, steps: int, shards: int):
@@ -615,7 +616,7 @@ def run_framing(
 
     dirs = {}
     for dname, up in (("up", True), ("down", False)):
-        total = Counter()
+        total: Counter[str] = Counter()
         errors = []
         for c in proxies.conns:
             side = c.up if up else c.down
@@ -907,7 +908,7 @@ def tcp_receiver_main(a: argparse.Namespace) -> int:
     opt = OuterOptimizer(torch.zeros(n), cfg.outer_lr, cfg.outer_momentum, True, "e3m0", bs)
 
     async def run() -> None:
-        state = {"acc": torch.zeros(n, dtype=torch.float64), "count": 0, "weight": 0.0}
+        state: dict[str, Any] = {"acc": torch.zeros(n, dtype=torch.float64), "count": 0, "weight": 0.0}
         writers: list[asyncio.StreamWriter] = []
 
         async def close_round() -> None:
@@ -987,7 +988,7 @@ class CpuSampler:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds per thread of a process: the main thread as "main", the others by name."""
-    out: Counter = Counter()
+    out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -996,7 +997,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue
         name = "main thread" if task.name == str(pid) else f"{comm} threads"
-        out[name] += (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return dict(out)
 
 
@@ -1024,8 +1025,10 @@ def run_clients(
     wait_files(procs, [c[2] for c in cl], [(c[0], c[1]) for c in cl] + servers, timeout=180)
     with CpuSampler([sp.pid for _, sp in servers]) as sampler:
         for c in cl:
-            c[1].stdin.write("go\n")
-            c[1].stdin.flush()
+            stdin = c[1].stdin
+            assert stdin is not None  # started with stdin=True
+            stdin.write("go\n")
+            stdin.flush()
         deadline = time.monotonic() + 600
         for name, p, _, _ in cl:
             try:
@@ -1243,14 +1246,18 @@ def profile_rows(path: Path, rounds: int) -> dict:
     rows = []
     for fname, fn, what in PROFILE_ROWS:
         ct = sum(
-            v[3] for (file, _line, func), v in st.stats.items() if func == fn and Path(file).name == fname
+            v[3]
+            for (file, _line, func), v in st.stats.items()  # type: ignore[attr-defined]  # not in typeshed's pstats
+            if func == fn and Path(file).name == fname
         )
         calls = sum(
-            v[1] for (file, _line, func), v in st.stats.items() if func == fn and Path(file).name == fname
+            v[1]
+            for (file, _line, func), v in st.stats.items()  # type: ignore[attr-defined]  # not in typeshed's pstats
+            if func == fn and Path(file).name == fname
         )
         rows.append({"function": f"{fname}:{fn}", "what": what, "calls": calls, "seconds": ct,
                      "per_round": ct / rounds})  # fmt: skip
-    return {"rounds": rounds, "total_seconds": st.total_tt, "rows": rows}
+    return {"rounds": rounds, "total_seconds": st.total_tt, "rows": rows}  # type: ignore[attr-defined]  # as above
 
 
 def table_b(b: dict) -> str:

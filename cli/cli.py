@@ -721,7 +721,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         flag = "--resume" if args.resume else "--auto-resume" if args.auto_resume else None
         if flag and not args.checkpoint:  # the default name (host-pid) changes from one start to the next
             raise ValueError(f"{flag} needs the worker's --name (or its --checkpoint PATH)")
-        if args.resume or (args.auto_resume and Path(args.checkpoint).exists()):
+        if flag is not None and (args.resume or (args.auto_resume and Path(args.checkpoint).exists())):
             from streamdiloco.worker.run import checkpoint_name
 
             top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under

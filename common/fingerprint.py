@@ -12,9 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from typing import TYPE_CHECKING
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout
+
+if TYPE_CHECKING:
+    import torch
+
 
 # Keys of a model's config that do not change the function its parameters compute: regularization, outputs
 # and caching switches, token ids, bookkeeping (transformers' PretrainedConfig.to_dict() has them all)
@@ -209,7 +214,7 @@ def _short(value, quote: bool = True, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def tensor_digest(x) -> str:
+def tensor_digest(x: torch.Tensor) -> str:
     """A short hash of a tensor's fp32 bytes: shards publish it for each master slice, workers log it for
     each mirror slice, and equal hashes mean bit-equal parameters."""
     data = x.detach().to(device="cpu").contiguous().float().numpy().tobytes()

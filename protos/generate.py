@@ -17,7 +17,7 @@ OUTPUTS = ("streamdiloco_pb2.py", "streamdiloco_pb2.pyi", "streamdiloco_pb2_grpc
 
 
 def generate(out: Path) -> None:
-    from grpc_tools import protoc  # grpcio-tools, pinned to grpcio's version in pyproject.toml
+    from grpc_tools import protoc  # grpcio-tools, pinned to grpcio's version in constraints.txt
 
     args = [
         "protoc",

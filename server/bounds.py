@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from ssl import SSLContext
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -319,7 +320,7 @@ class BoundedH11(H11Protocol):
     on_lost: Callable[[], None] = staticmethod(lambda: None)
     _timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
@@ -359,7 +360,7 @@ class HttpListener:
         limits: Limits,
         total: int,
         throttled: Throttled,
-        ssl=None,
+        ssl: SSLContext | None = None,
     ):
         self.sock, self.make_protocol, self.ssl, self.throttled = sock, make_protocol, ssl, throttled
         self.header_timeout = limits.header_timeout
@@ -436,8 +437,10 @@ class HttpListener:
             return p
 
         try:
-            kw = {"ssl": self.ssl, "ssl_handshake_timeout": self.header_timeout} if self.ssl else {}
-            await self._loop.connect_accepted_socket(protocol, conn, **kw)
+            handshake = self.header_timeout if self.ssl else None  # a deadline for TLS's handshake
+            await self._loop.connect_accepted_socket(
+                protocol, conn, ssl=self.ssl, ssl_handshake_timeout=handshake
+            )
         except (OSError, asyncio.TimeoutError) as e:  # a TLS handshake that failed or never came
             release()
             conn.close()

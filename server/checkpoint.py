@@ -45,8 +45,10 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -69,10 +71,10 @@ class _Hashing:
     large buffer (a tensor's storage: torch writes each in one call) is hashed on another thread while it
     is written: both release the GIL, so the hash costs next to nothing on the write's time."""
 
-    def __init__(self, f):
+    def __init__(self, f: BinaryIO):
         self.f, self.sha = f, hashlib.sha256()
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         if memoryview(data).nbytes < _HASH_ASIDE:
             self.sha.update(data)
             return self.f.write(data)
@@ -86,7 +88,9 @@ class _Hashing:
         self.f.flush()
 
 
-def atomic_write(path: Path, write, before_rename=None) -> str:
+def atomic_write(
+    path: Path, write: Callable[[Any], object], before_rename: Callable[[str], object] | None = None
+) -> str:
     """Write a file so that a crash leaves either the old or the new one: `write(f)` fills a temporary
     file beside it, which is flushed, fsynced and renamed over `path`; then the directory is fsynced.
     Returns the sha256 (hex) of what was written; `before_rename(sha)`, if given, runs once the new
@@ -115,7 +119,7 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first[0]}"
 
 
-def _nonfinite(obj, path: str = "") -> str | None:
+def _nonfinite(obj: object, path: str = "") -> str | None:
     """Where `obj` (a loaded checkpoint file: dicts, lists, tensors, numbers) holds a value that is not
     finite, in words ("outer.master: 3 of 12352 values are not finite"); None when all are finite."""
     if isinstance(obj, torch.Tensor):
@@ -175,7 +179,7 @@ class ShardCheckpoint:
                 f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
                 f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
             )
-        config = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+        config = c if isinstance(c := meta.get("config"), dict) else {}
         ours = cfg.to_dict()
         if config != ours:
             changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))

@@ -317,7 +317,7 @@ async def serve(
         state = http.server_state
         listener = HttpListener(
             sock,
-            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),
+            lambda: BoundedH11(config=config, server_state=state, app_state={}),  # config.http_protocol_class
             limits,
             http_connections,
             Throttled(log),
@@ -336,7 +336,7 @@ async def serve(
     if port and (taken := probe(host, port)) is not None:  # now, not after the model has loaded
         await stop_http()
         raise bind_error("--port", host, port, taken, "another shard")
-    if holder.service is None:
+    if not isinstance(service, ShardService):  # a function that builds it: holder.service is None
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
             log.info,
@@ -344,7 +344,7 @@ async def serve(
             f"; health on {scheme}://{http_host}:{http_bound}/healthz" if http_bound else "",
         )
         try:
-            holder.service = await asyncio.to_thread(service)  # type: ignore[arg-type]
+            holder.service = loaded = await asyncio.to_thread(service)
         except BaseException:
             holder.phase = "failed"
             await stop_http()
@@ -355,7 +355,7 @@ async def serve(
             holder.phase = "stopping"
             await stop_http()
             return
-    service = holder.service
+        service = loaded
     # what start-up made (torch, the model, the codecs' kernels: about a million objects) stays: out of the
     # collector's sight, so that a full collection does not hold the GIL for a tenth of a second mid-round
     gc.collect()

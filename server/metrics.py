@@ -7,10 +7,11 @@ shard has its own registry, so that several shards in one process (tests) do not
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from streamdiloco import __version__
 from streamdiloco.common.metrics import PAYLOAD_BYTES, PREFIX, PUSH_OUTCOMES, WAN_SECONDS, push_outcome
@@ -91,7 +92,7 @@ class _Static:
     def __init__(self, families: list):
         self.families = families
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         yield from self.families
 
 
@@ -101,7 +102,7 @@ class _Collector:
     def __init__(self, service: ShardService, metrics: ShardMetrics):
         self.service, self.metrics = service, metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         svc, st = self.service, self.service.state
         info = InfoMetricFamily(P, "This shard and the run it serves")
         info.add_metric(

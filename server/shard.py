@@ -144,7 +144,9 @@ def _ordered(pushes: list[_Push]) -> list[_Push]:
     return sorted(pushes, key=lambda p: p.worker)  # a worker pushes once per round: names are unique
 
 
-def _fold_block(pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor):
+def _fold_block(
+    pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor
+) -> None:
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor for values [lo, lo +
     out.numel()), summed in fp64 (out: fp32 or fp64; the division is rounded once)."""
     acc = out if out.dtype == torch.float64 else _scratch(out.numel())
@@ -200,7 +202,9 @@ def _fold_values(pushes: list[_Push]) -> int:
     return max(align, FOLD_VALUES // align * align)
 
 
-def fold(n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0):
+def fold(
+    n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0
+) -> None:
     """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
     block of values at a time (out may be start itself). Large slices are folded by the codec threads, each
     on its own range of blocks (the values do not depend on the split)."""
@@ -467,7 +471,7 @@ class ShardState:
             },
         }
 
-    def load_fragment_state(self, fragment: int, saved: dict) -> None:
+    def load_fragment_state(self, fragment: int, saved: object) -> None:
         """Restore a fragment from `fragment_state`'s dict; ValueError, with nothing changed, if it does not
         fit this shard's slice of the fragment."""
         if not isinstance(saved, dict) or not isinstance(saved.get("outer"), dict):
@@ -808,10 +812,12 @@ class ShardState:
             job.clipped, job.capped,
         )  # fmt: skip
 
-    def replay_round(self, fragment: int, record: dict) -> ClosedRound:
+    def replay_round(self, fragment: int, record: object) -> ClosedRound:
         """Close the open round again from a checkpoint's log of it (CloseJob.record): the same pushes,
         checked again, folded in the same order into the same step. ValueError, with nothing changed, when
         the record is damaged or is not of the open round."""
+        if not isinstance(record, dict):
+            raise ValueError(f"it is a {type(record).__name__}, not a round's record")
         rnd = self.open[fragment]
         lo, hi = self.ranges[fragment]
         try:

@@ -742,11 +742,14 @@ def test_dockerfile():
     copied = set()
     for line in re.findall(r"^COPY\s+(.+)$", text, re.M):
         copied.update(line.split()[:-1])
-    missing = {f for f in folders | {"pyproject.toml", "README.md"} if f not in copied}
+    missing = {f for f in folders | {"pyproject.toml", "README.md", "constraints.txt"} if f not in copied}
     assert not missing, f"docker/Dockerfile does not COPY {sorted(missing)}"
-    assert re.search(r"^RUN pip install \.", text, re.M)
-    # torch from the index of the build arg, at pyproject's pin (else `pip install .` pulls another torch)
-    pin = re.search(r'"torch==([^"]+)"', pyproject)
+    # the tested versions, as `make` installs them (pyproject.toml has ranges)
+    assert re.search(
+        r"^RUN pip install -c constraints\.txt --build-constraint constraints\.txt \. ", text, re.M
+    )
+    # torch from the index of the build arg, at constraints.txt's pin (else `pip install` pulls another torch)
+    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
     assert pin
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(pin.group(1))}$", text, re.M), "torch pin differs"
     assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)

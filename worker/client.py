@@ -691,7 +691,13 @@ class ShardLink:
 
     def inspect(self, fn: Callable[[LinkState], Any], timeout: float | None = None) -> Any:
         """fn(state) run on the link's thread, the state's one writer (a consistent look; tools and tests)."""
-        return self._ask(lambda: fn(self.state)).result(timeout)
+
+        def look() -> Any:
+            if self.state is None:
+                raise SyncError(f"the link to shard {self.shard} has not joined: no state to inspect")
+            return fn(self.state)
+
+        return self._ask(look).result(timeout)
 
     def install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
         """Take fetched master slices as the rounds this link holds; returns their rounds (joining)."""

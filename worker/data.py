@@ -100,7 +100,9 @@ class BatchStream:
         self.position = state["position"]
 
 
-def eval_batches(val: torch.Tensor, batch_size: int, block_size: int, num_batches: int):
+def eval_batches(
+    val: torch.Tensor, batch_size: int, block_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of evenly spaced validation windows: every method is scored on the same bytes."""
     n = batch_size * num_batches
     span = len(val) - block_size - 1

@@ -558,7 +558,9 @@ class SyncEngine:
             push.result()  # the push that used the buffer is through (its update is in)
         if self._deltas[fragment] is None:
             self._deltas[fragment] = self._flat(fragment)
-        return torch.sub(self.mirrors[fragment], self._snapshots[fragment], out=self._deltas[fragment])
+        snapshot = self._snapshots[fragment]
+        assert snapshot is not None, "a rebase needs the snapshot of its send (_rebases)"
+        return torch.sub(self.mirrors[fragment], snapshot, out=self._deltas[fragment])
 
     def _stage(self, fragment: int, round: int) -> None:
         """CUDA: what the training thread's merge needs, copied to the device: the fragment's mirror (mix),

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,7 +20,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from streamdiloco import __version__
 from streamdiloco.common.metrics import PREFIX, PUSH_OUTCOMES, WAN_SECONDS
@@ -60,7 +62,7 @@ class WorkerMetrics:
         )
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the standard process_* names
-        self.server = None
+        self.server: WSGIServer | None = None
 
     def mark(self, compute_seconds: float) -> None:
         """The training loop's compute seconds so far, at the start and after every step."""
@@ -101,7 +103,7 @@ class _Collector:
     def __init__(self, m: WorkerMetrics):
         self.m = m
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         m = self.m
         eng, tr, stats = m.engine, m.transport, m.stats or {}
         info = InfoMetricFamily(P, "This worker")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -93,7 +94,7 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.transformer["wte"].weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         # GPT-2's scaled init of the residual projections
         for name, p in self.named_parameters():
@@ -112,22 +113,25 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} bytes is longer than block_size={self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        # by key: mypy types a ModuleDict's attributes as Tensor | Module, its items as Module
+        x = self.transformer["drop"](self.transformer["wte"](idx) + self.transformer["wpe"](pos))
+        for block in cast(nn.ModuleList, self.transformer["h"]):
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(self.transformer["ln_f"](x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
 
-def gpt_config(preset: str = "tiny", **overrides) -> GPTConfig:
+def gpt_config(preset: str = "tiny", **overrides: Any) -> GPTConfig:
     """A preset's config with some fields overridden; unknown names get a clear error."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}: choose one of {', '.join(PRESETS)}")
@@ -136,6 +140,6 @@ def gpt_config(preset: str = "tiny", **overrides) -> GPTConfig:
     return GPTConfig(**fields)
 
 
-def build_gpt(preset: str = "tiny", **overrides) -> GPT:
+def build_gpt(preset: str = "tiny", **overrides: Any) -> GPT:
     """The model factory used by the CLI (`--model tiny`, `--model small`, ...)."""
     return GPT(gpt_config(preset, **overrides))

@@ -22,6 +22,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -364,7 +365,7 @@ def _train(
     metrics,
     loggers: list[ScalarLogger],
 ) -> dict:
-    stats = {
+    stats: dict[str, Any] = {
         "tokens": 0,
         "inner_steps": 0,
         "compute_seconds": 0.0,

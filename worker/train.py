@@ -7,6 +7,7 @@ method trains with exactly the same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,7 +114,9 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Inne
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, device: torch.device | str = "cpu") -> float:
+def evaluate(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str = "cpu"
+) -> float:
     """Mean loss over fixed validation batches."""
     was_training = model.training
     model.eval()
