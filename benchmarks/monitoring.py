@@ -69,7 +69,9 @@ def part_a(reps: int) -> dict:
     n = dashboard_module.PROGRESS_POINTS
     for w in range(16):  # full buffers: what a long run with many workers has, a push a second each
         dash.record_progress(f"site-{w:02d}", 0, 2.5, 0.0)
-        dash.progress[f"site-{w:02d}"].extend((now - n + i, i * 30, 2.5, 0.01 * i) for i in range(n))
+        dash.progress[f"site-{w:02d}"].extend(
+            (now - n + i, i * 30, 2.5, 0.01 * i, i * 30 * 2048, 0.9) for i in range(n)
+        )
     for i in range(dashboard_module.SAMPLES):
         dash.samples.append((now - dashboard_module.SAMPLES + i, i * 10**6, i * 2 * 10**6, 16, 0))
     for i in range(dashboard_module.HISTORY):
