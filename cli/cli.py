@@ -80,12 +80,17 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     _add_inner_flags(p)
 
 
-def _add_model_flags(g) -> None:
+def _add_model_flags(g, shard: bool = False) -> None:
     g.add_argument(
         "--model",
-        default="tiny",
+        default=None if shard else "tiny",
         help="built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory "
-        "(default %(default)s)",
+        + (
+            "(default: tiny; with --init FILE, none: the shard takes the parameters from the file and "
+            "needs no model code)"
+            if shard
+            else "(default %(default)s)"
+        ),
     )
     g.add_argument(
         "--block-size", type=int, default=None, help="context length in bytes (default: the preset's)"
@@ -107,12 +112,19 @@ def _add_run_flags(g) -> None:
     g.add_argument("--device", default="cpu", help="torch device for training: cpu, cuda, cuda:1 ...")
 
 
-def _add_sync_flags(p: argparse.ArgumentParser) -> None:
+def _add_sync_flags(p: argparse.ArgumentParser, unset: bool = False) -> None:
+    """`unset`: every flag defaults to None, so that what the user set shows (a worker takes the rest from
+    the shard)."""
     from streamdiloco.common.codecs import CODECS
     from streamdiloco.common.config import SyncConfig
 
     s = SyncConfig()
-    g = p.add_argument_group("Streaming DiLoCo (shards and workers must agree)")
+    g = p.add_argument_group(
+        "Streaming DiLoCo (default: the shard's; one set here that differs from the shard's H, P, pattern "
+        "or codecs is refused at Join)"
+        if unset
+        else "Streaming DiLoCo (shards and workers must agree)"
+    )
     g.add_argument(
         "--sync-every", type=int, default=s.sync_every, help="H, steps between syncs of a fragment"
     )
@@ -157,6 +169,8 @@ def _add_sync_flags(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not sync every fragment at the last step",
     )
+    if unset:
+        p.set_defaults(**dict.fromkeys(s.to_dict()))
 
 
 def _add_inner_flags(p: argparse.ArgumentParser) -> None:
@@ -420,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one shard of the outer-optimizer server",
         description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
         "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
-        "same model and Streaming DiLoCo flags as the workers.",
+        "same model as the workers (--model), or from the model's parameters alone (--init FILE: no model "
+        "code on the shard), and the same Streaming DiLoCo flags: workers take these from the shard at Join "
+        "unless they set them.",
     )
     g = sv.add_argument_group("shard")
     g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
@@ -438,7 +454,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--init",
         default=None,
         metavar="PATH",
-        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH)",
+        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH), or "
+        "a safetensors file from `streamdiloco export`. Without --model the file is the model: names, "
+        "shapes, dtypes and values come from it, the blocks from its fingerprint, --blocks-path or the "
+        "names (the log says which)",
+    )
+    g.add_argument(
+        "--blocks-path",
+        default=None,
+        metavar="NAME",
+        help="with --init and no --model: the dotted name of the list of blocks that are split into "
+        "fragments (default: from the file's fingerprint, else the longest NAME.<int>. in the names)",
     )
     g.add_argument(
         "--checkpoint-dir",
@@ -457,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_robust_flags(sv.add_argument_group("defenses against workers' pushes (on by default)"))
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
     _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
-    _add_model_flags(sv.add_argument_group("model (the same as the workers')"))
+    _add_model_flags(sv.add_argument_group("model (the same as the workers')"), shard=True)
     _add_sync_flags(sv)
     sv.set_defaults(func=_cmd_server)
 
@@ -519,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sleep this many seconds after every step: a slow worker on purpose, to try stragglers",
     )
     _add_run_flags(wk.add_argument_group("run"))
-    _add_sync_flags(wk)
+    _add_sync_flags(wk, unset=True)
     _add_inner_flags(wk)
     wk.set_defaults(func=_cmd_worker)
 
@@ -610,9 +636,10 @@ def _setup_logging() -> None:
 
 
 def _sync_config(args: argparse.Namespace):
+    """The SyncConfig of the flags given (a worker's unset ones, None, keep their defaults)."""
     from streamdiloco.common.config import SyncConfig
 
-    return SyncConfig(**_pick(SyncConfig, vars(args)))
+    return SyncConfig(**{k: x for k, x in _pick(SyncConfig, vars(args)).items() if x is not None})
 
 
 def _server_security(args: argparse.Namespace):
@@ -660,7 +687,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
             cfg,
-            args.model,
+            args.model if args.model is not None or args.init else "tiny",
             args.shard,
             args.num_shards,
             seed=args.seed,
@@ -678,6 +705,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             auth=auth,
             workers_file=workers_file,
             limits=limits,
+            blocks_path=args.blocks_path,
         )
 
     asyncio.run(
@@ -750,8 +778,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         if args.token:
             raise ValueError("give --token or --token-file, not both")
         top["token"] = read_secret(args.token_file, "--token-file")
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.worker.client import given_sync
+
+    given = {k: x for k, x in _pick(SyncConfig, v).items() if x is not None}  # the rest: the shard's
     cfg = WorkerConfig(
-        servers=servers, **top, sync=_sync_config(args), inner=InnerConfig(**_pick(InnerConfig, v))
+        servers=servers,
+        **top,
+        sync=given_sync(given),
+        sync_set=frozenset(given),
+        inner=InnerConfig(**_pick(InnerConfig, v)),
     )
     _check_data(cfg.data)
     try:

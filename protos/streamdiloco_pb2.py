@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12streamdiloco.proto\x12\x0fstreamdiloco.v1\"X\n\x0bJoinRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\r\",\n\nSliceRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xa7\x01\n\tJoinReply\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12+\n\x06slices\x18\x04 \x03(\x0b\x32\x1b.streamdiloco.v1.SliceRange\x12\x0e\n\x06rounds\x18\x05 \x03(\x04\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x14\n\x0c\x63hunk_values\x18\x07 \x01(\r\"\xb5\x01\n\x05\x43hunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\r\n\x05total\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x0e\n\x06scales\x18\t \x01(\x0c\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x0c\n\x04last\x18\x0b \x01(\x08\"9\n\x05Hello\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0f\n\x07passive\x18\x03 \x01(\x08\"\x1c\n\x05Ready\x12\x13\n\x0b\x66rom_rounds\x18\x01 \x03(\x04\"c\n\nPushHeader\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x17\n\x0f\x62locked_seconds\x18\x05 \x01(\x01\"\x90\x01\n\rWorkerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.streamdiloco.v1.HelloH\x00\x12%\n\x04push\x18\x02 \x01(\x0b\x32\x15.streamdiloco.v1.PushH\x00\x12\'\n\x05ready\x18\x03 \x01(\x0b\x32\x16.streamdiloco.v1.ReadyH\x00\x42\x06\n\x04kind\"Z\n\x04Push\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.streamdiloco.v1.Chunk\x12+\n\x06header\x18\x02 \x01(\x0b\x32\x1b.streamdiloco.v1.PushHeader\"`\n\nPushResult\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"_\n\x07Welcome\x12\x0e\n\x06rounds\x18\x01 \x03(\x04\x12\x0f\n\x07started\x18\x02 \x03(\x08\x12\x0e\n\x06member\x18\x03 \x01(\x08\x12\x0e\n\x06pushes\x18\x04 \x03(\r\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\"\x9c\x01\n\x0cShardMessage\x12+\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.streamdiloco.v1.WelcomeH\x00\x12(\n\x06update\x18\x02 \x01(\x0b\x32\x16.streamdiloco.v1.ChunkH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.streamdiloco.v1.PushResultH\x00\x42\x06\n\x04kind\"@\n\x0c\x46\x65tchRequest\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\t\"k\n\x0bMasterChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05total\x18\x04 \x01(\x04\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x32\xdf\x01\n\x05Shard\x12@\n\x04Join\x12\x1c.streamdiloco.v1.JoinRequest\x1a\x1a.streamdiloco.v1.JoinReply\x12L\n\x07Session\x12\x1e.streamdiloco.v1.WorkerMessage\x1a\x1d.streamdiloco.v1.ShardMessage(\x01\x30\x01\x12\x46\n\x05\x46\x65tch\x12\x1d.streamdiloco.v1.FetchRequest\x1a\x1c.streamdiloco.v1.MasterChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12streamdiloco.proto\x12\x0fstreamdiloco.v1\"m\n\x0bJoinRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\r\x12\x13\n\x0b\x63onfig_only\x18\x05 \x01(\x08\",\n\nSliceRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xa7\x01\n\tJoinReply\x12\x13\n\x0b\x63onfig_json\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12+\n\x06slices\x18\x04 \x03(\x0b\x32\x1b.streamdiloco.v1.SliceRange\x12\x0e\n\x06rounds\x18\x05 \x03(\x04\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x14\n\x0c\x63hunk_values\x18\x07 \x01(\r\"\xb5\x01\n\x05\x43hunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\r\n\x05total\x18\x06 \x01(\x04\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x0e\n\x06scales\x18\t \x01(\x0c\x12\x0f\n\x07payload\x18\n \x01(\x0c\x12\x0c\n\x04last\x18\x0b \x01(\x08\"9\n\x05Hello\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0f\n\x07passive\x18\x03 \x01(\x08\"\x1c\n\x05Ready\x12\x13\n\x0b\x66rom_rounds\x18\x01 \x03(\x04\"c\n\nPushHeader\x12\x0e\n\x06weight\x18\x01 \x01(\x01\x12\x10\n\x08has_loss\x18\x02 \x01(\x08\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x17\n\x0f\x62locked_seconds\x18\x05 \x01(\x01\"\x90\x01\n\rWorkerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.streamdiloco.v1.HelloH\x00\x12%\n\x04push\x18\x02 \x01(\x0b\x32\x15.streamdiloco.v1.PushH\x00\x12\'\n\x05ready\x18\x03 \x01(\x0b\x32\x16.streamdiloco.v1.ReadyH\x00\x42\x06\n\x04kind\"Z\n\x04Push\x12%\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.streamdiloco.v1.Chunk\x12+\n\x06header\x18\x02 \x01(\x0b\x32\x1b.streamdiloco.v1.PushHeader\"`\n\nPushResult\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"_\n\x07Welcome\x12\x0e\n\x06rounds\x18\x01 \x03(\x04\x12\x0f\n\x07started\x18\x02 \x03(\x08\x12\x0e\n\x06member\x18\x03 \x01(\x08\x12\x0e\n\x06pushes\x18\x04 \x03(\r\x12\x13\n\x0bmin_workers\x18\x05 \x01(\r\"\x9c\x01\n\x0cShardMessage\x12+\n\x07welcome\x18\x01 \x01(\x0b\x32\x18.streamdiloco.v1.WelcomeH\x00\x12(\n\x06update\x18\x02 \x01(\x0b\x32\x16.streamdiloco.v1.ChunkH\x00\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1b.streamdiloco.v1.PushResultH\x00\x42\x06\n\x04kind\"@\n\x0c\x46\x65tchRequest\x12\x11\n\tfragments\x18\x01 \x03(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05token\x18\x03 \x01(\t\"k\n\x0bMasterChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05total\x18\x04 \x01(\x04\x12\x0e\n\x06values\x18\x05 \x01(\x0c\x12\x0c\n\x04last\x18\x06 \x01(\x08\x32\xdf\x01\n\x05Shard\x12@\n\x04Join\x12\x1c.streamdiloco.v1.JoinRequest\x1a\x1a.streamdiloco.v1.JoinReply\x12L\n\x07Session\x12\x1e.streamdiloco.v1.WorkerMessage\x1a\x1d.streamdiloco.v1.ShardMessage(\x01\x30\x01\x12\x46\n\x05\x46\x65tch\x12\x1d.streamdiloco.v1.FetchRequest\x1a\x1c.streamdiloco.v1.MasterChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'streamdiloco_pb2', _globals
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST']._serialized_start=39
-  _globals['_JOINREQUEST']._serialized_end=127
-  _globals['_SLICERANGE']._serialized_start=129
-  _globals['_SLICERANGE']._serialized_end=173
-  _globals['_JOINREPLY']._serialized_start=176
-  _globals['_JOINREPLY']._serialized_end=343
-  _globals['_CHUNK']._serialized_start=346
-  _globals['_CHUNK']._serialized_end=527
-  _globals['_HELLO']._serialized_start=529
-  _globals['_HELLO']._serialized_end=586
-  _globals['_READY']._serialized_start=588
-  _globals['_READY']._serialized_end=616
-  _globals['_PUSHHEADER']._serialized_start=618
-  _globals['_PUSHHEADER']._serialized_end=717
-  _globals['_WORKERMESSAGE']._serialized_start=720
-  _globals['_WORKERMESSAGE']._serialized_end=864
-  _globals['_PUSH']._serialized_start=866
-  _globals['_PUSH']._serialized_end=956
-  _globals['_PUSHRESULT']._serialized_start=958
-  _globals['_PUSHRESULT']._serialized_end=1054
-  _globals['_WELCOME']._serialized_start=1056
-  _globals['_WELCOME']._serialized_end=1151
-  _globals['_SHARDMESSAGE']._serialized_start=1154
-  _globals['_SHARDMESSAGE']._serialized_end=1310
-  _globals['_FETCHREQUEST']._serialized_start=1312
-  _globals['_FETCHREQUEST']._serialized_end=1376
-  _globals['_MASTERCHUNK']._serialized_start=1378
-  _globals['_MASTERCHUNK']._serialized_end=1485
-  _globals['_SHARD']._serialized_start=1488
-  _globals['_SHARD']._serialized_end=1711
+  _globals['_JOINREQUEST']._serialized_end=148
+  _globals['_SLICERANGE']._serialized_start=150
+  _globals['_SLICERANGE']._serialized_end=194
+  _globals['_JOINREPLY']._serialized_start=197
+  _globals['_JOINREPLY']._serialized_end=364
+  _globals['_CHUNK']._serialized_start=367
+  _globals['_CHUNK']._serialized_end=548
+  _globals['_HELLO']._serialized_start=550
+  _globals['_HELLO']._serialized_end=607
+  _globals['_READY']._serialized_start=609
+  _globals['_READY']._serialized_end=637
+  _globals['_PUSHHEADER']._serialized_start=639
+  _globals['_PUSHHEADER']._serialized_end=738
+  _globals['_WORKERMESSAGE']._serialized_start=741
+  _globals['_WORKERMESSAGE']._serialized_end=885
+  _globals['_PUSH']._serialized_start=887
+  _globals['_PUSH']._serialized_end=977
+  _globals['_PUSHRESULT']._serialized_start=979
+  _globals['_PUSHRESULT']._serialized_end=1075
+  _globals['_WELCOME']._serialized_start=1077
+  _globals['_WELCOME']._serialized_end=1172
+  _globals['_SHARDMESSAGE']._serialized_start=1175
+  _globals['_SHARDMESSAGE']._serialized_end=1331
+  _globals['_FETCHREQUEST']._serialized_start=1333
+  _globals['_FETCHREQUEST']._serialized_end=1397
+  _globals['_MASTERCHUNK']._serialized_start=1399
+  _globals['_MASTERCHUNK']._serialized_end=1506
+  _globals['_SHARD']._serialized_start=1509
+  _globals['_SHARD']._serialized_end=1732
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "token", "fingerprint_json", "protocol")
+    __slots__ = ("worker", "token", "fingerprint_json", "protocol", "config_only")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_ONLY_FIELD_NUMBER: _ClassVar[int]
     worker: str
     token: str
     fingerprint_json: str
     protocol: int
-    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    config_only: bool
+    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., protocol: _Optional[int] = ..., config_only: _Optional[bool] = ...) -> None: ...
 
 class SliceRange(_message.Message):
     __slots__ = ("offset", "length")

@@ -26,8 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
+from streamdiloco.common.statefile import read_init_file
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
 from streamdiloco.server.auth import Auth, WorkersFile
@@ -52,7 +53,7 @@ log = logging.getLogger("streamdiloco.shard")
 
 def build_service(
     cfg: SyncConfig,
-    model_spec: str,
+    model_spec: str | None,
     shard: int,
     num_shards: int,
     seed: int = 0,
@@ -68,11 +69,14 @@ def build_service(
     auth: Auth | None = None,
     workers_file: WorkersFile | None = None,
     limits: Limits | None = None,
+    blocks_path: str | None = None,
 ) -> ShardService:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
-    with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
-    holds a checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against
-    workers' pushes (default: RobustConfig()'s, which are on)."""
+    with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
+    from the `init` file alone (names, shapes, dtypes and values; the blocks from the file's fingerprint,
+    else `blocks_path`, else detected from the names: common/statefile.py), so that the shard needs no
+    model code; or, when `checkpoint_dir` holds a checkpoint of this run (and not `fresh`), restored from
+    it. `robust`: the defenses against workers' pushes (default: RobustConfig()'s, which are on)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -80,13 +84,21 @@ def build_service(
     if checkpoint_dir and not fresh and (Path(checkpoint_dir) / "meta.json").exists():
         # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
         ShardCheckpoint(checkpoint_dir, {}).check_meta(shard, num_shards, cfg)
-    model = build_model(model_spec, seed, block_size)
-    if init:
-        load_initial(model, init)
-    layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
-    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    if model_spec is None:
+        if not init:
+            raise ValueError("give the model (--model) or its parameters (--init FILE)")
+        layout, initial, learned = layout_from_file(init, cfg, blocks_path, shard)
+    else:
+        if blocks_path is not None:
+            raise ValueError("--blocks-path goes with --init FILE and no --model (a model names its blocks)")
+        model = build_model(model_spec, seed, block_size)
+        if init:
+            load_initial(model, init)
+        layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
+        initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+        learned = {}
     state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
-    fingerprint = model_fingerprint(layout, cfg)
+    fingerprint = {**learned, **model_fingerprint(layout, cfg)}
     checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
     if checkpoint is not None and checkpoint.exists() and not fresh:
         checkpoint.load(state)
@@ -109,6 +121,29 @@ def build_service(
         workers_file=workers_file,
         limits=limits,
     )
+
+
+def layout_from_file(
+    path: str, cfg: SyncConfig, blocks_path: str | None, shard: int = 0
+) -> tuple[FragmentLayout, list, dict]:
+    """The layout, the initial fragments and what else the fingerprint must hold (the file's own
+    fingerprint's keys beyond the layout: the model's config, say), from a state dict file alone."""
+    init = read_init_file(path, blocks_path)
+    try:
+        layout = init.layout(cfg.num_fragments, cfg.fragment_pattern)
+    except ValueError as e:
+        raise ValueError(f"--init {path}: {e}") from None
+    log.info(
+        "shard %d: --init %s: %d parameters, %s values; %s",
+        shard,
+        path,
+        sum(len(f.entries) for f in layout.fragments),
+        f"{layout.numel:,}",
+        f"{sum(len(f.blocks) for f in layout.fragments)} blocks in {layout.blocks_path!r} ({init.source})"
+        if cfg.num_fragments > 1
+        else "one fragment",
+    )
+    return layout, init.initial(layout), init.opaque()
 
 
 def load_initial(model, path: str) -> None:

@@ -199,6 +199,11 @@ class ShardService(pb_grpc.ShardServicer):
             )
         if problem := check_name(request.worker):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        st = self.state
+        if request.config_only:  # a worker that takes its settings from the shard asks for them first
+            return pb.JoinReply(
+                config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
+            )
         if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -226,7 +231,6 @@ class ShardService(pb_grpc.ShardServicer):
             session = self.sessions.join(request.worker, identity, self.clock(), self.members)
         except Refused as r:
             await _abort(context, r)
-        st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
             shard=st.shard,

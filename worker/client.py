@@ -53,13 +53,28 @@ __all__ = [
     "StopRequested",
     "SyncError",
     "Update",
+    "adopt_sync",
     "connect",
     "fetch_masters",
+    "given_sync",
+    "shard_config",
 ]
 
 log = logging.getLogger("streamdiloco.worker")
 
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
+# the settings a worker that takes them from the shard says it took (the others follow them, or are the
+# shard's own: the outer optimizer)
+ADOPTED_LOG = (
+    "sync_every",
+    "num_fragments",
+    "fragment_pattern",
+    "fragment_sync_delay",
+    "fragment_update_alpha",
+    "uplink_codec",
+    "downlink_codec",
+    "codec_block_size",
+)
 
 
 class SyncError(RuntimeError):
@@ -164,16 +179,20 @@ class ShardLink:
             self._bytes[direction] += n
 
     # --- connecting ------------------------------------------------------------------------------------
-    def join(self, timeout: float | None = None, reconnecting: bool = False) -> None:
-        """Join the shard, waiting up to `timeout` for it to be reachable. SyncError if it refuses; when
-        `reconnecting`, _Retry if it cannot be reached (or still holds our old session)."""
+    def join(
+        self, timeout: float | None = None, reconnecting: bool = False, config_only: bool = False
+    ) -> SyncConfig:
+        """Join the shard, waiting up to `timeout` for it to be reachable; returns the run's config. SyncError
+        if it refuses; when `reconnecting`, _Retry if it cannot be reached (or still holds our old session).
+        `config_only`: only ask for the run's config (no fingerprint, no session; the link stays unjoined)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
         request = pb.JoinRequest(
             worker=self.worker,
             token=self.token,
-            fingerprint_json=json.dumps(self.fingerprint),
+            fingerprint_json="" if config_only else json.dumps(self.fingerprint),
             protocol=PROTOCOL,
+            config_only=config_only,
         )
         while True:
             try:
@@ -208,6 +227,8 @@ class ShardLink:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
         except (ValueError, TypeError) as e:
             raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+        if config_only:
+            return config
         slices = [(s.offset, s.length) for s in reply.slices]
         if self.config is not None and (
             config != self.config
@@ -233,6 +254,7 @@ class ShardLink:
         if self.state is None:
             self.state = LinkState(len(slices))
         self._session_id = reply.session
+        return config
 
     def open_session(self) -> pb.Welcome:
         """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
@@ -941,6 +963,63 @@ def fetch_masters(
     return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]
 
 
+SYNC_FIELDS = frozenset(SyncConfig.__dataclass_fields__)
+
+
+def chosen_sync_fields(sync: SyncConfig | None, sync_set: frozenset[str] | None) -> frozenset[str]:
+    """The SyncConfig fields a worker set itself (the rest it takes from the shard): `sync_set` as given
+    (every name must be a field), or, when None, the fields in which `sync` differs from SyncConfig()'s
+    defaults (none when there is no `sync`)."""
+    if sync_set is not None:
+        if unknown := sorted(set(sync_set) - SYNC_FIELDS):
+            raise ValueError(f"sync_set names {unknown[0]!r}, which is not a SyncConfig field")
+        return frozenset(sync_set)
+    if sync is None:
+        return frozenset()
+    default = SyncConfig()
+    return frozenset(f for f in SYNC_FIELDS if getattr(sync, f) != getattr(default, f))
+
+
+def given_sync(values: dict) -> SyncConfig:
+    """A SyncConfig of the settings a user gave (`values`: field -> value) over the defaults, checked as a
+    whole only where it can be: a setting may be valid with the shard's alone (H=12 goes with the shard's
+    P=3, not with the default P=5), so a combination the defaults do not take is kept unchecked for
+    connect(), which checks it with the shard's settings in (adopt_sync)."""
+    try:
+        return SyncConfig(**values)
+    except ValueError:
+        if unknown := sorted(set(values) - SYNC_FIELDS):
+            raise ValueError(f"unknown sync config field {unknown[0]!r}") from None
+        unchecked = object.__new__(SyncConfig)
+        for f, x in {**SyncConfig().to_dict(), **values}.items():
+            object.__setattr__(unchecked, f, x)  # frozen: set as its __init__ would
+        return unchecked
+
+
+def adopt_sync(
+    mine: SyncConfig, shards: SyncConfig, chosen: frozenset[str], where: str = "the shard"
+) -> SyncConfig:
+    """The worker's settings: its own for the `chosen` fields, the shard's for every other. ValueError (one
+    line) when the two do not make a valid config together (say, tau set to 8 with the shard's H of 6).
+    Where a chosen field that is in the fingerprint differs from the shard's, Join refuses as ever."""
+    values = {f: getattr(mine if f in chosen else shards, f) for f in SYNC_FIELDS}
+    try:
+        return SyncConfig(**values)
+    except ValueError as e:
+        raise ValueError(f"the settings given do not go with those of {where}: {e}") from None
+
+
+def shard_config(
+    target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> SyncConfig:
+    """The run's sync settings as a shard holds them (a Join that asks only for them)."""
+    link = ShardLink(target, worker, {}, token, timeout, tls=tls)
+    try:
+        return link.join(config_only=True)
+    finally:
+        link.close()
+
+
 def connect(
     model: torch.nn.Module,
     servers: list[str] | str,
@@ -956,6 +1035,7 @@ def connect(
     interrupt: threading.Event | None = None,
     prepare=None,
     tls: ClientTLS | None = None,
+    sync_set: frozenset[str] | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -963,8 +1043,15 @@ def connect(
 
     A run in progress is joined too: the engine then starts counting at the run's current step
     (`engine.step_count`), so that its sends line up with the other workers'; take part from there.
-    `sync` must equal the shards' Streaming DiLoCo settings (default: SyncConfig()); `total_steps` lets the
-    engine sync every fragment at the last step (final_sync). `resume` is a worker checkpoint's dict (see
+    The Streaming DiLoCo settings (H, P, the fragment pattern, tau, alpha, the codecs, ...) are the shard's,
+    except those this worker sets: the fields named in `sync_set`, with their values from `sync` (default
+    for `sync_set`: the fields in which `sync` differs from SyncConfig(); pass frozenset() to take every
+    setting from the shard, or every field's name to take none). One set here that the shards must agree
+    on (H, P, the pattern, the codecs) and that differs from theirs is refused at Join with the difference;
+    tau, alpha and the merge settings are this worker's own, the shard's only their default. The settings
+    in force are `engine.cfg`; for settings that are valid only with the shard's (H=12 with its P=3),
+    pass given_sync({"sync_every": 12}). `total_steps` lets the engine sync every fragment at the last step
+    (final_sync). `resume` is a worker checkpoint's dict (see
     worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
@@ -975,9 +1062,22 @@ def connect(
     from streamdiloco.common.fingerprint import model_fingerprint
     from streamdiloco.common.fragments import build_layout, fragment_params, slice_ranges, unflatten_into
 
+    chosen = chosen_sync_fields(sync, sync_set)
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
+    if chosen != SYNC_FIELDS:  # the run's settings first: the fingerprint is made with them
+        theirs = shard_config(targets[0], name, token, join_timeout, tls)
+        sync = adopt_sync(sync, theirs, chosen, f"the shard at {targets[0]}")
+        if taken := [f for f in ADOPTED_LOG if f not in chosen]:
+            log.info(
+                "%s: from the shard at %s: %s",
+                name,
+                targets[0],
+                ", ".join(f"{f}={getattr(sync, f)}" for f in taken),
+            )
+    else:
+        sync = SyncConfig(**sync.to_dict())  # checked as a whole (given_sync may have left it unchecked)
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(

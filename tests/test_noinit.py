@@ -1,0 +1,201 @@
+"""Shards without the user's model code, and workers that take the run's settings from the shard: real shard
+processes (`streamdiloco server --init FILE`, no --model), workers through connect() and the worker CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from procs import Cluster, http_json, shard_process, streamdiloco, wait_until
+from safetensors.torch import save_file
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.statefile import FINGERPRINT_KEY
+from streamdiloco.worker.client import SyncError, connect, fetch_masters, given_sync
+from streamdiloco.worker.model import build_gpt
+
+
+class Expert(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+
+class Block(nn.Module):
+    def __init__(self, d, experts):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+
+class UserLM(nn.Module):
+    """A model only this test knows (the shard process cannot import it): tied embedding and head, blocks in
+    `body.layers`, and within each block a shorter list of experts (the blocks are the longest list)."""
+
+    def __init__(self, d=16, layers=3, experts=2):
+        super().__init__()
+        self.embed = nn.Embedding(40, d)
+        self.body = nn.Module()
+        self.body.layers = nn.ModuleList(Block(d, experts) for _ in range(layers))
+        self.head = nn.Linear(d, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.body.layers:
+            h = block.norm(h)
+            for e in block.experts:
+                h = h + e.down(torch.relu(e.up(h)))
+        return self.head(h)
+
+
+def _train_and_check(model: nn.Module, target: str, http: int, steps: int = 12) -> None:
+    """connect() with no settings (H and P from the shard), train, and end with the mirror equal to the
+    shard's masters bit for bit."""
+    file_values = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(99)
+    for p in model.parameters():  # other values than the file's: the worker must take the shard's
+        nn.init.normal_(p)
+    engine = connect(model, [target], total_steps=steps, name="user")
+    try:
+        assert (engine.cfg.sync_every, engine.cfg.num_fragments) == (6, 3)  # the shard's, not the defaults
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), file_values, strict=True))
+        start = [m.clone() for m in engine.mirrors]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            x = torch.randint(0, 40, (4, 6))
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            engine.step(tokens=x.numel(), loss=loss.item())
+        masters = fetch_masters([target])
+        assert all(torch.equal(a, b) for a, b in zip(engine.mirrors, masters, strict=True))
+        assert not any(torch.equal(a, b) for a, b in zip(start, masters, strict=True))  # trained
+    finally:
+        engine.close()
+    status = http_json(http)
+    # 12 steps at H=6: two rounds of each fragment, and the final sync's of those not sent at the last step
+    assert sum(f["round"] for f in status["fragments"]) == status["rounds_closed"] >= 6
+
+
+def test_a_shard_started_from_a_torch_state_dict_needs_no_model_code(tmp_path):
+    torch.manual_seed(1)
+    model = UserLM()
+    torch.save(model.state_dict(), tmp_path / "model.pt")  # both names of the tied weight
+    flags = ["--init", str(tmp_path / "model.pt"), "--blocks-path", "body.layers"]
+    with shard_process(tmp_path, *flags, "--sync-every", "6", "--num-fragments", "3") as (target, http, _):
+        log = (tmp_path / "shard.log").read_text()
+        assert "3 blocks in 'body.layers' (from --blocks-path)" in log, log
+        _train_and_check(model, target, http)
+
+
+def test_a_shard_started_from_an_exported_safetensors_file_takes_the_blocks_from_its_fingerprint(tmp_path):
+    torch.manual_seed(2)
+    model = UserLM()
+    run = model_fingerprint(build_layout(model, 2), SyncConfig(sync_every=4, num_fragments=2))  # another P
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # safetensors: no sharing
+    save_file(state, tmp_path / "model.safetensors", metadata={FINGERPRINT_KEY: json.dumps(run)})
+    with shard_process(
+        tmp_path, "--init", str(tmp_path / "model.safetensors"), "--sync-every", "6", "--num-fragments", "3"
+    ) as (target, http, _):
+        log = (tmp_path / "shard.log").read_text()
+        assert "3 blocks in 'body.layers' (from the file's fingerprint)" in log, log
+        _train_and_check(model, target, http)
+
+
+def test_without_the_fingerprint_the_blocks_are_detected_and_another_model_is_refused(tmp_path):
+    torch.manual_seed(3)
+    model = UserLM()
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    flags = ["--init", str(tmp_path / "model.pt"), "--sync-every", "6", "--num-fragments", "3"]
+    with shard_process(tmp_path, *flags) as (target, _, _):
+        log = (tmp_path / "shard.log").read_text()
+        assert "3 blocks in 'body.layers' (detected from the names)" in log, log
+        with pytest.raises(
+            SyncError, match="fingerprint differs from the shard's: worker has 4 blocks, shard 3"
+        ):
+            connect(UserLM(layers=4), [target], name="other")
+        with pytest.raises(
+            SyncError, match=r"body.layers.0.norm.weight has shape \[8\] on the worker, \[16\]"
+        ):
+            connect(UserLM(d=8), [target], name="narrow")
+    # files that cannot start a shard: one line, before anything listens
+    plain = tmp_path / "plain.safetensors"
+    save_file({k: v for k, v in model.state_dict().items() if k != "head.weight"}, plain)
+    r = streamdiloco("server", "--init", str(plain), "--port", "0", "--http-port", "0", timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "streamdiloco: error: --init" in lines[0], r.stderr
+    assert "write it with `streamdiloco export`" in lines[0]
+    r = streamdiloco("server", "--model", "nano", "--blocks-path", "x", "--no-checkpoint", timeout=120)
+    assert r.returncode == 2 and "--blocks-path goes with --init FILE and no --model" in r.stderr, r.stderr
+
+
+def test_a_worker_takes_the_settings_it_did_not_set_from_the_shard(tmp_path):
+    shard = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--fragment-sync-delay", "2"]
+    shard += ["--fragment-update-alpha", "0.25", "--uplink-codec", "int8", "--downlink-codec", "bf16"]
+    with shard_process(tmp_path, *shard) as (target, http, _):
+        engine = connect(build_gpt("nano"), [target], name="adopts")
+        try:
+            c = engine.cfg
+            assert (c.sync_every, c.num_fragments) == (6, 3)
+            assert (c.fragment_sync_delay, c.fragment_update_alpha) == (2, 0.25)
+            assert (c.uplink_codec, c.downlink_codec) == ("int8", "bf16")
+        finally:
+            engine.close()
+        # tau and alpha are the worker's own: set (here to the default's value, so said in sync_set), they
+        # stay as set
+        engine = connect(
+            build_gpt("nano"),
+            [target],
+            SyncConfig(fragment_sync_delay=1),
+            name="own-tau",
+            sync_set=frozenset({"fragment_sync_delay"}),
+        )
+        try:
+            assert (engine.cfg.fragment_sync_delay, engine.cfg.sync_every) == (1, 6)
+        finally:
+            engine.close()
+        # H set (even to the default's value) and different from the shard's: refused as ever, in one line
+        with pytest.raises(SyncError, match="sync_every is 30 on the worker, 6 on the shard"):
+            connect(build_gpt("nano"), [target], SyncConfig(), name="w-h", sync_set=frozenset({"sync_every"}))
+        with pytest.raises(SyncError, match="sync_every is 12 on the worker, 6 on the shard"):
+            connect(build_gpt("nano"), [target], given_sync({"sync_every": 12}), name="w-h")
+        with pytest.raises(ValueError, match="do not go with those of the shard at .*tau=7"):
+            connect(build_gpt("nano"), [target], SyncConfig(fragment_sync_delay=7), name="w")
+        # the worker CLI: flags left out are the shard's; one set that differs is refused in one line
+        r = streamdiloco(
+            "worker", "--servers", target, "--model", "nano", "--steps", "2", "--sync-every", "12"
+        )
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "sync_every is 12 on the worker, 6 on the shard" in lines[-1], r.stderr
+        assert lines[-1].startswith("streamdiloco: error: ")
+        summary = tmp_path / "w.json"
+        args = [
+            "--servers",
+            target,
+            "--model",
+            "nano",
+            "--steps",
+            "6",
+            "--batch-size",
+            "2",
+            "--eval-batches",
+            "1",
+        ]
+        with Cluster(tmp_path) as c:
+            c.start("cli", "worker", *args, "--name", "cli", "--summary", str(summary))
+            assert c.procs["cli"].wait(180) == 0, c.log("cli")[-3000:]
+            log = c.log("cli")
+        assert re.search(
+            r"from the shard at \S+: sync_every=6, num_fragments=3, .*fragment_sync_delay=2", log
+        )
+        assert "H=6 tau=2 alpha=0.25 int8/bf16" in log
+        hashes = json.loads(summary.read_text())["mirror_hashes"]
+        status = wait_until("the rounds", lambda: http_json(http))
+        assert hashes == [[f["master_hash"]] for f in status["fragments"]]
