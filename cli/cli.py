@@ -457,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH), or "
         "a safetensors file from `streamdiloco export`. Without --model the file is the model: names, "
         "shapes, dtypes and values come from it, the blocks from its fingerprint, --blocks-path or the "
-        "names (the log says which)",
+        "names (the log says which). `--init from-worker`: no model and no file: the first worker to join "
+        "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
     )
     g.add_argument(
         "--blocks-path",

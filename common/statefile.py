@@ -150,6 +150,38 @@ def params_from_fingerprint(fp: dict) -> tuple[list[ParamSpec], str, int]:
     return params, blocks_path, num_blocks
 
 
+def layout_from_fingerprint(fp: dict, pattern: str) -> FragmentLayout:
+    """The layout a fingerprint lists, exactly (its fragments, their blocks, their parameters in order): how
+    a shard with no model takes the first worker's layout, and takes it back from its checkpoint. ValueError
+    (one line) for a fingerprint that does not list every parameter in exactly one fragment."""
+    params, blocks_path, _ = params_from_fingerprint(fp)
+    spec = {p.name: p for p in params}
+    if len(spec) != len(params):
+        raise ValueError("not a model fingerprint: a parameter is listed twice")
+    fragments, placed = [], 0
+    try:
+        for i, (blocks, names) in enumerate(fp["fragments"]):
+            named = [spec[str(n)] for n in names]
+            fragments.append(_fragment(i, named, tuple(int(b) for b in blocks)))
+            placed += len(named)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a model fingerprint: its fragments list {type(e).__name__}: {e}") from None
+    if placed != len(params) or {n for f in fragments for n in f.names} != set(spec):
+        raise ValueError("not a model fingerprint: its fragments do not hold every parameter once")
+    if not fragments:
+        raise ValueError("not a model fingerprint: it has no fragments")
+    return FragmentLayout(tuple(fragments), blocks_path, pattern)
+
+
+def opaque_keys(fp: dict) -> dict:
+    """What a fingerprint says besides the layout and the sync settings (say, the model's architectural
+    hyperparameters, the run's seed): the shard keeps it in its own fingerprint, and workers must match."""
+    from streamdiloco.common.config import SyncConfig
+
+    sync = set(SyncConfig.__dataclass_fields__)
+    return {k: v for k, v in fp.items() if k not in LAYOUT_KEYS and k not in sync}
+
+
 @dataclass
 class InitFile:
     """A state dict file, read: its parameters in the model's order with their values, where its block
@@ -183,12 +215,8 @@ class InitFile:
         return out
 
     def opaque(self) -> dict:
-        """What the file's fingerprint says besides the layout and the sync settings (say, the model's
-        architectural hyperparameters): the shard keeps it in its own fingerprint, and workers must match."""
-        from streamdiloco.common.config import SyncConfig
-
-        sync = set(SyncConfig.__dataclass_fields__)
-        return {k: v for k, v in (self.fingerprint or {}).items() if k not in LAYOUT_KEYS and k not in sync}
+        """The file's fingerprint's keys beyond the layout and the sync settings (opaque_keys)."""
+        return opaque_keys(self.fingerprint or {})
 
 
 def _is_safetensors(path: Path) -> bool:

@@ -43,12 +43,16 @@ from streamdiloco.server.bounds import (
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import HISTORY
+from streamdiloco.server.initialize import InitRefused, PendingShard, shard_fingerprint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.service import ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
 
 log = logging.getLogger("streamdiloco.shard")
+
+
+FROM_WORKER = "from-worker"  # --init from-worker: the first worker's layout and parameters
 
 
 def build_service(
@@ -70,13 +74,15 @@ def build_service(
     workers_file: WorkersFile | None = None,
     limits: Limits | None = None,
     blocks_path: str | None = None,
-) -> ShardService:
+) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
     from the `init` file alone (names, shapes, dtypes and values; the blocks from the file's fingerprint,
     else `blocks_path`, else detected from the names: common/statefile.py), so that the shard needs no
-    model code; or, when `checkpoint_dir` holds a checkpoint of this run (and not `fresh`), restored from
-    it. `robust`: the defenses against workers' pushes (default: RobustConfig()'s, which are on)."""
+    model code; or, with `init` "from-worker" and no model, a PendingShard that takes the layout and the
+    values from the first worker's upload (server/initialize.py); or, when `checkpoint_dir` holds a
+    checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against workers'
+    pushes (default: RobustConfig()'s, which are on)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -84,9 +90,65 @@ def build_service(
     if checkpoint_dir and not fresh and (Path(checkpoint_dir) / "meta.json").exists():
         # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
         ShardCheckpoint(checkpoint_dir, {}).check_meta(shard, num_shards, cfg)
+
+    def finish(layout: FragmentLayout, initial: list, fingerprint: dict, first: bool = False) -> ShardService:
+        """The service from a layout and its starting values; `first`: the first worker's upload, written to
+        the checkpoint at once (a restart then needs the uploader no more)."""
+        state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
+        checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
+        if checkpoint is not None and checkpoint.exists() and not fresh and not first:
+            checkpoint.load(state)
+            log.info(
+                "shard %d: resumed from checkpoint %s at rounds %s",
+                shard,
+                checkpoint_dir,
+                [state.round_of(f) for f in range(layout.num_fragments)],
+            )
+        elif checkpoint is not None:
+            checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
+            if first:
+                if not checkpoint.save_all(state):
+                    raise OSError(f"cannot write the checkpoint to {checkpoint.dir}: {checkpoint.last_error}")
+                checkpoint.pending_initial = False
+        warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
+        return ShardService(
+            state,
+            fingerprint,
+            token=token,
+            chunk_bytes=chunk_bytes,
+            checkpoint=checkpoint,
+            auth=auth,
+            workers_file=workers_file,
+            limits=limits,
+        )
+
+    if init == FROM_WORKER:
+        if model_spec is not None or blocks_path is not None:
+            raise ValueError("--init from-worker takes the model from the first worker: leave out --model")
+        saved = Path(checkpoint_dir or "") / "meta.json"
+        if not checkpoint_dir or fresh or not saved.exists():
+            return PendingShard(
+                cfg,
+                shard,
+                num_shards,
+                auth if auth is not None else Auth(token=token),
+                limits or Limits(),
+                lambda layout, initial, fp: finish(layout, initial, fp, first=True),
+            )
+        try:  # restarted: the layout the first worker gave, as the checkpoint keeps it
+            layout, fingerprint = shard_fingerprint(
+                json.loads(saved.read_text()).get("fingerprint") or {}, cfg
+            )
+        except (InitRefused, ValueError, AttributeError) as e:
+            raise ValueError(
+                f"checkpoint {checkpoint_dir}: its fingerprint does not give a layout ({e})"
+            ) from None
+        import torch
+
+        return finish(layout, [torch.zeros(f.numel) for f in layout.fragments], fingerprint)
     if model_spec is None:
         if not init:
-            raise ValueError("give the model (--model) or its parameters (--init FILE)")
+            raise ValueError("give the model (--model), its parameters (--init FILE) or --init from-worker")
         layout, initial, learned = layout_from_file(init, cfg, blocks_path, shard)
     else:
         if blocks_path is not None:
@@ -97,30 +159,7 @@ def build_service(
         layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
         initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
         learned = {}
-    state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
-    fingerprint = {**learned, **model_fingerprint(layout, cfg)}
-    checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
-    if checkpoint is not None and checkpoint.exists() and not fresh:
-        checkpoint.load(state)
-        log.info(
-            "shard %d: resumed from checkpoint %s at rounds %s",
-            shard,
-            checkpoint_dir,
-            [state.round_of(f) for f in range(layout.num_fragments)],
-        )
-    elif checkpoint is not None:
-        checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
-    warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
-    return ShardService(
-        state,
-        fingerprint,
-        token=token,
-        chunk_bytes=chunk_bytes,
-        checkpoint=checkpoint,
-        auth=auth,
-        workers_file=workers_file,
-        limits=limits,
-    )
+    return finish(layout, initial, {**learned, **model_fingerprint(layout, cfg)})
 
 
 def layout_from_file(
@@ -264,7 +303,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    service: ShardService | Callable[[], ShardService],
+    service: ShardService | PendingShard | Callable[[], ShardService | PendingShard],
     host: str = "127.0.0.1",
     port: int = 0,
     http_port: int | None = 0,
@@ -277,16 +316,18 @@ async def serve(
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
-    /healthz while it runs, in a thread. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
+    /healthz while it runs, in a thread. A PendingShard (--init from-worker) serves gRPC until the first
+    worker's upload has made the service. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
     HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
     on what clients may hold (else the service's, or the defaults)."""
     stop = stop or asyncio.Event()
     if limits is None:
-        limits = service.limits if isinstance(service, ShardService) else Limits()
+        limits = service.limits if isinstance(service, ShardService | PendingShard) else Limits()
     _, http_connections = connection_caps(limits)  # before anything listens: a limit too low fails now
     throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
+    pending = service if isinstance(service, PendingShard) else None
 
     def on_signal() -> None:
         if holder.phase == "loading" and stop.is_set():  # a second signal while loading: nothing to save
@@ -347,7 +388,7 @@ async def serve(
             await http_task
 
     scheme = "https" if tls else "http"
-    if holder.service is None:
+    if holder.service is None and pending is None:
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
             log.info,
@@ -355,7 +396,11 @@ async def serve(
             f"; health on {scheme}://{http_host}:{http_bound}/healthz" if http_bound else "",
         )
         try:
-            holder.service = await asyncio.to_thread(service)  # type: ignore[arg-type]
+            built = await asyncio.to_thread(service)  # type: ignore[arg-type]
+            if isinstance(built, PendingShard):
+                pending = built
+            else:
+                holder.service = built
         except BaseException:
             holder.phase = "failed"
             await stop_http()
@@ -366,7 +411,8 @@ async def serve(
             holder.phase = "stopping"
             await stop_http()
             return
-    service = holder.service
+    if pending is not None:
+        holder.phase = "waiting for the first worker's parameters"
     # what start-up made (torch, the model, the codecs' kernels: about a million objects) stays: out of the
     # collector's sight, so that a full collection does not hold the GIL for a tenth of a second mid-round
     gc.collect()
@@ -375,7 +421,7 @@ async def serve(
         # gRPC's cap from what the process holds now that the model and the checkpoint are loaded
         connections = (connection_caps(limits)[0], http_connections if http_port is not None else 0)
         await _serve_grpc(
-            service,
+            holder.service or pending,  # type: ignore[arg-type]
             holder,
             host,
             port,
@@ -390,8 +436,15 @@ async def serve(
         await stop_http()
 
 
+def _write_ready(ready_file: str | None, grpc_port: int, http_port: int | None, shard: int) -> None:
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"grpc_port": grpc_port, "http_port": http_port, "shard": shard}))
+        tmp.replace(ready_file)
+
+
 async def _serve_grpc(
-    service: ShardService,
+    service: ShardService | PendingShard,
     holder: Holder,
     host: str,
     port: int,
@@ -406,7 +459,13 @@ async def _serve_grpc(
     # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
     # included, gRPC takes no more until one ends (they wait in its own bounded queue)
     server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
-    add_to_server(service, server)
+    pending = service if isinstance(service, PendingShard) else None
+    if pending is not None:
+        server.add_generic_rpc_handlers(
+            (pending.dispatch,)
+        )  # the pending shard's methods, then the service's
+    else:
+        add_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if tls is None:
@@ -419,12 +478,33 @@ async def _serve_grpc(
         raise OSError(
             f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
         )
-    ckpt = service.checkpoint
+    ckpt = service.checkpoint if pending is None else None
     if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
         if not ckpt.save_all(service.state):
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
     await server.start()
+    if pending is not None:
+        pending.ready = asyncio.get_running_loop().create_future()
+        _write_ready(ready_file, bound, http_bound, pending.shard)
+        log.info(
+            "shard %d/%d: gRPC on %s:%d; waiting for the first worker's model and parameters (--init %s)",
+            pending.shard,
+            pending.num_shards,
+            host,
+            bound,
+            FROM_WORKER,
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({pending.ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not pending.ready.done():  # stopped before any worker came: nothing to save
+            holder.phase = "stopping"
+            await server.stop(grace=1.0)
+            return
+        stopped.cancel()
+        service = pending.ready.result()
+        holder.service = service
+        ready_file = None  # written already
     service.serving = True
     holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
@@ -461,10 +541,7 @@ async def _serve_grpc(
         limits.max_sessions_per_peer,
         limits.hello_timeout,
     )
-    if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"grpc_port": bound, "http_port": http_bound, "shard": st.shard}))
-        tmp.replace(ready_file)
+    _write_ready(ready_file, bound, http_bound, st.shard)
     try:
         await stop.wait()
     finally:

@@ -353,19 +353,7 @@ class ShardService(pb_grpc.ShardServicer):
     async def _authenticate(
         self, context: grpc.aio.ServicerContext, token: str, name: str | None
     ) -> Identity:
-        """What the call's credentials prove (the token in its metadata, else `token` from the message; the
-        client certificate's name under mutual TLS); aborts the call when they do not allow it."""
-        offered = token
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = value[7:].strip()
-        names = (context.auth_context() or {}).get("x509_common_name") or ()
-        certificate = next(iter(names), b"").decode("utf-8", "replace") or None
-        try:
-            return self.auth.authenticate(offered, certificate, name)
-        except Refused as r:
-            await _abort(context, r)
-            raise  # not reached: abort raises
+        return await authenticate(self.auth, context, token, name)
 
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
@@ -926,6 +914,24 @@ _STATUS = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
 }
+
+
+async def authenticate(
+    auth: Auth, context: grpc.aio.ServicerContext, token: str, name: str | None
+) -> Identity:
+    """What the call's credentials prove (the token in its metadata, else `token` from the message; the
+    client certificate's name under mutual TLS); aborts the call when they do not allow it."""
+    offered = token
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+            offered = value[7:].strip()
+    names = (context.auth_context() or {}).get("x509_common_name") or ()
+    certificate = next(iter(names), b"").decode("utf-8", "replace") or None
+    try:
+        return auth.authenticate(offered, certificate, name)
+    except Refused as r:
+        await _abort(context, r)
+        raise  # not reached: abort raises
 
 
 async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:

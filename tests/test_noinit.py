@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 
+import grpc
 import pytest
 import torch
 import torch.nn as nn
@@ -14,8 +17,11 @@ from safetensors.torch import save_file
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import build_layout
-from streamdiloco.common.statefile import FINGERPRINT_KEY
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.statefile import FINGERPRINT_KEY, ParamSpec, layout_from_description
+from streamdiloco.common.wire import values_to_bytes
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.worker.client import SyncError, connect, fetch_masters, given_sync
 from streamdiloco.worker.model import build_gpt
 
@@ -199,3 +205,149 @@ def test_a_worker_takes_the_settings_it_did_not_set_from_the_shard(tmp_path):
         hashes = json.loads(summary.read_text())["mirror_hashes"]
         status = wait_until("the rounds", lambda: http_json(http))
         assert hashes == [[f["master_hash"]] for f in status["fragments"]]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_shard_without_parameters_takes_the_first_workers_and_a_restart_needs_it_no_more(tmp_path):
+    flags = ["--init", "from-worker", "--sync-every", "6", "--num-fragments", "3"]
+    with Cluster(tmp_path) as c:
+        target, http = c.shard("s", *flags)
+        assert "waiting for the first worker's model and parameters" in c.log("s")
+        torch.manual_seed(1)
+        first = UserLM()
+        own = [p.detach().clone() for p in first.parameters()]
+        engine = connect(first, [target], total_steps=100, name="first")
+        try:
+            assert _same([p.detach() for p in first.parameters()], own)  # its own values are the run's start
+            assert "took the layout (3 fragments" in c.log("s") and "parameters from first" in c.log("s")
+            opt = torch.optim.SGD(first.parameters(), lr=0.1)
+            for _ in range(6):  # a round of every fragment
+                x = torch.randint(0, 40, (4, 6))
+                nn.functional.cross_entropy(first(x).flatten(0, 1), x.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+                engine.step(tokens=x.numel())
+            wait_until("a round of every fragment", lambda: http_json(http)["rounds_closed"] >= 3)
+        finally:
+            engine.close()
+        masters = fetch_masters([target])
+        # a later worker is checked against the first one's fingerprint, and takes the run's parameters
+        with pytest.raises(
+            SyncError, match="fingerprint differs from the shard's: worker has 4 blocks, shard 3"
+        ):
+            connect(UserLM(layers=4), [target], name="other")
+        torch.manual_seed(2)
+        second = UserLM()
+        engine = connect(second, [target], name="second")
+        try:
+            assert _same(engine.mirrors, masters) and not _same(
+                [p.detach() for p in second.parameters()], own
+            )
+        finally:
+            engine.close()
+        # restarted on the same port: the layout and the masters come from its checkpoint, no upload
+        c.procs["s"].send_signal(signal.SIGTERM)
+        assert c.procs["s"].wait(60) == 0, c.log("s")[-3000:]
+        port = int(target.rsplit(":", 1)[1])
+        target, http = c.shard("s", *flags, port=port)
+        assert http_json(http, "/readyz")["ready"]
+        assert _same(fetch_masters([target]), masters)
+        torch.manual_seed(3)
+        engine = connect(UserLM(), [target], name="third")
+        try:
+            assert _same(engine.mirrors, masters)
+        finally:
+            engine.close()
+        assert c.log("s").count("took the layout") == 1  # the first start only
+
+
+def _chunks(fp: dict, vectors, token: str = "", worker: str = "up", hold=None, last: bool = True):
+    """An Initialize stream: the fingerprint, each fragment's values in 1000-value pieces, the last mark;
+    `hold` (an Event) is waited on after the first message."""
+    head = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fp)}
+    yield pb.InitChunk(**head)
+    if hold is not None:
+        hold.wait(60)
+    for f, vec in enumerate(vectors):
+        for a in range(0, vec.numel(), 1000):
+            yield pb.InitChunk(fragment=f, offset=a, values=values_to_bytes(vec[a : a + 1000]))
+    if last:
+        yield pb.InitChunk(last=True)
+
+
+def test_a_hostile_upload_is_refused_and_changes_nothing(tmp_path):
+    flags = ["--init", "from-worker", "--sync-every", "6", "--num-fragments", "3", "--token", "secret"]
+    torch.manual_seed(4)
+    model = UserLM()
+    layout = build_layout(model, 3)
+    fp = model_fingerprint(layout, SyncConfig(sync_every=6, num_fragments=3))
+    good = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    with Cluster(tmp_path) as c:
+        target, http = c.shard("s", *flags)
+        channel = grpc.insecure_channel(target)
+        stub = pb_grpc.ShardStub(channel)
+        auth = (("authorization", "Bearer secret"),)
+
+        def refused(chunks, metadata=auth) -> grpc.RpcError:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Initialize(chunks, metadata=metadata, timeout=30)
+            return e.value
+
+        e = refused(_chunks(fp, good), metadata=())
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        e = refused(_chunks(fp, good, token="wrong"), metadata=())
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        bigger = [torch.cat([good[0], torch.zeros(5)]), *good[1:]]
+        e = refused(_chunks(fp, bigger, token="secret"))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than the" in e.details(), e.details()
+        e = refused(_chunks(fp, [good[0], good[1][:-3], good[2]], token="secret"))
+        assert "expected fragment 1 at offset" in e.details() or "ended with fragment" in e.details(), (
+            e.details()
+        )
+        e = refused(_chunks(fp, good, token="secret", last=False))
+        assert "ended before its last chunk" in e.details(), e.details()
+        nan = [good[0], good[1].clone(), good[2]]
+        nan[1][7] = float("nan")
+        e = refused(_chunks(fp, nan, token="secret"))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not finite" in e.details(), e.details()
+        other = model_fingerprint(layout, SyncConfig(sync_every=12, num_fragments=3))
+        e = refused(_chunks(other, good, token="secret"))
+        assert (
+            e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "sync_every is 12 on the worker, 6" in e.details()
+        )
+        # a fingerprint claiming a huge model: refused before anything is held for it
+        huge = [ParamSpec("b.0.w", (1 << 36,), "float32"), ParamSpec("b.1.w", (1,), "float32")]
+        huge_fp = model_fingerprint(
+            layout_from_description(huge, 3), SyncConfig(sync_every=6, num_fragments=3)
+        )
+        e = refused(_chunks(huge_fp, [], "secret"))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than it takes" in e.details(), (
+            e.details()
+        )
+        # two at once: the second is refused while the first is in; the first then breaks off
+        hold = threading.Event()
+        slow = stub.Initialize.future(_chunks(fp, good, token="secret", hold=hold, last=False), metadata=auth)
+        e = wait_until(
+            "the second upload to be refused while the first is in",
+            lambda: (lambda r: r if r.code() == grpc.StatusCode.ABORTED else None)(
+                refused(_chunks(fp, good, token="secret", last=False))  # could not succeed alone either
+            ),
+        )
+        assert "is sending the parameters now" in e.details()
+        hold.set()
+        with pytest.raises(grpc.RpcError):
+            slow.result(30)
+        # nothing changed: still waiting, nothing written
+        assert http_json(http, "/healthz")["phase"] == "waiting for the first worker's parameters"
+        assert not (tmp_path / "s-checkpoint" / "meta.json").exists()
+        assert "took the layout" not in c.log("s")
+        stub.Initialize(_chunks(fp, good, token="secret"), metadata=auth, timeout=30)  # a good one is taken
+        assert (tmp_path / "s-checkpoint" / "meta.json").exists()
+        assert _same(fetch_masters([target], token="secret"), good)
+        e = refused(_chunks(fp, good, token="secret"))
+        assert e.code() == grpc.StatusCode.ALREADY_EXISTS
+        channel.close()

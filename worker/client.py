@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ import torch
 from streamdiloco.common.chunks import Assembly, ChunkError, MasterAssembly
 from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import slice_ranges
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
@@ -40,6 +42,7 @@ from streamdiloco.common.wire import (
     make_channel,
     parse_target,
     to_chunks,
+    values_to_bytes,
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -57,7 +60,8 @@ __all__ = [
     "connect",
     "fetch_masters",
     "given_sync",
-    "shard_config",
+    "initialize_shard",
+    "probe_shard",
 ]
 
 log = logging.getLogger("streamdiloco.worker")
@@ -134,6 +138,9 @@ class ShardLink:
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before start(), then only the link's thread)
         self.config: SyncConfig | None = None
+        self.probed: tuple[int, int, bool] | None = (
+            None  # a config_only Join's shard, num_shards, uninitialized
+        )
         self.shard = self.num_shards = self.chunk_values = 0
         self.slices: list[tuple[int, int]] = []
         self.state: LinkState | None = None
@@ -228,7 +235,13 @@ class ShardLink:
         except (ValueError, TypeError) as e:
             raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
         if config_only:
+            self.probed = (reply.shard, reply.num_shards, reply.uninitialized)
             return config
+        if reply.uninitialized:
+            raise SyncError(
+                f"the shard at {self.target} has no parameters yet (server --init from-worker): connect() "
+                "sends them"
+            )
         slices = [(s.offset, s.length) for s in reply.slices]
         if self.config is not None and (
             config != self.config
@@ -1009,15 +1022,79 @@ def adopt_sync(
         raise ValueError(f"the settings given do not go with those of {where}: {e}") from None
 
 
-def shard_config(
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard says before a worker joins: the run's settings, its index, and whether it still waits
+    for its first worker's parameters (server --init from-worker)."""
+
+    config: SyncConfig
+    shard: int
+    num_shards: int
+    uninitialized: bool
+
+
+def probe_shard(
     target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
-) -> SyncConfig:
-    """The run's sync settings as a shard holds them (a Join that asks only for them)."""
+) -> ShardInfo:
+    """The shard's ShardInfo (a Join that asks only for the run's config)."""
     link = ShardLink(target, worker, {}, token, timeout, tls=tls)
     try:
-        return link.join(config_only=True)
+        config = link.join(config_only=True)
+        assert link.probed is not None
+        return ShardInfo(config, *link.probed)
     finally:
         link.close()
+
+
+INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
+
+
+def initialize_shard(
+    target: str,
+    worker: str,
+    fingerprint: dict,
+    vectors: list[torch.Tensor],
+    info: ShardInfo,
+    token: str = "",
+    timeout: float = 60.0,
+    tls: ClientTLS | None = None,
+) -> bool:
+    """Send this worker's starting parameters (`vectors`: its fragments, flat) to a shard that has none: its
+    slice of each fragment, after the fingerprint. True once the shard has them (and has written them to its
+    checkpoint); False when another worker's upload got there first (this one then joins as any worker and
+    is checked against that worker's fingerprint). SyncError when the shard refuses them."""
+    first = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fingerprint)}
+
+    def chunks():
+        head = first
+        for f, vec in enumerate(vectors):
+            lo, hi = slice_ranges(vec.numel(), info.num_shards)[info.shard]
+            for a in range(lo, hi, INIT_CHUNK_VALUES):
+                b = min(hi, a + INIT_CHUNK_VALUES)
+                yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
+                head = {}
+        yield pb.InitChunk(**head, last=True)
+
+    give_up = time.monotonic() + timeout
+    with make_channel(parse_target(target), tls) as channel:
+        try:
+            pb_grpc.ShardStub(channel).Initialize(chunks(), metadata=auth_metadata(token), timeout=timeout)
+            log.info("%s: sent its starting parameters to the shard at %s, which had none", worker, target)
+            return True
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                return False
+            if code != grpc.StatusCode.ABORTED:  # ABORTED: another worker is sending them now
+                raise SyncError(
+                    f"shard at {target} refused this worker's starting parameters: {code.name}: {e.details()}"
+                ) from None
+    while time.monotonic() < give_up:  # the other upload ends in success or failure: then look again
+        time.sleep(0.2)
+        again = probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
+        if not again.uninitialized:
+            return False
+    raise SyncError(f"the shard at {target} still has no parameters after {timeout:g} s")
 
 
 def connect(
@@ -1060,15 +1137,15 @@ def connect(
     import socket
 
     from streamdiloco.common.fingerprint import model_fingerprint
-    from streamdiloco.common.fragments import build_layout, fragment_params, slice_ranges, unflatten_into
+    from streamdiloco.common.fragments import build_layout, flatten, fragment_params, unflatten_into
 
     chosen = chosen_sync_fields(sync, sync_set)
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
+    infos = [probe_shard(t, name, token, join_timeout, tls) for t in targets]
     if chosen != SYNC_FIELDS:  # the run's settings first: the fingerprint is made with them
-        theirs = shard_config(targets[0], name, token, join_timeout, tls)
-        sync = adopt_sync(sync, theirs, chosen, f"the shard at {targets[0]}")
+        sync = adopt_sync(sync, infos[0].config, chosen, f"the shard at {targets[0]}")
         if taken := [f for f in ADOPTED_LOG if f not in chosen]:
             log.info(
                 "%s: from the shard at %s: %s",
@@ -1079,11 +1156,18 @@ def connect(
     else:
         sync = SyncConfig(**sync.to_dict())  # checked as a whole (given_sync may have left it unchecked)
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern)
+    fingerprint = model_fingerprint(layout, sync)
+    if any(info.uninitialized for info in infos):  # server --init from-worker: ours, if we are the first
+        vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
+        for t, info in zip(targets, infos, strict=True):
+            if info.uninitialized:
+                initialize_shard(t, name, fingerprint, vectors, info, token, join_timeout, tls)
+        del vectors
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,
         name,
-        model_fingerprint(layout, sync),
+        fingerprint,
         token,
         join_timeout,
         reconnect_timeout,
