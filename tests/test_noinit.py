@@ -351,3 +351,35 @@ def test_a_hostile_upload_is_refused_and_changes_nothing(tmp_path):
         e = refused(_chunks(fp, good, token="secret"))
         assert e.code() == grpc.StatusCode.ALREADY_EXISTS
         channel.close()
+
+
+def test_two_workers_at_once_on_a_shard_without_parameters_start_from_the_same_ones(tmp_path):
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("s", "--init", "from-worker", "--sync-every", "6", "--num-fragments", "3")
+        models, engines, errors = {}, {}, []
+        for seed in (5, 6):
+            torch.manual_seed(seed)
+            models[f"w{seed}"] = UserLM()
+
+        def join(name: str) -> None:
+            try:
+                engines[name] = connect(models[name], [target], name=name)
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=join, args=(name,)) for name in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        try:
+            assert not errors, errors
+            uploader = re.search(r"starting parameters from (w\d)", c.log("s"))
+            assert uploader and c.log("s").count("took the layout") == 1, c.log("s")[-3000:]
+            want = [p.detach() for p in models[uploader[1]].parameters()]
+            for name, model in models.items():  # both hold the uploader's values, the other one fetched them
+                assert _same([p.detach() for p in model.parameters()], want), name
+            assert _same(engines["w5"].mirrors, engines["w6"].mirrors)
+        finally:
+            for e in engines.values():
+                e.close()
