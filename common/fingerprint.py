@@ -77,6 +77,10 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
                 f"model fingerprint differs from the {them}'s: {name} has dtype {pa[2]} on the {us}, "
                 f"{pb[2]} on the {them}"
             )
+    for key in sorted(set(ours) | set(theirs)):  # keys a shard learned with a layout (the model's config...)
+        if key not in ("params", "fragments") and ours.get(key) != theirs.get(key):
+            a, b = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
+            return f"model fingerprint differs from the {them}'s: {key} is {a} on the {us}, {b} on the {them}"
     return (
         f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
     )

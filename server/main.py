@@ -460,10 +460,9 @@ async def _serve_grpc(
     # included, gRPC takes no more until one ends (they wait in its own bounded queue)
     server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     pending = service if isinstance(service, PendingShard) else None
-    if pending is not None:
-        server.add_generic_rpc_handlers(
-            (pending.dispatch,)
-        )  # the pending shard's methods, then the service's
+    if pending is not None:  # the pending shard's methods, then the service's
+        server.add_generic_rpc_handlers((pending.dispatch,))
+        pending.ready = asyncio.get_running_loop().create_future()
     else:
         add_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -484,8 +483,7 @@ async def _serve_grpc(
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
     await server.start()
-    if pending is not None:
-        pending.ready = asyncio.get_running_loop().create_future()
+    if pending is not None and pending.ready is not None:
         _write_ready(ready_file, bound, http_bound, pending.shard)
         log.info(
             "shard %d/%d: gRPC on %s:%d; waiting for the first worker's model and parameters (--init %s)",

@@ -200,3 +200,17 @@ def test_files_that_cannot_start_a_shard_get_one_line_errors(tmp_path):
     save_file(plain, tmp_path / "wrong.safetensors", metadata={FINGERPRINT_KEY: json.dumps(fp)})
     with pytest.raises(ValueError, match=r"transformer.wte.weight has shape \[256, 32\], its fingerprint"):
         read_init_file(str(tmp_path / "wrong.safetensors"))
+
+
+def test_a_key_the_shard_learned_with_the_layout_is_compared_and_named():
+    from streamdiloco.common.fingerprint import fingerprint_diff
+
+    model = build_gpt("nano")
+    fp = model_fingerprint(build_layout(model, 3), SyncConfig(sync_every=6, num_fragments=3))
+    shard = {**fp, "model_config": {"n_head": 2}}
+    assert fingerprint_diff(shard, shard) is None
+    assert fingerprint_diff({**fp, "model_config": {"n_head": 4}}, shard, us="worker", them="shard") == (
+        "model fingerprint differs from the shard's: model_config is {'n_head': 4} on the worker, "
+        "{'n_head': 2} on the shard"
+    )
+    assert "model_config is None on the worker" in fingerprint_diff(fp, shard)
