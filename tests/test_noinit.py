@@ -383,3 +383,10 @@ def test_two_workers_at_once_on_a_shard_without_parameters_start_from_the_same_o
         finally:
             for e in engines.values():
                 e.close()
+
+
+def test_a_worker_setting_that_is_wrong_on_its_own_is_said_before_any_shard_is_asked():
+    r = streamdiloco("worker", "--servers", "127.0.0.1:1", "--sync-every", "12", "--uplink-codec", "fp4")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0] == "streamdiloco: error: unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0"

@@ -977,6 +977,7 @@ def fetch_masters(
 
 
 SYNC_FIELDS = frozenset(SyncConfig.__dataclass_fields__)
+SCHEDULE_FIELDS = ("sync_every", "num_fragments", "fragment_sync_delay")  # valid or not only together
 
 
 def chosen_sync_fields(sync: SyncConfig | None, sync_set: frozenset[str] | None) -> frozenset[str]:
@@ -1003,6 +1004,8 @@ def given_sync(values: dict) -> SyncConfig:
     except ValueError:
         if unknown := sorted(set(values) - SYNC_FIELDS):
             raise ValueError(f"unknown sync config field {unknown[0]!r}") from None
+        # what is wrong on its own (a codec's name, alpha out of [0, 1]...) is said now
+        SyncConfig(**{k: x for k, x in values.items() if k not in SCHEDULE_FIELDS})
         unchecked = object.__new__(SyncConfig)
         for f, x in {**SyncConfig().to_dict(), **values}.items():
             object.__setattr__(unchecked, f, x)  # frozen: set as its __init__ would
