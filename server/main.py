@@ -214,6 +214,7 @@ class Holder:
     def __init__(self, service: ShardService | None = None):
         self.service = service
         self.phase = "serving" if service is not None else "loading"
+        self.awaiting_first = False  # --init from-worker: gRPC takes the first worker's parameters
 
 
 OPEN_PATHS = ("/healthz", "/readyz")  # for health checks and load balancers: no token, nothing to read
@@ -255,9 +256,9 @@ def make_app(source: ShardService | Holder, auth: Auth | None = None) -> FastAPI
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        """200 once the model and the checkpoint are loaded and workers can join; 503 before and while
-        stopping."""
-        ready = holder.service is not None and holder.service.ready
+        """200 once the model and the checkpoint are loaded and workers can join (with --init from-worker:
+        once the first worker can send its parameters); 503 before and while stopping."""
+        ready = (holder.service is not None and holder.service.ready) or holder.awaiting_first
         return JSONResponse({"ready": ready, "phase": holder.phase}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -494,7 +495,9 @@ async def _serve_grpc(
             FROM_WORKER,
         )
         stopped = asyncio.ensure_future(stop.wait())
+        holder.awaiting_first = True
         await asyncio.wait({pending.ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        holder.awaiting_first = False
         if not pending.ready.done():  # stopped before any worker came: nothing to save
             holder.phase = "stopping"
             await server.stop(grace=1.0)

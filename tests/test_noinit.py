@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import threading
+import urllib.error
 
 import grpc
 import pytest
@@ -216,6 +217,14 @@ def test_a_shard_without_parameters_takes_the_first_workers_and_a_restart_needs_
     with Cluster(tmp_path) as c:
         target, http = c.shard("s", *flags)
         assert "waiting for the first worker's model and parameters" in c.log("s")
+        # ready for workers (compose starts them on /readyz), though it has nothing to serve yet
+        assert http_json(http, "/readyz") == {
+            "ready": True,
+            "phase": "waiting for the first worker's parameters",
+        }
+        with pytest.raises(urllib.error.HTTPError) as e:  # no status without a state
+            http_json(http)
+        assert e.value.code == 503
         torch.manual_seed(1)
         first = UserLM()
         own = [p.detach().clone() for p in first.parameters()]
