@@ -461,9 +461,9 @@ async def _serve_grpc(
     # included, gRPC takes no more until one ends (they wait in its own bounded queue)
     server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
     pending = service if isinstance(service, PendingShard) else None
-    if pending is not None:  # the pending shard's methods, then the service's
-        server.add_generic_rpc_handlers((pending.dispatch,))
-        pending.ready = asyncio.get_running_loop().create_future()
+    if isinstance(service, PendingShard):  # the pending shard's methods, then the service's
+        server.add_generic_rpc_handlers((service.dispatch,))
+        service.ready = asyncio.get_running_loop().create_future()
     else:
         add_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -478,8 +478,9 @@ async def _serve_grpc(
         raise OSError(
             f"cannot listen for gRPC on {host}:{port}: the port is in use or the address is not local"
         )
-    ckpt = service.checkpoint if pending is None else None
+    ckpt = service.checkpoint if isinstance(service, ShardService) else None
     if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
+        assert isinstance(service, ShardService)
         if not ckpt.save_all(service.state):
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
@@ -506,6 +507,7 @@ async def _serve_grpc(
         service = pending.ready.result()
         holder.service = service
         ready_file = None  # written already
+    assert isinstance(service, ShardService)
     service.serving = True
     holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
