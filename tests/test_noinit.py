@@ -362,9 +362,10 @@ def test_a_hostile_upload_is_refused_and_changes_nothing(tmp_path):
         channel.close()
 
 
-def test_two_workers_at_once_on_a_shard_without_parameters_start_from_the_same_ones(tmp_path):
+def test_two_workers_at_once_on_shards_without_parameters_start_from_one_workers_values(tmp_path):
+    flags = ["--init", "from-worker", "--sync-every", "6", "--num-fragments", "3", "--num-shards", "2"]
     with Cluster(tmp_path) as c:
-        target, _ = c.shard("s", "--init", "from-worker", "--sync-every", "6", "--num-fragments", "3")
+        targets = [c.shard(f"s{i}", *flags, "--shard", str(i))[0] for i in range(2)]
         models, engines, errors = {}, {}, []
         for seed in (5, 6):
             torch.manual_seed(seed)
@@ -372,7 +373,7 @@ def test_two_workers_at_once_on_a_shard_without_parameters_start_from_the_same_o
 
         def join(name: str) -> None:
             try:
-                engines[name] = connect(models[name], [target], name=name)
+                engines[name] = connect(models[name], targets, name=name)
             except Exception as e:  # reported below
                 errors.append(e)
 
@@ -383,9 +384,10 @@ def test_two_workers_at_once_on_a_shard_without_parameters_start_from_the_same_o
             t.join(120)
         try:
             assert not errors, errors
-            uploader = re.search(r"starting parameters from (w\d)", c.log("s"))
-            assert uploader and c.log("s").count("took the layout") == 1, c.log("s")[-3000:]
-            want = [p.detach() for p in models[uploader[1]].parameters()]
+            # one worker's values on both shards, not a mix of the two
+            uploader = {re.search(r"starting parameters from (w\d)", c.log(f"s{i}"))[1] for i in range(2)}
+            assert len(uploader) == 1 and all(c.log(f"s{i}").count("took the layout") == 1 for i in range(2))
+            want = [p.detach() for p in models[uploader.pop()].parameters()]
             for name, model in models.items():  # both hold the uploader's values, the other one fetched them
                 assert _same([p.detach() for p in model.parameters()], want), name
             assert _same(engines["w5"].mirrors, engines["w6"].mirrors)

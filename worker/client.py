@@ -62,6 +62,7 @@ __all__ = [
     "given_sync",
     "initialize_shard",
     "probe_shard",
+    "wait_initialized",
 ]
 
 log = logging.getLogger("streamdiloco.worker")
@@ -1092,12 +1093,23 @@ def initialize_shard(
                 raise SyncError(
                     f"shard at {target} refused this worker's starting parameters: {code.name}: {e.details()}"
                 ) from None
-    while time.monotonic() < give_up:  # the other upload ends in success or failure: then look again
+    wait_initialized(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
+    return False
+
+
+def wait_initialized(
+    target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> None:
+    """Wait until another worker's upload has given the shard its parameters; SyncError after `timeout`."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if not probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls).uninitialized:
+            return
         time.sleep(0.2)
-        again = probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
-        if not again.uninitialized:
-            return False
-    raise SyncError(f"the shard at {target} still has no parameters after {timeout:g} s")
+    raise SyncError(
+        f"the shard at {target} still has no parameters after {timeout:g} s: if the worker that was sending "
+        "them stopped, start every shard again with --fresh"
+    )
 
 
 def connect(
@@ -1162,9 +1174,14 @@ def connect(
     fingerprint = model_fingerprint(layout, sync)
     if any(info.uninitialized for info in infos):  # server --init from-worker: ours, if we are the first
         vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
+        # one worker's values in every shard: only a worker that found no shard initialized and got its
+        # upload into the first sends to the others; the rest wait (the shards hold no mix of two workers')
+        ours = all(info.uninitialized for info in infos)
         for t, info in zip(targets, infos, strict=True):
-            if info.uninitialized:
-                initialize_shard(t, name, fingerprint, vectors, info, token, join_timeout, tls)
+            if info.uninitialized and ours:
+                ours = initialize_shard(t, name, fingerprint, vectors, info, token, join_timeout, tls)
+            elif info.uninitialized:
+                wait_initialized(t, name, token, join_timeout, tls)
         del vectors
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
