@@ -1142,9 +1142,10 @@ def connect(
     on (H, P, the pattern, the codecs) and that differs from theirs is refused at Join with the difference;
     tau, alpha and the merge settings are this worker's own, the shard's only their default. The settings
     in force are `engine.cfg`; for settings that are valid only with the shard's (H=12 with its P=3),
-    pass given_sync({"sync_every": 12}). `total_steps` lets the engine sync every fragment at the last step
-    (final_sync). `resume` is a worker checkpoint's dict (see
-    worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
+    pass given_sync({"sync_every": 12}). A shard that has no parameters yet (server --init from-worker) gets
+    this worker's. `total_steps` lets the engine sync every fragment at the last step (final_sync).
+    `resume` is a worker checkpoint's dict (see worker/run.py): the engine and the links continue from it,
+    and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
     over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py."""
