@@ -401,3 +401,40 @@ def test_a_worker_setting_that_is_wrong_on_its_own_is_said_before_any_shard_is_a
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0] == "streamdiloco: error: unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0"
+
+
+def test_an_upload_is_checked_piece_by_piece_and_gives_the_shards_slices():
+    from streamdiloco.server.initialize import InitRefused, Upload, shard_fingerprint
+
+    specs = [
+        ParamSpec("b.0.w", (5,), "float32"),
+        ParamSpec("b.1.w", (1,), "float32"),
+        ParamSpec("e", (4,), "bfloat16"),
+    ]
+    layout = layout_from_description(specs, 3)  # fragments of 5, 1 and 4 values
+    cfg = SyncConfig(sync_every=6, num_fragments=3)
+    fp = {**model_fingerprint(layout, cfg), "model_config": {"n_head": 2}}
+    got, ours = shard_fingerprint(fp, cfg)
+    assert got == layout and ours == fp  # a key beyond the layout is kept, to compare later workers with
+    # shard 1 of 2: values 3..5 of fragment 0, none of fragment 1 (1 value: shard 0's), 2..4 of fragment 2
+    up = Upload(layout, 1, 2)
+    bad = [
+        (lambda u: u.add(0, 1, values_to_bytes(torch.ones(2)), False), "expected fragment 0 at offset 0"),
+        (lambda u: u.add(0, 0, values_to_bytes(torch.ones(3)), False), "more than the 2 values"),
+        (lambda u: u.add(0, 0, b"\x00" * 7, False), "whole 4-byte numbers"),
+        (lambda u: u.add(0, 0, values_to_bytes(torch.tensor([1.0, float("inf")])), False), "not finite"),
+        (lambda u: u.add(0, 0, b"", True), "ended with fragment 0 at 0 of its 2 values"),
+    ]
+    for call, words in bad:
+        with pytest.raises(InitRefused, match=words):
+            call(Upload(layout, 1, 2))
+    up.add(0, 0, values_to_bytes(torch.tensor([1.0, 2.0])), False)
+    up.add(2, 0, values_to_bytes(torch.tensor([3.0, 4.0])), True)  # fragment 1 has nothing here
+    with pytest.raises(InitRefused, match="a chunk after the last one"):
+        up.add(2, 2, b"", True)
+    initial = up.initial()
+    assert [t.tolist() for t in initial] == [[0, 0, 0, 1, 2], [0], [0, 0, 3, 4]]
+    with pytest.raises(InitRefused, match="sync_every is 6 on the worker, 12 on the shard"):
+        shard_fingerprint(fp, SyncConfig(sync_every=12, num_fragments=3))
+    with pytest.raises(InitRefused, match="do not hold every parameter once"):
+        shard_fingerprint({**fp, "fragments": fp["fragments"][:2]}, cfg)
