@@ -112,9 +112,9 @@ def _add_run_flags(g) -> None:
     g.add_argument("--device", default="cpu", help="torch device for training: cpu, cuda, cuda:1 ...")
 
 
-def _add_sync_flags(p: argparse.ArgumentParser, unset: bool = False) -> None:
+def _add_sync_flags(p: argparse.ArgumentParser, unset: bool = False, shard: bool = False) -> None:
     """`unset`: every flag defaults to None, so that what the user set shows (a worker takes the rest from
-    the shard)."""
+    the shard); `shard`: the flags of the shard, which are the run's."""
     from streamdiloco.common.codecs import CODECS
     from streamdiloco.common.config import SyncConfig
 
@@ -123,6 +123,8 @@ def _add_sync_flags(p: argparse.ArgumentParser, unset: bool = False) -> None:
         "Streaming DiLoCo (default: the shard's; one set here that differs from the shard's H, P, pattern "
         "or codecs is refused at Join)"
         if unset
+        else "Streaming DiLoCo (the run's: workers take them from the shard at Join unless they set them)"
+        if shard
         else "Streaming DiLoCo (shards and workers must agree)"
     )
     g.add_argument(
@@ -485,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
     _add_limit_flags(sv.add_argument_group("limits: what clients may make the shard hold"))
     _add_model_flags(sv.add_argument_group("model (the same as the workers')"), shard=True)
-    _add_sync_flags(sv)
+    _add_sync_flags(sv, shard=True)
     sv.set_defaults(func=_cmd_server)
 
     wk = sub.add_parser(
