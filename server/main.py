@@ -122,11 +122,18 @@ def build_service(
             limits=limits,
         )
 
-    if init == FROM_WORKER:
-        if model_spec is not None or blocks_path is not None:
+    saved = Path(checkpoint_dir or "") / "meta.json"
+    resuming = bool(checkpoint_dir) and not fresh and saved.exists()
+    # started from a file once: the checkpoint has the layout and the values, and the file may be gone
+    gone = model_spec is None and bool(init) and init != FROM_WORKER and resuming and not Path(init).exists()
+    if gone:
+        log.info(
+            "shard %d: --init %s is gone: the layout comes from checkpoint %s", shard, init, checkpoint_dir
+        )
+    if init == FROM_WORKER or gone:
+        if not gone and (model_spec is not None or blocks_path is not None):
             raise ValueError("--init from-worker takes the model from the first worker: leave out --model")
-        saved = Path(checkpoint_dir or "") / "meta.json"
-        if not checkpoint_dir or fresh or not saved.exists():
+        if not resuming:
             return PendingShard(
                 cfg,
                 shard,

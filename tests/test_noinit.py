@@ -100,6 +100,21 @@ def test_a_shard_started_from_a_torch_state_dict_needs_no_model_code(tmp_path):
         log = (tmp_path / "shard.log").read_text()
         assert "3 blocks in 'body.layers' (from --blocks-path)" in log, log
         _train_and_check(model, target, http)
+        masters = fetch_masters([target])
+    # restarted once the file is gone: the checkpoint has the layout (and the values)
+    (tmp_path / "model.pt").unlink()
+    again = [
+        *flags,
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        "--checkpoint-dir",
+        str(tmp_path / "shard-checkpoint"),
+    ]
+    with shard_process(tmp_path, *again, name="again") as (target, _, _):
+        assert "model.pt is gone: the layout comes from checkpoint" in (tmp_path / "again.log").read_text()
+        assert _same(fetch_masters([target]), masters)
 
 
 def test_a_shard_started_from_an_exported_safetensors_file_takes_the_blocks_from_its_fingerprint(tmp_path):
