@@ -348,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one shard of the outer-optimizer server",
         description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
         "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
-        "same model and Streaming DiLoCo flags as the workers (or the same --config file).",
+        "same model as the workers (--model), or from the model's parameters alone (--init FILE: no model "
+        "code on the shard), and the same Streaming DiLoCo settings (flags, or the same --config file): "
+        "workers take these from the shard at Join unless they set them.",
     )
     g = sv.add_argument_group("shard")
     g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
@@ -378,7 +380,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--init",
         default=None,
         metavar="PATH",
-        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH)",
+        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH), or "
+        "a safetensors file from `streamdiloco export`. Without --model the file is the model: names, "
+        "shapes, dtypes and values come from it, the blocks from its fingerprint, --blocks-path or the "
+        "names (the log says which). `--init from-worker`: no model and no file: the first worker to join "
+        "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
+    )
+    g.add_argument(
+        "--blocks-path",
+        default=None,
+        metavar="NAME",
+        help="with --init and no --model: the dotted name of the list of blocks that are split into "
+        "fragments (default: from the file's fingerprint, else the longest NAME.<int>. in the names)",
     )
     g.add_argument(
         "--checkpoint-dir",
@@ -558,9 +571,10 @@ def _setup_logging() -> None:
 
 
 def _sync_config(args: argparse.Namespace):
+    """The SyncConfig of the flags given (a worker's unset ones, None, keep their defaults)."""
     from streamdiloco.common.config import SyncConfig
 
-    return SyncConfig(**_pick(SyncConfig, vars(args)))
+    return SyncConfig(**{k: x for k, x in _pick(SyncConfig, vars(args)).items() if x is not None})
 
 
 def _server_security(args: argparse.Namespace):
@@ -616,7 +630,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
             cfg,
-            args.model,
+            # with --init (a file, or from-worker) and no --model given: no model code on the shard
+            args.model if "model" in args.settings.given["model"] or not args.init else None,
             args.shard,
             args.num_shards,
             seed=args.seed,
@@ -733,8 +748,17 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         if args.token:
             raise ValueError("give --token or --token-file, not both")
         top["token"] = read_secret(args.token_file, "--token-file")
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.worker.client import given_sync
+
+    # the [sync] settings given by flag or --config file; the rest: the shard's
+    given = {k: x for k, x in _pick(SyncConfig, v).items() if k in args.sync_set}
     cfg = WorkerConfig(
-        servers=servers, **top, sync=_sync_config(args), inner=InnerConfig(**_pick(InnerConfig, v))
+        servers=servers,
+        **top,
+        sync=given_sync(given),
+        sync_set=frozenset(args.sync_set),
+        inner=InnerConfig(**_pick(InnerConfig, v)),
     )
     _check_data(cfg.data)
     try:

@@ -120,7 +120,10 @@ def fingerprint_digest(fp: dict) -> str:
 
 
 def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "server") -> str | None:
-    """None when equal, else one sentence naming the first difference."""
+    """None when equal, else one sentence naming the first difference. A `theirs` without a model_config
+    (a shard started from a plain state_dict file knows none) does not check ours."""
+    if "model_config" not in theirs:
+        ours = {k: v for k, v in ours.items() if k != "model_config"}
     if ours == theirs:
         return None
     if ours.get("fragment_groups") != theirs.get("fragment_groups"):
@@ -187,6 +190,10 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
                     f"model fingerprint differs from the {them}'s: model_config.{name} is {a_value} on the "
                     f"{us}, {b_value} on the {them}"
                 )
+    for key in sorted(set(ours) | set(theirs)):  # keys a shard learned with a layout (the model's config...)
+        if key not in ("params", "fragments", "model_config") and ours.get(key) != theirs.get(key):
+            a, b = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
+            return f"model fingerprint differs from the {them}'s: {key} is {a} on the {us}, {b} on the {them}"
     return (
         f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
     )

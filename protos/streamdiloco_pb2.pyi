@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "token", "fingerprint_json", "protocol")
+    __slots__ = ("worker", "token", "fingerprint_json", "protocol", "config_only")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_ONLY_FIELD_NUMBER: _ClassVar[int]
     worker: str
     token: str
     fingerprint_json: str
     protocol: int
-    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    config_only: bool
+    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., protocol: _Optional[int] = ..., config_only: _Optional[bool] = ...) -> None: ...
 
 class SliceRange(_message.Message):
     __slots__ = ("offset", "length")
@@ -27,7 +29,7 @@ class SliceRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("config_json", "shard", "num_shards", "slices", "rounds", "session", "chunk_values")
+    __slots__ = ("config_json", "shard", "num_shards", "slices", "rounds", "session", "chunk_values", "uninitialized")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +37,7 @@ class JoinReply(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_VALUES_FIELD_NUMBER: _ClassVar[int]
+    UNINITIALIZED_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     shard: int
     num_shards: int
@@ -42,7 +45,30 @@ class JoinReply(_message.Message):
     rounds: _containers.RepeatedScalarFieldContainer[int]
     session: str
     chunk_values: int
-    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceRange, _Mapping]]] = ..., rounds: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., chunk_values: _Optional[int] = ...) -> None: ...
+    uninitialized: bool
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceRange, _Mapping]]] = ..., rounds: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., chunk_values: _Optional[int] = ..., uninitialized: _Optional[bool] = ...) -> None: ...
+
+class InitChunk(_message.Message):
+    __slots__ = ("worker", "token", "fingerprint_json", "fragment", "offset", "values", "last")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    token: str
+    fingerprint_json: str
+    fragment: int
+    offset: int
+    values: bytes
+    last: bool
+    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class InitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("fragment", "round", "seq", "offset", "numel", "total", "codec", "block_size", "scales", "payload", "last")

@@ -49,6 +49,11 @@ class ShardStub:
                 request_serializer=streamdiloco__pb2.FetchRequest.SerializeToString,
                 response_deserializer=streamdiloco__pb2.MasterChunk.FromString,
                 _registered_method=True)
+        self.Initialize = channel.stream_unary(
+                '/streamdiloco.v1.Shard/Initialize',
+                request_serializer=streamdiloco__pb2.InitChunk.SerializeToString,
+                response_deserializer=streamdiloco__pb2.InitReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -72,6 +77,12 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Initialize(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=streamdiloco__pb2.FetchRequest.FromString,
                     response_serializer=streamdiloco__pb2.MasterChunk.SerializeToString,
+            ),
+            'Initialize': grpc.stream_unary_rpc_method_handler(
+                    servicer.Initialize,
+                    request_deserializer=streamdiloco__pb2.InitChunk.FromString,
+                    response_serializer=streamdiloco__pb2.InitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Shard:
             '/streamdiloco.v1.Shard/Fetch',
             streamdiloco__pb2.FetchRequest.SerializeToString,
             streamdiloco__pb2.MasterChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Initialize(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/streamdiloco.v1.Shard/Initialize',
+            streamdiloco__pb2.InitChunk.SerializeToString,
+            streamdiloco__pb2.InitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,9 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.ports import bind_error, probe
+from streamdiloco.common.statefile import read_init_file
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
 from streamdiloco.server.auth import Auth, WorkersFile
@@ -43,6 +44,7 @@ from streamdiloco.server.bounds import (
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import HISTORY
+from streamdiloco.server.initialize import InitRefused, PendingShard, shard_fingerprint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.run_view import Peers, RunView
@@ -52,9 +54,12 @@ from streamdiloco.server.shard import ShardState
 log = logging.getLogger("streamdiloco.shard")
 
 
+FROM_WORKER = "from-worker"  # --init from-worker: the first worker's layout and parameters
+
+
 def build_service(
     cfg: SyncConfig,
-    model_spec: str,
+    model_spec: str | None,
     shard: int,
     num_shards: int,
     seed: int = 0,
@@ -72,12 +77,16 @@ def build_service(
     limits: Limits | None = None,
     blocks_path: str | None = None,
     fragments: Sequence[Sequence[str]] | None = None,
-) -> ShardService:
+) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
-    with its parameters then taken from `init` (a saved state_dict) if given; or, when `checkpoint_dir`
-    holds a checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against
-    workers' pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as
-    the workers give it to connect() (--blocks-path, --fragments)."""
+    with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
+    from the `init` file alone (names, shapes, dtypes and values; the blocks from the file's fingerprint,
+    else `blocks_path`, else detected from the names: common/statefile.py), so that the shard needs no
+    model code; or, with `init` "from-worker" and no model, a PendingShard that takes the layout and the
+    values from the first worker's upload (server/initialize.py); or, when `checkpoint_dir` holds a
+    checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against workers'
+    pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as the
+    workers give it to connect() (--blocks-path, --fragments)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -85,35 +94,109 @@ def build_service(
     if checkpoint_dir and not fresh and (Path(checkpoint_dir) / "meta.json").exists():
         # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
         ShardCheckpoint(checkpoint_dir, {}).check_meta(shard, num_shards, cfg)
+
+    def finish(layout: FragmentLayout, initial: list, fingerprint: dict, first: bool = False) -> ShardService:
+        """The service from a layout and its starting values; `first`: the first worker's upload, written to
+        the checkpoint at once (a restart then needs the uploader no more)."""
+        state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
+        checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
+        if checkpoint is not None and checkpoint.exists() and not fresh and not first:
+            checkpoint.load(state)
+            log.info(
+                "shard %d: resumed from checkpoint %s at rounds %s",
+                shard,
+                checkpoint_dir,
+                [state.round_of(f) for f in range(layout.num_fragments)],
+            )
+        elif checkpoint is not None:
+            checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
+            if first:
+                if not checkpoint.save_all(state):
+                    raise OSError(f"cannot write the checkpoint to {checkpoint.dir}: {checkpoint.last_error}")
+                checkpoint.pending_initial = False
+        warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
+        return ShardService(
+            state,
+            fingerprint,
+            token=token,
+            chunk_bytes=chunk_bytes,
+            checkpoint=checkpoint,
+            auth=auth,
+            workers_file=workers_file,
+            limits=limits,
+        )
+
+    saved = Path(checkpoint_dir or "") / "meta.json"
+    resuming = bool(checkpoint_dir) and not fresh and saved.exists()
+    # started from a file once: the checkpoint has the layout and the values, and the file may be gone
+    gone = model_spec is None and bool(init) and init != FROM_WORKER and resuming and not Path(init).exists()
+    if gone:
+        log.info(
+            "shard %d: --init %s is gone: the layout comes from checkpoint %s", shard, init, checkpoint_dir
+        )
+    if init == FROM_WORKER or gone:
+        if not gone and (model_spec is not None or blocks_path is not None):
+            raise ValueError("--init from-worker takes the model from the first worker: leave out --model")
+        if not resuming:
+            return PendingShard(
+                cfg,
+                shard,
+                num_shards,
+                auth if auth is not None else Auth(token=token),
+                limits or Limits(),
+                lambda layout, initial, fp: finish(layout, initial, fp, first=True),
+            )
+        try:  # restarted: the layout the first worker gave, as the checkpoint keeps it
+            layout, fingerprint = shard_fingerprint(
+                json.loads(saved.read_text()).get("fingerprint") or {}, cfg
+            )
+        except (InitRefused, ValueError, AttributeError) as e:
+            raise ValueError(
+                f"checkpoint {checkpoint_dir}: its fingerprint does not give a layout ({e})"
+            ) from None
+        import torch
+
+        return finish(layout, [torch.zeros(f.numel) for f in layout.fragments], fingerprint)
+    if model_spec is None:
+        if not init:
+            raise ValueError("give the model (--model), its parameters (--init FILE) or --init from-worker")
+        layout, initial, learned = layout_from_file(init, cfg, blocks_path, shard)
+        if fragments is not None:
+            raise ValueError("--fragments needs the model (--model): a file's layout is its blocks'")
+        # the file's model config if its fingerprint has one; none known (a plain state_dict): not checked
+        fingerprint = model_fingerprint(layout, cfg, seed, learned.get("model_config", {}))
+        if "model_config" not in learned:
+            del fingerprint["model_config"]
+        return finish(layout, initial, {**learned, **fingerprint})
     model = build_model(model_spec, seed, block_size)
     if init:
         load_initial(model, init)
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern, blocks_path, fragments)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
-    fingerprint = model_fingerprint(layout, cfg, seed)
-    checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
-    if checkpoint is not None and checkpoint.exists() and not fresh:
-        checkpoint.load(state)
-        log.info(
-            "shard %d: resumed from checkpoint %s at rounds %s",
-            shard,
-            checkpoint_dir,
-            [state.round_of(f) for f in range(layout.num_fragments)],
-        )
-    elif checkpoint is not None:
-        checkpoint.pending_initial = True  # serve() writes the starting state before taking workers
-    warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
-    return ShardService(
-        state,
-        fingerprint,
-        token=token,
-        chunk_bytes=chunk_bytes,
-        checkpoint=checkpoint,
-        auth=auth,
-        workers_file=workers_file,
-        limits=limits,
+    return finish(layout, initial, model_fingerprint(layout, cfg, seed))
+
+
+def layout_from_file(
+    path: str, cfg: SyncConfig, blocks_path: str | None, shard: int = 0
+) -> tuple[FragmentLayout, list, dict]:
+    """The layout, the initial fragments and what else the fingerprint must hold (the file's own
+    fingerprint's keys beyond the layout: the model's config, say), from a state dict file alone."""
+    init = read_init_file(path, blocks_path)
+    try:
+        layout = init.layout(cfg.num_fragments, cfg.fragment_pattern)
+    except ValueError as e:
+        raise ValueError(f"--init {path}: {e}") from None
+    log.info(
+        "shard %d: --init %s: %d parameters, %s values; %s",
+        shard,
+        path,
+        sum(len(f.entries) for f in layout.fragments),
+        f"{layout.numel:,}",
+        f"{sum(len(f.blocks) for f in layout.fragments)} blocks in {layout.blocks_path!r} ({init.source})"
+        if cfg.num_fragments > 1
+        else "one fragment",
     )
+    return layout, init.initial(layout), init.opaque()
 
 
 def load_initial(model, path: str) -> None:
@@ -145,6 +228,7 @@ class Holder:
     def __init__(self, service: ShardService | None = None):
         self.service = service
         self.phase = "serving" if service is not None else "loading"
+        self.awaiting_first = False  # --init from-worker: gRPC takes the first worker's parameters
 
 
 OPEN_PATHS = ("/healthz", "/readyz")  # for health checks and load balancers: no token, nothing to read
@@ -191,9 +275,9 @@ def make_app(source: ShardService | Holder, auth: Auth | None = None, peers: Pee
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        """200 once the model and the checkpoint are loaded and workers can join; 503 before and while
-        stopping."""
-        ready = holder.service is not None and holder.service.ready
+        """200 once the model and the checkpoint are loaded and workers can join (with --init from-worker:
+        once the first worker can send its parameters); 503 before and while stopping."""
+        ready = (holder.service is not None and holder.service.ready) or holder.awaiting_first
         return JSONResponse({"ready": ready, "phase": holder.phase}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
@@ -245,7 +329,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    service: ShardService | Callable[[], ShardService],
+    service: ShardService | PendingShard | Callable[[], ShardService | PendingShard],
     host: str = "127.0.0.1",
     port: int = 0,
     http_port: int | None = 0,
@@ -259,17 +343,19 @@ async def serve(
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
-    /healthz while it runs, in a thread. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
+    /healthz while it runs, in a thread. A PendingShard (--init from-worker) serves gRPC until the first
+    worker's upload has made the service. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
     HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
     on what clients may hold (else the service's, or the defaults). `peers`: the run's shards, for the
     dashboard's run view."""
     stop = stop or asyncio.Event()
     if limits is None:
-        limits = service.limits if isinstance(service, ShardService) else Limits()
+        limits = service.limits if isinstance(service, ShardService | PendingShard) else Limits()
     _, http_connections = connection_caps(limits)  # before anything listens: a limit too low fails now
     throttle_library_logs()
     loop = asyncio.get_running_loop()
     holder = Holder(service if isinstance(service, ShardService) else None)
+    pending = service if isinstance(service, PendingShard) else None
 
     def on_signal() -> None:
         if holder.phase == "loading" and stop.is_set():  # a second signal while loading: nothing to save
@@ -336,7 +422,7 @@ async def serve(
     if port and (taken := probe(host, port)) is not None:  # now, not after the model has loaded
         await stop_http()
         raise bind_error("--port", host, port, taken, "another shard")
-    if not isinstance(service, ShardService):  # a function that builds it: holder.service is None
+    if holder.service is None and pending is None:  # a function that builds it
         slow = loop.call_later(  # said only when it takes a while: a bad flag's error stays one line
             2.0,
             log.info,
@@ -344,7 +430,11 @@ async def serve(
             f"; health on {scheme}://{http_host}:{http_bound}/healthz" if http_bound else "",
         )
         try:
-            holder.service = loaded = await asyncio.to_thread(service)
+            built = await asyncio.to_thread(service)  # type: ignore[arg-type]
+            if isinstance(built, PendingShard):
+                pending = built
+            else:
+                holder.service = built
         except BaseException:
             holder.phase = "failed"
             await stop_http()
@@ -355,7 +445,8 @@ async def serve(
             holder.phase = "stopping"
             await stop_http()
             return
-        service = loaded
+    if pending is not None:
+        holder.phase = "waiting for the first worker's parameters"
     # what start-up made (torch, the model, the codecs' kernels: about a million objects) stays: out of the
     # collector's sight, so that a full collection does not hold the GIL for a tenth of a second mid-round
     gc.collect()
@@ -364,7 +455,7 @@ async def serve(
         # gRPC's cap from what the process holds now that the model and the checkpoint are loaded
         connections = (connection_caps(limits)[0], http_connections if http_port is not None else 0)
         await _serve_grpc(
-            service,
+            holder.service or pending,  # type: ignore[arg-type]
             holder,
             host,
             port,
@@ -379,8 +470,15 @@ async def serve(
         await stop_http()
 
 
+def _write_ready(ready_file: str | None, grpc_port: int, http_port: int | None, shard: int) -> None:
+    if ready_file:
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"grpc_port": grpc_port, "http_port": http_port, "shard": shard}))
+        tmp.replace(ready_file)
+
+
 async def _serve_grpc(
-    service: ShardService,
+    service: ShardService | PendingShard,
     holder: Holder,
     host: str,
     port: int,
@@ -395,7 +493,12 @@ async def _serve_grpc(
     # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
     # included, gRPC takes no more until one ends (they wait in its own bounded queue)
     server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
-    add_to_server(service, server)
+    pending = service if isinstance(service, PendingShard) else None
+    if isinstance(service, PendingShard):  # the pending shard's methods, then the service's
+        server.add_generic_rpc_handlers((service.dispatch,))
+        service.ready = asyncio.get_running_loop().create_future()
+    else:
+        add_to_server(service, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if tls is None:
@@ -406,12 +509,36 @@ async def _serve_grpc(
         bound = 0
     if bound == 0:
         raise bind_error("--port", host, port, probe(host, port), "another shard")
-    ckpt = service.checkpoint
+    ckpt = service.checkpoint if isinstance(service, ShardService) else None
     if ckpt is not None and ckpt.pending_initial:  # a new run's starting state (or an old format's, hashed)
+        assert isinstance(service, ShardService)
         if not ckpt.save_all(service.state):
             raise OSError(f"cannot write the checkpoint to {ckpt.dir}: {ckpt.last_error}")
         ckpt.pending_initial = False
     await server.start()
+    if pending is not None and pending.ready is not None:
+        _write_ready(ready_file, bound, http_bound, pending.shard)
+        log.info(
+            "shard %d/%d: gRPC on %s:%d; waiting for the first worker's model and parameters (--init %s)",
+            pending.shard,
+            pending.num_shards,
+            host,
+            bound,
+            FROM_WORKER,
+        )
+        stopped = asyncio.ensure_future(stop.wait())
+        holder.awaiting_first = True
+        await asyncio.wait({pending.ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        holder.awaiting_first = False
+        if not pending.ready.done():  # stopped before any worker came: nothing to save
+            holder.phase = "stopping"
+            await server.stop(grace=1.0)
+            return
+        stopped.cancel()
+        service = pending.ready.result()
+        holder.service = service
+        ready_file = None  # written already
+    assert isinstance(service, ShardService)
     service.serving = True
     holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
@@ -448,10 +575,7 @@ async def _serve_grpc(
         limits.max_sessions_per_peer,
         limits.hello_timeout,
     )
-    if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"grpc_port": bound, "http_port": http_bound, "shard": st.shard}))
-        tmp.replace(ready_file)
+    _write_ready(ready_file, bound, http_bound, st.shard)
     try:
         await stop.wait()
     finally:

@@ -209,6 +209,11 @@ class ShardService(pb_grpc.ShardServicer):
                     self._told_unchecked.add(request.worker)
                 self.throttled.warning("unchecked-token", "refused %s at Join: %s", request.worker, unchecked)
             await _abort(context, unchecked)
+        st = self.state
+        if request.config_only:  # a worker that takes its settings from the shard asks for them first
+            return pb.JoinReply(
+                config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
+            )
         if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -236,7 +241,6 @@ class ShardService(pb_grpc.ShardServicer):
             session = self.sessions.join(request.worker, identity, self.clock(), self.members)
         except Refused as r:
             await _abort(context, r)
-        st = self.state
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
             shard=st.shard,
@@ -359,25 +363,12 @@ class ShardService(pb_grpc.ShardServicer):
     async def _authenticate(
         self, context: grpc.aio.ServicerContext, token: str, name: str | None
     ) -> Identity:
-        """What the call's credentials prove (the token in its metadata, else `token` from the message; the
-        client certificate's name under mutual TLS); aborts the call when they do not allow it."""
-        offered = self._offered_token(context, token)
-        names = (context.auth_context() or {}).get("x509_common_name") or ()
-        certificate = next(iter(names), b"").decode("utf-8", "replace") or None
-        try:
-            return self.auth.authenticate(offered, certificate, name)
-        except Refused as r:
-            await _abort(context, r)
-            raise  # not reached: abort raises
+        return await authenticate(self.auth, context, token, name)
 
     @staticmethod
     def _offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
         """The token a call offers: its metadata's bearer token, else `token` from the message."""
-        offered = token
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-                offered = value[7:].strip()
-        return offered
+        return offered_token(context, token)
 
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
@@ -955,6 +946,30 @@ _STATUS = {
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
+
+
+def offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
+    """The token a call offers: its metadata's bearer token, else `token` from the message."""
+    offered = token
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+            offered = value[7:].strip()
+    return offered
+
+
+async def authenticate(
+    auth: Auth, context: grpc.aio.ServicerContext, token: str, name: str | None
+) -> Identity:
+    """What the call's credentials prove (the token in its metadata, else `token` from the message; the
+    client certificate's name under mutual TLS); aborts the call when they do not allow it."""
+    offered = offered_token(context, token)
+    names = (context.auth_context() or {}).get("x509_common_name") or ()
+    certificate = next(iter(names), b"").decode("utf-8", "replace") or None
+    try:
+        return auth.authenticate(offered, certificate, name)
+    except Refused as r:
+        await _abort(context, r)
+        raise  # not reached: abort raises
 
 
 async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:

@@ -222,17 +222,21 @@ def test_compose_checkpoint_volumes(compose, commands):
 
 def test_compose_commands_agree(compose, commands):
     """Shards and workers are built from one parser; the flags that make the run must be equal everywhere,
-    or the shards refuse the workers at Join."""
+    or the shards refuse the workers at Join (a worker takes the Streaming DiLoCo flags it leaves out from
+    the shard: those it gives must be the shard's)."""
     from streamdiloco.common.config import SyncConfig
 
     def run_flags(args) -> dict:
         d = {k: getattr(args, k) for k in ("model", "seed", "block_size")}
+        d["model"] = d["model"] or "tiny"  # a shard's default, unless --init names a file
         d.update({k: v for k, v in vars(args).items() if k in SyncConfig.__dataclass_fields__})
         return d
 
     reference = run_flags(commands["shard-0"])
     for name, args in commands.items():
-        assert run_flags(args) == reference, f"{name}'s model or Streaming DiLoCo flags differ from shard-0's"
+        given = {k: v for k, v in run_flags(args).items() if v is not None or k == "block_size"}
+        want = {k: reference[k] for k in given}
+        assert given == want, f"{name}'s model or Streaming DiLoCo flags differ from shard-0's"
         assert args.command == ("server" if name in SHARDS else "worker"), name
         assert (args.token, args.token_file) == ("", "/certs/run.token"), f"{name}: the run token, as a file"
 

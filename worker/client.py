@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ import torch
 from streamdiloco.common.chunks import Assembly, ChunkError, MasterAssembly
 from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import slice_ranges
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
@@ -40,6 +42,7 @@ from streamdiloco.common.wire import (
     make_channel,
     parse_target,
     to_chunks,
+    values_to_bytes,
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -54,14 +57,31 @@ __all__ = [
     "StopRequested",
     "SyncError",
     "Update",
+    "adopt_sync",
     "connect",
     "fetch_masters",
+    "given_sync",
+    "initialize_shard",
+    "probe_shard",
+    "wait_initialized",
 ]
 
 log = logging.getLogger("streamdiloco.worker")
 
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
 JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
+# the settings a worker that takes them from the shard says it took (the others follow them, or are the
+# shard's own: the outer optimizer)
+ADOPTED_LOG = (
+    "sync_every",
+    "num_fragments",
+    "fragment_pattern",
+    "fragment_sync_delay",
+    "fragment_update_alpha",
+    "uplink_codec",
+    "downlink_codec",
+    "codec_block_size",
+)
 
 
 class SyncError(RuntimeError):
@@ -121,6 +141,9 @@ class ShardLink:
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before start(), then only the link's thread)
         self.config: SyncConfig | None = None
+        self.probed: tuple[int, int, bool] | None = (
+            None  # a config_only Join's shard, num_shards, uninitialized
+        )
         self.shard = self.num_shards = self.chunk_values = 0
         self.slices: list[tuple[int, int]] = []
         self.state: LinkState | None = None
@@ -166,9 +189,12 @@ class ShardLink:
             self._bytes[direction] += n
 
     # --- connecting ------------------------------------------------------------------------------------
-    def join(self, timeout: float | None = None, reconnecting: bool = False) -> None:
-        """Join the shard, waiting up to `timeout` for it to be reachable. SyncError if it refuses; when
-        `reconnecting`, _Retry if it cannot be reached (or still holds our old session)."""
+    def join(
+        self, timeout: float | None = None, reconnecting: bool = False, config_only: bool = False
+    ) -> SyncConfig:
+        """Join the shard, waiting up to `timeout` for it to be reachable; returns the run's config. SyncError
+        if it refuses; when `reconnecting`, _Retry if it cannot be reached (or still holds our old session).
+        `config_only`: only ask for the run's config (no fingerprint, no session; the link stays unjoined)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
         if not reconnecting:
@@ -176,8 +202,9 @@ class ShardLink:
         request = pb.JoinRequest(
             worker=self.worker,
             token=self.token,
-            fingerprint_json=json.dumps(self.fingerprint),
+            fingerprint_json="" if config_only else json.dumps(self.fingerprint),
             protocol=PROTOCOL,
+            config_only=config_only,
         )
         while True:
             try:
@@ -204,6 +231,14 @@ class ShardLink:
             config = SyncConfig.from_dict(json.loads(reply.config_json))
         except (ValueError, TypeError) as e:
             raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+        if config_only:
+            self.probed = (reply.shard, reply.num_shards, reply.uninitialized)
+            return config
+        if reply.uninitialized:
+            raise SyncError(
+                f"the shard at {self.target} has no parameters yet (server --init from-worker): connect() "
+                "sends them"
+            )
         slices = [(s.offset, s.length) for s in reply.slices]
         if self.config is not None and (
             config != self.config
@@ -229,6 +264,7 @@ class ShardLink:
         if self.state is None:
             self.state = LinkState(len(slices))
         self._session_id = reply.session
+        return config
 
     def _wait_for_shard(self, give_up: float, timeout: float) -> None:
         """Wait until the channel connects, saying so every JOIN_PROGRESS_EVERY seconds: a shard not started
@@ -986,6 +1022,141 @@ def fetch_masters(
     return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]
 
 
+SYNC_FIELDS = frozenset(SyncConfig.__dataclass_fields__)
+SCHEDULE_FIELDS = ("sync_every", "num_fragments", "fragment_sync_delay")  # valid or not only together
+
+
+def chosen_sync_fields(sync: SyncConfig | None, sync_set: frozenset[str] | None) -> frozenset[str]:
+    """The SyncConfig fields a worker set itself (the rest it takes from the shard): `sync_set` as given
+    (every name must be a field), or, when None, the fields in which `sync` differs from SyncConfig()'s
+    defaults (none when there is no `sync`)."""
+    if sync_set is not None:
+        if unknown := sorted(set(sync_set) - SYNC_FIELDS):
+            raise ValueError(f"sync_set names {unknown[0]!r}, which is not a SyncConfig field")
+        return frozenset(sync_set)
+    if sync is None:
+        return frozenset()
+    default = SyncConfig()
+    return frozenset(f for f in SYNC_FIELDS if getattr(sync, f) != getattr(default, f))
+
+
+def given_sync(values: dict) -> SyncConfig:
+    """A SyncConfig of the settings a user gave (`values`: field -> value) over the defaults, checked as a
+    whole only where it can be: a setting may be valid with the shard's alone (H=12 goes with the shard's
+    P=3, not with the default P=5), so a combination the defaults do not take is kept unchecked for
+    connect(), which checks it with the shard's settings in (adopt_sync)."""
+    try:
+        return SyncConfig(**values)
+    except ValueError:
+        if unknown := sorted(set(values) - SYNC_FIELDS):
+            raise ValueError(f"unknown sync config field {unknown[0]!r}") from None
+        # what is wrong on its own (a codec's name, alpha out of [0, 1]...) is said now
+        SyncConfig(**{k: x for k, x in values.items() if k not in SCHEDULE_FIELDS})
+        unchecked = object.__new__(SyncConfig)
+        for f, x in {**SyncConfig().to_dict(), **values}.items():
+            object.__setattr__(unchecked, f, x)  # frozen: set as its __init__ would
+        return unchecked
+
+
+def adopt_sync(
+    mine: SyncConfig, shards: SyncConfig, chosen: frozenset[str], where: str = "the shard"
+) -> SyncConfig:
+    """The worker's settings: its own for the `chosen` fields, the shard's for every other. ValueError (one
+    line) when the two do not make a valid config together (say, tau set to 8 with the shard's H of 6).
+    Where a chosen field that is in the fingerprint differs from the shard's, Join refuses as ever."""
+    values = {f: getattr(mine if f in chosen else shards, f) for f in SYNC_FIELDS}
+    try:
+        return SyncConfig(**values)
+    except ValueError as e:
+        raise ValueError(f"the settings given do not go with those of {where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard says before a worker joins: the run's settings, its index, and whether it still waits
+    for its first worker's parameters (server --init from-worker)."""
+
+    config: SyncConfig
+    shard: int
+    num_shards: int
+    uninitialized: bool
+
+
+def probe_shard(
+    target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> ShardInfo:
+    """The shard's ShardInfo (a Join that asks only for the run's config)."""
+    link = ShardLink(target, worker, {}, token, timeout, tls=tls)
+    try:
+        config = link.join(config_only=True)
+        assert link.probed is not None
+        return ShardInfo(config, *link.probed)
+    finally:
+        link.close()
+
+
+INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
+
+
+def initialize_shard(
+    target: str,
+    worker: str,
+    fingerprint: dict,
+    vectors: list[torch.Tensor],
+    info: ShardInfo,
+    token: str = "",
+    timeout: float = 60.0,
+    tls: ClientTLS | None = None,
+) -> bool:
+    """Send this worker's starting parameters (`vectors`: its fragments, flat) to a shard that has none: its
+    slice of each fragment, after the fingerprint. True once the shard has them (and has written them to its
+    checkpoint); False when another worker's upload got there first (this one then joins as any worker and
+    is checked against that worker's fingerprint). SyncError when the shard refuses them."""
+    first = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fingerprint)}
+
+    def chunks():
+        head = first
+        for f, vec in enumerate(vectors):
+            lo, hi = slice_ranges(vec.numel(), info.num_shards)[info.shard]
+            for a in range(lo, hi, INIT_CHUNK_VALUES):
+                b = min(hi, a + INIT_CHUNK_VALUES)
+                yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
+                head = {}
+        yield pb.InitChunk(**head, last=True)
+
+    give_up = time.monotonic() + timeout
+    with make_channel(parse_target(target), tls) as channel:
+        try:
+            pb_grpc.ShardStub(channel).Initialize(chunks(), metadata=auth_metadata(token), timeout=timeout)
+            log.info("%s: sent its starting parameters to the shard at %s, which had none", worker, target)
+            return True
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.ALREADY_EXISTS:
+                return False
+            if code != grpc.StatusCode.ABORTED:  # ABORTED: another worker is sending them now
+                raise SyncError(
+                    f"shard at {target} refused this worker's starting parameters: {code.name}: {e.details()}"
+                ) from None
+    wait_initialized(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
+    return False
+
+
+def wait_initialized(
+    target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> None:
+    """Wait until another worker's upload has given the shard its parameters; SyncError after `timeout`."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if not probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls).uninitialized:
+            return
+        time.sleep(0.2)
+    raise SyncError(
+        f"the shard at {target} still has no parameters after {timeout:g} s: if the worker that was sending "
+        "them stopped, start every shard again with --fresh"
+    )
+
+
 def connect(
     model: torch.nn.Module,
     servers: list[str] | str,
@@ -1003,6 +1174,7 @@ def connect(
     tls: ClientTLS | None = None,
     blocks_path: str | None = None,
     fragments: Sequence[Sequence[str]] | None = None,
+    sync_set: frozenset[str] | None = None,
 ):
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
@@ -1010,9 +1182,17 @@ def connect(
 
     A run in progress is joined too: the engine then starts counting at the run's current step
     (`engine.step_count`), so that its sends line up with the other workers'; take part from there.
-    `sync` must equal the shards' Streaming DiLoCo settings (default: SyncConfig()); `total_steps` lets the
-    engine sync every fragment at the last step (final_sync). `resume` is a worker checkpoint's dict (see
-    worker/run.py): the engine and the links continue from it, and the model keeps its parameters.
+    The Streaming DiLoCo settings (H, P, the fragment pattern, tau, alpha, the codecs, ...) are the shard's,
+    except those this worker sets: the fields named in `sync_set`, with their values from `sync` (default
+    for `sync_set`: the fields in which `sync` differs from SyncConfig(); pass frozenset() to take every
+    setting from the shard, or every field's name to take none). One set here that the shards must agree
+    on (H, P, the pattern, the codecs) and that differs from theirs is refused at Join with the difference;
+    tau, alpha and the merge settings are this worker's own, the shard's only their default. The settings
+    in force are `engine.cfg`; for settings that are valid only with the shard's (H=12 with its P=3),
+    pass given_sync({"sync_every": 12}). A shard that has no parameters yet (server --init from-worker) gets
+    this worker's. `total_steps` lets the engine sync every fragment at the last step (final_sync).
+    `resume` is a worker checkpoint's dict (see worker/run.py): the engine and the links continue from it,
+    and the model keeps its parameters.
     `prepare()`, if given, is called once the model holds the global parameters and before any shard waits
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
     over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py. `join_timeout`:
@@ -1031,17 +1211,42 @@ def connect(
     import socket
 
     from streamdiloco.common.fingerprint import model_fingerprint
-    from streamdiloco.common.fragments import build_layout, fragment_params, slice_ranges, unflatten_into
+    from streamdiloco.common.fragments import build_layout, flatten, fragment_params, unflatten_into
 
+    chosen = chosen_sync_fields(sync, sync_set)
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
+    infos = [probe_shard(t, name, token, join_timeout, tls) for t in targets]
+    if chosen != SYNC_FIELDS:  # the run's settings first: the fingerprint is made with them
+        sync = adopt_sync(sync, infos[0].config, chosen, f"the shard at {targets[0]}")
+        if taken := [f for f in ADOPTED_LOG if f not in chosen]:
+            log.info(
+                "%s: from the shard at %s: %s",
+                name,
+                targets[0],
+                ", ".join(f"{f}={getattr(sync, f)}" for f in taken),
+            )
+    else:
+        sync = SyncConfig(**sync.to_dict())  # checked as a whole (given_sync may have left it unchecked)
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern, blocks_path, fragments)
+    fingerprint = model_fingerprint(layout, sync, seed)
+    if any(info.uninitialized for info in infos):  # server --init from-worker: ours, if we are the first
+        vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
+        # one worker's values in every shard: only a worker that found no shard initialized and got its
+        # upload into the first sends to the others; the rest wait (the shards hold no mix of two workers')
+        ours = all(info.uninitialized for info in infos)
+        for t, info in zip(targets, infos, strict=True):
+            if info.uninitialized and ours:
+                ours = initialize_shard(t, name, fingerprint, vectors, info, token, join_timeout, tls)
+            elif info.uninitialized:
+                wait_initialized(t, name, token, join_timeout, tls)
+        del vectors
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,
         name,
-        model_fingerprint(layout, sync, seed),
+        fingerprint,
         token,
         join_timeout,
         reconnect_timeout,

@@ -88,6 +88,9 @@ class WorkerConfig:
     blocks_path: str | None = None  # the nn.ModuleList of blocks (default: the model's largest)
     fragments: str | None = None  # the user's groups of parameter names, "a,b;c,d" (common/fragments.py)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    # the fields of `sync` the user set; every other one is taken from the shard at Join (see connect());
+    # None: those in which `sync` differs from SyncConfig()'s defaults
+    sync_set: frozenset[str] | None = None
     inner: InnerConfig = field(default_factory=InnerConfig)
 
     def __post_init__(self) -> None:
@@ -305,6 +308,7 @@ def _run(
             prepare=lambda: eval_start.append(evaluate(model, val, device)),  # the global params as fetched
             blocks_path=cfg.blocks_path,
             fragments=cfg.fragment_groups,
+            sync_set=cfg.sync_set,
         )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()
@@ -386,11 +390,11 @@ def _train(
         f"{sum(p.numel() for p in model.parameters()):,}",
         engine.layout.num_fragments,
         transport.num_shards,
-        cfg.sync.sync_every,
-        cfg.sync.fragment_sync_delay,
-        cfg.sync.fragment_update_alpha,
-        cfg.sync.uplink_codec,
-        cfg.sync.downlink_codec,
+        engine.cfg.sync_every,  # the settings in force: this worker's, and the shard's for those it left
+        engine.cfg.fragment_sync_delay,
+        engine.cfg.fragment_update_alpha,
+        engine.cfg.uplink_codec,
+        engine.cfg.downlink_codec,
         first + 1,
         cfg.steps,
         cfg.batch_size,

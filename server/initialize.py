@@ -1,0 +1,323 @@
+"""A shard started with `--init from-worker`: no model and no parameters until the first worker sends them.
+
+Until then the shard answers Join with `uninitialized` (and the run's config) and takes one Initialize
+stream at a time, from a worker its credentials admit: the worker's model fingerprint first (the shard takes
+its layout; its sync settings must be the shard's, and whatever else it holds, the model's hyperparameters
+say, becomes part of the shard's fingerprint, so every later worker is checked against it), then the
+worker's fp32 values of this shard's slice of every fragment, in order. Everything is checked as it comes:
+order, sizes against the fingerprint, finite values; the values are kept apart until the last chunk, so
+that a refused or broken upload changes nothing, and what an upload holds grows only with what it sent.
+Then the shard's state is built and written to its checkpoint (whose meta.json keeps the fingerprint)
+before the worker hears back: a restart takes the layout and the values from there, without the uploader.
+
+`PendingShard.dispatch` is the gRPC server's handler: it routes calls to the pending shard until the upload
+is in, then to the real ShardService, so the port stays the same and nobody reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
+from streamdiloco.common.fragments import FragmentLayout, slice_ranges
+from streamdiloco.common.statefile import layout_from_fingerprint, opaque_keys
+from streamdiloco.common.wire import PROTOCOL, bytes_to_values
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.auth import Auth
+from streamdiloco.server.bounds import Limits
+from streamdiloco.server.service import (
+    MAX_FINGERPRINT_BYTES,
+    ShardService,
+    Undecodable,
+    _parse,
+    _short,
+    authenticate,
+    check_name,
+    rpc_handlers,
+)
+
+log = logging.getLogger("streamdiloco.shard")
+
+MAX_INIT_VALUES = 1 << 34  # values in one shard's slices that an upload may declare (64 GiB of fp32)
+MAX_INIT_CHUNK = 4 << 20  # bytes of values in one InitChunk (workers send about 1 MiB)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
+WAITING = "the shard is waiting for its first worker's parameters (server --init from-worker)"
+
+
+class InitRefused(ValueError):
+    """An upload the shard refuses: nothing changed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def shard_fingerprint(theirs: dict, cfg: SyncConfig) -> tuple[FragmentLayout, dict]:
+    """The layout a worker's fingerprint lists and the shard's fingerprint from it (the layout with the
+    shard's own sync settings, plus the worker's other keys); InitRefused when the fingerprint is malformed
+    or its sync settings are not the shard's."""
+    try:
+        layout = layout_from_fingerprint(theirs, cfg.fragment_pattern)
+    except ValueError as e:
+        raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint: {e}") from None
+    # the first worker's seed and model config (opaque_keys) become the run's: later workers must match them
+    ours = {**model_fingerprint(layout, cfg), **opaque_keys(theirs)}
+    if diff := fingerprint_diff(theirs, ours, us="worker", them="shard"):
+        raise InitRefused(grpc.StatusCode.FAILED_PRECONDITION, _short(diff, 1000))
+    return layout, ours
+
+
+class Upload:
+    """One worker's upload of this shard's slices, checked chunk by chunk (pure: no gRPC, no I/O)."""
+
+    def __init__(self, layout: FragmentLayout, shard: int, num_shards: int):
+        self.layout = layout
+        self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
+        total = sum(hi - lo for lo, hi in self.ranges)
+        if total > MAX_INIT_VALUES:
+            raise InitRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the fingerprint's model gives this shard {total:,} values, more than it takes "
+                f"({MAX_INIT_VALUES:,})",
+            )
+        self.parts: list[list[torch.Tensor]] = [[] for _ in layout.fragments]
+        self.fragment, self.received, self.done = 0, 0, False
+        self._skip_empty()
+
+    def _want(self) -> int:
+        lo, hi = self.ranges[self.fragment]
+        return hi - lo
+
+    def _skip_empty(self) -> None:
+        while self.fragment < len(self.ranges) and self.received == self._want():
+            self.fragment, self.received = self.fragment + 1, 0
+
+    def add(self, fragment: int, offset: int, values: bytes, last: bool) -> None:
+        if self.done:
+            raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, "a chunk after the last one")
+        if values:
+            if len(values) > MAX_INIT_CHUNK:
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a chunk of {len(values):,} bytes of values: at most {MAX_INIT_CHUNK:,} a message",
+                )
+            if self.fragment >= len(self.ranges):
+                raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, "values past the last fragment's slice")
+            if (fragment, offset) != (self.fragment, self.received):
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"expected fragment {self.fragment} at offset {self.received}, got fragment {fragment} "
+                    f"at offset {offset}: send each fragment's slice in order",
+                )
+            try:
+                x = bytes_to_values(values)
+            except ValueError as e:
+                raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            if self.received + x.numel() > self._want():
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fragment {fragment}: more than the {self._want():,} values of this shard's slice",
+                )
+            if not bool(torch.isfinite(x).all()):
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fragment {fragment} at offset {offset}: values that are not finite",
+                )
+            self.parts[fragment].append(x)
+            self.received += x.numel()
+            self._skip_empty()
+        if last:
+            if self.fragment < len(self.ranges):
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the upload ended with fragment {self.fragment} at {self.received:,} of its "
+                    f"{self._want():,} values",
+                )
+            self.done = True
+
+    def initial(self) -> list[torch.Tensor]:
+        """Full-length fragment vectors holding this shard's slices (what ShardState takes)."""
+        out = []
+        for i, (f, (lo, hi)) in enumerate(zip(self.layout.fragments, self.ranges, strict=True)):
+            vec = torch.zeros(f.numel, dtype=torch.float32)
+            if hi > lo:
+                vec[lo:hi] = torch.cat(self.parts[i])
+            out.append(vec)
+        return out
+
+
+class PendingShard:
+    """The shard before its first worker's upload; `make(layout, initial, fingerprint)` builds the real
+    service (with its checkpoint) from it, on a thread."""
+
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        shard: int,
+        num_shards: int,
+        auth: Auth,
+        limits: Limits,
+        make: Callable[[FragmentLayout, list[torch.Tensor], dict], ShardService],
+    ):
+        self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
+        self.auth, self.limits, self.make = auth, limits, make
+        self.uploader: str | None = None  # the worker whose upload is in progress
+        self.service: ShardService | None = None
+        self.ready: asyncio.Future | None = None  # the service, once built and checkpointed (set by serve)
+        self.handlers = {
+            "Join": grpc.unary_unary_rpc_method_handler(
+                self.Join,
+                request_deserializer=_parse(pb.JoinRequest),
+                response_serializer=pb.JoinReply.SerializeToString,
+            ),
+            "Session": grpc.stream_stream_rpc_method_handler(
+                self._not_yet_stream,
+                request_deserializer=_parse(pb.WorkerMessage),
+                response_serializer=pb.ShardMessage.SerializeToString,
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                self._not_yet_stream,
+                request_deserializer=_parse(pb.FetchRequest),
+                response_serializer=pb.MasterChunk.SerializeToString,
+            ),
+            "Initialize": grpc.stream_unary_rpc_method_handler(
+                self.Initialize,
+                request_deserializer=_parse(pb.InitChunk),
+                response_serializer=pb.InitReply.SerializeToString,
+            ),
+        }
+        self.dispatch = _Dispatch(self)
+
+    def _reply(self) -> pb.JoinReply:
+        return pb.JoinReply(
+            config_json=json.dumps(self.cfg.to_dict()),
+            shard=self.shard,
+            num_shards=self.num_shards,
+            uninitialized=True,
+        )
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {request.kind} does not parse")
+        await authenticate(self.auth, context, request.token, request.worker)
+        if request.protocol != PROTOCOL:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the worker speaks protocol {request.protocol}, this shard {PROTOCOL}: "
+                "upgrade the older side",
+            )
+        if problem := check_name(request.worker):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return self._reply()
+
+    async def _not_yet_stream(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
+        yield  # an async generator, as gRPC's stream handlers are
+
+    async def Initialize(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.InitReply:
+        if self.service is not None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), self.limits.hello_timeout)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"an upload starts with its fingerprint within {self.limits.hello_timeout:g} s",
+            )
+        if isinstance(first, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {first.kind} does not parse")
+        await authenticate(self.auth, context, first.token, first.worker)  # only a worker the shard admits
+        if problem := check_name(first.worker):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.uploader is not None:
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"worker {_short(self.uploader, 60)!r} is sending the parameters now: join once it is done",
+            )
+        self.uploader = first.worker
+        try:
+            return await self._upload(first, it, context)
+        except InitRefused as e:
+            log.warning("refused %s's upload of the starting parameters: %s", _short(first.worker, 60), e)
+            await context.abort(e.code, str(e))
+            raise  # not reached
+        finally:
+            self.uploader = None
+
+    async def _upload(self, first: pb.InitChunk, it, context: grpc.aio.ServicerContext) -> pb.InitReply:
+        if len(first.fingerprint_json) > MAX_FINGERPRINT_BYTES:
+            raise InitRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model fingerprint of {len(first.fingerprint_json):,} characters is too large "
+                f"(at most {MAX_FINGERPRINT_BYTES:,})",
+            )
+        try:
+            theirs = json.loads(first.fingerprint_json)
+            if not isinstance(theirs, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError) as e:
+            raise InitRefused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}"
+            ) from None
+        layout, fingerprint = shard_fingerprint(theirs, self.cfg)
+        upload = Upload(layout, self.shard, self.num_shards)
+        msg = first
+        while True:
+            upload.add(msg.fragment, msg.offset, msg.values, msg.last)
+            if upload.done:
+                break
+            try:
+                msg = await asyncio.wait_for(it.__anext__(), self.limits.hello_timeout * 10)
+            except StopAsyncIteration:
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the upload ended before its last chunk"
+                ) from None
+            except asyncio.TimeoutError:
+                raise InitRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "the upload stalled") from None
+            if isinstance(msg, Undecodable):
+                raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} does not parse")
+        try:  # the state, then its checkpoint, before the worker hears back
+            service = await asyncio.to_thread(self.make, layout, upload.initial(), fingerprint)
+        except (OSError, ValueError) as e:
+            raise InitRefused(
+                grpc.StatusCode.INTERNAL, f"the shard could not take the parameters: {e}"
+            ) from None
+        self.service = service
+        log.info(
+            "shard %d: took the layout (%d fragments, %s values in this shard's slices) and the starting "
+            "parameters from %s",
+            self.shard,
+            layout.num_fragments,
+            f"{sum(hi - lo for lo, hi in upload.ranges):,}",
+            first.worker,
+        )
+        self.dispatch.to(service)
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_result(service)
+        return pb.InitReply()
+
+
+class _Dispatch(grpc.GenericRpcHandler):
+    """The gRPC server's handler: the pending shard's methods, then the service's (and Initialize, which
+    then answers that the shard has its parameters)."""
+
+    def __init__(self, pending: PendingShard):
+        self.pending = pending
+        self.handlers = {f"/{SERVICE}/{name}": h for name, h in pending.handlers.items()}
+
+    def to(self, service: ShardService) -> None:
+        handlers = {f"/{SERVICE}/{name}": h for name, h in rpc_handlers(service).items()}
+        handlers[f"/{SERVICE}/Initialize"] = self.handlers[f"/{SERVICE}/Initialize"]
+        self.handlers = handlers  # one assignment: a call sees the old table or the new
+
+    def service(self, handler_call_details):
+        return self.handlers.get(handler_call_details.method)
