@@ -46,6 +46,7 @@ from streamdiloco.common.config import SyncConfig  # noqa: E402
 from streamdiloco.launch import free_ports  # noqa: E402
 from streamdiloco.server import dashboard as dashboard_module  # noqa: E402
 from streamdiloco.server.main import build_service  # noqa: E402
+from streamdiloco.server.service import ShardService  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,7 @@ def _median_ms(fn, reps: int) -> tuple[float, int]:
 def part_a(reps: int) -> dict:
     cfg = SyncConfig()
     svc = build_service(cfg, "tiny", 0, 2, min_workers=1)
+    assert isinstance(svc, ShardService)  # a model, not --init from-worker
     st = svc.state
     now = time.time()
     dash = svc.dashboard

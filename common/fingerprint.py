@@ -192,8 +192,11 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
                 )
     for key in sorted(set(ours) | set(theirs)):  # keys a shard learned with a layout (the model's config...)
         if key not in ("params", "fragments", "model_config") and ours.get(key) != theirs.get(key):
-            a, b = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
-            return f"model fingerprint differs from the {them}'s: {key} is {a} on the {us}, {b} on the {them}"
+            mine_, theirs_ = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
+            return (
+                f"model fingerprint differs from the {them}'s: {key} is {mine_} on the {us}, "
+                f"{theirs_} on the {them}"
+            )
     return (
         f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
     )

@@ -129,7 +129,13 @@ def build_service(
     saved = Path(checkpoint_dir or "") / "meta.json"
     resuming = bool(checkpoint_dir) and not fresh and saved.exists()
     # started from a file once: the checkpoint has the layout and the values, and the file may be gone
-    gone = model_spec is None and bool(init) and init != FROM_WORKER and resuming and not Path(init).exists()
+    gone = (
+        model_spec is None
+        and init is not None
+        and init != FROM_WORKER
+        and resuming
+        and not Path(init).exists()
+    )
     if gone:
         log.info(
             "shard %d: --init %s is gone: the layout comes from checkpoint %s", shard, init, checkpoint_dir
@@ -535,8 +541,8 @@ async def _serve_grpc(
             await server.stop(grace=1.0)
             return
         stopped.cancel()
-        service = pending.ready.result()
-        holder.service = service
+        holder.service = pending.ready.result()
+        service = holder.service
         ready_file = None  # written already
     assert isinstance(service, ShardService)
     service.serving = True
