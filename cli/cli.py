@@ -387,13 +387,6 @@ def build_parser() -> argparse.ArgumentParser:
         "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
     )
     g.add_argument(
-        "--blocks-path",
-        default=None,
-        metavar="NAME",
-        help="with --init and no --model: the dotted name of the list of blocks that are split into "
-        "fragments (default: from the file's fingerprint, else the longest NAME.<int>. in the names)",
-    )
-    g.add_argument(
         "--checkpoint-dir",
         default=None,
         metavar="DIR",
@@ -731,7 +724,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     _setup_logging()
     v = vars(args)
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
-    top = {k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers")}
+    top = {
+        k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers", "sync_set")
+    }
     if top.get("name") is None:
         flag = "--resume" if args.resume else "--auto-resume" if args.auto_resume else None
         if flag and not args.checkpoint:  # the default name (host-pid) changes from one start to the next

@@ -51,7 +51,9 @@ class ModelSettings:
     blocks_path: str | None = field(
         default=None,
         metadata={
-            "help": "the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest)",
+            "help": "the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest; a "
+            "shard started from --init FILE without --model: the file's fingerprint's, else the longest "
+            "NAME.<int>. list in its names)",
             "metavar": "NAME",
         },
     )

@@ -70,6 +70,8 @@ def shard_fingerprint(theirs: dict, cfg: SyncConfig) -> tuple[FragmentLayout, di
         raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint: {e}") from None
     # the first worker's seed and model config (opaque_keys) become the run's: later workers must match them
     ours = {**model_fingerprint(layout, cfg), **opaque_keys(theirs)}
+    if "model_config" not in theirs:  # a run started from a plain state_dict file: no model config known
+        del ours["model_config"]
     if diff := fingerprint_diff(theirs, ours, us="worker", them="shard"):
         raise InitRefused(grpc.StatusCode.FAILED_PRECONDITION, _short(diff, 1000))
     return layout, ours

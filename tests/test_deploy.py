@@ -248,6 +248,9 @@ def test_compose_commands_agree(compose, commands):
     for a in shards:
         assert a.host == "0.0.0.0"
         assert 1 <= a.min_workers <= replicas
+        # each shard's page shows the whole run: every shard's HTTPS address, trusting the run's CA
+        assert a.peers.split(",") == [f"https://{n}:{commands[n].http_port}" for n in SHARDS]
+        assert a.peers_ca == "/certs/ca.pem"
     # workers: every shard, in shard order, at its gRPC port, by its service name
     servers = [f"{n}:{commands[n].port}" for n in SHARDS]
     for name in WORKERS:

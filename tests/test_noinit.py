@@ -154,8 +154,9 @@ def test_without_the_fingerprint_the_blocks_are_detected_and_another_model_is_re
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "streamdiloco: error: --init" in lines[0], r.stderr
     assert "write it with `streamdiloco export`" in lines[0]
+    # with a model, --blocks-path names its list of blocks (as connect(blocks_path=)): a wrong one is one line
     r = streamdiloco("server", "--model", "nano", "--blocks-path", "x", "--no-checkpoint", timeout=120)
-    assert r.returncode == 2 and "--blocks-path goes with --init FILE and no --model" in r.stderr, r.stderr
+    assert r.returncode == 2 and "blocks_path 'x' names no submodule of the model" in r.stderr, r.stderr
 
 
 def test_a_worker_takes_the_settings_it_did_not_set_from_the_shard(tmp_path):
