@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import torch
@@ -224,7 +224,9 @@ class PendingShard:
         await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
         yield  # an async generator, as gRPC's stream handlers are
 
-    async def Initialize(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.InitReply:
+    async def Initialize(
+        self, request_iterator: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
+    ) -> pb.InitReply:
         if self.service is not None:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         it = request_iterator.__aiter__()
@@ -255,7 +257,9 @@ class PendingShard:
         finally:
             self.uploader = None
 
-    async def _upload(self, first: pb.InitChunk, it, context: grpc.aio.ServicerContext) -> pb.InitReply:
+    async def _upload(
+        self, first: pb.InitChunk, it: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
+    ) -> pb.InitReply:
         if len(first.fingerprint_json) > MAX_FINGERPRINT_BYTES:
             raise InitRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -50,6 +51,9 @@ from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.run_view import Peers, RunView
 from streamdiloco.server.service import ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -205,7 +209,7 @@ def layout_from_file(
     return layout, init.initial(layout), init.opaque()
 
 
-def load_initial(model, path: str) -> None:
+def load_initial(model: nn.Module, path: str) -> None:
     """Load a state_dict saved with torch.save(model.state_dict(), path); one-line errors."""
     import torch
 

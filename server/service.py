@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -138,12 +138,12 @@ class ShardService(pb_grpc.ShardServicer):
         fingerprint: dict,
         token: str = "",
         chunk_bytes: int = 1 << 20,
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
         checkpoint: ShardCheckpoint | None = None,
         auth: Auth | None = None,
         workers_file: WorkersFile | None = None,
         limits: Limits | None = None,
-    ):
+    ) -> None:
         self.state, self.fingerprint, self.clock = state, fingerprint, clock
         self.auth = auth if auth is not None else Auth(token=token)
         self.workers_file = workers_file  # re-read when it changes (tick) or on SIGHUP: revocation
@@ -252,7 +252,9 @@ class ShardService(pb_grpc.ShardServicer):
         )
 
     # --- Session ---------------------------------------------------------------------------------------
-    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.ShardMessage, None]:
         peer = peer_host(context.peer())
         await self._admit(self.peer_sessions, peer, context)
         try:
@@ -277,7 +279,9 @@ class ShardService(pb_grpc.ShardServicer):
             grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} ({msg.size} bytes) does not parse: {msg.error}"
         )
 
-    async def _session(self, request_iterator, context: grpc.aio.ServicerContext):
+    async def _session(
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.ShardMessage, None]:
         it = request_iterator.__aiter__()
         timeout = self.limits.hello_timeout
         try:
@@ -453,7 +457,7 @@ class ShardService(pb_grpc.ShardServicer):
                 self.unread.remove(msg)
         member.queued_bytes = 0
 
-    async def _read(self, member: _Member, it) -> None:
+    async def _read(self, member: _Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
         async for msg in it:
             if member.overflowed or member.revoked:
                 return
@@ -749,7 +753,9 @@ class ShardService(pb_grpc.ShardServicer):
                 log.exception("closing rounds failed")
 
     # --- Fetch -----------------------------------------------------------------------------------------
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
+    async def Fetch(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.MasterChunk, None]:
         if isinstance(request, Undecodable):
             await self._undecodable(request, context)
         peer = peer_host(context.peer())
@@ -761,7 +767,9 @@ class ShardService(pb_grpc.ShardServicer):
         finally:
             self.fetches.release(peer)
 
-    async def _fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext):
+    async def _fetch(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.MasterChunk, None]:
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")

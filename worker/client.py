@@ -18,7 +18,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -353,7 +353,7 @@ class ShardLink:
         self._thread = threading.Thread(target=self._loop, name=f"shard{self.shard}-link", daemon=True)
         self._thread.start()
 
-    def _requests(self, outbox: queue.SimpleQueue, session: str):
+    def _requests(self, outbox: queue.SimpleQueue, session: str) -> Iterator[pb.WorkerMessage]:
         hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session, passive=True))
         self._count("out", hello.ByteSize())
         yield hello
@@ -873,7 +873,11 @@ class GrpcTransport:
                 link.close()
             raise
 
-    def join_run(self, fragment_vectors, prepare=None) -> int:
+    def join_run(
+        self,
+        fragment_vectors: Callable[[list[torch.Tensor]], None],
+        prepare: Callable[[], None] | None = None,
+    ) -> int:
         """A new worker: fetch every master slice (after the sessions opened, so no update is missed), hand
         the full fragments to `fragment_vectors(list of tensors)`, pick the step to start counting from (0
         for a run that has not synced yet) and become a member of every shard from the first round it will
@@ -908,7 +912,7 @@ class GrpcTransport:
             out[2].append(any(v[2][f] for v in behind))
         return out
 
-    def resume(self, schedule) -> None:
+    def resume(self, schedule: Callable[[], list[int]]) -> None:
         """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
         that closed meanwhile, become a member from the next round it pushes (`schedule()`: the engine's
         next round of each fragment), and send again the kept pushes whose rounds are still open."""
@@ -921,7 +925,7 @@ class GrpcTransport:
         for link in self.links:
             link.ready()
 
-    def follow(self, schedule) -> None:
+    def follow(self, schedule: Callable[[], list[int]]) -> None:
         """After a reconnect, become a member from the next round `schedule()` says each fragment sends."""
         for link in self.links:
             link.schedule = schedule
@@ -1170,12 +1174,12 @@ def connect(
     reconnect_timeout: float = 600.0,
     resume: dict | None = None,
     interrupt: threading.Event | None = None,
-    prepare=None,
+    prepare: Callable[[], None] | None = None,
     tls: ClientTLS | None = None,
     blocks_path: str | None = None,
     fragments: Sequence[Sequence[str]] | None = None,
     sync_set: frozenset[str] | None = None,
-):
+) -> SyncEngine:
     """Join a run around your own model and loop. Joins every shard (the model's fingerprint must match
     theirs), sets the model's parameters to the run's global ones, and returns the SyncEngine: call its
     `step(tokens, loss)` right after every `inner_optimizer.step()`, and `close()` at the end.
