@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from procs import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "sync_cost.py"
@@ -48,6 +49,7 @@ def test_the_synthetic_model_has_the_asked_size_and_a_block_list():
             assert len(m.blocks) == mod.BLOCKS  # an nn.ModuleList: the fragments' blocks
 
 
+@pytest.mark.slow  # a benchmark's whole quick grid: in `make test-slow`
 def test_quick_run_end_to_end(tmp_path):
     mod = _module()
     r = subprocess.run(

@@ -163,7 +163,10 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool, stall: bool = False) ->
         return torch.load(tmp / "a.pt")
 
 
-@pytest.mark.parametrize("stall", [False, True], ids=["killed", "link-stalls"])
+# the stalled link's variant runs in `make test-slow` (the killed one covers the common path in `make test`)
+@pytest.mark.parametrize(
+    "stall", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["killed", "link-stalls"]
+)
 def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path, stall):
     (tmp_path / "alone").mkdir()
     (tmp_path / "kill").mkdir()
