@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
+.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
 
 # The exact, tested versions of constraints.txt (pyproject.toml has only ranges); --build-constraint: pip >= 25.3
 $(STAMP): pyproject.toml constraints.txt
@@ -41,6 +41,10 @@ test-slow: $(STAMP)
 
 bench-quality: $(STAMP)
 	$(BIN)/python benchmarks/quality.py
+
+# DP against the full method at M = 2, 4, 8 at 20 tokens per parameter (nano); not in make test
+bench-quality-long: $(STAMP)
+	$(BIN)/python benchmarks/quality_long.py
 
 bench-wire: $(STAMP)
 	$(BIN)/python benchmarks/wire.py
