@@ -33,7 +33,7 @@ def steps_for(tokens_per_param: float, params: int, workers: int, batch: int, bl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_sim_flags(p)
-    p.set_defaults(model="nano", eval_every=100, method="streaming")
+    p.set_defaults(eval_every=100, method="streaming")
     p.add_argument("--tokens-per-param", type=float, default=20.0, help="total budget (default %(default)s)")
     p.add_argument("--workers-list", default="2,4,8", help="comma-separated M values (default %(default)s)")
     p.add_argument(
@@ -43,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/quality-long", help="output folder")
     args = p.parse_args(argv)
     try:
-        resolve(args, args.sections, args.config)  # --config FILE: the flags' values from a file
+        settings = resolve(args, args.sections, args.config)  # --config FILE: the flags' values from a file
     except ValueError as e:
         print(f"quality_long.py: error: {e}", file=sys.stderr)
         return 2
+    if "model" not in settings.given.get("model", frozenset()):
+        args.model = "nano"  # this benchmark's default (resolve() sets the settings' own, tiny)
     if args.quick:
-        args.tokens_per_param, args.workers_list, args.eval_every = 0.3, "2", 10
+        args.tokens_per_param, args.workers_list, args.eval_every = 0.3, "2", 50
         args.out = str(Path(args.out) / "quick")
     model = build_model(args.model, args.seed, args.block_size)
     params = sum(q.numel() for q in model.parameters())
