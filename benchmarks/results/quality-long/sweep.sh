@@ -48,5 +48,31 @@ e5() {  # a second seed for the baseline
     run e5 dp-M$m-seed1 $m 20 dp --seed 1; run e5 full-M$m-seed1 $m 20 streaming "${FULL[@]}" --seed 1
   done
 }
-[ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5
+e6() {  # data-parallel's lr beyond 5e-3 (e1's best was its largest)
+  for m in 2 4 8; do for lr in 8e-3 1.2e-2; do run e6 dp-M$m-lr$lr $m 20 dp --lr $lr; done; done
+}
+e7() {  # outer lr / momentum at the inner lr 5e-3 (e1's best for both methods at M = 2 and 4)
+  for m in 4 8; do for om in "0.7 0.9" "1.0 0.9" "0.7 0.95" "1.4 0.95" "0.5 0.9"; do
+    set -- $om
+    run e7 full-M$m-lr5e-3-olr$1-mom$2 $m 20 streaming "${FULL[@]}" --lr 5e-3 --outer-lr $1 --outer-momentum $2
+  done; done
+}
+e8() {  # H per M at the inner lr 5e-3
+  for m in 4 8; do for h in 10 20; do
+    run e8 full-M$m-lr5e-3-H$h $m 20 streaming "${FULL[@]}" --lr 5e-3 --sync-every $h
+  done; done
+}
+e9() {  # a second seed at the inner lr 5e-3
+  for m in 4 8; do
+    run e9 dp-M$m-lr5e-3-seed1 $m 20 dp --lr 5e-3 --seed 1
+    run e9 full-M$m-lr5e-3-seed1 $m 20 streaming "${FULL[@]}" --lr 5e-3 --seed 1
+  done
+}
+e10() {  # the full method at e6's larger inner lrs
+  for m in 4 8; do for lr in 8e-3 1.2e-2; do
+    run e10 full-M$m-lr$lr $m 20 streaming "${FULL[@]}" --lr $lr
+  done; done
+  run e10 full-M2-lr8e-3 2 20 streaming "${FULL[@]}" --lr 8e-3
+}
+[ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5 e6 e7 e8 e9 e10
 for e in "$@"; do "$e"; done
