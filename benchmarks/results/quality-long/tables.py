@@ -29,7 +29,8 @@ for r in uniq:
     if r[4] == "dp" and r[3] == "20" and seed(r[5]) == "0":
         best_dp[r[2]] = min(best_dp[r[2]], float(r[6]))
 for exp in sys.argv[1:] or sorted({r[0] for r in uniq}):
-    print(f"\n### {exp}\n\n| run | M | tok/param | flags | eval loss | vs DP (lr 1.5e-3) | vs DP at the same lr | vs best-lr DP |")
+    print(f"\n### {exp}\n\n| run | M | tok/param | flags | eval loss | vs DP (lr 1.5e-3) ", end="")
+    print("| vs DP at the same lr | vs best-lr DP |")
     print("|---|---|---|---|---|---|---|---|")
     for r in uniq:
         if r[0] != exp:
@@ -39,6 +40,13 @@ for exp in sys.argv[1:] or sorted({r[0] for r in uniq}):
         ref2 = dp_lr.get((r[2], r[3], seed(r[5]), lr(r[5])))
         sgap = f"{100 * (loss / ref2 - 1):+.2f}%" if ref2 else ""
         bgap = f"{100 * (loss / best_dp[r[2]] - 1):+.2f}%" if r[3] == "20" and seed(r[5]) == "0" else ""
-        flags = r[5].replace("--fragment-sync-delay 1 --fragment-update-alpha 0.5 --uplink-codec e3m0 "
-                             "--downlink-codec e3m0", "full").strip()
+        flags = (
+            r[5]
+            .replace(
+                "--fragment-sync-delay 1 --fragment-update-alpha 0.5 --uplink-codec e3m0 "
+                "--downlink-codec e3m0",
+                "full",
+            )
+            .strip()
+        )
         print(f"| {r[1]} | {r[2]} | {r[3]} | `{flags or 'dp'}` | {loss:.4f} | {gap} | {sgap} | {bgap} |")
