@@ -333,7 +333,8 @@ def resolve(args: argparse.Namespace, sections: tuple[str, ...], config: str | N
                 value = from_file[section][f.name]
                 set_here.add(f.name)
             else:
-                value = _default(f)
+                # the parser's default: the field's, unless a script's set_defaults() changed it
+                value = getattr(args, f.name) if hasattr(args, f.name) else _default(f)
             values[section][f.name] = value
             setattr(args, f.name, value)
         given[section] = frozenset(set_here)
