@@ -390,3 +390,21 @@ def test_launch_hands_its_children_run_toml(tmp_path):
     # accepted the workers' int8 pushes (the codec is in the fingerprint)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mirrors_match_masters"] and all(w["steps"] == 6 for w in summary["workers"])
+
+
+def test_a_scripts_own_defaults_survive_resolve():
+    """A benchmark script that sets its own defaults on the shared flags (benchmarks/quality.py: 1200 steps)
+    keeps them unless a flag or a config file says otherwise."""
+    import argparse
+
+    from streamdiloco.cli import _add_sim_flags
+
+    p = argparse.ArgumentParser()
+    _add_sim_flags(p)
+    p.set_defaults(steps=1200, eval_batches=16)
+    args = p.parse_args([])
+    resolve(args, args.sections, None)
+    assert (args.steps, args.eval_batches) == (1200, 16)
+    args = p.parse_args(["--steps", "5"])
+    resolve(args, args.sections, None)
+    assert args.steps == 5
