@@ -4,6 +4,7 @@
 # One simulation at a time. Each run writes runs/<exp>__<label>.json; log.tsv gets one line per run.
 # Usage (repo root): bash benchmarks/results/quality-long/sweep.sh [EXPERIMENT ...]   (default: all)
 set -euo pipefail
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per run: the 2-core VM is shared
 D=benchmarks/results/quality-long
 mkdir -p "$D/runs"
 SD=.venv/bin/streamdiloco
@@ -73,6 +74,53 @@ e10() {  # the full method at e6's larger inner lrs
     run e10 full-M$m-lr$lr $m 20 streaming "${FULL[@]}" --lr $lr
   done; done
   run e10 full-M2-lr8e-3 2 20 streaming "${FULL[@]}" --lr 8e-3
+}
+e11() {  # which part of the full method costs, at M = 4, inner lr 5e-3; and M = 1 against DP
+  local F32=(--uplink-codec fp32 --downlink-codec fp32)
+  run e11 diloco-fp32-M4-lr5e-3 4 20 streaming --num-fragments 1 --fragment-sync-delay 0 "${F32[@]}" --lr 5e-3
+  run e11 stream-fp32-M4-lr5e-3 4 20 streaming "${FULL[@]}" "${F32[@]}" --lr 5e-3
+  run e11 full-alpha0-M4-lr5e-3 4 20 streaming "${FULL[@]}" --fragment-update-alpha 0 --lr 5e-3
+  for lr in 5e-3 1.2e-2; do
+    run e11 dp-M1-lr$lr 1 20 dp --lr $lr; run e11 full-M1-lr$lr 1 20 streaming "${FULL[@]}" --lr $lr
+  done
+}
+e12() {  # larger inner lrs with a smaller outer lr (does the outer step's gain cap the inner lr?)
+  for m in 4 8; do for lr in 8e-3 1.2e-2; do for om in "0.5 0.9" "0.3 0.9"; do
+    set -- $om
+    run e12 full-M$m-lr$lr-olr$1-mom$2 $m 20 streaming "${FULL[@]}" --lr $lr --outer-lr $1 --outer-momentum $2
+  done; done; done
+}
+e13() {  # the outer momentum's share: plain averaging (momentum 0) up to 0.8, at M = 4
+  for lr in 5e-3 1.2e-2; do for om in "1.0 0" "1.0 0.5" "1.0 0.8" "0.5 0.8"; do
+    set -- $om
+    run e13 full-M4-lr$lr-olr$1-mom$2 4 20 streaming "${FULL[@]}" --lr $lr --outer-lr $1 --outer-momentum $2
+  done; done
+}
+fortunes() {  # the second text: Debian's `fortunes` package (apt-get install fortunes), '%' lines dropped
+  local f=$D/runs/fortunes.txt
+  [ -s "$f" ] || python3 -c "
+import pathlib, re, sys
+root = pathlib.Path('/usr/share/games/fortunes')
+files = sorted(p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != '.dat')
+if not files: sys.exit('no fortunes under /usr/share/games/fortunes: apt-get install fortunes')
+text = '\n'.join(re.sub(r'(?m)^%\n', '\n', p.read_text(encoding='utf-8', errors='replace')) for p in files)
+pathlib.Path('$f').write_text(text, encoding='utf-8')"
+  echo "$f"
+}
+e14() {  # the second text (fortunes): defaults, and each method's tuned inner lr
+  local t; t=$(fortunes)
+  for m in 2 4; do
+    run e14 dp-M$m-fortunes $m 20 dp --data "$t"
+    run e14 full-M$m-fortunes $m 20 streaming "${FULL[@]}" --data "$t"
+    for lr in 5e-3 1.2e-2; do run e14 dp-M$m-lr$lr-fortunes $m 20 dp --data "$t" --lr $lr; done
+    run e14 full-M$m-lr5e-3-fortunes $m 20 streaming "${FULL[@]}" --data "$t" --lr 5e-3
+    run e14 full-M$m-lr1.2e-2-mom0-fortunes $m 20 streaming "${FULL[@]}" --data "$t" --lr 1.2e-2 --outer-momentum 0
+  done
+}
+e15() {  # plain averaging at a large inner lr at M = 2 and 8, and M = 8's best outer setting on seed 1
+  for m in 2 8; do run e15 full-M$m-lr1.2e-2-mom0 $m 20 streaming "${FULL[@]}" --lr 1.2e-2 --outer-momentum 0; done
+  run e15 full-M8-lr5e-3-olr0.7-mom0.95-seed1 8 20 streaming "${FULL[@]}" --lr 5e-3 --outer-lr 0.7 --seed 1
+  run e15 dp-M8-lr8e-3-seed1 8 20 dp --lr 8e-3 --seed 1
 }
 [ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5 e6 e7 e8 e9 e10
 for e in "$@"; do "$e"; done
