@@ -143,13 +143,14 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for text, marker in (("plays", "o"), ("fortunes", "s")):
+    for text, marker, color in (("plays", "o", "tab:blue"), ("fortunes", "s", "tab:red")):
         rs = [r for r in rows if r["text"] == text]
         if not rs:
             continue
         ms = [r["M"] for r in rs]
-        ax.plot(ms, [r["gap_default_pct"] for r in rs], marker=marker, label=f"{text}: default lr")
-        ax.plot(ms, [r["gap_tuned_pct"] for r in rs], marker=marker, ls="--", label=f"{text}: tuned vs tuned")
+        default, tuned = [r["gap_default_pct"] for r in rs], [r["gap_tuned_pct"] for r in rs]
+        ax.plot(ms, default, marker=marker, color=color, label=f"{text}: both at the default lr")
+        ax.plot(ms, tuned, marker=marker, color=color, ls="--", label=f"{text}: each at its best")
     ms = sorted(MARGINS)
     ax.plot(ms, [MARGINS[m] for m in ms], color="grey", ls=":", label="issue 15's margin")
     ax.axhline(0, color="black", lw=0.5)
@@ -210,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         dp_lrs = sorted({float(x) for x in args.dp_lrs.split(",")} | {default_lr})
         variants = {parse_variant(v, *defaults) for v in args.full_variants.split(",")}
         variants |= {(default_lr, *defaults)}
-        texts = [("plays", None, [int(x) for x in args.workers_list.split(",") if x])]
+        texts: list[tuple[str, str | None, list[int]]] = [
+            ("plays", None, [int(x) for x in args.workers_list.split(",") if x])
+        ]
         if args.second_workers:
             texts.append(
                 ("fortunes", str(fortunes_text(out)), [int(x) for x in args.second_workers.split(",")])

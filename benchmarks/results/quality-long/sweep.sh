@@ -8,13 +8,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per run: the 2-core V
 D=benchmarks/results/quality-long
 mkdir -p "$D/runs"
 SD=.venv/bin/streamdiloco
-steps() { python3 -c "print(round($1 * 58656 / ($2 * 512)))"; }  # tokens/param, M
+B=${BATCH:-16}  # sequences per worker-step (BATCH=4 bash sweep.sh ...: smaller batches, more steps and rounds)
+steps() { python3 -c "print(round($1 * 58656 / ($2 * $B * 32)))"; }  # tokens/param, M
 run() {  # exp label M tpp method [flags...]
   local exp=$1 label=$2 m=$3 tpp=$4 method=$5; shift 5
   local n; n=$(steps "$tpp" "$m")
   local out="$D/runs/${exp}__${label}.json"
   if [ ! -s "$out" ]; then
-    $SD simulate --model nano --method "$method" --workers "$m" --steps "$n" --eval-every 100000 \
+    $SD simulate --model nano --method "$method" --workers "$m" --steps "$n" --batch-size "$B" --eval-every 100000 \
       --json "$out" "$@" > /dev/null
   fi
   local loss; loss=$(python3 -c "import json;print(f\"{json.load(open('$out'))['eval_loss']:.4f}\")")
@@ -121,6 +122,41 @@ e15() {  # plain averaging at a large inner lr at M = 2 and 8, and M = 8's best 
   for m in 2 8; do run e15 full-M$m-lr1.2e-2-mom0 $m 20 streaming "${FULL[@]}" --lr 1.2e-2 --outer-momentum 0; done
   run e15 full-M8-lr5e-3-olr0.7-mom0.95-seed1 8 20 streaming "${FULL[@]}" --lr 5e-3 --outer-lr 0.7 --seed 1
   run e15 dp-M8-lr8e-3-seed1 8 20 dp --lr 8e-3 --seed 1
+}
+e16() {  # around plain averaging (outer momentum 0) at M = 4: extrapolation, H, inner lr, alpha
+  local P0=("${FULL[@]}" --outer-momentum 0)
+  for olr in 1.5 2.0; do run e16 full-M4-lr1.2e-2-olr$olr-mom0 4 20 streaming "${P0[@]}" --lr 1.2e-2 --outer-lr $olr; done
+  for h in 10 15; do run e16 full-M4-lr1.2e-2-mom0-H$h 4 20 streaming "${P0[@]}" --lr 1.2e-2 --sync-every $h; done
+  for lr in 8e-3 2e-2; do run e16 full-M4-lr$lr-mom0 4 20 streaming "${P0[@]}" --lr $lr; done
+  run e16 full-M4-lr1.2e-2-mom0-alpha0 4 20 streaming "${P0[@]}" --lr 1.2e-2 --fragment-update-alpha 0
+  run e16 dp-M4-lr2e-2 4 20 dp --lr 2e-2
+}
+e17() {  # one site alone for the same wall time (the steps of one worker at M = 4 and 8): does joining pay?
+  for lr in 5e-3 1.2e-2; do
+    run e17 alone-M4-steps-lr$lr 1 5 dp --lr $lr
+    run e17 alone-M8-steps-lr$lr 1 2.5 dp --lr $lr
+  done
+}
+e18() {  # more outer rounds at M = 4: batch 4 (4x the steps at equal tokens), or 80 tokens/param
+  if [ "$B" = 4 ]; then
+    for lr in 5e-3 1.2e-2; do run e18 dp-M4-b4-lr$lr 4 20 dp --lr $lr; done
+    run e18 full-M4-b4-lr5e-3 4 20 streaming "${FULL[@]}" --lr 5e-3
+    run e18 full-M4-b4-lr1.2e-2-mom0 4 20 streaming "${FULL[@]}" --lr 1.2e-2 --outer-momentum 0
+  else
+    for lr in 1.2e-2 2e-2; do run e18 dp-M4-tpp80-lr$lr 4 80 dp --lr $lr; done
+    run e18 full-M4-tpp80-lr5e-3 4 80 streaming "${FULL[@]}" --lr 5e-3
+    run e18 full-M4-tpp80-lr1.2e-2-mom0 4 80 streaming "${FULL[@]}" --lr 1.2e-2 --outer-momentum 0
+  fi
+}
+e19() {  # sanity: averaging the replicas after every step (H = 1, plain, fp32) against DP; fortunes M = 4
+  local AVG=(--num-fragments 1 --fragment-sync-delay 0 --fragment-update-alpha 0 --uplink-codec fp32
+    --downlink-codec fp32 --outer-lr 1 --outer-momentum 0 --sync-every 1)
+  for lr in 5e-3 1.2e-2; do run e19 avg-every-step-M4-lr$lr 4 20 streaming "${AVG[@]}" --lr $lr; done
+  local t; t=$(fortunes)
+  run e19 full-M4-fortunes-olr0.7-mom0.9 4 20 streaming "${FULL[@]}" --data "$t" --outer-lr 0.7 --outer-momentum 0.9
+  run e19 full-M4-fortunes-H10 4 20 streaming "${FULL[@]}" --data "$t" --sync-every 10
+  run e19 full-M4-fortunes-seed1 4 20 streaming "${FULL[@]}" --data "$t" --seed 1
+  run e19 dp-M4-fortunes-seed1 4 20 dp --data "$t" --seed 1
 }
 [ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5 e6 e7 e8 e9 e10
 for e in "$@"; do "$e"; done
