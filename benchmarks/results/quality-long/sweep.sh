@@ -158,5 +158,13 @@ e19() {  # sanity: averaging the replicas after every step (H = 1, plain, fp32) 
   run e19 full-M4-fortunes-seed1 4 20 streaming "${FULL[@]}" --data "$t" --seed 1
   run e19 dp-M4-fortunes-seed1 4 20 dp --data "$t" --seed 1
 }
+e20() {  # the tuned gap at M = 4 against the budget: 40, 160, 320 tokens/param (80: e18)
+  for tpp in 40 160 320; do
+    run e20 dp-M4-tpp$tpp-lr1.2e-2 4 $tpp dp --lr 1.2e-2
+    run e20 full-M4-tpp$tpp-lr5e-3 4 $tpp streaming "${FULL[@]}" --lr 5e-3
+    run e20 full-M4-tpp$tpp-lr1.2e-2-mom0 4 $tpp streaming "${FULL[@]}" --lr 1.2e-2 --outer-momentum 0
+  done
+  run e20 dp-M4-tpp320-lr5e-3 4 320 dp --lr 5e-3
+}
 [ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5 e6 e7 e8 e9 e10
 for e in "$@"; do "$e"; done

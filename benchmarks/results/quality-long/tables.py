@@ -1,5 +1,6 @@
-"""Markdown tables of log.tsv (written by sweep.sh): eval loss and the gap to data-parallel at the same M,
-tokens per parameter and seed (default inner lr), and to the best data-parallel lr of experiment e1."""
+"""Markdown tables of log.tsv (written by sweep.sh): each run's eval loss and its gap to data-parallel in the
+same setting (M, tokens per parameter, seed, text, batch): DP at the default inner lr, DP at the run's lr,
+and the best DP of every lr the log has for that setting."""
 
 import csv
 import sys
@@ -14,39 +15,41 @@ for r in rows:
         uniq.append(r)
 
 
-def seed(flags: str) -> str:
-    return flags.split("--seed ")[1].split()[0] if "--seed" in flags else "0"
+def flag(flags: str, name: str, default: str) -> str:
+    return flags.split(f"--{name} ")[1].split()[0] if f"--{name} " in flags else default
 
 
-def lr(flags: str) -> str:
-    return flags.split("--lr ")[1].split()[0] if "--lr" in flags else "1.5e-3"
+def setting(r: list[str]) -> tuple:
+    """What a DP reference must share with a run: M, tokens/param, seed, text, batch."""
+    text = "fortunes" if "--data" in r[5] else "plays"
+    return r[2], r[3], flag(r[5], "seed", "0"), text, "4" if "-b4" in r[1] else "16"
 
 
-dp = {(r[2], r[3], seed(r[5])): float(r[6]) for r in uniq if r[4] == "dp" and "--lr" not in r[5]}
-dp_lr = {(r[2], r[3], seed(r[5]), lr(r[5])): float(r[6]) for r in uniq if r[4] == "dp"}
-best_dp: dict[str, float] = defaultdict(lambda: 9e9)
+dp_at: dict[tuple, float] = {}
+best_dp: dict[tuple, float] = defaultdict(lambda: 9e9)
 for r in uniq:
-    if r[4] == "dp" and r[3] == "20" and seed(r[5]) == "0":
-        best_dp[r[2]] = min(best_dp[r[2]], float(r[6]))
-for exp in sys.argv[1:] or sorted({r[0] for r in uniq}):
+    if r[4] == "dp":
+        dp_at[(*setting(r), flag(r[5], "lr", "1.5e-3"))] = float(r[6])
+        best_dp[setting(r)] = min(best_dp[setting(r)], float(r[6]))
+
+
+def gap(loss: float, ref: float | None) -> str:
+    return f"{100 * (loss / ref - 1):+.2f}%" if ref else ""
+
+
+FULL = "--fragment-sync-delay 1 --fragment-update-alpha 0.5 --uplink-codec e3m0 --downlink-codec e3m0"
+for exp in sys.argv[1:] or sorted({r[0] for r in uniq}, key=lambda e: int(e[1:])):
     print(f"\n### {exp}\n\n| run | M | tok/param | flags | eval loss | vs DP (lr 1.5e-3) ", end="")
     print("| vs DP at the same lr | vs best-lr DP |")
     print("|---|---|---|---|---|---|---|---|")
     for r in uniq:
         if r[0] != exp:
             continue
-        loss, ref = float(r[6]), dp.get((r[2], r[3], seed(r[5])))
-        gap = f"{100 * (loss / ref - 1):+.2f}%" if ref else ""
-        ref2 = dp_lr.get((r[2], r[3], seed(r[5]), lr(r[5])))
-        sgap = f"{100 * (loss / ref2 - 1):+.2f}%" if ref2 else ""
-        bgap = f"{100 * (loss / best_dp[r[2]] - 1):+.2f}%" if r[3] == "20" and seed(r[5]) == "0" else ""
-        flags = (
-            r[5]
-            .replace(
-                "--fragment-sync-delay 1 --fragment-update-alpha 0.5 --uplink-codec e3m0 "
-                "--downlink-codec e3m0",
-                "full",
-            )
-            .strip()
+        loss, s = float(r[6]), setting(r)
+        same = gap(loss, dp_at.get((*s, flag(r[5], "lr", "1.5e-3"))))
+        best = gap(loss, best_dp.get(s))
+        flags = r[5].replace(FULL, "full").replace("--data benchmarks/results/quality-long/runs/", "--data ")
+        print(
+            f"| {r[1]} | {r[2]} | {r[3]} | `{flags.strip() or 'dp'}` | {loss:.4f} "
+            f"| {gap(loss, dp_at.get((*s, '1.5e-3')))} | {same} | {best} |"
         )
-        print(f"| {r[1]} | {r[2]} | {r[3]} | `{flags or 'dp'}` | {loss:.4f} | {gap} | {sgap} | {bgap} |")
