@@ -4,13 +4,15 @@ with the whole batch; a rank that dies takes the worker down. Real shard process
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from procs import ROOT, Cluster, http_json
+from procs import ROOT, Cluster, http_json, wait_until
 
 # fp32 codecs: the 4-bit ones round, and a round-off difference may move a value to the next level
 RUN = [
@@ -78,3 +80,86 @@ def test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_and_its_mirror_e
         # the same steps on the same data, the gradients averaged in another order: fp32 round-off apart
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6)  # measured: 1.5e-8 after 12 steps
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of torchrun's child with RANK=rank (read from its environment)."""
+    for child in open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split():
+        try:
+            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    raise AssertionError(f"no rank {rank} among torchrun's children")
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_takes_the_worker_down_and_it_resumes_from_its_checkpoint(tmp_path):
+    flags = [*RUN, "--steps", "40", "--batch-size", "4", "--checkpoint-every", "4", *WORKER]
+    with Cluster(tmp_path) as c:
+        shards = [c.shard(f"s{i}", "--shard", str(i), "--num-shards", "2", *RUN) for i in range(2)]
+        servers = [t for t, _ in shards]
+        launcher = torchrun(c, "site", 2, servers, *flags, "--step-delay", "0.1")
+        wait_until("the first checkpoint", (tmp_path / "site.pt").exists, timeout=120)
+        os.kill(rank_pid(launcher, 1), signal.SIGKILL)
+        code = c.wait("site", timeout=60)  # no hang: rank 0 stops at its next collective
+        assert code != 0
+        out = c.log("site")
+        assert "streamdiloco: error: rank 0 of 2: the worker's process group broke" in out, out[-3000:]
+        assert "Traceback" not in out.split("streamdiloco: error:")[0]  # the worker's own lines: no traceback
+        torchrun(c, "site", 2, servers, *flags, "--auto-resume")
+        assert c.wait("site", timeout=240) == 0, c.log("site")[-3000:]
+        summary = c.summary("site")
+        assert summary["resumed"] and summary["first_step"] >= 4
+        assert summary["mirror_hashes"] == masters_hashes([h for _, h in shards])
+        rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
+        assert rank1["params_hash"] == summary["params_hash"]
+
+
+def test_torchruns_environment_is_checked_with_one_line_errors(monkeypatch):
+    from streamdiloco.worker.group import group_from_env
+
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert group_from_env("cpu", 60) == (None, "cpu")  # not started by torchrun: a one-process worker
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert group_from_env("cpu", 60) == (None, "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"^RANK=2 with WORLD_SIZE=2: start the ranks with torchrun$"):
+        group_from_env("cpu", 60)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE=2 but MASTER_ADDR is not set"):
+        group_from_env("cpu", 60)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"^the environment's WORLD_SIZE='two' is not an integer$"):
+        group_from_env("cpu", 60)
+
+
+def test_the_ranks_slices_make_the_workers_batch_and_collective_errors_are_told_apart():
+    from streamdiloco.worker.group import RankGroup, _why, batch_slice, is_collective_error
+
+    x = torch.arange(24).view(8, 3)
+    groups = [RankGroup(rank=r, size=4, src=0, device=torch.device("cpu")) for r in range(4)]
+    assert torch.equal(torch.cat([batch_slice(x, g) for g in groups]), x)
+    assert batch_slice(x, None) is x
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:51110. This is typically caused by a remote worker crashing."
+    )
+    assert is_collective_error(gloo) and _why(gloo) == "Connection closed by peer [127.0.0.1]:51110"
+    assert not is_collective_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    with pytest.raises(ValueError, match="model's"), groups[1].guard("step 3"):
+        raise ValueError("the model's own error passes through")
+    with pytest.raises(Exception, match=r"^rank 1 of 4: the worker's process group broke during step 3 \("):
+        with groups[1].guard("step 3"):
+            raise gloo
+
+
+def test_rank_timeout_must_be_positive(capsys):
+    from streamdiloco.cli import main
+
+    assert main(["worker", "--servers", "127.0.0.1:7070", "--rank-timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "streamdiloco: error: --rank-timeout must be positive seconds, got 0.0\n"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,13 @@ class GroupError(RuntimeError):
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _why(e: BaseException) -> str:
+    """A collective's error, short: gloo's "[.../pair.cc:553] Connection closed by peer [ADDR]:PORT. This is
+    typically caused by ..." becomes "Connection closed by peer [ADDR]:PORT"."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _first_line(e))
+    return text.split(". ")[0].rstrip(".")
 
 
 def is_collective_error(e: BaseException) -> bool:
@@ -115,7 +123,7 @@ class RankGroup:
                 raise
             raise GroupError(
                 f"rank {self.rank} of {self.size}: the worker's process group broke during {what} "
-                f"({_first_line(e)}): another rank died or hung; restart the worker (its ranks resume from "
+                f"({_why(e)}): another rank died or hung; restart the worker (its ranks resume from "
                 "rank 0's checkpoint with --auto-resume)"
             ) from None
 
