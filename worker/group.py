@@ -30,6 +30,7 @@ import datetime
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -216,6 +217,7 @@ class GroupEngine:
         if engine is not None:
             engine.on_merged = self._merged.append
         self.broadcast_bytes = 0  # parameters sent (rank 0) or received over the group's links
+        self.group_seconds = 0.0  # in the group's collectives (waiting for the other ranks included)
 
     @property
     def size(self) -> int:
@@ -225,6 +227,7 @@ class GroupEngine:
         """One inner step done on every rank. `stop`: this rank was asked to stop (SIGTERM): the group then
         stops after this step, every rank raising StopRequested (rank 0's checkpoint holds the step)."""
         g = self.group
+        t0 = time.perf_counter()
         with g.guard(f"step {self.step_count + 1}'s sync"):
             sums = torch.tensor(
                 [float(tokens), float(loss or 0.0), float(loss is not None), float(stop)],
@@ -233,6 +236,7 @@ class GroupEngine:
             )
             dist.all_reduce(sums, group=g.pg)
             total, loss_sum, losses, stops = sums.tolist()
+        self.group_seconds += time.perf_counter() - t0
         self.step_count += 1
         error: BaseException | None = None
         status = STOP if stops > 0 else GO
@@ -267,6 +271,7 @@ class GroupEngine:
         parameters of those fragments, as one flat vector."""
         g = self.group
         n = self.layout.num_fragments
+        t0 = time.perf_counter()
         with g.guard(f"step {self.step_count}'s merge broadcast"):
             head = torch.zeros(1 + n, dtype=torch.int64, device=g.device)
             if g.leads:
@@ -279,6 +284,7 @@ class GroupEngine:
             merged = [f for f in range(n) if got[1 + f]]
             if merged:
                 self._broadcast_params(merged)
+        self.group_seconds += time.perf_counter() - t0
         if got[0] == FAILED and not g.leads:
             raise GroupError(
                 f"rank {g.rank} of {g.size}: rank 0 failed at step {self.step_count} (its output says why); "

@@ -715,6 +715,7 @@ def _train(
         "params_hash": params_digest(model),  # the local parameters: every rank of a group has the same
         "ranks": ge.size if ge is not None else 1,  # torchrun's ranks, trained as this one worker
         "group_broadcast_bytes": ge.broadcast_bytes if ge is not None else 0,  # merged parameters, in-site
+        "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
     }
     log.info(
         "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
