@@ -163,3 +163,26 @@ def test_rank_timeout_must_be_positive(capsys):
     assert main(["worker", "--servers", "127.0.0.1:7070", "--rank-timeout", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "streamdiloco: error: --rank-timeout must be positive seconds, got 0.0\n"
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_after_the_step_with_a_checkpoint_and_it_resumes(tmp_path):
+    flags = [*RUN, "--steps", "40", "--batch-size", "4", "--checkpoint-every", "0", *WORKER]
+    with Cluster(tmp_path) as c:
+        shards = [c.shard(f"s{i}", "--shard", str(i), "--num-shards", "2", *RUN) for i in range(2)]
+        servers = [t for t, _ in shards]
+        launcher = torchrun(c, "site", 2, servers, *flags, "--step-delay", "0.1")
+        wait_until("step 8", lambda: "site step 8/40" in c.log("site"), timeout=120)
+        launcher.send_signal(signal.SIGTERM)
+        assert c.wait("site", timeout=60) == 0, c.log("site")[-3000:]
+        stopped = c.summary("site")["stopped_at_step"]
+        assert 8 <= stopped < 40
+        rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
+        assert rank1["stopped_at_step"] == stopped  # the group stopped together, after the same step
+        torchrun(c, "site", 2, servers, *flags, "--auto-resume")
+        assert c.wait("site", timeout=240) == 0, c.log("site")[-3000:]
+        summary = c.summary("site")
+        assert summary["resumed"] and summary["first_step"] == stopped
+        assert summary["mirror_hashes"] == masters_hashes([h for _, h in shards])
+        rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
+        assert rank1["params_hash"] == summary["params_hash"]

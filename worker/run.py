@@ -358,7 +358,6 @@ def _run(
             ge = joined
             assert ge.engine is not None
             engine = ge.engine
-            _share_start(ge.group, resume)
         else:
             engine = joined
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
@@ -370,6 +369,8 @@ def _run(
         stop.restore()
         raise
     try:  # from here on, whatever happens, the sessions are closed (their threads would keep us alive)
+        if ge is not None:
+            _share_start(ge.group, resume)
         transport = engine.transport
         assert isinstance(transport, GrpcTransport)
         transport.on_push_answered(metrics.push_answer.observe)
