@@ -72,6 +72,7 @@ def test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_and_its_mirror_e
     assert two["ranks"] == 2 and one["ranks"] == 1
     rank1 = json.loads((tmp_path / "two.json.rank1").read_text())
     assert rank1["params_hash"] == two["params_hash"]  # every rank holds rank 0's parameters
+    assert rank1["optimizer_hash"] == two["optimizer_hash"]  # and had the same gradients at every step
     assert two["tokens"] == one["tokens"] == 12 * 8 * 32  # the ranks' slices make the one rank's batch
     assert two["bytes_sent"] == one["bytes_sent"]  # one copy of each fragment crosses the WAN
     assert two["group_broadcast_bytes"] > 0
@@ -96,11 +97,11 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
 
 @pytest.mark.slow
 def test_a_rank_that_dies_takes_the_worker_down_and_it_resumes_from_its_checkpoint(tmp_path):
-    flags = [*RUN, "--steps", "40", "--batch-size", "4", "--checkpoint-every", "4", *WORKER]
+    flags = [*RUN, "--steps", "40", "--checkpoint-every", "4", *WORKER]
     with Cluster(tmp_path) as c:
         shards = [c.shard(f"s{i}", "--shard", str(i), "--num-shards", "2", *RUN) for i in range(2)]
         servers = [t for t, _ in shards]
-        launcher = torchrun(c, "site", 2, servers, *flags, "--step-delay", "0.1")
+        launcher = torchrun(c, "site", 2, servers, *flags, "--batch-size", "4", "--step-delay", "0.1")
         wait_until("the first checkpoint", (tmp_path / "site.pt").exists, timeout=120)
         os.kill(rank_pid(launcher, 1), signal.SIGKILL)
         code = c.wait("site", timeout=60)  # no hang: rank 0 stops at its next collective
@@ -108,13 +109,12 @@ def test_a_rank_that_dies_takes_the_worker_down_and_it_resumes_from_its_checkpoi
         out = c.log("site")
         assert "streamdiloco: error: rank 0 of 2: the worker's process group broke" in out, out[-3000:]
         assert "Traceback" not in out.split("streamdiloco: error:")[0]  # the worker's own lines: no traceback
-        torchrun(c, "site", 2, servers, *flags, "--auto-resume")
+        # the site resumes with 1 rank of twice the batch: the worker's batch is what the checkpoint holds
+        c.worker("site", servers, *flags, "--batch-size", "8", "--auto-resume")
         assert c.wait("site", timeout=240) == 0, c.log("site")[-3000:]
         summary = c.summary("site")
-        assert summary["resumed"] and summary["first_step"] >= 4
+        assert summary["resumed"] and summary["first_step"] >= 4 and summary["ranks"] == 1
         assert summary["mirror_hashes"] == masters_hashes([h for _, h in shards])
-        rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
-        assert rank1["params_hash"] == summary["params_hash"]
 
 
 def test_torchruns_environment_is_checked_with_one_line_errors(monkeypatch):
@@ -174,7 +174,8 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_step_with_a_checkpoint_a
         launcher = torchrun(c, "site", 2, servers, *flags, "--step-delay", "0.1")
         wait_until("step 8", lambda: "site step 8/40" in c.log("site"), timeout=120)
         launcher.send_signal(signal.SIGTERM)
-        assert c.wait("site", timeout=60) == 0, c.log("site")[-3000:]
+        c.wait("site", timeout=60)  # torchrun itself exits non-zero on a signal, whatever its ranks did
+        assert "site: stopped at step" in c.log("site"), c.log("site")[-3000:]
         stopped = c.summary("site")["stopped_at_step"]
         assert 8 <= stopped < 40
         rank1 = json.loads((tmp_path / "site.json.rank1").read_text())

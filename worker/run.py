@@ -154,6 +154,14 @@ def params_digest(model: torch.nn.Module) -> str:
     return tensor_digest(torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()]))
 
 
+def optimizer_digest(opt: torch.optim.Optimizer) -> str:
+    """Hash of the inner optimizer's state tensors (AdamW's moments): equal on a group worker's ranks only
+    if every step's averaged gradients were (no broadcast ever makes them equal)."""
+    tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    flat = [t.detach().reshape(-1).float().cpu() for t in tensors]
+    return tensor_digest(torch.cat(flat) if flat else torch.zeros(0))
+
+
 CHECKPOINT_FORMAT = 2  # 2: the engine keeps the rounds its mirror holds (links no longer do)
 
 
@@ -467,6 +475,7 @@ def _follow(cfg: WorkerConfig, group: RankGroup, model: torch.nn.Module, stream:
             "group_rank": group.rank,
             "stopped_at_step": step if stopped else None,
             "params_hash": params_digest(model),  # equal on every rank: they hold rank 0's parameters
+            "optimizer_hash": optimizer_digest(opt),  # equal on every rank: the same gradients every step
         }
         if cfg.summary:  # beside rank 0's: NAME.json.rank1, ...
             Path(f"{cfg.summary}.rank{group.rank}").write_text(json.dumps(summary, indent=2))
@@ -714,6 +723,7 @@ def _train(
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
         "params_hash": params_digest(model),  # the local parameters: every rank of a group has the same
+        "optimizer_hash": optimizer_digest(opt),
         "ranks": ge.size if ge is not None else 1,  # torchrun's ranks, trained as this one worker
         "group_broadcast_bytes": ge.broadcast_bytes if ge is not None else 0,  # merged parameters, in-site
         "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
