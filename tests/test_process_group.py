@@ -187,3 +187,45 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_step_with_a_checkpoint_a
         assert summary["mirror_hashes"] == masters_hashes([h for _, h in shards])
         rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
         assert rank1["params_hash"] == summary["params_hash"]
+
+
+def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tmp_path):
+    import torch.distributed as dist
+    from procs import shard_process
+    from torch.nn.parallel import DistributedDataParallel
+
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.worker.client import connect
+    from streamdiloco.worker.group import batch_slice, connect_group
+    from streamdiloco.worker.model import build_gpt
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # a group of one rank, in-process
+    try:
+        flags = ["--model", "nano", "--sync-every", "4", "--num-fragments", "2"]
+        with shard_process(tmp_path, *flags) as (t, http, _):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(build_gpt("nano"))
+            cfg = SyncConfig(sync_every=4, num_fragments=2)
+            with pytest.raises(ValueError, match=r"^a DistributedDataParallel-wrapped model .*connect_group"):
+                connect(model, [t], cfg, name="lib")
+            engine = connect_group(model, [t], cfg, total_steps=8, name="lib")
+            try:
+                assert engine.size == 1 and engine.engine is not None
+                opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+                for _ in range(8):
+                    x = batch_slice(torch.randint(0, 256, (4, 32)), engine.group)
+                    _, loss = model(x, x)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    engine.step(tokens=x.numel(), loss=loss.item())
+                engine.drain()
+                assert engine.engine.pushes == 8 // 2 + 1  # a fragment every 2 steps, and the final sync
+                from streamdiloco.worker.run import mirror_digests
+
+                assert mirror_digests(engine.engine) == masters_hashes([http])
+            finally:
+                engine.close()
+    finally:
+        dist.destroy_process_group()
