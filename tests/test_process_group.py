@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,3 +230,27 @@ def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tm
                 engine.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_ddp_example_trains_as_one_worker_of_two_ranks(tmp_path):
+    from procs import shard_process
+
+    flags = ["--model", "examples.own_loop:build", "--sync-every", "12", "--num-fragments", "3"]
+    with shard_process(tmp_path, *flags) as (target, _, _):
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr"]
+            + ["127.0.0.1", "--master-port", str(free_port()), "-m", "examples.ddp_loop"]
+            + ["--servers", target, "--steps", "120"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", r.stdout)]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], r.stdout
+    assert r.stdout.count("done:") == 1  # rank 0 alone speaks for the worker
+    pushes = int(re.search(r"in (\d+) pushes", r.stdout).group(1))
+    assert pushes == 120 // 12 * 3 + 3 - 1  # as examples/own_loop.py's one-process worker
