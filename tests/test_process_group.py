@@ -145,6 +145,8 @@ def test_the_ranks_slices_make_the_workers_batch_and_collective_errors_are_told_
     groups = [RankGroup(rank=r, size=4, src=0, device=torch.device("cpu")) for r in range(4)]
     assert torch.equal(torch.cat([batch_slice(x, g) for g in groups]), x)
     assert batch_slice(x, None) is x
+    with pytest.raises(ValueError, match="^a batch of 8 rows does not split over 3 ranks"):
+        batch_slice(x, RankGroup(rank=0, size=3, src=0, device=torch.device("cpu")))
     gloo = RuntimeError(
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:51110. This is typically caused by a remote worker crashing."

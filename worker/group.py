@@ -179,6 +179,11 @@ def batch_slice(x: torch.Tensor, group: RankGroup | None) -> torch.Tensor:
     train on exactly the batch a one-rank worker with size*b rows draws from the same stream."""
     if group is None:
         return x
+    if x.shape[0] % group.size:
+        raise ValueError(
+            f"a batch of {x.shape[0]} rows does not split over {group.size} ranks: "
+            f"draw a multiple of {group.size} rows"
+        )
     b = x.shape[0] // group.size
     return x[group.rank * b : (group.rank + 1) * b]
 
