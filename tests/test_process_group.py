@@ -3,6 +3,7 @@ with the whole batch; a rank that dies takes the worker down. Real shard process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -256,3 +257,21 @@ def test_the_ddp_example_trains_as_one_worker_of_two_ranks(tmp_path):
     assert r.stdout.count("done:") == 1  # rank 0 alone speaks for the worker
     pushes = int(re.search(r"in (\d+) pushes", r.stdout).group(1))
     assert pushes == 120 // 12 * 3 + 3 - 1  # as examples/own_loop.py's one-process worker
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_takes_the_worker_down_at_the_rank_timeout(tmp_path):
+    flags = [*RUN, "--steps", "400", "--batch-size", "4", "--checkpoint-every", "4", *WORKER]
+    with Cluster(tmp_path) as c:
+        shards = [c.shard(f"s{i}", "--shard", str(i), "--num-shards", "2", *RUN) for i in range(2)]
+        launcher = torchrun(c, "site", 2, [t for t, _ in shards], *flags, "--rank-timeout", "15")
+        wait_until("the first checkpoint", (tmp_path / "site.pt").exists, timeout=120)
+        hung = rank_pid(launcher, 1)
+        os.kill(hung, signal.SIGSTOP)  # alive, but never at the next collective
+        try:
+            assert c.wait("site", timeout=90) != 0  # rank 0 gives up after 15 s; torchrun ends rank 1
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
+        out = c.log("site")
+        assert "streamdiloco: error: rank 0 of 2: the worker's process group broke" in out, out[-3000:]
