@@ -718,6 +718,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from streamdiloco.worker.client import SyncError
+    from streamdiloco.worker.group import GroupError
     from streamdiloco.worker.run import WorkerConfig, run_worker
     from streamdiloco.worker.train import InnerConfig
 
@@ -758,7 +759,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     _check_data(cfg.data)
     try:
         run_worker(cfg)
-    except SyncError as e:
+    except (SyncError, GroupError) as e:
         print(f"streamdiloco: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -117,6 +117,13 @@ class WorkerSettings:
             "help": "sleep this many seconds after every step: a slow worker on purpose, to try stragglers"
         },
     )
+    rank_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "a worker of several ranks (torchrun): seconds a rank waits for the others at a "
+            "collective before the worker stops (a rank that dies is noticed at once)"
+        },
+    )
     eval_every: int = field(
         default=200,
         metadata={

@@ -1217,6 +1217,12 @@ def connect(
     from streamdiloco.common.fingerprint import model_fingerprint
     from streamdiloco.common.fragments import build_layout, flatten, fragment_params, unflatten_into
 
+    wrapper = type(model).__name__
+    if wrapper in ("DistributedDataParallel", "FullyShardedDataParallel") or wrapper.startswith("FSDP"):
+        raise ValueError(
+            f"a {wrapper}-wrapped model is a worker of several ranks: call "
+            "streamdiloco.worker.group.connect_group(model, servers, ...) on every rank instead of connect()"
+        )
     chosen = chosen_sync_fields(sync, sync_set)
     sync = sync or SyncConfig()
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)

@@ -143,6 +143,7 @@ class SyncEngine:
         self.send_seconds = 0.0  # training thread's time in sends (snapshots) and merges (lerps), for
         self.merge_seconds = 0.0  # the benchmarks: what the sync path costs the GPU
         self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
+        self.on_merged: Callable[[int], None] | None = None  # gets each merged fragment (worker/group.py)
         self.pending: list[Event] = []  # this step's events not done yet (see finish_step)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sync") if background else None
         self._sends: dict[int, Future] = {}  # fragment -> its latest send job
@@ -617,6 +618,8 @@ class SyncEngine:
             merge_local_(self.params[fragment], self._mirror_views[fragment], alpha)
         self._snapshot_round.pop(fragment, None)
         self.merge_seconds += time.perf_counter() - t1
+        if self.on_merged is not None:
+            self.on_merged(fragment)
 
     def _wait(self, fut: Future, fragment: int, round: int) -> None:
         waited = 0.0

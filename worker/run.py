@@ -10,6 +10,8 @@ Scalars also go to `ScalarLogger`s (worker/report.py): TensorBoard with --tensor
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -35,6 +37,7 @@ from streamdiloco.common.wire import parse_target
 from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
@@ -79,6 +82,10 @@ class WorkerConfig:
     resume: bool = False  # start from the checkpoint instead of joining as a new worker
     reconnect_timeout: float = 600.0  # give up on a shard unreachable this long
     step_delay: float = 0.0  # seconds to sleep after every step: makes this worker slow on purpose
+    # a worker of several ranks (torchrun): seconds a rank waits for the others at a collective before the
+    # worker gives up. Rank 0 may be waiting that long for an update (a shard that restarts), so it is long;
+    # a rank that dies is noticed at once (gloo) or by torchrun, which stops the others
+    rank_timeout: float = 1800.0
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free port)
     metrics_host: str = "127.0.0.1"
     auto_resume: bool = False  # resume if the checkpoint exists, else join as a new worker (restarts)
@@ -109,6 +116,8 @@ class WorkerConfig:
             )
         if not self.reconnect_timeout > 0:
             raise ValueError(f"--reconnect-timeout must be positive seconds, got {self.reconnect_timeout}")
+        if not self.rank_timeout > 0:
+            raise ValueError(f"--rank-timeout must be positive seconds, got {self.rank_timeout}")
         if not 0 <= self.step_delay < 3600:
             raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -140,17 +149,31 @@ def mirror_digests(engine: SyncEngine) -> list[list[str]]:
     ]
 
 
+def params_digest(model: torch.nn.Module) -> str:
+    """Hash of the model's (local) parameters, all of them in order: equal on every rank of a group worker."""
+    return tensor_digest(torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()]))
+
+
+def optimizer_digest(opt: torch.optim.Optimizer) -> str:
+    """Hash of the inner optimizer's state tensors (AdamW's moments): equal on a group worker's ranks only
+    if every step's averaged gradients were (no broadcast ever makes them equal)."""
+    tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    flat = [t.detach().reshape(-1).float().cpu() for t in tensors]
+    return tensor_digest(torch.cat(flat) if flat else torch.zeros(0))
+
+
 CHECKPOINT_FORMAT = 2  # 2: the engine keeps the rounds its mirror holds (links no longer do)
 
 
-def _checkpoint_key(cfg: WorkerConfig) -> dict:
-    """What must be the same for a checkpoint to be resumed by this configuration."""
+def _checkpoint_key(cfg: WorkerConfig, ranks: int = 1) -> dict:
+    """What must be the same for a checkpoint to be resumed by this configuration. The batch is the
+    worker's, all its ranks' together: 2 ranks of --batch-size 8 may resume 1 rank's of 16, and back."""
     return {
         "model": cfg.model,
         "block_size": cfg.block_size,
         "seed": cfg.seed,
         "steps": cfg.steps,
-        "batch_size": cfg.batch_size,
+        "batch_size": cfg.batch_size * ranks,
         "data": cfg.data,
         "blocks_path": cfg.blocks_path,
         "fragments": cfg.fragments,
@@ -177,12 +200,12 @@ def checkpoint_name(path: str, flag: str = "--resume") -> str:
     return str(_read_checkpoint(Path(path), flag)["name"])
 
 
-def load_checkpoint(cfg: WorkerConfig) -> dict:
+def load_checkpoint(cfg: WorkerConfig, ranks: int = 1) -> dict:
     """Read and check this worker's checkpoint; ValueError (one line) if it cannot be resumed."""
     path = cfg.checkpoint_path
     flag = "--resume" if cfg.resume else "--auto-resume"
     ck = _read_checkpoint(path, flag)
-    want = _checkpoint_key(cfg)
+    want = _checkpoint_key(cfg, ranks)
     changed = sorted(k for k in want if ck["key"].get(k) != want[k])
     if changed:
         raise ValueError(
@@ -236,10 +259,35 @@ class StopFlag:
 
 def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     """Train as `cfg` says; `loggers` get the worker's scalars too (with --tensorboard, a TensorBoardLogger
-    is added)."""
+    is added). Started by torchrun (WORLD_SIZE > 1), the ranks are one worker (worker/group.py): rank 0 joins,
+    syncs, logs and checkpoints; each rank trains on its slice of the worker's batch (size x --batch-size)."""
     t_start = time.perf_counter()
+    group, device_name = group_from_env(cfg.device, cfg.rank_timeout)
+    try:
+        return _run_worker(cfg, loggers, t_start, group, device_name)
+    finally:
+        if group is not None:
+            with contextlib.suppress(Exception):  # a broken group: nothing more to say to the others
+                torch.distributed.destroy_process_group()
+
+
+def _run_worker(
+    cfg: WorkerConfig,
+    loggers: Sequence[ScalarLogger],
+    t_start: float,
+    group: RankGroup | None,
+    device_name: str,
+) -> dict:
+    ranks = group.size if group is not None else 1
+    leads = group is None or group.leads
+    if group is not None:  # the default name is host-pid: every rank takes rank 0's (it seeds the data)
+        cfg = dataclasses.replace(cfg, name=group.share(cfg.name), device=device_name)
+        if not leads:
+            logging.getLogger("streamdiloco").setLevel(logging.WARNING)  # rank 0 speaks for the worker
     device = torch.device(cfg.device)
     resuming = cfg.resume or (cfg.auto_resume and cfg.checkpoint_path.exists())
+    if group is not None:  # the checkpoint is rank 0's (other nodes may not see its file)
+        resuming = group.share(resuming)
     if cfg.auto_resume and not cfg.resume:
         log.info(
             "%s: %s",
@@ -248,7 +296,7 @@ def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
             if resuming
             else f"no checkpoint at {cfg.checkpoint_path} yet",
         )
-    resume = load_checkpoint(cfg) if resuming else None
+    resume = load_checkpoint(cfg, ranks) if resuming and leads else None
     if resume is not None and resume["name"] != cfg.name:
         raise ValueError(
             f"{'--resume' if cfg.resume else '--auto-resume'}: {cfg.checkpoint_path} belongs to worker "
@@ -257,8 +305,11 @@ def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     model = build_model(cfg.model, cfg.seed, cfg.block_size)
     block = model_block_size(model, cfg.block_size)
     data = ByteDataset.load(cfg.data, block)
-    val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
-    stream = BatchStream(data.train, cfg.batch_size, block, cfg.seed, cfg.data_rank)
+    val = eval_batches(data.val, cfg.batch_size * ranks, block, cfg.eval_batches)  # the worker's batch
+    # the worker's batch, all its ranks' together: each trains on its slice (batch_slice)
+    stream = BatchStream(data.train, cfg.batch_size * ranks, block, cfg.seed, cfg.data_rank)
+    if group is not None and not leads:
+        return _follow(cfg, group, model, stream, device)
     loggers = list(loggers)
     if cfg.tensorboard:
         loggers.append(TensorBoardLogger(cfg.tensorboard))
@@ -266,7 +317,7 @@ def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     try:
         if cfg.metrics_port is not None:
             metrics.serve(cfg.metrics_port, cfg.metrics_host)
-        return _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics, loggers)
+        return _run(cfg, t_start, device, resume, model, block, data, val, stream, metrics, loggers, group)
     finally:
         metrics.close()
         for logger in loggers:
@@ -274,7 +325,7 @@ def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
 
 
 def _run(
-    cfg, t_start, device, resume, model, block, data, val, stream, metrics: WorkerMetrics, loggers
+    cfg, t_start, device, resume, model, block, data, val, stream, metrics: WorkerMetrics, loggers, group=None
 ) -> dict:
     stop = StopFlag()
     stop.install()
@@ -290,8 +341,9 @@ def _run(
     # must not spend while the others already wait for its first push
     opt = make_inner_optimizer(model, cfg.inner)
     eval_start: list[float] = []
+    ge: GroupEngine | None = None
     try:
-        engine = connect(
+        joined = (connect if group is None else _connect_group)(
             model,
             list(cfg.servers),
             cfg.sync,
@@ -310,6 +362,12 @@ def _run(
             fragments=cfg.fragment_groups,
             sync_set=cfg.sync_set,
         )
+        if isinstance(joined, GroupEngine):  # rank 0 of a group: it syncs for every rank
+            ge = joined
+            assert ge.engine is not None
+            engine = ge.engine
+        else:
+            engine = joined
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         stop.restore()
         metrics.phase = "stopped"
@@ -319,6 +377,8 @@ def _run(
         stop.restore()
         raise
     try:  # from here on, whatever happens, the sessions are closed (their threads would keep us alive)
+        if ge is not None:
+            _share_start(ge.group, resume)
         transport = engine.transport
         assert isinstance(transport, GrpcTransport)
         transport.on_push_answered(metrics.push_answer.observe)
@@ -347,9 +407,80 @@ def _run(
             eval_start,
             metrics,
             loggers,
+            ge,
         )
     finally:
         engine.close()
+        stop.restore()
+
+
+def _connect_group(
+    model: torch.nn.Module, servers: list[str], sync: SyncConfig, **kwargs: Any
+) -> GroupEngine:
+    """Rank 0 of a group worker: joins for the group (every rank calls connect_group)."""
+    return connect_group(model, servers, sync, **kwargs)
+
+
+def _share_start(group: RankGroup, resume: dict | None) -> dict | None:
+    """Rank 0's resumed optimizer and data stream, to every rank (the checkpoint is rank 0's file)."""
+    return group.share(None if resume is None else {"optimizer": resume["optimizer"], "data": resume["data"]})
+
+
+def _ddp(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torch.nn.Module:
+    """The model as the ranks train it: DDP averages the gradients over the group in backward()."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device] if device.type == "cuda" else None
+    with group.guard("start-up"):  # DDP's constructor checks the ranks' models against each other
+        return DistributedDataParallel(model, device_ids=ids, process_group=group.pg)
+
+
+def _follow(cfg: WorkerConfig, group: RankGroup, model: torch.nn.Module, stream: BatchStream, device) -> dict:
+    """A rank other than 0 of a group worker: it trains on its slice of every batch, in step with rank 0,
+    whose GroupEngine tells it after each step which fragments were merged and brings their parameters
+    (worker/group.py). No network but the group's, no checkpoint, no logs beyond warnings."""
+    stop = StopFlag()
+    stop.install()
+    try:
+        model.to(device)
+        opt = make_inner_optimizer(model, cfg.inner)
+        try:
+            ge = connect_group(model, list(cfg.servers), cfg.sync, process_group=group.pg)
+        except StopRequested:
+            return {"worker": cfg.name, "group_rank": group.rank, "stopped_at_step": None}
+        start = _share_start(group, None)
+        if start is not None:
+            opt.load_state_dict(start["optimizer"])
+            stream.load_state_dict(start["data"])
+        ddp = _ddp(model, group, device)
+        step, stopped = ge.step_count, False
+        while step < cfg.steps and not stopped:
+            set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
+            x, y = stream.next()
+            x, y = batch_slice(x, group), batch_slice(y, group)
+            with group.guard(f"step {step + 1}"):
+                loss = forward_backward(ddp, x.to(device), y.to(device))
+                optimizer_step(model, opt, cfg.inner)
+            step += 1
+            try:
+                ge.step(tokens=x.numel(), loss=loss, stop=stop.event.is_set())
+            except StopRequested:
+                stopped = True
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)
+        if not stopped:
+            ge.drain()
+        summary = {
+            "worker": cfg.name,
+            "group_rank": group.rank,
+            "stopped_at_step": step if stopped else None,
+            "params_hash": params_digest(model),  # equal on every rank: they hold rank 0's parameters
+            "optimizer_hash": optimizer_digest(opt),  # equal on every rank: the same gradients every step
+        }
+        if cfg.summary:  # beside rank 0's: NAME.json.rank1, ...
+            Path(f"{cfg.summary}.rank{group.rank}").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
         stop.restore()
 
 
@@ -368,7 +499,10 @@ def _train(
     eval_start,
     metrics,
     loggers: list[ScalarLogger],
+    ge: GroupEngine | None = None,
 ) -> dict:
+    group = ge.group if ge is not None else None
+    trained = _ddp(model, group, device) if group is not None else model  # what forward/backward runs
     stats: dict[str, Any] = {
         "tokens": 0,
         "inner_steps": 0,
@@ -408,7 +542,7 @@ def _train(
             "format": CHECKPOINT_FORMAT,
             "name": cfg.name,
             "rank": cfg.data_rank,
-            "key": _checkpoint_key(cfg),
+            "key": _checkpoint_key(cfg, ge.size if ge is not None else 1),
             "params": model.state_dict(),
             "optimizer": opt.state_dict(),
             "data": stream.state_dict(),
@@ -456,14 +590,16 @@ def _train(
     except StopRequested:
         stopped = True
     while step < cfg.steps and not stopped:
-        if stop.event.is_set():
+        if stop.event.is_set() and ge is None:  # a group stops together, after the step (GroupEngine.step)
             stopped = True
             break
         t0 = time.perf_counter()
         set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
         x, y = stream.next()
-        loss = forward_backward(model, x.to(device), y.to(device))
-        optimizer_step(model, opt, cfg.inner)
+        xs, ys = batch_slice(x, group), batch_slice(y, group)  # this rank's part of the worker's batch
+        with group.guard(f"step {step + 1}") if group is not None else contextlib.nullcontext():
+            loss = forward_backward(trained, xs.to(device), ys.to(device))
+            optimizer_step(model, opt, cfg.inner)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stats["compute_seconds"] += time.perf_counter() - t0
@@ -475,7 +611,10 @@ def _train(
         metrics.mark(stats["compute_seconds"])
         try:
             t_sync = time.perf_counter()
-            engine.step(tokens=x.numel(), loss=loss)
+            if ge is not None:
+                ge.step(tokens=xs.numel(), loss=loss, stop=stop.event.is_set())
+            else:
+                engine.step(tokens=x.numel(), loss=loss)
             if step == cfg.steps:  # the final sync: every fragment once more, all waited for (once a run)
                 stats["final_sync_seconds"] = time.perf_counter() - t_sync
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
@@ -538,7 +677,7 @@ def _train(
             Path(cfg.summary).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.summary).write_text(json.dumps(summary, indent=2))
         return summary
-    engine.drain()  # only does something with --no-final-sync
+    (ge or engine).drain()  # only does something with --no-final-sync
     checkpoint(train_seconds)  # the finished state: --resume then has nothing left to do
     # the global parameters: after the final sync every fragment's mirror equals the masters
     eval_model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
@@ -583,6 +722,11 @@ def _train(
         "merges_that_waited": engine.waits,
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
+        "params_hash": params_digest(model),  # the local parameters: every rank of a group has the same
+        "optimizer_hash": optimizer_digest(opt),
+        "ranks": ge.size if ge is not None else 1,  # torchrun's ranks, trained as this one worker
+        "group_broadcast_bytes": ge.broadcast_bytes if ge is not None else 0,  # merged parameters, in-site
+        "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
     }
     log.info(
         "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
