@@ -470,20 +470,29 @@ def _train(
         stats["tokens"] += x.numel()
         stats["inner_steps"] = stats.get("inner_steps", 0) + 1
         recent.append(loss)
-        step += 1
+        # `step` counts the schedule's steps: one per inner step, or with --sync-schedule adaptive one per
+        # engine.per_tick inner steps (a faster site does more of them: common/pace.py)
+        before = step
+        if engine.cfg.sync_schedule != "adaptive":
+            step += 1
         metrics.step, metrics.loss = step, loss
         metrics.mark(stats["compute_seconds"])
         try:
             t_sync = time.perf_counter()
             engine.step(tokens=x.numel(), loss=loss)
-            if step == cfg.steps:  # the final sync: every fragment once more, all waited for (once a run)
+            if (
+                engine.step_count == cfg.steps
+            ):  # the final sync: every fragment once more, all waited for (once a run)
                 stats["final_sync_seconds"] = time.perf_counter() - t_sync
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
             stopped = True
+        step = metrics.step = engine.step_count
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
         el = time.perf_counter() - t_train0
         engine.report(compute_utilization=stats["compute_seconds"] / el)
+        if step == before:  # an inner step within a schedule step: the schedule's chores wait for its end
+            continue
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopped:
             eval_global()
         if step % cfg.log_every == 0 or step == cfg.steps:
@@ -582,6 +591,10 @@ def _train(
         "merges": engine.merges,
         "merges_that_waited": engine.waits,
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
+        # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
+        "inner_steps": stats["inner_steps"],
+        "inner_steps_per_tick": stats["inner_steps"] / max(1, cfg.steps - first),
+        "step_seconds": engine.step_seconds,  # median seconds per inner step (adaptive schedule only)
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
     }
     log.info(
