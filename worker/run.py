@@ -78,7 +78,9 @@ class WorkerConfig:
     checkpoint_every: int = 100  # steps between checkpoints; 0: only when stopping
     resume: bool = False  # start from the checkpoint instead of joining as a new worker
     reconnect_timeout: float = 600.0  # give up on a shard unreachable this long
-    step_delay: float = 0.0  # seconds to sleep after every step: makes this worker slow on purpose
+    # seconds to sleep after every step: makes this worker slow on purpose, or emulates a GPU step (the
+    # sleep counts as compute time in the utilization)
+    step_delay: float = 0.0
     metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free port)
     metrics_host: str = "127.0.0.1"
     auto_resume: bool = False  # resume if the checkpoint exists, else join as a new worker (restarts)
@@ -487,8 +489,10 @@ def _train(
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
             stopped = True
         step = metrics.step = engine.step_count
-        if cfg.step_delay:
+        if cfg.step_delay:  # an emulated accelerator step: counted as compute (the GPU would be busy)
+            t_delay = time.perf_counter()
             time.sleep(cfg.step_delay)
+            stats["compute_seconds"] += time.perf_counter() - t_delay
         el = time.perf_counter() - t_train0
         engine.report(compute_utilization=stats["compute_seconds"] / el)
         if step == before:  # an inner step within a schedule step: the schedule's chores wait for its end
