@@ -163,7 +163,7 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
         wall: float | None = None,
     ) -> None:
         loss = evaluate(eval_model, val, device)
-        point = {
+        point: dict[str, float | int] = {
             "step": step,
             "tokens": step * tokens_per_step if tokens is None else tokens,
             "eval_loss": loss,
@@ -175,9 +175,8 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
         if log:
             el = time.perf_counter() - t_start
             eta = el / step * (cfg.steps - step) if step else 0.0
-            tokens = point["tokens"]
             log(
-                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {tokens:>10,}"
+                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {point['tokens']:>10,}"
                 f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left"
             )
 
