@@ -868,6 +868,7 @@ class ShardService(pb_grpc.ShardServicer):
             "min_workers": st.min_workers,
             "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
             "round_timeout": st.round_timeout,
+            "pace_seconds": self.pace(),  # the slowest member's step time (sync_schedule adaptive)
             "members": [
                 {
                     "name": m.name,
@@ -949,6 +950,7 @@ class ShardService(pb_grpc.ShardServicer):
             "compute_utilization": r.utilization if r is not None else None,
             "eval_loss": r.eval_loss if r is not None else None,
             "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
+            "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)
             **rates,
             "eta_seconds": eta,
         }

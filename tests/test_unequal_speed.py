@@ -4,18 +4,22 @@ the step times workers report and stretch their weight caps; the simulator measu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 import pytest
 import torch
+from inthread import InThreadShard, push_messages
 from procs import Cluster
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.main import build_service
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.service import _check_progress
 from streamdiloco.server.shard import ShardState
@@ -95,6 +99,30 @@ def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule(s
     # outer lr 1, no momentum: the master moves by minus the weighted mean of 0 and 1, the fast one's share
     moved = initial[0] - st.master(0)
     assert torch.allclose(moved, torch.full_like(moved, fast_share), rtol=1e-6), (moved[:3], fast_share)
+
+
+def test_each_accepted_push_is_answered_with_the_slowest_members_step_time(tmp_path):
+    cfg = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
+    model = build_gpt("nano")
+    fp = json.dumps(model_fingerprint(build_layout(model, cfg.num_fragments), cfg))
+    service = build_service(cfg, "nano", shard=0, num_shards=1, min_workers=2)
+    shard = InThreadShard(service, tmp_path, fp)
+    try:
+        a, b = shard.worker("a"), shard.worker("b")
+        n = service.state.ranges[0][1] - service.state.ranges[0][0]
+        enc = encode(torch.zeros(n), "e3m0", cfg.codec_block_size)
+        a.push(push_messages(enc, 0, 0, step_seconds=0.1))
+        first = a.session.result()
+        assert first.accepted and first.pace_seconds == pytest.approx(0.1)  # only a has said its speed
+        b.push(push_messages(enc, 0, 0, step_seconds=0.3))
+        assert b.session.result().pace_seconds == pytest.approx(0.3)  # b is the slowest: it sets the pace
+        a.push(push_messages(enc, 1, 0, step_seconds=0.1))
+        assert a.session.result().pace_seconds == pytest.approx(0.3)
+        status = shard.status()
+        assert {m["name"]: m["step_seconds"] for m in status["members"]} == {"a": 0.1, "b": 0.3}
+        assert status["pace_seconds"] == pytest.approx(0.3)
+    finally:
+        shard.shutdown()
 
 
 # --- the simulator: quality at equal wall time --------------------------------------------------------------
