@@ -16,6 +16,11 @@ training thread would take longer than the step):
   on CUDA, copies the fragment's mirror to the device for the lerp).
 Each (fragment, round) has one future that the merge waits on; `request_stop()` cancels them.
 
+With sync_schedule "adaptive" (sites of unequal speed, common/pace.py) `step_count` counts the schedule's
+steps and `step()` completes one only every `per_tick` inner steps, from this worker's measured step time
+and the run's pace that the shards answer its pushes with; everything else (schedule, rounds, merges,
+checkpoints) is as with one inner step per schedule step.
+
 The transport is what carries pushes and updates: the gRPC client in a worker process, an in-process
 connection to the shards' logic in the simulator. The engine does not know which. The simulator runs the
 engine with `background=False`: the same jobs, done in order on the calling thread.
