@@ -4,6 +4,7 @@ the step times workers report and stretch their weight caps; the simulator measu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from streamdiloco.server.shard import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
+from streamdiloco.worker.run import CHECKPOINT_FORMAT, WorkerConfig, _checkpoint_key, load_checkpoint
 
 ADAPTIVE = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
 
@@ -206,3 +208,14 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
         mirror = torch.load(tmp_path / path)
         assert all(torch.equal(a, b) for a, b in zip(mirror, masters, strict=True))
     assert os.path.getsize(tmp_path / "f.pt") > 0
+
+
+def test_a_worker_checkpoint_from_before_the_schedule_setting_still_resumes(tmp_path):
+    cfg = WorkerConfig(servers=("127.0.0.1:1",), name="w", checkpoint=str(tmp_path / "w.pt"), resume=True)
+    key = _checkpoint_key(cfg)
+    key["sync"] = {k: v for k, v in key["sync"].items() if k not in ("sync_schedule", "max_steps_per_tick")}
+    torch.save({"format": CHECKPOINT_FORMAT, "name": "w", "key": key}, tmp_path / "w.pt")
+    assert load_checkpoint(cfg)["name"] == "w"  # the fields it lacks had their defaults
+    adaptive = dataclasses.replace(cfg, sync=SyncConfig(sync_schedule="adaptive"))
+    with pytest.raises(ValueError, match=r"was written with other settings \(sync\)"):
+        load_checkpoint(adaptive)

@@ -185,7 +185,10 @@ def load_checkpoint(cfg: WorkerConfig) -> dict:
     flag = "--resume" if cfg.resume else "--auto-resume"
     ck = _read_checkpoint(path, flag)
     want = _checkpoint_key(cfg)
-    changed = sorted(k for k in want if ck["key"].get(k) != want[k])
+    key = dict(ck["key"])
+    if isinstance(key.get("sync"), dict):  # written before a sync field existed: it had its default then
+        key["sync"] = {**SyncConfig().to_dict(), **key["sync"]}
+    changed = sorted(k for k in want if key.get(k) != want[k])
     if changed:
         raise ValueError(
             f"{flag}: {path} was written with other settings ({', '.join(changed)}): "
