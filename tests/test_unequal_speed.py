@@ -111,14 +111,18 @@ def test_each_accepted_push_is_answered_with_the_slowest_members_step_time(tmp_p
     shard = InThreadShard(service, tmp_path, fp)
     try:
         a, b = shard.worker("a"), shard.worker("b")
-        n = service.state.ranges[0][1] - service.state.ranges[0][0]
-        enc = encode(torch.zeros(n), "e3m0", cfg.codec_block_size)
-        a.push(push_messages(enc, 0, 0, step_seconds=0.1))
+
+        # one push per fragment: no round closes (min_workers 2), so the answers are the only messages
+        def enc(f: int):
+            lo, hi = service.state.ranges[f]
+            return encode(torch.zeros(hi - lo), "e3m0", cfg.codec_block_size)
+
+        a.push(push_messages(enc(0), 0, 0, step_seconds=0.1))
         first = a.session.result()
         assert first.accepted and first.pace_seconds == pytest.approx(0.1)  # only a has said its speed
-        b.push(push_messages(enc, 0, 0, step_seconds=0.3))
+        b.push(push_messages(enc(1), 1, 0, step_seconds=0.3))
         assert b.session.result().pace_seconds == pytest.approx(0.3)  # b is the slowest: it sets the pace
-        a.push(push_messages(enc, 1, 0, step_seconds=0.1))
+        a.push(push_messages(enc(2), 2, 0, step_seconds=0.1))
         assert a.session.result().pace_seconds == pytest.approx(0.3)
         status = shard.status()
         assert {m["name"]: m["step_seconds"] for m in status["members"]} == {"a": 0.1, "b": 0.3}
@@ -132,16 +136,21 @@ def test_each_accepted_push_is_answered_with_the_slowest_members_step_time(tmp_p
 
 def test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_the_fast_site_busy():
     results = {}
-    for schedule in ("fixed", "adaptive"):
-        cfg = SimConfig(
-            workers=2,
-            steps=12,
-            model="nano",
-            eval_every=12,
-            step_seconds=(0.5, 1.0),  # worker 0 twice as fast (emulated)
-            sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule=schedule),
-        )
-        results[schedule] = simulate(cfg, log=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small model: one thread is fastest, and stays fast on a busy machine
+    try:
+        for schedule in ("fixed", "adaptive"):
+            cfg = SimConfig(
+                workers=2,
+                steps=12,
+                model="nano",
+                eval_every=12,
+                step_seconds=(0.5, 1.0),  # worker 0 twice as fast (emulated)
+                sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule=schedule),
+            )
+            results[schedule] = simulate(cfg, log=None)
+    finally:
+        torch.set_num_threads(threads)
     fixed, adaptive = results["fixed"], results["adaptive"]
     # equal wall time: every schedule step lasts the slow site's step in both
     assert fixed["curve"][-1]["wall_seconds"] == adaptive["curve"][-1]["wall_seconds"] == 12.0
