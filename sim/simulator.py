@@ -81,10 +81,11 @@ class SimConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.step_seconds and len(self.step_seconds) != self.workers:
             raise ValueError(
-                f"step_seconds gives {len(self.step_seconds)} step times for {self.workers} workers: one each"
+                f"--step-seconds gives {len(self.step_seconds)} step times for {self.workers} workers: "
+                "one each"
             )
         if not all(valid_step_seconds(t) for t in self.step_seconds):
-            raise ValueError(f"step_seconds must be in (0, 3600] seconds each, got {self.step_seconds}")
+            raise ValueError(f"--step-seconds must be in (0, 3600] seconds each, got {self.step_seconds}")
 
 
 class InProcessCluster:

@@ -161,9 +161,9 @@ def test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_the_f
 
 
 def test_simulator_refuses_step_times_that_do_not_fit():
-    with pytest.raises(ValueError, match="step_seconds gives 1 step times for 2 workers"):
+    with pytest.raises(ValueError, match="--step-seconds gives 1 step times for 2 workers"):
         SimConfig(workers=2, step_seconds=(1.0,))
-    with pytest.raises(ValueError, match=r"step_seconds must be in \(0, 3600\]"):
+    with pytest.raises(ValueError, match=r"--step-seconds must be in \(0, 3600\]"):
         SimConfig(workers=2, step_seconds=(1.0, 0.0))
 
 
@@ -228,3 +228,23 @@ def test_a_worker_checkpoint_from_before_the_schedule_setting_still_resumes(tmp_
     adaptive = dataclasses.replace(cfg, sync=SyncConfig(sync_schedule="adaptive"))
     with pytest.raises(ValueError, match=r"was written with other settings \(sync\)"):
         load_checkpoint(adaptive)
+
+
+def test_simulate_takes_step_times_on_the_command_line(capsys):
+    from streamdiloco.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        argv = "simulate --model nano --steps 6 --sync-every 6 --num-fragments 3 --eval-every 6".split()
+        assert main([*argv, "--step-seconds", "0.5,1", "--sync-schedule", "adaptive"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "emulated wall time 6 s | compute utilization per worker 1.00 / 1.00 | inner steps [12, 6]" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--step-seconds", "fast,slow"])
+    assert (
+        "--step-seconds: give seconds separated by commas, like 0.5,1.0: got 'fast,slow'"
+        in capsys.readouterr().err
+    )
