@@ -485,9 +485,8 @@ def _train(
         try:
             t_sync = time.perf_counter()
             engine.step(tokens=x.numel(), loss=loss)
-            if (
-                engine.step_count == cfg.steps
-            ):  # the final sync: every fragment once more, all waited for (once a run)
+            # the final sync: every fragment once more, all waited for (once a run)
+            if engine.step_count == cfg.steps:
                 stats["final_sync_seconds"] = time.perf_counter() - t_sync
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
             stopped = True
