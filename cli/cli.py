@@ -107,6 +107,15 @@ def _add_settings(
     p.set_defaults(sections=sections)
 
 
+def _seconds_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give seconds separated by commas, like 0.5,1.0: got {text!r}"
+        ) from None
+
+
 def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulation")
     g.add_argument("--workers", type=int, default=2, help="M, the number of workers (default %(default)s)")
@@ -115,6 +124,14 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
+    )
+    g.add_argument(
+        "--step-seconds",
+        type=_seconds_list,
+        default=(),
+        metavar="S,S,...",
+        help="sites of unequal speed: each worker's emulated seconds per inner step (e.g. 0.5,1.0 with "
+        "--sync-schedule adaptive or fixed); the results then have the emulated wall time (default: equal)",
     )
     _add_settings(
         p,
@@ -249,6 +266,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"{result['bytes_received_per_worker']:,} B | peak sync {result['peak_sync_bytes']:,} B | "
         f"{result['wall_seconds']:.0f}s"
     )
+    if cfg.step_seconds and "compute_utilization" in result:  # sites of unequal speed
+        util = " / ".join(f"{u:.2f}" for u in result["compute_utilization"])
+        print(
+            f"emulated wall time {result['curve'][-1]['wall_seconds']:g} s | compute utilization per worker "
+            f"{util} | inner steps {result['inner_steps']}"
+        )
     if args.json:
         write_json(result, args.json)
         print(f"wrote {args.json}")

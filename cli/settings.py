@@ -114,7 +114,8 @@ class WorkerSettings:
     step_delay: float = field(
         default=0.0,
         metadata={
-            "help": "sleep this many seconds after every step: a slow worker on purpose, to try stragglers"
+            "help": "sleep this many seconds after every step: a slow worker on purpose, to try "
+            "stragglers, or an emulated GPU step (counted as compute in the utilization)"
         },
     )
     rank_timeout: float = field(

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
 MERGE_RULES = ("mix", "rebase")
+SYNC_SCHEDULES = ("fixed", "adaptive")
 ROUNDING_MODES = ("nearest", "stochastic")
 # the codec registry's names (common/codecs.py), for help texts only: the check below asks the registry
 _CODEC_NAMES = "fp32, bf16, int8 or e3m0"
@@ -84,6 +85,28 @@ class SyncConfig:
     outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
     outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
     outer_nesterov: bool = field(default=True, metadata={"help": "Nesterov momentum in the outer step"})
+    # fixed: every worker does one inner step per step of the schedule (H inner steps per round), so a
+    # site twice as fast waits half its time at merges. adaptive: a worker does as many inner steps per
+    # schedule step as it is faster than the run's slowest member (common/pace.py), so that every site
+    # reaches a fragment's send at about the same wall time; its push carries (and is weighted by) the
+    # tokens of all those steps. Off by default: with equal speeds it gains nothing, and fixed is
+    # deterministic whatever the timing
+    sync_schedule: str = field(
+        default="fixed",
+        metadata={
+            "choices": SYNC_SCHEDULES,
+            "help": "fixed: one inner step per schedule step on every worker; adaptive: a faster worker does "
+            "more inner steps per schedule step (its speed over the slowest member's), so that no site waits "
+            "for a slower one",
+        },
+    )
+    max_steps_per_tick: float = field(
+        default=4.0,
+        metadata={
+            "help": "--sync-schedule adaptive: the most inner steps a worker does per schedule step (how "
+            "much faster than the slowest member it may go; also how far the shards' weight caps stretch)",
+        },
+    )
     final_sync: bool = field(
         default=True,
         metadata={"help": "at the last step, sync every fragment so that the global model has all the work"},
@@ -119,6 +142,15 @@ class SyncConfig:
             )
         if self.merge_rule not in MERGE_RULES:
             raise ValueError(f"unknown merge_rule {self.merge_rule!r}: choose {' or '.join(MERGE_RULES)}")
+        if self.sync_schedule not in SYNC_SCHEDULES:
+            raise ValueError(
+                f"unknown sync_schedule {self.sync_schedule!r}: choose {' or '.join(SYNC_SCHEDULES)}"
+            )
+        if not 1.0 <= self.max_steps_per_tick <= 64.0:  # NaN fails too
+            raise ValueError(
+                f"max_steps_per_tick must be in [1, 64] inner steps per schedule step, got "
+                f"{self.max_steps_per_tick}"
+            )
         if self.fragment_pattern not in FRAGMENT_PATTERNS:
             raise ValueError(
                 f"unknown fragment_pattern {self.fragment_pattern!r}: choose {' or '.join(FRAGMENT_PATTERNS)}"

@@ -1,7 +1,8 @@
 """The send/merge schedule: the one function that says what happens after each inner step.
 
-Steps are counted from 1: step t is the t-th call of the inner optimizer. With P fragments, fragment f has
-offset t_f = f * H / P (H is a multiple of P, or 1: every fragment every step)
+Steps are counted from 1: step t is the t-th call of the inner optimizer (with sync_schedule "adaptive", the
+t-th schedule step, for which a faster worker does several inner steps: common/pace.py). With P fragments,
+fragment f has offset t_f = f * H / P (H is a multiple of P, or 1: every fragment every step)
 and is sent at every step t >= 1 with (t - t_f) mod H == 0; its update is merged tau steps later, at
 t + tau. Rounds of a fragment are numbered 0, 1, 2, ... in the order of its sends. With `final_sync`, the
 last step (t == total_steps) also merges everything still in flight and then sends and merges every

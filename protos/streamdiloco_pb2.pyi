@@ -113,7 +113,7 @@ class Ready(_message.Message):
     def __init__(self, from_rounds: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("weight", "has_loss", "loss", "step", "blocked_seconds", "total_steps", "tokens", "has_utilization", "compute_utilization", "has_eval_loss", "eval_loss", "eval_step")
+    __slots__ = ("weight", "has_loss", "loss", "step", "blocked_seconds", "total_steps", "tokens", "has_utilization", "compute_utilization", "has_eval_loss", "eval_loss", "eval_step", "step_seconds")
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class PushHeader(_message.Message):
     HAS_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weight: float
     has_loss: bool
     loss: float
@@ -138,7 +139,8 @@ class PushHeader(_message.Message):
     has_eval_loss: bool
     eval_loss: float
     eval_step: int
-    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., step: _Optional[int] = ..., blocked_seconds: _Optional[float] = ..., total_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., has_utilization: _Optional[bool] = ..., compute_utilization: _Optional[float] = ..., has_eval_loss: _Optional[bool] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, weight: _Optional[float] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., step: _Optional[int] = ..., blocked_seconds: _Optional[float] = ..., total_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., has_utilization: _Optional[bool] = ..., compute_utilization: _Optional[float] = ..., has_eval_loss: _Optional[bool] = ..., eval_loss: _Optional[float] = ..., eval_step: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "push", "ready")
@@ -159,18 +161,20 @@ class Push(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., header: _Optional[_Union[PushHeader, _Mapping]] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("fragment", "round", "accepted", "reason", "message")
+    __slots__ = ("fragment", "round", "accepted", "reason", "message", "pace_seconds")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     round: int
     accepted: bool
     reason: str
     message: str
-    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    pace_seconds: float
+    def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., pace_seconds: _Optional[float] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("rounds", "started", "member", "pushes", "min_workers")

@@ -36,6 +36,7 @@ class Report:
     utilization: float | None = None  # compute time over training time, 0..1
     eval_loss: float | None = None  # its latest eval loss of the global parameters, measured at eval_step
     eval_step: int = 0
+    step_seconds: float | None = None  # median seconds per inner step, not counting waits (common/pace.py)
 
 
 class DashboardData:

@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
+from streamdiloco.common.pace import MAX_STEP_SECONDS, pace_seconds, valid_step_seconds
 from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -564,9 +565,18 @@ class ShardService(pb_grpc.ShardServicer):
                 if report.loss is not None:
                     member.last_loss = report.loss
                 self.dashboard.record_progress(member.name, report.step, report.loss, report.blocked, report)
-            result = pb.PushResult(fragment=c.fragment, round=c.round, accepted=True)
+            result = pb.PushResult(
+                fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.pace()
+            )
             self._send(member, pb.ShardMessage(result=result))
             self.close_due()
+
+    def pace(self) -> float:
+        """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what a
+        worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
+        return pace_seconds(
+            m.report.step_seconds for m in self.members.values() if m.active and m.report is not None
+        )
 
     @property
     def passive_sessions(self) -> int:
@@ -858,6 +868,7 @@ class ShardService(pb_grpc.ShardServicer):
             "min_workers": st.min_workers,
             "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
             "round_timeout": st.round_timeout,
+            "pace_seconds": self.pace(),  # the slowest member's step time (sync_schedule adaptive)
             "members": [
                 {
                     "name": m.name,
@@ -939,6 +950,7 @@ class ShardService(pb_grpc.ShardServicer):
             "compute_utilization": r.utilization if r is not None else None,
             "eval_loss": r.eval_loss if r is not None else None,
             "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
+            "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)
             **rates,
             "eta_seconds": eta,
         }
@@ -1004,6 +1016,11 @@ def _check_progress(h: pb.PushHeader) -> str | None:
         return f"the reported compute utilization must be a fraction in [0, 1], got {h.compute_utilization}"
     if h.has_eval_loss and not (0.0 <= h.eval_loss <= MAX_LOSS):
         return f"the reported eval loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {h.eval_loss}"
+    if h.step_seconds != 0.0 and not valid_step_seconds(h.step_seconds):  # NaN too
+        return (
+            f"the reported step time must be 0 (not measured) or in (0, {MAX_STEP_SECONDS:g}] seconds, "
+            f"got {h.step_seconds}"
+        )
     return None
 
 
@@ -1018,6 +1035,7 @@ def _report(h: pb.PushHeader) -> Report:
         utilization=h.compute_utilization if h.has_utilization else None,
         eval_loss=h.eval_loss if h.has_eval_loss else None,
         eval_step=h.eval_step,
+        step_seconds=h.step_seconds or None,
     )
 
 

@@ -592,7 +592,7 @@ class ShardState:
         self.discarding.pop(key, None)
         if st is None:
             assert weight is not None
-            cap = self.robust.max_weight
+            cap = self.robust.max_weight * self._speed_spread
             if cap and weight > cap:  # more tokens than one worker can train on between two syncs
                 weight = cap
                 self.weights_capped += 1
@@ -631,6 +631,13 @@ class ShardState:
             return False
         self._drop((worker, fragment), round, last, reason)
         return True
+
+    @property
+    def _speed_spread(self) -> float:
+        """How far honest workers' weights may differ: with sync_schedule "adaptive" a faster worker trains
+        up to max_steps_per_tick inner steps per schedule step (common/pace.py), and its push carries those
+        tokens, so the weight caps stretch that far; 1 with the fixed schedule."""
+        return self.cfg.max_steps_per_tick if self.cfg.sync_schedule == "adaptive" else 1.0
 
     def _discard_key(self, worker: str, fragment: int) -> tuple[str, int]:
         # every fragment id that does not exist shares one entry: at most P + 1 entries per worker
@@ -784,7 +791,7 @@ class ShardState:
         if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
             shares = [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
         else:  # change no push's share of the mean
-            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap)
+            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap * self._speed_spread)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
         scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm)
         for p, share, scale in zip(pushes, shares, scales, strict=True):

@@ -4,6 +4,12 @@ ShardState, worker.train), not from a second copy of the algorithm.
 
 Workers run in lock-step: every worker does its inner step, then each scheduled event is done by every
 worker in turn, so a round has all its pushes before anyone needs its update.
+
+Sites of unequal speed (`step_seconds`, one per worker: the emulated seconds of its inner step): the
+schedule's steps stay in lock-step, and with sync_schedule "adaptive" a worker does as many inner steps per
+schedule step as common/pace.py says (the same function the workers use). The simulated wall time of a
+schedule step is the slowest worker's time for its inner steps of that step, so two runs compare at equal
+wall time at equal schedule steps; each worker's compute utilization is its compute over that time.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from streamdiloco.common.fragments import (
     unflatten_into,
 )
 from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick, valid_step_seconds
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
@@ -63,6 +70,8 @@ class SimConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)  # the shards' defenses, on as on a shard
+    # emulated seconds per inner step of each worker (sites of unequal speed); empty: all alike (1.0)
+    step_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -70,6 +79,13 @@ class SimConfig:
         for name in ("workers", "steps", "batch_size", "num_shards", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.step_seconds and len(self.step_seconds) != self.workers:
+            raise ValueError(
+                f"--step-seconds gives {len(self.step_seconds)} step times for {self.workers} workers: "
+                "one each"
+            )
+        if not all(valid_step_seconds(t) for t in self.step_seconds):
+            raise ValueError(f"--step-seconds must be in (0, 3600] seconds each, got {self.step_seconds}")
 
 
 class InProcessCluster:
@@ -140,17 +156,28 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
     curve: list[dict] = []
     t_start = time.perf_counter()
 
-    def report(step: int, eval_model: nn.Module, train_loss: float) -> None:
+    def report(
+        step: int,
+        eval_model: nn.Module,
+        train_loss: float,
+        tokens: int | None = None,
+        wall: float | None = None,
+    ) -> None:
         loss = evaluate(eval_model, val, device)
-        curve.append(
-            {"step": step, "tokens": step * tokens_per_step, "eval_loss": loss, "train_loss": train_loss}
-        )
+        point: dict[str, float | int] = {
+            "step": step,
+            "tokens": step * tokens_per_step if tokens is None else tokens,
+            "eval_loss": loss,
+            "train_loss": train_loss,
+        }
+        if wall is not None:  # unequal speeds: the emulated wall time so far
+            point["wall_seconds"] = wall
+        curve.append(point)
         if log:
             el = time.perf_counter() - t_start
             eta = el / step * (cfg.steps - step) if step else 0.0
-            tokens = step * tokens_per_step
             log(
-                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {tokens:>10,}"
+                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {point['tokens']:>10,}"
                 f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left"
             )
 
@@ -163,7 +190,7 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
         workers=cfg.workers,
         steps=cfg.steps,
         params=nparams,
-        tokens=cfg.steps * tokens_per_step,
+        tokens=curve[-1]["tokens"],
         eval_loss=curve[-1]["eval_loss"],
         curve=curve,
         wall_seconds=time.perf_counter() - t_start,
@@ -221,23 +248,39 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     ]
     device = next(model.parameters()).device
     eval_model = model  # holds the global parameters for evaluation only
-    report(0, eval_model, float("nan"))
+    # unequal speeds: each worker's inner steps per schedule step, from the emulated step times
+    times = cfg.step_seconds or (1.0,) * cfg.workers
+    per_tick = [steps_per_tick(pace_seconds(times), t, cfg.sync) for t in times]
+    clocks = [TickClock() for _ in engines]
+    wall, compute = 0.0, [0.0] * cfg.workers
+    timed = bool(cfg.step_seconds)
+    report(0, eval_model, float("nan"), 0, 0.0 if timed else None)
     for step in range(cfg.steps):
         lr = lr_at(step, cfg.steps, cfg.inner)
-        losses, due = [], None
-        for r, opt, stream, eng in zip(replicas, opts, streams, engines, strict=True):
-            set_lr(opt, lr)
-            x, y = stream.next()
-            loss = forward_backward(r, x.to(device), y.to(device))
-            optimizer_step(r, opt, cfg.inner)
-            losses.append(loss)
-            due = eng.advance(tokens=x.numel(), loss=loss)
+        losses, due, tick_seconds = [], None, 0.0
+        for m, (r, opt, stream, eng) in enumerate(zip(replicas, opts, streams, engines, strict=True)):
+            inner = 0
+            while True:  # one inner step per schedule step, or per_tick[m] of them (adaptive)
+                set_lr(opt, lr)
+                x, y = stream.next()
+                loss = forward_backward(r, x.to(device), y.to(device))
+                optimizer_step(r, opt, cfg.inner)
+                losses.append(loss)
+                inner += 1
+                if clocks[m].inner_step(per_tick[m]):
+                    due = eng.advance(tokens=x.numel(), loss=loss)
+                    break
+                eng.count(tokens=x.numel(), loss=loss)
+            compute[m] += inner * times[m]
+            tick_seconds = max(tick_seconds, inner * times[m])
+        wall += tick_seconds
         for ev in due or []:
             for eng in engines:
                 eng.execute(ev)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             _load_globals(eval_model, layout, [cluster.master(f) for f in range(layout.num_fragments)])
-            report(step + 1, eval_model, sum(losses) / len(losses))
+            tokens = sum(e.tokens for e in engines)
+            report(step + 1, eval_model, sum(losses) / len(losses), tokens, wall if timed else None)
     for eng in engines:
         eng.drain()  # only does something without final_sync
     masters = [cluster.master(f) for f in range(layout.num_fragments)]
@@ -253,6 +296,8 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
         "pushes_clipped": sum(s.pushes_clipped for s in cluster.shards),
         "weights_capped": sum(s.weights_capped for s in cluster.shards),
         "mirrors_match_masters": mirrors_match,
+        "inner_steps": [e.inner_steps for e in engines],
+        "compute_utilization": [c / wall for c in compute],  # of the emulated wall time (step_seconds)
         "global_params": masters,
     }
 

@@ -424,6 +424,14 @@ REFUSALS = {
         "got -1.0",
     ),
     "eval-loss-inf": (push_messages(ENC_A, has_eval_loss=True, eval_loss=math.inf), "bad_header", "got inf"),
+    # a worker's speed (sync_schedule adaptive sets the others' steps by it): a step time it can have
+    "step-seconds-nan": (
+        push_messages(ENC_A, step_seconds=math.nan),
+        "bad_header",
+        "step time must be 0 (not measured) or in (0, 3600] seconds, got nan",
+    ),
+    "step-seconds-huge": (push_messages(ENC_A, step_seconds=1e9), "bad_header", "seconds, got 1000000000.0"),
+    "step-seconds-negative": (push_messages(ENC_A, step_seconds=-0.5), "bad_header", "seconds, got -0.5"),
     "chunk-repeated": (_GOOD[:2] + _GOOD[1:], "bad_chunk", "chunk 1 repeated (next expected is 2)"),
     "chunk-restarted": (_GOOD[:3] + _GOOD, "bad_chunk", "chunk 0 repeated (next expected is 3)"),
     "chunk-out-of-order": (

@@ -32,6 +32,7 @@ from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import slice_ranges
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
+from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import (
@@ -169,6 +170,9 @@ class ShardLink:
         self.reconnects = 0
         self.resent = 0
         self.results = dict.fromkeys(PUSH_OUTCOMES, 0)  # answers to pushes, by outcome (for /metrics)
+        self.pace_seconds = (
+            0.0  # the run's pace, as the shard's latest accepting answer said (common/pace.py)
+        )
         self.progress: Callable[[], Progress] = Progress  # what each push's header reports (dashboards)
         self.on_answer: Callable[[float], None] | None = None  # gets seconds from a push's send to its answer
         self._bytes = {"out": 0, "in": 0}
@@ -493,6 +497,9 @@ class ShardLink:
         self.results[push_outcome(None if r.accepted else r.reason)] += 1
         sent = self._sent_at.pop((r.fragment, r.round), None)
         self._check_flushed()
+        if r.accepted and r.pace_seconds != self.pace_seconds:
+            # a shard that announces a pace no worker can have is ignored (common/pace.py bounds it)
+            self.pace_seconds = r.pace_seconds if valid_step_seconds(r.pace_seconds) else 0.0
         if sent is not None and r.accepted and self.on_answer is not None:
             self.on_answer(time.perf_counter() - sent)
         if r.accepted:
@@ -647,6 +654,7 @@ class ShardLink:
             has_eval_loss=p.eval_loss is not None,
             eval_loss=p.eval_loss or 0.0,
             eval_step=p.eval_step,
+            step_seconds=p.step_seconds or 0.0,
         )
         for chunk in to_chunks(push.enc, fragment, round, self.chunk_values):
             self._outbox.put(
@@ -952,6 +960,12 @@ class GrpcTransport:
 
     def state_dict(self) -> list[dict]:
         return [link.state_dict() for link in self.links]
+
+    @property
+    def pace_seconds(self) -> float:
+        """The run's pace (the slowest member's seconds per inner step) as the shards last said: the largest
+        of their answers (each sees the same members, a moment apart); 0.0 before any said one."""
+        return max(link.pace_seconds for link in self.links)
 
     @property
     def reconnects(self) -> int:

@@ -16,6 +16,11 @@ training thread would take longer than the step):
   on CUDA, copies the fragment's mirror to the device for the lerp).
 Each (fragment, round) has one future that the merge waits on; `request_stop()` cancels them.
 
+With sync_schedule "adaptive" (sites of unequal speed, common/pace.py) `step_count` counts the schedule's
+steps and `step()` completes one only every `per_tick` inner steps, from this worker's measured step time
+and the run's pace that the shards answer its pushes with; everything else (schedule, rounds, merges,
+checkpoints) is as with one inner step per schedule step.
+
 The transport is what carries pushes and updates: the gRPC client in a worker process, an in-process
 connection to the shards' logic in the simulator. The engine does not know which. The simulator runs the
 engine with `background=False`: the same jobs, done in order on the calling thread.
@@ -24,8 +29,10 @@ engine with `background=False`: the same jobs, done in order on the calling thre
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,6 +45,7 @@ from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
+from streamdiloco.common.pace import TickClock, steps_per_tick
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.report import Progress
 
@@ -46,6 +54,7 @@ log = logging.getLogger("streamdiloco.worker")
 WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
 MAX_REPORTED_LOSS = 1e4  # the shards refuse a push that reports a loss beyond (server/robust.py MAX_LOSS)
+STEP_TIMES = 16  # inner steps whose durations the reported step time is the median of (adaptive schedule)
 
 
 class StopRequested(Exception):
@@ -118,6 +127,14 @@ class SyncEngine:
         self._mirror_lock = threading.Lock()  # apply jobs vs a checkpoint's copy of the mirrors
         self.generator = torch.Generator().manual_seed(seed * 7_919 + rank)  # stochastic rounding only
         self.step_count = start_step  # steps already taken (by the run, for a worker that joined late)
+        # sync_schedule "adaptive" (common/pace.py): step_count counts schedule steps, and a faster worker
+        # does `per_tick` inner steps for each; `clock` says when they make up the next schedule step
+        self.inner_steps = 0  # inner steps this engine was told of (step() calls), in this run
+        self.clock = TickClock()
+        self.per_tick = 1.0
+        self.step_seconds: float | None = None  # median seconds per inner step, waits and syncs left out
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES)
+        self._last_step_end: float | None = None
         self.tokens_since_sync = [0] * layout.num_fragments
         self.loss_since_sync = [(0.0, 0)] * layout.num_fragments  # (sum, count) of inner losses
         # counters for the summary and the metrics
@@ -276,6 +293,7 @@ class SyncEngine:
         "late_merges",
         "merge_delay_steps",
         "tokens",
+        "inner_steps",
     )
 
     def state_dict(self) -> dict:
@@ -303,6 +321,7 @@ class SyncEngine:
             "tokens_since_sync": list(self.tokens_since_sync),
             "loss_since_sync": [list(x) for x in self.loss_since_sync],
             "generator": self.generator.get_state(),
+            "tick_credit": self.clock.credit,
             "counters": {k: getattr(self, k) for k in self.COUNTERS},
         }
 
@@ -331,6 +350,7 @@ class SyncEngine:
         self.tokens_since_sync = list(state["tokens_since_sync"])
         self.loss_since_sync = [(float(a), int(b)) for a, b in state["loss_since_sync"]]
         self.generator.set_state(state["generator"])
+        self.clock.credit = float(state.get("tick_credit", 0.0))
         for k, v in state["counters"].items():
             if k in self.COUNTERS:
                 setattr(self, k, v)
@@ -358,11 +378,14 @@ class SyncEngine:
             compute_utilization=self.compute_utilization,
             eval_loss=self.eval_loss,
             eval_step=self.eval_step,
+            step_seconds=self.step_seconds,
         )
 
     # --- the hook ------------------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None) -> list[Event]:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
+        if self.cfg.sync_schedule == "adaptive":
+            return self._paced_step(tokens, loss)
         evs = events(self.step_count + 1, self.cfg, self.total_steps)
         # merges put off at earlier steps come first: done now if their update is in, or at their deadline
         self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
@@ -370,6 +393,37 @@ class SyncEngine:
         self._count(tokens, loss)
         self.finish_step()
         return evs
+
+    def _paced_step(self, tokens: int, loss: float | None) -> list[Event]:
+        """step() with sync_schedule "adaptive": the inner step completes a schedule step (and does its
+        events) only once this worker's `per_tick` inner steps for it are done (common/pace.py). The time
+        from the end of the previous call to this one is the inner step's (the training, and whatever the
+        caller does between steps), the sync work and the waits for updates are not."""
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self._step_times.append(now - self._last_step_end)
+            self.step_seconds = statistics.median(self._step_times)
+        self.per_tick = steps_per_tick(
+            getattr(self.transport, "pace_seconds", 0.0), self.step_seconds, self.cfg
+        )
+        try:
+            if not self.clock.inner_step(self.per_tick):
+                self._count(tokens, loss, tick=False)
+                return []
+            evs = events(self.step_count + 1, self.cfg, self.total_steps)
+            self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
+            self.deferred = []
+            self._count(tokens, loss)
+            self.finish_step()
+            return evs
+        finally:
+            self._last_step_end = time.perf_counter()
+
+    def count(self, tokens: int = 0, loss: float | None = None) -> None:
+        """Count an inner step that does not complete a schedule step (for lock-step drivers that pace
+        workers themselves, like the simulator: see common/pace.py); the next advance() counts the one that
+        does."""
+        self._count(tokens, loss, tick=False)
 
     def finish_step(self) -> None:
         """Do the step's events not done yet. Each is done whole or not at all: a stop request that
@@ -385,8 +439,10 @@ class SyncEngine:
         self._count(tokens, loss)
         return evs
 
-    def _count(self, tokens: int, loss: float | None) -> None:
-        self.step_count += 1
+    def _count(self, tokens: int, loss: float | None, tick: bool = True) -> None:
+        if tick:
+            self.step_count += 1
+        self.inner_steps += 1
         self.tokens += tokens
         for f in range(self.layout.num_fragments):
             self.tokens_since_sync[f] += tokens

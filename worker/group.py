@@ -278,15 +278,19 @@ class GroupEngine:
         n = self.layout.num_fragments
         t0 = time.perf_counter()
         with g.guard(f"step {self.step_count}'s merge broadcast"):
-            head = torch.zeros(1 + n, dtype=torch.int64, device=g.device)
+            head = torch.zeros(2 + n, dtype=torch.int64, device=g.device)
             if g.leads:
                 head[0] = status
+                # the schedule's step: with --sync-schedule adaptive one takes several inner steps, which
+                # rank 0's engine counts (common/pace.py); every rank follows its count (lr, the end)
+                head[1] = self.engine.step_count if self.engine is not None else self.step_count
                 for f in self._merged:
-                    head[1 + f] = 1
+                    head[2 + f] = 1
                 self._merged.clear()
             dist.broadcast(head, src=g.src, group=g.pg)
             got = head.tolist()
-            merged = [f for f in range(n) if got[1 + f]]
+            self.step_count = got[1]
+            merged = [f for f in range(n) if got[2 + f]]
             if merged:
                 self._broadcast_params(merged)
         self.group_seconds += time.perf_counter() - t0

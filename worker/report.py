@@ -21,6 +21,7 @@ class Progress:
     compute_utilization: float | None = None  # compute time over training time, 0..1
     eval_loss: float | None = None  # the global parameters' latest eval loss, measured at eval_step
     eval_step: int = 0
+    step_seconds: float | None = None  # median of its recent seconds per inner step, waits not counted
 
 
 class ScalarLogger(Protocol):

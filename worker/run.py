@@ -81,7 +81,9 @@ class WorkerConfig:
     checkpoint_every: int = 100  # steps between checkpoints; 0: only when stopping
     resume: bool = False  # start from the checkpoint instead of joining as a new worker
     reconnect_timeout: float = 600.0  # give up on a shard unreachable this long
-    step_delay: float = 0.0  # seconds to sleep after every step: makes this worker slow on purpose
+    # seconds to sleep after every step: makes this worker slow on purpose, or emulates a GPU step (the
+    # sleep counts as compute time in the utilization)
+    step_delay: float = 0.0
     # a worker of several ranks (torchrun): seconds a rank waits for the others at a collective before the
     # worker gives up. Rank 0 may be waiting that long for an update (a shard that restarts), so it is long;
     # a rank that dies is noticed at once (gloo) or by torchrun, which stops the others
@@ -206,7 +208,10 @@ def load_checkpoint(cfg: WorkerConfig, ranks: int = 1) -> dict:
     flag = "--resume" if cfg.resume else "--auto-resume"
     ck = _read_checkpoint(path, flag)
     want = _checkpoint_key(cfg, ranks)
-    changed = sorted(k for k in want if ck["key"].get(k) != want[k])
+    key = dict(ck["key"])
+    if isinstance(key.get("sync"), dict):  # written before a sync field existed: it had its default then
+        key["sync"] = {**SyncConfig().to_dict(), **key["sync"]}
+    changed = sorted(k for k in want if key.get(k) != want[k])
     if changed:
         raise ValueError(
             f"{flag}: {path} was written with other settings ({', '.join(changed)}): "
@@ -461,11 +466,11 @@ def _follow(cfg: WorkerConfig, group: RankGroup, model: torch.nn.Module, stream:
             with group.guard(f"step {step + 1}"):
                 loss = forward_backward(ddp, x.to(device), y.to(device))
                 optimizer_step(model, opt, cfg.inner)
-            step += 1
             try:
                 ge.step(tokens=x.numel(), loss=loss, stop=stop.event.is_set())
             except StopRequested:
                 stopped = True
+            step = ge.step_count  # rank 0's schedule step (with --sync-schedule adaptive, not every step)
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)
         if not stopped:
@@ -606,7 +611,11 @@ def _train(
         stats["tokens"] += x.numel()
         stats["inner_steps"] = stats.get("inner_steps", 0) + 1
         recent.append(loss)
-        step += 1
+        # `step` counts the schedule's steps: one per inner step, or with --sync-schedule adaptive one per
+        # engine.per_tick inner steps (a faster site does more of them: common/pace.py)
+        before = step
+        if engine.cfg.sync_schedule != "adaptive":
+            step += 1
         metrics.step, metrics.loss = step, loss
         metrics.mark(stats["compute_seconds"])
         try:
@@ -615,14 +624,20 @@ def _train(
                 ge.step(tokens=xs.numel(), loss=loss, stop=stop.event.is_set())
             else:
                 engine.step(tokens=x.numel(), loss=loss)
-            if step == cfg.steps:  # the final sync: every fragment once more, all waited for (once a run)
+            # the final sync: every fragment once more, all waited for (once a run)
+            if engine.step_count == cfg.steps:
                 stats["final_sync_seconds"] = time.perf_counter() - t_sync
         except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
             stopped = True
-        if cfg.step_delay:
+        step = metrics.step = engine.step_count
+        if cfg.step_delay:  # an emulated accelerator step: counted as compute (the GPU would be busy)
+            t_delay = time.perf_counter()
             time.sleep(cfg.step_delay)
+            stats["compute_seconds"] += time.perf_counter() - t_delay
         el = time.perf_counter() - t_train0
         engine.report(compute_utilization=stats["compute_seconds"] / el)
+        if step == before:  # an inner step within a schedule step: the schedule's chores wait for its end
+            continue
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps and not stopped:
             eval_global()
         if step % cfg.log_every == 0 or step == cfg.steps:
@@ -721,6 +736,10 @@ def _train(
         "merges": engine.merges,
         "merges_that_waited": engine.waits,
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
+        # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
+        "inner_steps": stats["inner_steps"],
+        "inner_steps_per_tick": stats["inner_steps"] / max(1, cfg.steps - first),
+        "step_seconds": engine.step_seconds,  # median seconds per inner step (adaptive schedule only)
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
         "params_hash": params_digest(model),  # the local parameters: every rank of a group has the same
         "optimizer_hash": optimizer_digest(opt),

@@ -1,0 +1,227 @@
+"""Sites of unequal speed (issue 16): two sites, one twice as slow, with --sync-schedule adaptive (a faster
+site does more inner steps per schedule step: common/pace.py) against today's fixed schedule (one inner
+step per schedule step everywhere), measured in the same run.
+
+(a) processes   `streamdiloco server` x2 and `streamdiloco worker` x2 (nano GPT, one torch thread each) on
+                loopback. Each worker's step is an EMULATED accelerator step: --step-delay sleeps (0.1 s on
+                the fast site, 0.2 s on the slow one) after its CPU step, and the sleep counts as compute,
+                as a GPU's busy time would. Per schedule: each site's compute utilization and inner steps,
+                the slow site's training seconds (the run's wall time: the same number of schedule steps),
+                and the eval loss of the final global parameters. Medians over --reps runs.
+(b) simulator   The in-process simulator (the same engine, shards and pace functions) with emulated step
+                times 0.5 s and 1.0 s, defaults otherwise (H = 30, P = 5): the eval loss of the global
+                parameters at equal emulated wall time along the run, and each site's utilization. One run
+                each (the simulator is deterministic). A control with equal speeds shows adaptive = fixed.
+
+    python benchmarks/unequal_speed.py            # the recorded run (BENCHMARKS.md), about 15 minutes
+    python benchmarks/unequal_speed.py --quick    # fewer steps, one repeat (about 5 minutes)
+
+Writes results.md, results.json and run.log under --out (default benchmarks/results/unequal_speed). Every
+process it starts is stopped at the end, on an error and on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet  # noqa: E402
+
+from streamdiloco.common.config import SyncConfig  # noqa: E402
+from streamdiloco.sim.simulator import SimConfig, simulate  # noqa: E402
+from streamdiloco.worker.client import fetch_masters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES = ("fixed", "adaptive")
+DELAYS = {"fast": 0.1, "slow": 0.2}  # seconds of emulated accelerator step per inner step
+
+
+# --- (a) ----------------------------------------------------------------------------------------------------
+def process_run(procs: Procs, tmp: Path, schedule: str, steps: int, rep: int) -> dict:
+    tag = f"{schedule}{rep}"
+    sync = ["--model", "nano", "--sync-every", "12", "--num-fragments", "3"]
+    shards = start_shards(
+        procs, tmp, tag, 2, [*sync, "--sync-schedule", schedule, "--min-workers", "2"], checkpoint=False
+    )
+    servers = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in shards)
+    started = {}
+    for rank, (site, delay) in enumerate(DELAYS.items()):
+        name = f"{tag}-{site}"
+        argv = ["worker", "--servers", servers, "--name", site, "--rank", str(rank), *sync]
+        argv += ["--steps", str(steps), "--eval-every", "0", "--checkpoint-every", "0", "--log-every", "60"]
+        argv += ["--step-delay", str(delay), "--summary", str(tmp / f"{name}.json")]
+        argv += ["--checkpoint", str(tmp / f"{name}.pt"), "--save-global", str(tmp / f"{name}-global.pt")]
+        started[site] = procs.start(name, sd(*argv), env_extra={"OMP_NUM_THREADS": "1"})
+    for site, p in started.items():
+        if p.wait(900) != 0:
+            raise RuntimeError(f"{tag}-{site} exited with {p.returncode}:\n{procs.tail(f'{tag}-{site}')}")
+    out = {site: json.loads((tmp / f"{tag}-{site}.json").read_text()) for site in DELAYS}
+    masters = fetch_masters([f"127.0.0.1:{info['grpc_port']}" for _, _, info in shards])
+    mirrors_equal = all(
+        all(
+            torch.equal(a, b)
+            for a, b in zip(torch.load(tmp / f"{tag}-{site}-global.pt"), masters, strict=True)
+        )
+        for site in DELAYS
+    )
+    for _, p, _ in shards:
+        procs.stop(p)
+    row = {
+        "schedule": schedule,
+        "rep": rep,
+        "mirrors_equal_masters": mirrors_equal,
+        "wall_seconds": out["slow"]["train_seconds"],
+        "eval_loss": out["slow"]["eval_loss"],  # the global parameters: the same on both sites
+    }
+    for site, s in out.items():
+        row[f"{site}_utilization"] = s["compute_utilization"]
+        row[f"{site}_inner_steps"] = s["inner_steps"]
+        row[f"{site}_tokens"] = s["tokens"]
+        row[f"{site}_blocked"] = s["blocked_seconds"]
+    say(
+        f"  {schedule:8s} rep {rep}: utilization fast {row['fast_utilization']:.3f} slow "
+        f"{row['slow_utilization']:.3f}, inner steps {row['fast_inner_steps']}/{row['slow_inner_steps']}, "
+        f"wall {row['wall_seconds']:.1f} s, eval loss {row['eval_loss']:.4f}, mirrors = masters "
+        f"{mirrors_equal}"
+    )
+    return row
+
+
+def table_a(rows: list[dict], steps: int) -> str:
+    def med(schedule: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["schedule"] == schedule)
+
+    ref = med("fixed", "eval_loss")
+    lines = [
+        f"Two sites, nano GPT, {steps} schedule steps, H = 12, P = 3, tau = 1; emulated accelerator steps of "
+        f"{DELAYS['fast']} s (fast) and {DELAYS['slow']} s (slow). Medians of "
+        f"{sum(r['schedule'] == 'fixed' for r in rows)} runs.",
+        "",
+        "| schedule | fast site utilization | slow site utilization | inner steps fast / slow | fast site "
+        "blocked s | wall s | eval loss | ratio vs fixed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in SCHEDULES:
+        lines.append(
+            f"| {s} | {med(s, 'fast_utilization'):.3f} | {med(s, 'slow_utilization'):.3f} | "
+            f"{med(s, 'fast_inner_steps'):.0f} / {med(s, 'slow_inner_steps'):.0f} | "
+            f"{med(s, 'fast_blocked'):.2f} | "
+            f"{med(s, 'wall_seconds'):.1f} | {med(s, 'eval_loss'):.4f} | {med(s, 'eval_loss') / ref:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# --- (b) ----------------------------------------------------------------------------------------------------
+def sim_runs(steps: int, model: str) -> list[dict]:
+    rows = []
+    for times in ((0.5, 1.0), (1.0, 1.0)):
+        for schedule in SCHEDULES:
+            t0 = time.perf_counter()
+            cfg = SimConfig(
+                workers=2,
+                steps=steps,
+                model=model,
+                eval_every=max(1, steps // 6),
+                step_seconds=times,
+                sync=SyncConfig(sync_schedule=schedule),
+            )
+            r = simulate(cfg, log=None)
+            rows.append(
+                {
+                    "step_seconds": list(times),
+                    "schedule": schedule,
+                    "curve": r["curve"],
+                    "eval_loss": r["eval_loss"],
+                    "utilization": r["compute_utilization"],
+                    "inner_steps": r["inner_steps"],
+                    "mirrors_match_masters": r["mirrors_match_masters"],
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+            say(
+                f"  sim {times} {schedule:8s}: eval loss {r['eval_loss']:.4f}, utilization "
+                f"{[round(u, 3) for u in r['compute_utilization']]}, {time.perf_counter() - t0:.0f} s"
+            )
+    return rows
+
+
+def table_b(rows: list[dict], steps: int, model: str) -> str:
+    lines = [
+        f"Simulator, {model} GPT, M = 2, {steps} schedule steps, defaults (H = 30, P = 5, tau = 1); emulated "
+        "step times per site. Eval loss of the global parameters at equal emulated wall time (seconds):",
+        "",
+    ]
+    walls = [p["wall_seconds"] for p in rows[0]["curve"]][1:]
+    lines += [
+        "| step times | schedule | " + " | ".join(f"{w:.0f} s" for w in walls) + " | utilization "
+        "fast / slow | ratio vs fixed at the end |",
+        "|---|---|" + "---:|" * (len(walls) + 2),
+    ]
+    for r in rows:
+        ref = next(x for x in rows if x["step_seconds"] == r["step_seconds"] and x["schedule"] == "fixed")
+        losses = " | ".join(f"{p['eval_loss']:.4f}" for p in r["curve"][1:])
+        u = r["utilization"]
+        lines.append(
+            f"| {r['step_seconds'][0]:g} / {r['step_seconds'][1]:g} s | {r['schedule']} | {losses} | "
+            f"{u[0]:.2f} / {u[1]:.2f} | {r['eval_loss'] / ref['eval_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="a,b", help="a (processes), b (simulator)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/unequal_speed"))
+    ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="unequal-"))  # logs and summaries of the runs, removed at the end
+    procs = Procs(tmp)
+    results: dict = {"machine": machine(), "argv": sys.argv[1:]}
+    md = [f"Machine: {machine_line(results['machine'])}", ""]
+    say(md[0])
+    steps_a, reps = (120, 1) if a.quick else (240, 3)
+    steps_b, model = (240, "nano") if a.quick else (600, "nano")
+    try:
+        if "a" in parts:
+            results["a"] = []
+            for rep in range(reps):
+                for schedule in SCHEDULES:  # alternated: a load that comes and goes hits both alike
+                    wait_quiet(f"{schedule}{rep}", a.max_wait)
+                    results["a"].append(process_run(procs, tmp, schedule, steps_a, rep))
+            md += ["## (a) two sites, one twice as slow (processes)", "", table_a(results["a"], steps_a), ""]
+        if "b" in parts:
+            results["b"] = sim_runs(steps_b, model)
+            md += [
+                "## (b) the same in the simulator, at equal wall time",
+                "",
+                table_b(results["b"], steps_b, model),
+            ]
+            md.append("")
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    finally:
+        procs.stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text("\n".join(md))
+    (out / "run.log").write_text("\n".join(say.lines))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
