@@ -85,6 +85,27 @@ def test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_and_its_mirror_e
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
 
 
+def test_a_fast_two_rank_site_takes_more_inner_steps_in_step_with_its_ranks(tmp_path):
+    """--sync-schedule adaptive: the group's rank 0 decides how many inner steps make a schedule step, and
+    its other rank follows that count (the lr, the end of the run), so the ranks stay equal."""
+    work = [*RUN, "--steps", "16", *WORKER, "--checkpoint-every", "0"]
+    with Cluster(tmp_path) as c:
+        shard = [*RUN, "--sync-schedule", "adaptive", "--min-workers", "2", "--num-shards", "2"]
+        shards = [c.shard(f"s{i}", *shard, "--shard", str(i)) for i in range(2)]
+        servers = [t for t, _ in shards]
+        torchrun(c, "site", 2, servers, *work, "--batch-size", "4", "--step-delay", "0.05")
+        c.worker("slow", servers, *work, "--name", "slow", "--batch-size", "8", "--step-delay", "0.2")
+        for name in ("site", "slow"):
+            assert c.wait(name, timeout=240) == 0, c.log(name)[-3000:]
+        site, slow = c.summary("site"), c.summary("slow")
+        masters = masters_hashes([h for _, h in shards])
+    assert site["steps"] == slow["steps"] == 16
+    assert site["inner_steps"] > slow["inner_steps"], (site["inner_steps"], slow["inner_steps"])
+    rank1 = json.loads((tmp_path / "site.json.rank1").read_text())
+    assert rank1["params_hash"] == site["params_hash"] and rank1["optimizer_hash"] == site["optimizer_hash"]
+    assert site["mirror_hashes"] == slow["mirror_hashes"] == masters
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     """The pid of torchrun's child with RANK=rank (read from its environment)."""
     for child in open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split():
