@@ -100,6 +100,9 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         for proc in self.procs.values():
+            if getattr(proc, "own_session", False):  # a launcher (torchrun): its children go with it
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
             proc.wait()

@@ -187,6 +187,8 @@ def _rss_mib(proc: subprocess.Popen) -> float:
 
 
 # === real shard processes under a 256-file limit ===========================================================
+# a load test (~40 s on 2 cores): `make test-slow`
+@pytest.mark.slow
 def test_a_flood_of_silent_connections_and_sessions_without_hello_is_closed_while_training_goes_on(tmp_path):
     hello, header = 30.0, 5.0  # long enough to open 3,000 sessions on a loaded machine
     with LimitedCluster(tmp_path) as c:
@@ -289,6 +291,8 @@ def test_a_flood_of_silent_connections_and_sessions_without_hello_is_closed_whil
         assert 1 <= log.count("no Hello within") <= LOG_BURST * (2 + (time.monotonic() - t_silent) // 10)
 
 
+# a load test (~20 s on 2 cores): `make test-slow`
+@pytest.mark.slow
 def test_sessions_that_do_not_read_share_one_budget(tmp_path):
     """4 passive sessions that never read their updates: together they hold at most --max-unread-bytes
     (not that much each); the ones furthest behind are ended, the worker goes on."""

@@ -42,7 +42,9 @@ def torchrun(c: Cluster, name: str, nproc: int, servers: list[str], *flags: str)
         stderr=subprocess.STDOUT,
         cwd=ROOT,
         env=c.env,
+        start_new_session=True,  # its own process group: the Cluster kills the ranks with it, however it ends
     )
+    proc.own_session = True  # type: ignore[attr-defined]
     log.close()
     c.procs[name] = proc
     return proc

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("cli", "common", "server", "worker", "protos", "sim", "benchmarks", "examples")
 
@@ -35,6 +37,8 @@ def _typecheck(root: Path) -> subprocess.CompletedProcess:
     )
 
 
+# ~20 s of mypy runs; `make test` runs the check itself on the real tree: this one is in `make test-slow`
+@pytest.mark.slow
 def test_wrong_calls_across_modules_fail_the_check_with_the_real_paths(tmp_path):
     root = _copy_project(tmp_path / "project")
     # in a sub-package, into another sub-package: the call the issue found passing
