@@ -166,5 +166,14 @@ e20() {  # the tuned gap at M = 4 against the budget: 40, 160, 320 tokens/param 
   done
   run e20 dp-M4-tpp320-lr5e-3 4 320 dp --lr 5e-3
 }
+e21() {  # 160 tokens/param at M = 2 and 8 on the plays and M = 4 on fortunes: DP at 1.2e-2, the defaults' outer
+  for m in 2 8; do
+    run e21 dp-M$m-tpp160-lr1.2e-2 $m 160 dp --lr 1.2e-2
+    run e21 full-M$m-tpp160-lr5e-3 $m 160 streaming "${FULL[@]}" --lr 5e-3
+  done
+  local t; t=$(fortunes)
+  run e21 dp-M4-tpp160-lr1.2e-2-fortunes 4 160 dp --data "$t" --lr 1.2e-2
+  run e21 full-M4-tpp160-lr5e-3-fortunes 4 160 streaming "${FULL[@]}" --data "$t" --lr 5e-3
+}
 [ $# -gt 0 ] || set -- e0 e1 e2 e3 e4 e5 e6 e7 e8 e9 e10
 for e in "$@"; do "$e"; done
