@@ -43,7 +43,10 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(args.seed)  # the same stream on every rank: each takes its slice
     try:
-        for step in range(args.steps):
+        # count the schedule's steps, not your own: under the shards' `--sync-schedule adaptive` a fast site
+        # does several inner steps per schedule step, and the run ends at the schedule's last (its final sync)
+        while engine.step_count < args.steps:
+            step = engine.step_count
             x = torch.rand(args.batch_size * engine.size, 1, generator=gen) * 4 - 2
             x = batch_slice(x, engine.group)  # this rank's rows of the worker's batch
             loss = nn.functional.mse_loss(model(x), torch.sin(3 * x) * x)

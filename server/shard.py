@@ -793,7 +793,9 @@ class ShardState:
         else:  # change no push's share of the mean
             shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap * self._speed_spread)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
-        scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm)
+        # a site that does k inner steps per schedule step (sync_schedule adaptive) pushes a k-times larger
+        # update: the clip bound stretches as the weight caps do
+        scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm * self._speed_spread)
         for p, share, scale in zip(pushes, shares, scales, strict=True):
             p.share, p.scale, p.mult = share, scale, share * scale
             rnd.settled += share

@@ -248,3 +248,26 @@ def test_simulate_takes_step_times_on_the_command_line(capsys):
         "--step-seconds: give seconds separated by commas, like 0.5,1.0: got 'fast,slow'"
         in capsys.readouterr().err
     )
+
+
+def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
+    """Its k inner steps per schedule step make its update about k times larger than the others': the shards'
+    norm clip (median-relative, default 2x) stretches by max_steps_per_tick, as the weight caps do. Before
+    the stretch a site twice as fast had 9 of its pushes clipped here. (At k = 4, the most the default
+    allows, 2 of its 12 pushes still exceed 8x the median norm: per-token norms would be the full fix.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = SimConfig(
+            workers=3,
+            steps=24,
+            model="nano",
+            eval_every=24,
+            step_seconds=(0.5, 1.0, 1.0),  # worker 0 twice as fast: 2 inner steps per schedule step
+            sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive"),
+        )
+        r = simulate(cfg, log=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert r["inner_steps"][0] == 2 * r["inner_steps"][1]
+    assert r["pushes_clipped"] == 0 and r["weights_capped"] == 0

@@ -45,7 +45,7 @@ from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
-from streamdiloco.common.pace import TickClock, steps_per_tick
+from streamdiloco.common.pace import MAX_STEP_SECONDS, TickClock, steps_per_tick
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.report import Progress
 
@@ -402,7 +402,8 @@ class SyncEngine:
         now = time.perf_counter()
         if self._last_step_end is not None:
             self._step_times.append(now - self._last_step_end)
-            self.step_seconds = statistics.median(self._step_times)
+            # the shards refuse a step time beyond MAX_STEP_SECONDS: report at most that (a slower one paces)
+            self.step_seconds = min(statistics.median(self._step_times), MAX_STEP_SECONDS)
         self.per_tick = steps_per_tick(
             getattr(self.transport, "pace_seconds", 0.0), self.step_seconds, self.cfg
         )

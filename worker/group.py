@@ -371,6 +371,10 @@ def connect_group(
                 engine.finish_step()
             except StopRequested:
                 info["stop"] = True
+            except BaseException as e:  # the other ranks hear why, and the engine's threads end
+                group.share({"error": f"rank 0 could not finish its resumed step: {_first_line(e)}"})
+                engine.close()
+                raise
     try:
         info = group.share(info if group.leads else None)
         if info["error"] is not None:

@@ -522,6 +522,7 @@ def _train(
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
     first = engine.step_count
+    inner_before = stats.get("inner_steps", 0)  # a resumed run's earlier inner steps (its stats)
     log.info(
         "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
         "steps %d..%d of %d x %d bytes%s",
@@ -738,7 +739,7 @@ def _train(
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
         # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
         "inner_steps": stats["inner_steps"],
-        "inner_steps_per_tick": stats["inner_steps"] / max(1, cfg.steps - first),
+        "inner_steps_per_tick": (stats["inner_steps"] - inner_before) / max(1, cfg.steps - first),
         "step_seconds": engine.step_seconds,  # median seconds per inner step (adaptive schedule only)
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
         "params_hash": params_digest(model),  # the local parameters: every rank of a group has the same
