@@ -112,6 +112,9 @@ def model_fingerprint(
     }
     if layout.groups is not None:  # only then: a run's fingerprint (and its checkpoints') stays as it was
         fp["fragment_groups"] = [list(g) for g in layout.groups]
+    if cfg.sync_schedule != "fixed":  # likewise: the shards stretch their caps for it, so both must agree
+        fp["sync_schedule"] = cfg.sync_schedule
+        fp["max_steps_per_tick"] = float(cfg.max_steps_per_tick)
     return fp
 
 
@@ -139,7 +142,15 @@ def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "
         "downlink_codec",
         "codec_block_size",
         "blocks_path",
+        "sync_schedule",
+        "max_steps_per_tick",
     ):
+        if key == "sync_schedule" and ours.get(key, "fixed") != theirs.get(key, "fixed"):
+            mine, other = ours.get(key, "fixed"), theirs.get(key, "fixed")
+            return (
+                f"model fingerprint differs from the {them}'s: sync_schedule is {mine!r} on the {us}, "
+                f"{other!r} on the {them}"
+            )
         if ours.get(key) != theirs.get(key):
             return (
                 f"model fingerprint differs from the {them}'s: {key} is {ours.get(key)!r} on the {us}, "

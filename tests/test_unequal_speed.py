@@ -271,3 +271,21 @@ def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
         torch.set_num_threads(threads)
     assert r["inner_steps"][0] == 2 * r["inner_steps"][1]
     assert r["pushes_clipped"] == 0 and r["weights_capped"] == 0
+
+
+def test_worker_and_shard_must_agree_on_the_schedule_and_a_fixed_runs_fingerprint_is_unchanged():
+    from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.common.modelspec import build_model
+
+    layout = build_layout(build_model("nano", 0), SyncConfig().num_fragments)
+    fixed = model_fingerprint(layout, SyncConfig())
+    assert "sync_schedule" not in fixed and "max_steps_per_tick" not in fixed  # old checkpoints still resume
+    adaptive = model_fingerprint(layout, SyncConfig(sync_schedule="adaptive"))
+    assert fingerprint_diff(adaptive, fixed) == (
+        "model fingerprint differs from the server's: sync_schedule is 'adaptive' on the worker, 'fixed' on "
+        "the server"
+    )
+    wider = model_fingerprint(layout, SyncConfig(sync_schedule="adaptive", max_steps_per_tick=64))
+    assert "max_steps_per_tick is 64.0 on the worker, 4.0 on the server" in fingerprint_diff(wider, adaptive)
+    assert fingerprint_diff(adaptive, dict(adaptive)) is None
