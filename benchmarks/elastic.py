@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, http_json, machine, say, sd, wait_files, wait_quiet  # noqa: E402
+from wire import Procs, http_json, machine, say, sd, wait_files, wait_quiet, write_results  # noqa: E402
 
 from streamdiloco.common.codecs import encode  # noqa: E402
 from streamdiloco.common.config import SyncConfig  # noqa: E402
@@ -414,10 +414,7 @@ def main() -> int:
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md))
-    (out / "run.log").write_text("\n".join(say.lines))
-    print("\n".join(md))
+    write_results(out, results, md)
     return 0
 
 

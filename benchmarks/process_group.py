@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet  # noqa: E402
+from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,10 +162,7 @@ def main() -> int:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
     md = [f"Machine: {machine_line(info)}", "", table(results["runs"]), ""]
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md))
-    (out / "run.log").write_text("\n".join(say.lines))
-    print("\n".join(md))
+    write_results(out, results, md)
     return 0
 
 

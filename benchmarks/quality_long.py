@@ -41,9 +41,9 @@ def steps_for(tokens_per_param: float, params: int, workers: int, batch: int, bl
     return max(1, round(tokens_per_param * params / (workers * batch * block)))
 
 
-def fortunes_text(out: Path) -> Path:
-    """Debian's fortunes as one text file (written once into `out`)."""
-    path = out / "fortunes.txt"
+def fortunes_text(folder: Path) -> Path:
+    """Debian's fortunes as one text file, folder/fortunes.txt (written once; sweep.sh uses it too)."""
+    path = folder / "fortunes.txt"
     if path.is_file() and path.stat().st_size:
         return path
     files = sorted(p for p in FORTUNES.glob("*") if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
@@ -52,7 +52,7 @@ def fortunes_text(out: Path) -> Path:
     text = "\n".join(
         re.sub(r"(?m)^%\n", "\n", p.read_text(encoding="utf-8", errors="replace")) for p in files
     )
-    out.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
 
@@ -215,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             ("plays", None, [int(x) for x in args.workers_list.split(",") if x])
         ]
         if args.second_workers:
-            texts.append(
-                ("fortunes", str(fortunes_text(out)), [int(x) for x in args.second_workers.split(",")])
-            )
+            second = str(fortunes_text(out / "runs"))  # runs/ is not kept in git: the text is Debian's
+            texts.append(("fortunes", second, [int(x) for x in args.second_workers.split(",")]))
     except ValueError as e:
         print(f"quality_long.py: error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet  # noqa: E402
+from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
 
 from streamdiloco.common.config import SyncConfig  # noqa: E402
 from streamdiloco.sim.simulator import SimConfig, simulate  # noqa: E402
@@ -216,10 +216,7 @@ def main() -> int:
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md))
-    (out / "run.log").write_text("\n".join(say.lines))
-    print("\n".join(md))
+    write_results(out, results, md)
     return 0
 
 

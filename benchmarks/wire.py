@@ -272,6 +272,14 @@ def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
         time.sleep(2.0)
 
 
+def write_results(out: Path, results: dict, md: list[str]) -> None:
+    """A benchmark's outputs: results.json, results.md, run.log (what `say` printed); the table to stdout."""
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text("\n".join(md))
+    (out / "run.log").write_text("\n".join(say.lines))
+    print("\n".join(md))
+
+
 def machine_line(info: dict) -> str:
     """What `machine()` found, for the head of a benchmark's output and results."""
     return (

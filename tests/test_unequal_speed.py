@@ -173,7 +173,7 @@ NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 
 
 def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
-    steps = 45
+    steps = 45  # emulated steps of 0.2 s and 0.4 s: long beside a loaded machine's scheduling jitter
     work = [*NANO, "--steps", str(steps), "--log-every", "15", "--checkpoint-every", "0", "--eval-every", "0"]
     with Cluster(tmp_path) as c:
         shard_flags = [*NANO, "--sync-schedule", "adaptive", "--min-workers", "2"]
@@ -188,7 +188,7 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
             "--rank",
             "0",
             "--step-delay",
-            "0.1",
+            "0.2",
             "--save-global",
             str(tmp_path / "f.pt"),
         )
@@ -199,7 +199,7 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
             "--rank",
             "1",
             "--step-delay",
-            "0.2",
+            "0.4",
             "--save-global",
             str(tmp_path / "s.pt"),
         )
@@ -211,7 +211,8 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
         assert w["steps"] == steps and w["late_refusals"] == 0
     # the fast site did about twice the inner steps in the same schedule steps, and barely waited
     assert fast["inner_steps"] >= 1.5 * slow["inner_steps"], (fast["inner_steps"], slow["inner_steps"])
-    assert fast["compute_utilization"] >= 0.9, fast
+    times = ("train_seconds", "compute_seconds", "blocked_seconds", "final_sync_seconds")
+    assert fast["compute_utilization"] >= 0.9, {k: fast[k] for k in ("compute_utilization", *times)}
     assert fast["tokens"] > slow["tokens"]
     for path in ("f.pt", "s.pt"):  # every mirror equals the shards' masters, bit for bit
         mirror = torch.load(tmp_path / path)

@@ -386,6 +386,10 @@ class SyncEngine:
         """Call after every inner optimizer step: counts the step and does what the schedule says."""
         if self.cfg.sync_schedule == "adaptive":
             return self._paced_step(tokens, loss)
+        return self._tick(tokens, loss)
+
+    def _tick(self, tokens: int, loss: float | None) -> list[Event]:
+        """Complete a schedule step: count it and do its events."""
         evs = events(self.step_count + 1, self.cfg, self.total_steps)
         # merges put off at earlier steps come first: done now if their update is in, or at their deadline
         self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
@@ -411,12 +415,7 @@ class SyncEngine:
             if not self.clock.inner_step(self.per_tick):
                 self._count(tokens, loss, tick=False)
                 return []
-            evs = events(self.step_count + 1, self.cfg, self.total_steps)
-            self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
-            self.deferred = []
-            self._count(tokens, loss)
-            self.finish_step()
-            return evs
+            return self._tick(tokens, loss)
         finally:
             self._last_step_end = time.perf_counter()
 

@@ -348,7 +348,7 @@ def _run(
     eval_start: list[float] = []
     ge: GroupEngine | None = None
     try:
-        joined = (connect if group is None else _connect_group)(
+        joined = (connect if group is None else connect_group)(
             model,
             list(cfg.servers),
             cfg.sync,
@@ -417,13 +417,6 @@ def _run(
     finally:
         engine.close()
         stop.restore()
-
-
-def _connect_group(
-    model: torch.nn.Module, servers: list[str], sync: SyncConfig, **kwargs: Any
-) -> GroupEngine:
-    """Rank 0 of a group worker: joins for the group (every rank calls connect_group)."""
-    return connect_group(model, servers, sync, **kwargs)
 
 
 def _share_start(group: RankGroup, resume: dict | None) -> dict | None:

@@ -97,16 +97,9 @@ e13() {  # the outer momentum's share: plain averaging (momentum 0) up to 0.8, a
     run e13 full-M4-lr$lr-olr$1-mom$2 4 20 streaming "${FULL[@]}" --lr $lr --outer-lr $1 --outer-momentum $2
   done; done
 }
-fortunes() {  # the second text: Debian's `fortunes` package (apt-get install fortunes), '%' lines dropped
-  local f=$D/runs/fortunes.txt
-  [ -s "$f" ] || python3 -c "
-import pathlib, re, sys
-root = pathlib.Path('/usr/share/games/fortunes')
-files = sorted(p for p in root.iterdir() if p.is_file() and not p.is_symlink() and p.suffix != '.dat')
-if not files: sys.exit('no fortunes under /usr/share/games/fortunes: apt-get install fortunes')
-text = '\n'.join(re.sub(r'(?m)^%\n', '\n', p.read_text(encoding='utf-8', errors='replace')) for p in files)
-pathlib.Path('$f').write_text(text, encoding='utf-8')"
-  echo "$f"
+fortunes() {  # the second text: Debian's `fortunes` package (apt-get install fortunes), as quality_long.py makes it
+  .venv/bin/python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
+from quality_long import fortunes_text; print(fortunes_text(Path('$D/runs')))"
 }
 e14() {  # the second text (fortunes): defaults, and each method's tuned inner lr
   local t; t=$(fortunes)
