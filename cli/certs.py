@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from streamdiloco.common.atomic import atomic_write_bytes
 from streamdiloco.server.auth import new_token, token_hash
 
 WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # also a file name and a certificate CN
@@ -38,11 +38,7 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 def _write(path: Path, data: bytes, secret: bool) -> None:
     """Write atomically; secrets readable by their owner only (created so, never widened later)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
+    atomic_write_bytes(path, data, mode=0o600 if secret else 0o644)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamdiloco.common.atomic import atomic_save
 from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry, slice_ranges
 
 if TYPE_CHECKING:
@@ -469,12 +469,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metada
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_save(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def export(args: argparse.Namespace, progress: Progress = print) -> int:

@@ -1,2 +1,3 @@
 """The ground floor: config, fragments and schedule, codecs, outer step, fingerprint. Imports neither
-server nor worker, does no networking and no file I/O."""
+server nor worker and does no networking; its file I/O is reading the files it is given (statefile, tls)
+and atomic.py, the one way the package writes a file in place of another."""

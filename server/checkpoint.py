@@ -42,7 +42,6 @@ import io
 import json
 import logging
 import math
-import os
 import re
 import threading
 from collections.abc import Callable
@@ -52,6 +51,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from streamdiloco.common.atomic import atomic_write, atomic_write_text
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff
 from streamdiloco.server.shard import ShardState
@@ -88,29 +88,24 @@ class _Hashing:
         self.f.flush()
 
 
-def atomic_write(
+def _write_hashed(
     path: Path, write: Callable[[Any], object], before_rename: Callable[[str], object] | None = None
 ) -> str:
-    """Write a file so that a crash leaves either the old or the new one: `write(f)` fills a temporary
-    file beside it, which is flushed, fsynced and renamed over `path`; then the directory is fsynced.
-    Returns the sha256 (hex) of what was written; `before_rename(sha)`, if given, runs once the new
-    bytes are durable and before they replace the old file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        hashing = _Hashing(f)
-        write(hashing)
-        f.flush()
-        os.fsync(f.fileno())
-    sha = hashing.sha.hexdigest()
-    if before_rename is not None:
-        before_rename(sha)
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return sha
+    """common.atomic's atomic_write (temporary file, fsync, rename, fsync of the directory), hashing what
+    is written: returns its sha256 (hex); `before_rename(sha)`, if given, runs once the new bytes are
+    durable and before they replace the old file."""
+    hashing: list[_Hashing] = []
+
+    def fill(f: BinaryIO) -> None:
+        hashing.append(_Hashing(f))
+        write(hashing[0])
+
+    def announce() -> None:
+        if before_rename is not None:
+            before_rename(hashing[0].sha.hexdigest())
+
+    atomic_write(path, fill, before_rename=announce)
+    return hashing[0].sha.hexdigest()
 
 
 def _first_line(e: Exception) -> str:
@@ -279,7 +274,7 @@ class ShardCheckpoint:
     def _write_meta(self) -> None:
         """meta.json with the hashes as they are now (the caller holds the lock)."""
         meta = json.dumps({**(self._run or {}), "files": self.files, "incoming": self.incoming}, indent=1)
-        atomic_write(self.dir / "meta.json", lambda f: f.write(meta.encode()))
+        atomic_write_text(self.dir / "meta.json", meta)
 
     def _failed(self, what: str, e: OSError) -> bool:
         self.errors += 1
@@ -297,7 +292,7 @@ class ShardCheckpoint:
         path = self._log_path(fragment, record["round"])
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            sha = atomic_write(path, lambda f: torch.save(record, f, _use_new_zipfile_serialization=False))
+            sha = _write_hashed(path, lambda f: torch.save(record, f, _use_new_zipfile_serialization=False))
             with self._lock:
                 self.files[f"rounds/{path.name}"] = sha
                 if self.committed:
@@ -327,7 +322,7 @@ class ShardCheckpoint:
             # torch's legacy (non-zip) format: a 300 MB fragment state is written in 0.23 s against 0.4-1 s
             # for the zip format (which checksums it and writes it in small pieces), and this write is on
             # every round's critical path (the update goes out once it is durable); torch.load reads both
-            sha = atomic_write(
+            sha = _write_hashed(
                 self.dir / name,
                 lambda f: torch.save(saved, f, _use_new_zipfile_serialization=False),
                 announce,

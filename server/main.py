@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from streamdiloco.common.atomic import atomic_write_text
 from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -482,9 +483,8 @@ async def serve(
 
 def _write_ready(ready_file: str | None, grpc_port: int, http_port: int | None, shard: int) -> None:
     if ready_file:
-        tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"grpc_port": grpc_port, "http_port": http_port, "shard": shard}))
-        tmp.replace(ready_file)
+        ports = {"grpc_port": grpc_port, "http_port": http_port, "shard": shard}
+        atomic_write_text(ready_file, json.dumps(ports))
 
 
 async def _serve_grpc(

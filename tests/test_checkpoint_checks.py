@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -24,7 +25,6 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server import checkpoint as ckmod
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
@@ -212,14 +212,14 @@ def test_a_crash_before_a_new_fragment_state_is_renamed_in_keeps_the_old_one(sav
     ck, st = saved
     before = key(st)
     close_rounds(st, None, [1])
-    real = ckmod.os.replace
+    real = os.replace
 
     def replace(src, dst):
         if str(dst).endswith("fragment-1.pt"):
             raise Crash("killed between the announce and the rename")
         return real(src, dst)
 
-    monkeypatch.setattr(ckmod.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)  # common/atomic.py renames with it
     assert ck.save_fragment(st, 1) is False
     assert "fragment-1.pt" in meta(ck)["incoming"]  # the new hash was announced, the old file stays
     assert key(load(ck.dir)) == before
@@ -261,14 +261,14 @@ def test_a_round_log_written_but_not_listed_was_never_acknowledged_and_is_ignore
 
 def test_a_new_run_that_crashes_before_its_meta_json_leaves_no_checkpoint(saved, monkeypatch):
     ck, _ = saved  # an old run's checkpoint; the new run (--fresh) writes over it
-    real = ckmod.os.replace
+    real = os.replace
 
     def replace(src, dst):
         if str(dst).endswith("fragment-2.pt"):
             raise Crash("killed midway")
         return real(src, dst)
 
-    monkeypatch.setattr(ckmod.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)  # common/atomic.py renames with it
     assert ShardCheckpoint(ck.dir, FP).save_all(make_state()) is False
     assert not ShardCheckpoint(ck.dir, FP).exists()  # a new run next time, not a mix of two runs
 

@@ -34,7 +34,7 @@ from streamdiloco.common.schedule import (
 )
 from streamdiloco.common.wire import from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.checkpoint import ShardCheckpoint, atomic_write
+from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.client import ShardLink
@@ -682,28 +682,6 @@ def test_load_refuses_a_damaged_fragment_file_in_one_line(saved_run, kind):
     with pytest.raises(ValueError) as e:
         ck.load(make_state())
     assert "fragment-2.pt is damaged (" in _one_line(e) and str(ck.dir) in str(e.value)
-
-
-def test_atomic_write_replaces_the_content_and_leaves_no_temporary_file(tmp_path):
-    path = tmp_path / "f.bin"
-    atomic_write(path, lambda f: f.write(b"first"))
-    assert path.read_bytes() == b"first"
-    atomic_write(path, lambda f: f.write(b"second, longer"))
-    assert path.read_bytes() == b"second, longer"
-    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
-
-
-def test_atomic_write_that_fails_midway_keeps_the_old_file(tmp_path):
-    path = tmp_path / "f.bin"
-    atomic_write(path, lambda f: f.write(b"old"))
-
-    def broken(f):
-        f.write(b"half of the new")
-        raise OSError("disk gone")
-
-    with pytest.raises(OSError, match="disk gone"):
-        atomic_write(path, broken)
-    assert path.read_bytes() == b"old"
 
 
 def test_save_fragment_returns_false_and_counts_the_error_when_the_directory_cannot_be_written(tmp_path):

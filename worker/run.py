@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from streamdiloco.common.atomic import atomic_write
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, parse_groups, unflatten_into
@@ -223,12 +224,7 @@ def load_checkpoint(cfg: WorkerConfig, ranks: int = 1) -> dict:
 def save_checkpoint(path: Path, state: dict) -> None:
     """torch.save, atomically: a crash while writing leaves the previous checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 class StopFlag:
