@@ -40,31 +40,31 @@ test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
 
 bench-quality: $(STAMP)
-	$(BIN)/python benchmarks/quality.py
+	$(BIN)/python -m benchmarks.quality
 
 # DP against the full method at M = 2, 4, 8 at 20 tokens per parameter (nano); not in make test
 bench-quality-long: $(STAMP)
-	$(BIN)/python benchmarks/quality_long.py
+	$(BIN)/python -m benchmarks.quality_long
 
 bench-wire: $(STAMP)
-	$(BIN)/python benchmarks/wire.py
+	$(BIN)/python -m benchmarks.wire
 
 bench-elastic: $(STAMP)
-	$(BIN)/python benchmarks/elastic.py
+	$(BIN)/python -m benchmarks.elastic
 
 bench-monitoring: $(STAMP)
-	$(BIN)/python benchmarks/monitoring.py
+	$(BIN)/python -m benchmarks.monitoring
 
 # Issue 11: a GPU worker's compute utilization against real shards (emulated GPU steps), 1M-300M parameters.
 bench-sync-cost: $(STAMP)
-	$(BIN)/python benchmarks/sync_cost.py
+	$(BIN)/python -m benchmarks.sync_cost
 
 # Streaming DiLoCo against DDP over emulated WAN links (network namespaces, tbf, a delaying proxy): a sweep of
 # bandwidth x delay, hours long; needs root. Writes benchmarks/results/wan/. A small grid (minutes):
 # make bench-wan WAN_FLAGS=--quick
 bench-wan: $(STAMP)
 	bash scripts/system-deps.sh wan
-	$(BIN)/python benchmarks/wan.py $(WAN_FLAGS)
+	$(BIN)/python -m benchmarks.wan $(WAN_FLAGS)
 
 # Regenerate protos/*_pb2*.py after editing protos/streamdiloco.proto (a test fails when they are stale).
 protos: $(STAMP)

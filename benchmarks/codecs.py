@@ -6,9 +6,9 @@ the same fp32 values into a preallocated buffer measured in the same run. Each f
 --repeats timings. Also the same operations through the torch reference ops (what the CPU ran before the
 compiled kernels, and what runs when numba is missing or STREAMDILOCO_CODECS_NUMBA=0), for the ratio.
 
-    python benchmarks/codecs.py            # 16M values, about a minute
-    python benchmarks/codecs.py --quick    # 1M values
-    python benchmarks/codecs.py --values 64M --repeats 9 --json out.json
+    python -m benchmarks.codecs            # 16M values, about a minute
+    python -m benchmarks.codecs --quick    # 1M values
+    python -m benchmarks.codecs --values 64M --repeats 9 --json out.json
 
 The table is per core (one codec thread, torch.set_num_threads(1)); a last line gives e3m0 on the codec
 threads that large tensors get (STREAMDILOCO_CODEC_THREADS, default the CPUs up to 4) against torch's copy

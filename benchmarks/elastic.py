@@ -17,9 +17,9 @@ same run.
                  leaves the CPUs free), then k workers join at once mid-run: the first two workers'
                  blocked seconds and waited merges, and the longest round, against k = 0.
 
-    python benchmarks/elastic.py                # the recorded run (BENCHMARKS.md), about 10 minutes
-    python benchmarks/elastic.py --quick        # fewer steps and repeats (about 4 minutes)
-    python benchmarks/elastic.py --parts a,d    # some parts
+    python -m benchmarks.elastic                # the recorded run (BENCHMARKS.md), about 10 minutes
+    python -m benchmarks.elastic --quick        # fewer steps and repeats (about 4 minutes)
+    python -m benchmarks.elastic --parts a,d    # some parts
 
 Writes results.md, results.json and run.log under --out (default benchmarks/results/elastic). Every process
 it starts is stopped at the end, on an error and on Ctrl+C.
@@ -28,7 +28,6 @@ it starts is stopped at the end, on an error and on Ctrl+C.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import signal
 import statistics
@@ -40,19 +39,25 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, http_json, machine, say, sd, wait_files, wait_quiet, write_results  # noqa: E402
-
-from streamdiloco.common.codecs import encode  # noqa: E402
-from streamdiloco.common.config import SyncConfig  # noqa: E402
-from streamdiloco.common.fingerprint import model_fingerprint  # noqa: E402
-from streamdiloco.common.fragments import build_layout, flatten, fragment_params  # noqa: E402
-from streamdiloco.common.modelspec import build_model  # noqa: E402
-from streamdiloco.server.checkpoint import ShardCheckpoint  # noqa: E402
-from streamdiloco.server.shard import ShardState  # noqa: E402
-from streamdiloco.worker.client import fetch_masters  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import (
+    RESULTS,
+    Procs,
+    Run,
+    http_json,
+    machine,
+    machine_line,
+    say,
+    wait_quiet,
+    write_results,
+)
+from streamdiloco.common.codecs import encode
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.modelspec import build_model
+from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.shard import ShardState
+from streamdiloco.worker.client import fetch_masters
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------
@@ -114,61 +119,6 @@ def table_a(rows: list[dict]) -> str:
 
 
 # --- clusters for (b), (c), (d) -----------------------------------------------------------------------------
-class Run:
-    """Shard and worker processes of one measured run."""
-
-    def __init__(self, procs: Procs, tmp: Path, tag: str):
-        self.procs, self.tmp, self.tag = procs, tmp, tag
-        self.p: dict[str, object] = {}
-
-    def shard(self, s: int, num: int, flags: list[str], port: int = 0) -> dict:
-        ready = self.tmp / f"{self.tag}-shard{s}.ready"
-        ready.unlink(missing_ok=True)
-        argv = [
-            "server",
-            "--shard",
-            str(s),
-            "--num-shards",
-            str(num),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-        argv += ["--http-port", "0", "--ready-file", str(ready), *flags]
-        name = f"{self.tag}-shard{s}"
-        p = self.procs.start(
-            name + (f"-{port}" if port else ""), sd(*argv), env_extra={"OMP_NUM_THREADS": "1"}
-        )
-        self.p[name] = p
-        wait_files(self.procs, [ready], [(name, p)], timeout=180)
-        return json.loads(ready.read_text())
-
-    def worker(self, m: int, servers: str, flags: list[str], threads: int) -> None:
-        name = f"{self.tag}-w{m}"
-        argv = ["worker", "--servers", servers, "--name", f"w{m}", "--rank", str(m)]
-        argv += ["--eval-every", "0"]  # only the start's and the end's evaluations, as when measured
-        argv += [
-            "--summary",
-            str(self.tmp / f"{name}.json"),
-            "--checkpoint",
-            str(self.tmp / f"{name}.pt"),
-            *flags,
-        ]
-        self.p[name] = self.procs.start(name, sd(*argv), env_extra={"OMP_NUM_THREADS": str(threads)})
-
-    def wait_workers(self, names: list[str], timeout: float = 900) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        for n in names:
-            p = self.p[f"{self.tag}-{n}"]
-            code = p.wait(max(1.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
-            if code != 0:
-                raise RuntimeError(
-                    f"{self.tag}-{n} exited with {code}:\n{self.procs.tail(f'{self.tag}-{n}')}"
-                )
-        return [json.loads((self.tmp / f"{self.tag}-{n}.json").read_text()) for n in names]
-
-
 def _wait(what: str, pred, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -211,8 +161,8 @@ def cluster_run(
         )
         p0 = run.p[f"{tag}-shard0"]
         t_kill = time.time()
-        p0.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
-        p0.wait()  # type: ignore[attr-defined]
+        p0.send_signal(signal.SIGKILL)
+        p0.wait()
         flags0 = [x.replace("{s}", "0") for x in shard_flags if x != "--fresh"]
         ports[0] = run.shard(0, 2, flags0, port=ports[0]["grpc_port"])
         t_ready = time.time()
@@ -232,9 +182,7 @@ def cluster_run(
     out["resent"] = sum(w["pushes_resent"] for w in ws)
     out["reconnects"] = sum(w["reconnects"] for w in ws)
     out["eval_loss"] = ws[0]["eval_loss"]
-    for name, p in list(run.p.items()):
-        if "shard" in name:
-            procs.stop(p)  # type: ignore[arg-type]
+    run.stop_shards()
     return out
 
 
@@ -345,7 +293,7 @@ def joining_run(procs: Procs, tmp: Path, k: int, steps: int) -> dict:
         "median_round_after": statistics.median([r["seconds"] for r in after]) if after else 0.0,
         "joiner_first_steps": [w["first_step"] for w in ws[2:]],
     }
-    procs.stop(run.p[f"{tag}-shard0"])  # type: ignore[arg-type]
+    run.stop_shards()
     say(
         f"[d] k={k}: members blocked {out['blocked']:.2f}s "
         f"({out['waited']:.1f} of {out['merges']} merges waited), "
@@ -376,7 +324,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b,d", help="a, b (b includes c), d")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/elastic"))
+    ap.add_argument("--out", default=str(RESULTS / "elastic"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -385,11 +333,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="elastic-", dir=out))  # on the same disk as the results: real fsyncs
     procs = Procs(tmp)
     results: dict = {"machine": machine(), "argv": sys.argv[1:]}
-    md = [
-        f"Machine: {results['machine']['cpus']} CPUs ({results['machine']['cpu']}), "
-        f"torch {torch.__version__}",
-        "",
-    ]
+    md = [f"Machine: {machine_line(results['machine'])}", ""]
     try:
         if "a" in parts:
             results["a"] = part_a(

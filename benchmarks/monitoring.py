@@ -12,17 +12,16 @@ run.
                 /metrics, /api/status and /api/series and every worker's /metrics once a second (a
                 1-second Prometheus plus an open dashboard page), against the same cluster not watched.
 
-    python benchmarks/monitoring.py              # the recorded run (BENCHMARKS.md), about 8 minutes
-    python benchmarks/monitoring.py --quick      # fewer steps and repeats
-    python benchmarks/monitoring.py --parts a    # some parts
+    python -m benchmarks.monitoring              # the recorded run (BENCHMARKS.md), about 8 minutes
+    python -m benchmarks.monitoring --quick      # fewer steps and repeats
+    python -m benchmarks.monitoring --parts a    # some parts
 
-Writes results.md and results.json under --out (default benchmarks/results/monitoring).
+Writes results.md, results.json and run.log under --out (default benchmarks/results/monitoring).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -37,18 +36,13 @@ import torch
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from elastic import Run  # noqa: E402
-from wire import Procs, machine, say, wait_quiet  # noqa: E402
-
-from streamdiloco.common.codecs import encode  # noqa: E402
-from streamdiloco.common.config import SyncConfig  # noqa: E402
-from streamdiloco.launch import free_ports  # noqa: E402
-from streamdiloco.server import dashboard as dashboard_module  # noqa: E402
-from streamdiloco.server.main import build_service  # noqa: E402
-from streamdiloco.server.service import ShardService  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import RESULTS, Procs, Run, machine, machine_line, say, wait_quiet, write_results
+from streamdiloco.common.codecs import encode
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.launch import free_ports
+from streamdiloco.server import dashboard as dashboard_module
+from streamdiloco.server.main import build_service
+from streamdiloco.server.service import ShardService
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------
@@ -179,9 +173,7 @@ def cluster_run(procs: Procs, tmp: Path, tag: str, steps: int, watched: bool) ->
         if scraper is not None:
             scraper.stop.set()
             scraper.thread.join(10)
-        for name, p in list(run.p.items()):
-            if "shard" in name:
-                procs.stop(p)  # type: ignore[arg-type]
+        run.stop_shards()
     out = {
         "tag": tag,
         "watched": watched,
@@ -235,7 +227,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b", help="a, b")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/monitoring"))
+    ap.add_argument("--out", default=str(RESULTS / "monitoring"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -244,8 +236,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="monitoring-"))
     procs = Procs(tmp)
     results: dict = {"machine": machine(), "argv": sys.argv[1:]}
-    mach = results["machine"]
-    md = [f"Machine: {mach['cpus']} CPUs ({mach['cpu']}), torch {torch.__version__}", ""]
+    md = [f"Machine: {machine_line(results['machine'])}", ""]
     try:
         if "a" in parts:
             results["a"] = part_a(20 if a.quick else 50)
@@ -260,9 +251,7 @@ def main() -> int:
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md))
-    print("\n".join(md))
+    write_results(out, results, md)
     return 0
 
 

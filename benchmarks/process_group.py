@@ -15,8 +15,8 @@ Two kinds of step:
             so that the CPU is nearly free and what remains is the group's own cost per step (its
             all-reduce and broadcasts, DDP's gradient all-reduce) against the step.
 
-    python benchmarks/process_group.py              # the recorded run (BENCHMARKS.md), about 6 minutes
-    python benchmarks/process_group.py --quick      # 1 repeat, fewer steps
+    python -m benchmarks.process_group              # the recorded run (BENCHMARKS.md), about 6 minutes
+    python -m benchmarks.process_group --quick      # 1 repeat, fewer steps
 
 Writes results.md, results.json and run.log under --out (default benchmarks/results/process_group). Every
 process it starts is stopped at the end, on an error and on Ctrl+C.
@@ -27,16 +27,23 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import (
+    RESULTS,
+    Procs,
+    machine,
+    machine_line,
+    say,
+    sd,
+    start_shards,
+    wait_quiet,
+    write_results,
+)
+from streamdiloco.launch import free_ports
 
 # fragments every 2 steps at H=8, P=4: the merges (and their broadcasts) come often
 SYNC = ["--sync-every", "8", "--num-fragments", "4"]
@@ -46,19 +53,14 @@ KINDS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_run(procs: Procs, tmp: Path, tag: str, kind: str, ranks: int, steps: int) -> dict:
     k = KINDS[kind]
-    shard_flags = ["--model", k["model"], *SYNC]
+    model = str(k["model"])
+    shard_flags = ["--model", model, *SYNC]
     shards = start_shards(procs, tmp, tag, 2, shard_flags, checkpoint=False)
     servers = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in shards)
     summary = tmp / f"{tag}.json"
-    argv = ["worker", "--servers", servers, "--name", tag, "--model", k["model"], *SYNC]
+    argv = ["worker", "--servers", servers, "--name", tag, "--model", model, *SYNC]
     argv += ["--steps", str(steps), "--batch-size", str(k["batch"]), "--step-delay", str(k["delay"])]
     argv += ["--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--log-every", "20"]
     argv += ["--summary", str(summary), "--checkpoint", str(tmp / f"{tag}.pt")]
@@ -66,7 +68,8 @@ def one_run(procs: Procs, tmp: Path, tag: str, kind: str, ranks: int, steps: int
         cmd = sd(*argv)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "streamdiloco", *argv]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)[0])]
+        cmd += ["-m", "streamdiloco", *argv]
     p = procs.start(tag, cmd, env_extra={"OMP_NUM_THREADS": "1"})
     code = p.wait(600)
     if code != 0:
@@ -132,7 +135,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default="cpu,emulated")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/process_group"))
+    ap.add_argument("--out", default=str(RESULTS / "process_group"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args()
     kinds = [k for k in a.kinds.split(",") if k]

@@ -5,8 +5,8 @@ fragments, tau=0, fp32); + overlap (tau=1, alpha=0.5); + E3M0 up and down. Print
 (of the global parameters), bytes each worker sent and received against data-parallel's (fp32 gradients up
 and down every step), and the peak bytes of one sync; saves results.md, results.json and loss.png.
 
-    python benchmarks/quality.py                       # the recorded run (see BENCHMARKS.md)
-    python benchmarks/quality.py --steps 200 --jobs 2  # a quick look
+    python -m benchmarks.quality                       # the recorded run (see BENCHMARKS.md)
+    python -m benchmarks.quality --steps 200 --jobs 2  # a quick look
 
 --jobs N runs N simulations at once, one thread each (on 2 cores, 2 jobs finish ~10% sooner than 1 job
 with 2 threads).

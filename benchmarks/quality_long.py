@@ -15,8 +15,8 @@ Debian's `fortunes` package (`apt-get install fortunes`; the '%' separator lines
 Writes results.md, results.json and quality-long.png into --out; every finished run is kept in runs.jsonl
 there, so an interrupted benchmark goes on where it stopped (--fresh starts over). One run at a time.
 
-    python benchmarks/quality_long.py           # nano, 20 tokens/param; plays: M = 2, 4, 8; fortunes: 2, 4
-    python benchmarks/quality_long.py --quick   # a smoke run (a few steps, M = 2, one lr each)
+    python -m benchmarks.quality_long           # nano, 20 tokens/param; plays: M = 2, 4, 8; fortunes: 2, 4
+    python -m benchmarks.quality_long --quick   # a smoke run (a few steps, M = 2, one lr each)
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 (`sumsq`, on the event loop), and a round's close with the defaults, without them, and with the robust
 aggregators; M pushes of N values in E3M0, cut into 1 MiB chunks as workers send them.
 
-    python benchmarks/robust.py                 # N = 4M values, M = 4
-    python benchmarks/robust.py --values 25000000 --workers 8
+    python -m benchmarks.robust                 # N = 4M values, M = 4
+    python -m benchmarks.robust --values 25000000 --workers 8
 """
 
 from __future__ import annotations

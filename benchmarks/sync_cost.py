@@ -25,17 +25,17 @@ first touch):
   load                 /proc/loadavg and the CPU other processes on the machine used during the case
 Also, as hooks into other benchmarks, when they are there:
   codecs  encode/decode throughput against a memcpy: benchmarks/codecs.py's codec_table()
-  ingest  shard ingest against plain TCP: benchmarks/wire.py --parts b (a subprocess)
+  ingest  shard ingest against plain TCP: `python -m benchmarks.wire --parts b` (a subprocess)
 
 Headline (issue 11): 100M parameters, 100 ms steps, H=30, P=5, tau=2, alpha=0.5, E3M0 both ways, 1 shard:
 target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
 
-    python benchmarks/sync_cost.py                     # the default cases, ~10-15 min on 2 cores
-    python benchmarks/sync_cost.py --headline          # only the two headline cases
-    python benchmarks/sync_cost.py --quick             # a smoke run: 1M parameters, few steps (~1 min)
-    python benchmarks/sync_cost.py --cases 300M:100:2:1,30M:500:2:2    # SIZE:STEP_MS:TAU:SHARDS
-    python benchmarks/sync_cost.py --sizes 1M,10M --step-ms 50,100 --shards 1,2   # a grid
-    python benchmarks/sync_cost.py --json results.json --out DIR       # raw results; results.md/json/run.log
+    python -m benchmarks.sync_cost                     # the default cases, ~10-15 min on 2 cores
+    python -m benchmarks.sync_cost --headline          # only the two headline cases
+    python -m benchmarks.sync_cost --quick             # a smoke run: 1M parameters, few steps (~1 min)
+    python -m benchmarks.sync_cost --cases 300M:100:2:1,30M:500:2:2    # SIZE:STEP_MS:TAU:SHARDS
+    python -m benchmarks.sync_cost --sizes 1M,10M --step-ms 50,100 --shards 1,2   # a grid
+    python -m benchmarks.sync_cost --json results.json --out DIR       # raw results; results.md/json/run.log
 
 Every process it starts runs in its own process group, is bounded in time (a case that hangs is killed
 and reported) and is stopped at the end, on an error and on Ctrl+C. Process logs go to a temp folder,
@@ -45,11 +45,9 @@ shown when something fails (--keep-logs keeps the folder).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -61,13 +59,25 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks import harness
+from benchmarks.harness import (
+    ROOT,
+    Procs,
+    bench,
+    code_under_test,
+    loadavg,
+    machine,
+    say,
+    system_busy_seconds,
+    wait_quiet,
+    write_results,
+)
+from streamdiloco.common.atomic import atomic_write_text
+
 # The shards build the model from this spec (modelspec imports it with the repository root as the working
 # directory); its size comes from the environment variable.
 MODEL_SPEC = "benchmarks.sync_cost:synthetic_model"
@@ -128,86 +138,6 @@ def synthetic_model() -> SyntheticModel:
     return SyntheticModel(width_for(parse_size(os.environ.get(PARAMS_ENV, "1M"))))
 
 
-# --- output -------------------------------------------------------------------------------------------------
-class Tee:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, line: str = "") -> None:
-        with self.lock:
-            print(line, flush=True)
-            self.lines.append(line)
-
-
-say = Tee()
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-
-    def git(*args: str) -> str:
-        try:
-            r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    import streamdiloco
-
-    return {
-        "code": str(Path(streamdiloco.__file__).resolve().parent.parent),  # the package under test
-        "cpus": os.cpu_count(),
-        "cpu": cpu,
-        "memory_gib": round(mem, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "commit": commit or "unknown",
-        "tracked_files_modified": bool(dirty),
-    }
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
-def system_busy_seconds() -> float:
-    """CPU seconds all processes of the machine have used (all cores, non-idle), from /proc/stat."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
-    """Wait (up to max_wait s) for the CPUs to be nearly idle; returns the busy fraction measured last."""
-    t_start = time.monotonic()
-    while True:
-        b0, t0 = system_busy_seconds(), time.monotonic()
-        time.sleep(1.0)
-        busy = (system_busy_seconds() - b0) / (time.monotonic() - t0) / (os.cpu_count() or 1)
-        waited = time.monotonic() - t_start
-        if busy <= threshold:
-            return busy
-        if waited >= max_wait:
-            say(f"[{label}] the machine is {busy:.0%} busy with other processes: timings may suffer")
-            return busy
-        time.sleep(1.0)
-
-
 # --- processes ----------------------------------------------------------------------------------------------
 def group_pids(pgid: int) -> list[int]:
     out = []
@@ -247,58 +177,6 @@ def group_peak_rss(pgid: int) -> int:
         except OSError:
             continue
     return total
-
-
-class Procs:
-    """Every process the benchmark starts, each in its own session (process group), stopped by group."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, argv: list[str], env_extra: dict | None = None, pipe: bool = False):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-        log = open(self.logdir / f"{name}.log", "w")  # noqa: SIM115 (the child holds it)
-        p = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE if pipe else log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs.append((name, p))
-        return p
-
-    def tail(self, name: str, n: int = 25) -> str:
-        path = self.logdir / f"{name}.log"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(f"    [{name}] {line}" for line in lines[-n:])
-
-    def stop(self, p: subprocess.Popen, timeout: float = 10.0) -> None:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever is left of the group
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if p.poll() is None:
-            p.wait()
-        self.procs = [(n, q) for n, q in self.procs if q is not p]
-
-    def stop_all(self) -> None:
-        for _, p in list(self.procs):
-            self.stop(p, timeout=5.0)
 
 
 # --- the worker (a subprocess: `sync_cost.py _worker`) ------------------------------------------------------
@@ -463,36 +341,12 @@ def shard_flags(sync: dict) -> list[str]:
 
 
 def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args) -> list[tuple]:
-    out = []
+    flags = ["--model", MODEL_SPEC, "--min-workers", "1", *shard_flags(sync)]
     env = {PARAMS_ENV: str(case["params"])}
-    for s in range(case["shards"]):
-        ready = tmp / f"{tag}-shard{s}.ready"
-        argv = [sys.executable, "-m", "streamdiloco", "server", "--shard", str(s)]
-        argv += ["--num-shards", str(case["shards"]), "--host", "127.0.0.1", "--port", "0"]
-        argv += ["--http-port", "0", "--ready-file", str(ready), "--model", MODEL_SPEC]
-        argv += ["--min-workers", "1", *shard_flags(sync)]
-        if args.shard_checkpoint:
-            argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-ckpt"), "--fresh"]
-        else:
-            argv += ["--no-checkpoint"]
-        name = f"{tag}-shard{s}"
-        out.append((name, procs.start(name, argv, env_extra=env), ready))
-    deadline = time.monotonic() + args.start_timeout
-    infos: dict[str, Any] = {}
-    while len(infos) < len(out):
-        for name, p, ready in out:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
-            if name not in infos and ready.exists():
-                try:
-                    infos[name] = json.loads(ready.read_text())
-                except ValueError:  # being written
-                    pass
-        if time.monotonic() > deadline:
-            tails = "\n".join(procs.tail(n) for n, _, _ in out)
-            raise RuntimeError(f"shards not serving after {args.start_timeout:.0f}s:\n{tails}")
-        time.sleep(0.05)
-    return [(name, p, infos[name]) for name, p, _ in out]
+    return harness.start_shards(
+        procs, tmp, tag, case["shards"], flags, checkpoint=args.shard_checkpoint, env_extra=env,
+        timeout=args.start_timeout,
+    )  # fmt: skip
 
 
 def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
@@ -527,7 +381,7 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
     tw0 = time.monotonic()
     worker = procs.start(
         wname,
-        [sys.executable, str(Path(__file__).resolve()), "_worker", json.dumps(spec), str(result)],
+        bench("sync_cost", "_worker", json.dumps(spec), str(result)),
         env_extra={PARAMS_ENV: str(case["params"])},
         pipe=True,
     )
@@ -710,14 +564,11 @@ def table_rss(rows: list[dict]) -> str:
 
 # --- hooks: codecs (benchmarks/codecs.py) and ingest (benchmarks/wire.py part b) ---------------------------
 def codecs_main(out_path: Path, quick: bool) -> int:
-    """In a subprocess: benchmarks/codecs.py's codec_table(), loaded by its path (`import codecs` is the
-    standard library's); writes its table and raw numbers."""
-    spec = importlib.util.spec_from_file_location("bench_codecs", HERE / "codecs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    md, raw = mod.codec_table(quick=quick)
-    out_path.write_text(json.dumps({"markdown": md, "raw": raw}, indent=2))
+    """In a subprocess: benchmarks/codecs.py's codec_table(); writes its table and raw numbers."""
+    from benchmarks.codecs import codec_table
+
+    md, raw = codec_table(quick=quick)
+    atomic_write_text(out_path, json.dumps({"markdown": md, "raw": raw}, indent=2))
     return 0
 
 
@@ -740,7 +591,7 @@ def _run_hook(procs: Procs, name: str, argv: list[str], timeout: float) -> dict 
 def run_codecs(procs: Procs, tmp: Path, args) -> dict:
     res = tmp / "codecs.json"
     say("[codecs] benchmarks/codecs.py codec_table() ...")
-    argv = [sys.executable, str(Path(__file__).resolve()), "_codecs", str(res), "1" if args.quick else "0"]
+    argv = bench("sync_cost", "_codecs", str(res), "1" if args.quick else "0")
     failed = _run_hook(procs, "codecs", argv, args.hook_timeout)
     if failed is not None:
         return failed
@@ -748,11 +599,10 @@ def run_codecs(procs: Procs, tmp: Path, args) -> dict:
 
 
 def run_ingest(procs: Procs, tmp: Path, args) -> dict:
-    wire = HERE / "wire.py"
     out_dir = tmp / "wire-b"
-    argv = [sys.executable, str(wire), "--parts", "b", "--out", str(out_dir), "--no-profile"]
+    argv = bench("wire", "--parts", "b", "--out", str(out_dir), "--no-profile")
     argv += ["--max-wait", str(args.max_wait)] + (["--quick"] if args.quick else [])
-    say(f"[ingest] {shlex.join(['python', 'benchmarks/wire.py', *argv[2:]])} ...")
+    say(f"[ingest] {shlex.join(['python', *argv[1:]])} ...")
     failed = _run_hook(procs, "ingest", argv, args.ingest_timeout)
     if failed is not None:
         return failed
@@ -858,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    info = machine()
-    command = shlex.join(["python", "benchmarks/sync_cost.py", *argv])
+    info = {**machine(), **code_under_test()}
+    command = shlex.join(["python", "-m", "benchmarks.sync_cost", *argv])
     say(f"$ {command}")
     say(
         f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
@@ -889,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     tmp = Path(tempfile.mkdtemp(prefix="sync-cost-"))
-    procs = Procs(tmp)
+    procs = Procs(tmp, cwd=ROOT)
     status = 0
     t_start = time.monotonic()
     md: list[str] = []
@@ -1007,13 +857,9 @@ def main(argv: list[str] | None = None) -> int:
         status = status or 1
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(results, indent=2, default=str))
+        atomic_write_text(a.json, json.dumps(results, indent=2, default=str))
     if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-        (out / "results.md").write_text(text + "\n")
-        (out / "run.log").write_text("\n".join(say.lines) + "\n")
+        write_results(Path(a.out), results, [text], echo=False)
     return status
 
 

@@ -2,7 +2,7 @@
 from `streamdiloco certs`), both on loopback; from this process, the time of a Join (a new connection
 each: handshake included, and on one open channel) and the throughput of a Fetch of every master slice.
 
-    python benchmarks/tls.py [--model tiny] [--repeats 5] [--out benchmarks/results/tls]
+    python -m benchmarks.tls [--model tiny] [--repeats 5] [--out benchmarks/results/tls]
 """
 
 from __future__ import annotations
@@ -11,31 +11,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def start_shard(tmp: Path, name: str, model: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    ready = tmp / f"{name}.ready"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamdiloco", "server", "--port", "0", "--http-port", "0", "--no-checkpoint"]
-        + ["--ready-file", str(ready), "--model", model, *flags],
-        stdout=open(tmp / f"{name}.log", "w"),  # noqa: SIM115 (the child holds it)
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-    )
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{name} did not start: {(tmp / f'{name}.log').read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
+from benchmarks.harness import Procs, machine, machine_line, say, start_shards, write_results
 
 
 def measure(target: str, model: str, repeats: int, tls, token: str) -> dict:
@@ -111,22 +92,25 @@ def main() -> int:
                 ),
             ),
         }
-        for label, (flags, tls) in setups.items():
-            proc, target = start_shard(tmp, label.split(",")[0].replace(" ", "-"), args.model, flags)
-            try:
-                results[label] = measure(target, args.model, args.repeats, tls, token)
-            finally:
-                proc.terminate()
-                proc.wait(30)
-            print(label, json.dumps(results[label]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps({"model": args.model, "load_average": load, "results": results}, indent=2)
-    )
+        procs = Procs(tmp)
+        try:
+            for label, (flags, tls) in setups.items():
+                tag = label.split(",")[0].replace(" ", "-")
+                flags = ["--model", args.model, *flags]
+                [(_, proc, ports)] = start_shards(procs, tmp, tag, 1, flags, checkpoint=False, timeout=120)
+                target = f"127.0.0.1:{ports['grpc_port']}"
+                try:
+                    results[label] = measure(target, args.model, args.repeats, tls, token)
+                finally:
+                    procs.stop(proc, timeout=30)
+                say(f"{label} {json.dumps(results[label])}")
+        finally:
+            procs.stop_all()
+    info = machine()
+    summary = {"model": args.model, "load_average": load, "machine": info, "results": results}
     lines = [
-        f"TLS cost on loopback, model {args.model}, median of {args.repeats}; {os.cpu_count()} cores, "
-        f"load average {load:.1f} when it started",
+        f"TLS cost on loopback, model {args.model}, median of {args.repeats}; load average {load:.1f} when "
+        f"it started. Machine: {machine_line(info)}",
         "",
         "| setup | Join, new connection (ms) | Join, open channel (ms) | Fetch of all masters (MB/s) |",
         "|---|---:|---:|---:|",
@@ -136,8 +120,7 @@ def main() -> int:
             f"| {label} | {r['join_new_connection_ms']:.1f} | {r['join_open_channel_ms']:.1f} | "
             f"{r['fetch_mb_per_s']:.0f} ({r['fetch_bytes'] / 1e6:.1f} MB) |"
         )
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(Path(args.out), summary, lines)
     return 0
 
 

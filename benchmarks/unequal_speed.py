@@ -13,8 +13,8 @@ step per schedule step everywhere), measured in the same run.
                 parameters at equal emulated wall time along the run, and each site's utilization. One run
                 each (the simulator is deterministic). A control with equal speeds shows adaptive = fixed.
 
-    python benchmarks/unequal_speed.py            # the recorded run (BENCHMARKS.md), about 15 minutes
-    python benchmarks/unequal_speed.py --quick    # fewer steps, one repeat (about 5 minutes)
+    python -m benchmarks.unequal_speed            # the recorded run (BENCHMARKS.md), about 15 minutes
+    python -m benchmarks.unequal_speed --quick    # fewer steps, one repeat (about 5 minutes)
 
 Writes results.md, results.json and run.log under --out (default benchmarks/results/unequal_speed). Every
 process it starts is stopped at the end, on an error and on Ctrl+C.
@@ -33,14 +33,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
+from benchmarks.harness import (
+    RESULTS,
+    Procs,
+    machine,
+    machine_line,
+    say,
+    sd,
+    start_shards,
+    wait_quiet,
+    write_results,
+)
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.sim.simulator import SimConfig, simulate
+from streamdiloco.worker.client import fetch_masters
 
-from streamdiloco.common.config import SyncConfig  # noqa: E402
-from streamdiloco.sim.simulator import SimConfig, simulate  # noqa: E402
-from streamdiloco.worker.client import fetch_masters  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("fixed", "adaptive")
 DELAYS = {"fast": 0.1, "slow": 0.2}  # seconds of emulated accelerator step per inner step
 
@@ -181,7 +188,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="a,b", help="a (processes), b (simulator)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/unequal_speed"))
+    ap.add_argument("--out", default=str(RESULTS / "unequal_speed"))
     ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args()
     parts = set(a.parts.split(","))

@@ -46,10 +46,10 @@ blocked seconds, eval loss of the global model. A run past its time bound (--tim
 stopped and reported from the steps it did (eval loss "—").
 
     make bench-wan                                    # the full sweep (hours; a quiet machine)
-    python benchmarks/wan.py --quick                  # 1 and unlimited Mbit/s at 25 ms, 60 steps
-    python benchmarks/wan.py --rates 1,unlimited --delays 25 --systems sdl \\
+    python -m benchmarks.wan --quick                  # 1 and unlimited Mbit/s at 25 ms, 60 steps
+    python -m benchmarks.wan --rates 1,unlimited --delays 25 --systems sdl \\
         --sdl-flags "--fragment-sync-delay 3"         # flags for shard and workers both
-    python benchmarks/wan.py --check-only             # the network and its self-checks, no training
+    python -m benchmarks.wan --check-only             # the network and its self-checks, no training
 
 Writes results.md, results.json (after every run), utilization.png and run.log under --out. Every process,
 namespace, qdisc and nftables table it makes is removed at the end, on an error, on Ctrl+C and on SIGTERM;
@@ -75,8 +75,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness import Procs, bench, machine, machine_line, say, wait_quiet, write_results
+from streamdiloco.common.atomic import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 PREFIX = "sdlwan-"  # every namespace of the testbed; leftovers with it are removed at the start
 SUBNET = "10.213.77"  # the testbed's /24, only inside its namespaces
 HUB, DC = PREFIX + "hub", PREFIX + "dc"
@@ -456,7 +458,7 @@ def rate_label(rate: float | None) -> str:
 
 
 def wan_py(*args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    return bench("wan", *args)
 
 
 class LogWatch:
@@ -1083,7 +1085,9 @@ def parse_rates(text: str) -> list[float | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="benchmarks/wan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.wan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("sweep")
     g.add_argument(
@@ -1169,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
         return _internal(argv)
     if argv and argv[0] == "combine":  # no network: tables and a plot from earlier runs' results.json
         if len(argv) < 3:
-            print("usage: wan.py combine OUT DIR [DIR ...]", file=sys.stderr)
+            print("usage: python -m benchmarks.wan combine OUT DIR [DIR ...]", file=sys.stderr)
             return 2
         return combine([Path(d) for d in argv[2:]], Path(argv[1]))
     p = build_parser()
@@ -1195,14 +1199,10 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(tool) is None:
             p.error(f"`{tool}` is missing: run scripts/system-deps.sh wan (Debian: iproute2, nftables)")
 
-    sys.path.insert(0, str(HERE))
-    from wire import Procs, Tee, machine, machine_line, wait_quiet  # the process harness, helpers
-
-    say = Tee()
     a.wait_quiet = wait_quiet
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "benchmarks/wan.py", *argv])
+    command = shlex.join(["python", "-m", "benchmarks.wan", *argv])
     info = machine()
     say(f"$ {command}")
     say(f"machine: {machine_line(info)}")
@@ -1262,7 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = sweep.run(system, rate, delay_ms, t_ref)
                     results["runs"].append(r)
                     say(f"[{len(results['runs'])}/{total}] {run_line(r)}")
-                    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+                    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str))
                 sweep.stop_proxies()
     except KeyboardInterrupt:
         say("\ninterrupted: stopping every process, removing the testbed")
@@ -1312,8 +1312,6 @@ def main(argv: list[str] | None = None) -> int:
         checks_table(results["points"]),
         "",
     ]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     png = plot(results["runs"], out / "utilization.png", a.workers) if results["runs"] else None
     if results["runs"]:
         say("\n" + results_table(results["runs"]))
@@ -1321,7 +1319,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{results['seconds']:.0f}s in all; wrote {out}/results.md, results.json, run.log"
         + (f", {png.name}" if png else "")
     )
-    (out / "run.log").write_text("\n".join(say.lines) + "\n")
+    write_results(out, results, md, echo=False)
     return status
 
 

@@ -15,7 +15,7 @@ write (and at the start of training), so a run stopped at its time bound still t
 steps done, `train_start_unix`, per-step seconds; at the end also `eval_loss` and `finished: true`.
 It must not print per step (its output is a log file) and never touches the network beyond gloo.
 
-    python benchmarks/wan_ddp.py --rank 0 --world-size 2 --master 10.213.77.11:29500 --iface wan0 \\
+    python -m benchmarks.wan_ddp --rank 0 --world-size 2 --master 10.213.77.11:29500 --iface wan0 \\
         --steps 300 --summary ddp-0.json
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from streamdiloco.common.atomic import atomic_write_text
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.train import (
@@ -56,9 +57,7 @@ def iface_bytes(iface: str | None) -> dict | None:
 
 def write_json(path: Path, data: dict) -> None:
     """Atomically: a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -29,9 +29,12 @@ worker's time goes to training. Each figure is measured beside a reference in th
 Timings suffer from anything else running on the machine: before each timed run the benchmark waits (up to
 --max-wait s) for the CPUs to be nearly idle, and it reports the CPU that other processes used.
 
-    python benchmarks/wire.py                 # the recorded run (see BENCHMARKS.md), about 9 minutes
-    python benchmarks/wire.py --quick         # a quick look (about 3 minutes)
-    python benchmarks/wire.py --parts b       # one part
+    python -m benchmarks.wire                 # the recorded run (see BENCHMARKS.md), about 9 minutes
+    python -m benchmarks.wire --quick         # a quick look (about 3 minutes)
+    python -m benchmarks.wire --parts b       # one part
+
+(from the repository's root: the benchmarks are the modules of the package `benchmarks`; benchmarks/harness.py
+starts and stops the processes and writes the results.)
 
 Writes results.md, results.json and run.log under --out (default benchmarks/results/wire). Every process
 it starts is stopped at the end, on an error and on Ctrl+C.
@@ -43,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -58,9 +60,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
+from benchmarks.harness import (
+    Procs,
+    bench,
+    http_json,
+    machine,
+    machine_line,
+    say,
+    sd,
+    start_shards,
+    system_busy_seconds,
+    wait_files,
+    wait_quiet,
+    write_results,
+)
+from streamdiloco.common.atomic import atomic_write_text
 from streamdiloco.common.codecs import CODECS, Encoded, chunk_values, decode, encode, expected_sizes
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -72,131 +88,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 MB = 1e6
 
 
-# --- output: print and keep a copy for run.log ------------------------------------------------------------
-class Tee:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.lines.append(line)
-
-
-say = Tee()
-
-
-# --- child processes --------------------------------------------------------------------------------------
-class Procs:
-    """Every process the benchmark starts, each in its own session (process group), so that stop() ends it
-    and its children (launch's shards and workers) by the group's id."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(
-        self, name: str, argv: list[str], stdin: bool = False, env_extra: dict | None = None
-    ) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-        with open(self.logdir / f"{name}.log", "w") as log:
-            p = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        self.procs.append((name, p))
-        return p
-
-    def tail(self, name: str, n: int = 15) -> str:
-        path = self.logdir / f"{name}.log"
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(f"    [{name}] {line}" for line in lines[-n:])
-
-    def stop(self, p: subprocess.Popen, timeout: float = 10.0) -> None:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever is left of the group (a child that ignored SIGTERM)
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if p.poll() is None:
-            p.wait()
-        if p.stdin:
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-        self.procs = [(n, q) for n, q in self.procs if q is not p]  # stopped once, never signalled again
-
-    def stop_all(self) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for _, p in list(self.procs):
-            self.stop(p, timeout=5.0)
-
-
-def sd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "streamdiloco", *args]
-
-
-def wait_files(procs: Procs, files: list[Path], watch: list[tuple[str, subprocess.Popen]], timeout: float):
-    deadline = time.monotonic() + timeout
-    while not all(f.exists() for f in files):
-        for name, p in watch:
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {p.returncode}:\n{procs.tail(name)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {[str(f) for f in files]}")
-        time.sleep(0.05)
-
-
-def start_shards(
-    procs: Procs,
-    tmp: Path,
-    tag: str,
-    num: int,
-    flags: list[str],
-    wrap: list[str] | None = None,
-    checkpoint: bool = True,
-):
-    """S shard processes (checkpointing every round, or with --no-checkpoint); returns their (name, Popen,
-    {grpc_port, http_port})."""
-    out = []
-    for s in range(num):
-        ready = tmp / f"{tag}-shard{s}.ready"
-        argv = ["server", "--shard", str(s), "--num-shards", str(num), "--host", "127.0.0.1"]
-        argv += ["--port", "0", "--http-port", "0", "--ready-file", str(ready), *flags]
-        if checkpoint:
-            argv += ["--checkpoint-dir", str(tmp / f"{tag}-shard{s}-checkpoint"), "--fresh"]
-        else:
-            argv += ["--no-checkpoint"]
-        cmd = (wrap + ["-m", "streamdiloco", *argv]) if wrap else sd(*argv)
-        name = f"{tag}-shard{s}"
-        out.append((name, procs.start(name, cmd), ready))
-    wait_files(procs, [r for _, _, r in out], [(n, p) for n, p, _ in out], timeout=180)
-    return [(n, p, json.loads(r.read_text())) for n, p, r in out]
-
-
-def http_json(port: int, path: str = "/api/status") -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
-        return json.loads(r.read())
-
-
+# --- (b) the shard's HTTP pages under load ---------------------------------------------------------------
 class HttpProbe:
     """Asks a shard's /healthz and /api/status (with the masters' hashes) one after the other, as fast as
     they answer, while it is under load: their latencies in ms."""
@@ -241,72 +133,6 @@ class HttpProbe:
                 "max": ys[-1] if ys else None,
             }
         return out
-
-
-def system_busy_seconds() -> float:
-    """CPU seconds that all processes of the machine have used (all cores, non-idle time), from /proc/stat."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
-    """Wait (up to max_wait s) until the machine is nearly idle: the figures are timings, and other work on
-    a 2-core machine (tests, builds) skews them. Returns the busy fraction of all cores measured last."""
-    t_start = time.monotonic()
-    said = -1e9
-    while True:
-        b0, t0 = system_busy_seconds(), time.monotonic()
-        time.sleep(1.0)
-        busy = (system_busy_seconds() - b0) / (time.monotonic() - t0) / (os.cpu_count() or 1)
-        waited = time.monotonic() - t_start
-        if busy <= threshold:
-            if waited > 2:
-                say(f"[{label}] the machine is quiet ({busy:.0%} busy) after {waited:.0f}s")
-            return busy
-        if waited > max_wait:
-            say(f"[{label}] the machine is still {busy:.0%} busy with other processes: timings may suffer")
-            return busy
-        if waited - said >= 30:
-            said = waited
-            say(f"[{label}] the machine is {busy:.0%} busy with other processes; waiting for it to calm down")
-        time.sleep(2.0)
-
-
-def write_results(out: Path, results: dict, md: list[str]) -> None:
-    """A benchmark's outputs: results.json, results.md, run.log (what `say` printed); the table to stdout."""
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(md))
-    (out / "run.log").write_text("\n".join(say.lines))
-    print("\n".join(md))
-
-
-def machine_line(info: dict) -> str:
-    """What `machine()` found, for the head of a benchmark's output and results."""
-    return (
-        f"{info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
-    )
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": cpu,
-        "memory_gib": round(mem, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-    }
 
 
 # --- (a) an HTTP/2 + gRPC parser for the proxy --------------------------------------------------------------
@@ -949,9 +775,7 @@ def tcp_receiver_main(a: argparse.Namespace) -> int:
                     await close_round()
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        tmp = Path(a.port_file + ".tmp")
-        tmp.write_text(str(server.sockets[0].getsockname()[1]))
-        tmp.replace(a.port_file)
+        atomic_write_text(a.port_file, str(server.sockets[0].getsockname()[1]))
         await asyncio.Event().wait()  # until stopped: the benchmark reads our CPU time after the senders end
 
     asyncio.run(run())
@@ -1086,7 +910,7 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
     plan_file, payload = tmp / "b-plan.json", tmp / "b-payload.bin"
     plan_file.write_text(json.dumps(plan))
     write_payload(plan, payload)
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = bench("wire")
     say(
         f"[b] {args.b_model}, fragment 0: {plan['numel']:,} values = {plan['codec_bytes']:,} B of E3M0 per "
         f"push ({len(chunk_layout(plan))} chunks), {clients} clients, {warmup} warm-up + {reps} x {per} "
@@ -1559,7 +1383,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "benchmarks/wire.py", *argv])
+    command = shlex.join(["python", "-m", "benchmarks.wire", *argv])
     info = machine()
     say(f"$ {command}")
     say(f"machine: {machine_line(info)}")
@@ -1729,9 +1553,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine_line(info)}",
         "",
     ]
-    (out / "results.md").write_text("\n".join(head + md) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "run.log").write_text("\n".join(say.lines) + "\n")
+    write_results(out, results, head + md, echo=False)
     return status
 
 

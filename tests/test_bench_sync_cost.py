@@ -1,7 +1,6 @@
 """The sync-cost benchmark (benchmarks/sync_cost.py) runs end to end in its --quick form (real shard
 processes, a worker process through connect()) and its tables and raw results add up."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,14 +8,11 @@ import sys
 import pytest
 from procs import ROOT
 
-SCRIPT = ROOT / "benchmarks" / "sync_cost.py"
+import benchmarks.sync_cost
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_sync_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.sync_cost
 
 
 def _table(md: str, header: str) -> list[list[str]]:
@@ -55,7 +51,8 @@ def test_quick_run_end_to_end(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "benchmarks.sync_cost",
             "--quick",
             "--parts",
             "sync,codecs",  # the ingest part is wire.py's (tests/test_bench_wire.py)

@@ -1,4 +1,5 @@
-"""The wire benchmark still runs and its numbers add up (slow: ~3 minutes; `make test-slow`)."""
+"""The wire benchmark (`python -m benchmarks.wire`) still runs and its numbers add up (slow: ~3 minutes;
+`make test-slow`)."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "wire.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.wire", "--quick", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=900,

@@ -98,8 +98,8 @@ e13() {  # the outer momentum's share: plain averaging (momentum 0) up to 0.8, a
   done; done
 }
 fortunes() {  # the second text: Debian's `fortunes` package (apt-get install fortunes), as quality_long.py makes it
-  .venv/bin/python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path
-from quality_long import fortunes_text; print(fortunes_text(Path('$D/runs')))"
+  .venv/bin/python -c "from pathlib import Path
+from benchmarks.quality_long import fortunes_text; print(fortunes_text(Path('$D/runs')))"
 }
 e14() {  # the second text (fortunes): defaults, and each method's tuned inner lr
   local t; t=$(fortunes)
