@@ -1,7 +1,9 @@
 """The sync-cost benchmark (benchmarks/sync_cost.py) runs end to end in its --quick form (real shard
 processes, a worker process through connect()) and its tables and raw results add up."""
 
+import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -30,6 +32,22 @@ def _table(md: str, header: str) -> list[list[str]]:
         assert len(cells) == width, line
         rows.append(cells)
     return rows
+
+
+def test_every_benchmark_is_a_module_of_the_package_benchmarks_and_none_edits_sys_path():
+    """`python -m benchmarks.NAME` from the root: each imports the shared harness (benchmarks/harness.py)
+    as a module, never another benchmark's file through sys.path; the installed package never imports them."""
+    folder = ROOT / "benchmarks"
+    names = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    assert "harness" in names and "wire" in names
+    for name in names:
+        source = (folder / f"{name}.py").read_text()
+        assert "sys.path" not in source, name
+        assert not re.search(r"^\s*(from|import) (wire|elastic|sync_cost|codecs)\b", source, re.M), name
+        importlib.import_module(f"benchmarks.{name}")
+    for package in ("cli", "common", "server", "worker", "sim", "protos"):
+        for path in (ROOT / package).rglob("*.py"):
+            assert not re.search(r"^\s*(from|import) benchmarks\b", path.read_text(), re.M), path
 
 
 def test_the_synthetic_model_has_the_asked_size_and_a_block_list():
