@@ -151,6 +151,9 @@ class InProcessTransport:
     def update(self, fragment: int, round: int) -> Future:
         return self.cluster.update(fragment, round)
 
+    def close(self) -> None:
+        pass  # no sessions
+
 
 def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.Tensor]) -> None:
     for frag, vec in zip(layout.fragments, vectors, strict=True):

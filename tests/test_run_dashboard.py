@@ -229,7 +229,10 @@ def test_the_run_view_shows_every_shard_and_a_peer_down_or_hanging_as_down(tmp_p
 
 # --- the worker: --eval-every reported to the shard, --tensorboard -------------------------------------
 class NoWire:
-    num_shards = 1
+    num_shards, pace_seconds = 1, 0.0
+
+    def close(self) -> None:
+        pass
 
 
 def test_the_engine_reports_what_the_shards_take_and_leaves_out_an_eval_loss_they_would_refuse():

@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -78,8 +78,20 @@ class StopRequested(Exception):
     """The worker was asked to stop (SIGTERM, Ctrl+C) while it waited for an update; nothing was taken."""
 
 
+@runtime_checkable
 class Transport(Protocol):
-    num_shards: int
+    """What carries a worker's pushes and the rounds' updates: `GrpcTransport` (worker/client.py) in a
+    worker process, the simulator's `InProcessTransport` (sim/simulator.py) in one process. The engine
+    calls nothing else on it."""
+
+    @property
+    def num_shards(self) -> int:
+        """S: each fragment is cut into this many slices, one per shard (common/fragments.slice_ranges)."""
+
+    @property
+    def pace_seconds(self) -> float:
+        """The run's pace: the slowest member's seconds per inner step as last heard, 0.0 while unknown.
+        Read at every inner step with sync_schedule "adaptive" (common/pace.py); never blocks."""
 
     def push(
         self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
@@ -91,6 +103,9 @@ class Transport(Protocol):
         slice: an Encoded update to add (or a list of (offset, Encoded) parts of it), a fetched master (an
         object with `.values` and `.round`, after a resync) to take instead, or None: the mirror has that
         round already. The future fails with an error when the transport cannot deliver it."""
+
+    def close(self) -> None:
+        """End the transport's sessions; the engine's close() calls it once, at the end."""
 
 
 class SyncThread:
@@ -274,7 +289,7 @@ class SyncEngine:
         if self.cfg.sync_schedule != "adaptive":
             return self._tick()
         try:
-            if not self.pacer.completes(getattr(self.transport, "pace_seconds", 0.0), self.cfg, seconds):
+            if not self.pacer.completes(self.transport.pace_seconds, self.cfg, seconds):
                 return []
             return self._tick()
         finally:
@@ -443,9 +458,7 @@ class SyncEngine:
     def close(self) -> None:
         """End the sync thread and the transport's sessions."""
         self._jobs.close()
-        close = getattr(self.transport, "close", None)
-        if close is not None:
-            close()
+        self.transport.close()
 
     # --- the global model, checkpoints ---------------------------------------------------------------
     def global_state_dict(self) -> dict[str, torch.Tensor]:
