@@ -40,7 +40,10 @@ training thread would take longer than the step). Each fragment's state and mech
 Each (fragment, round) has one future that the merge waits on; `request_stop()` cancels them.
 
 The transport (`Transport`) is what carries pushes and updates: the gRPC client in a worker process, an
-in-process connection to the shards' logic in the simulator. The engine does not know which.
+in-process connection to the shards' logic in the simulator.
+
+What it must not do: know which transport it talks to (it calls only what `Transport` declares), or hold
+the training thread for sync work beyond a snapshot, a lerp and a merge's wait for its update.
 """
 
 from __future__ import annotations
