@@ -2,14 +2,18 @@
 baseline, built from the same pieces as the distributed system (worker.engine.SyncEngine, server.shard.
 ShardState, worker.train), not from a second copy of the algorithm.
 
-Workers run in lock-step: every worker does its inner step, then each scheduled event is done by every
-worker in turn, so a round has all its pushes before anyone needs its update.
+Workers run in lock-step, each driving its engine as a worker process does (`engine.step()` after every
+inner step), without a sync thread: every worker trains through its schedule step, whose sends (and the
+merges whose rounds have closed) its engine does at once; then each finishes its step (`finish_step()`) with
+the merges that waited for the later workers' pushes (tau = 0, the final sync), so a round has all its
+pushes before anyone needs its update.
 
 Sites of unequal speed (`step_seconds`, one per worker: the emulated seconds of its inner step): the
-schedule's steps stay in lock-step, and with sync_schedule "adaptive" a worker does as many inner steps per
-schedule step as common/pace.py says (the same function the workers use). The simulated wall time of a
-schedule step is the slowest worker's time for its inner steps of that step, so two runs compare at equal
-wall time at equal schedule steps; each worker's compute utilization is its compute over that time.
+schedule's steps stay in lock-step, and with sync_schedule "adaptive" each engine paces itself as a
+worker's does (common/pace.py), told its emulated step time and the slowest one as the run's pace. The
+simulated wall time of a schedule step is the slowest worker's time for its inner steps of that step, so
+two runs compare at equal wall time at equal schedule steps; each worker's compute utilization is its
+compute over that time.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from streamdiloco.common.fragments import (
     unflatten_into,
 )
 from streamdiloco.common.modelspec import build_model, model_block_size
-from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick, valid_step_seconds
+from streamdiloco.common.pace import pace_seconds, valid_step_seconds
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
@@ -100,6 +104,7 @@ class InProcessCluster:
         members: list[str],
         seed: int,
         robust: RobustConfig | None = None,
+        pace: float = 0.0,
     ):
         self.shards = [
             ShardState(s, num_shards, layout, cfg, initial, seed, robust=robust) for s in range(num_shards)
@@ -107,6 +112,7 @@ class InProcessCluster:
         self.members = set(members)
         self.updates: dict[tuple[int, int], Future] = {}  # each round's update, one Encoded per shard
         self.round_losses: list[tuple[int, int, float]] = []
+        self.pace_seconds = pace  # what the shards answer pushes with: the slowest member's step time
 
     def push(
         self, worker: str, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
@@ -128,14 +134,25 @@ class InProcessCluster:
 
 
 class InProcessTransport:
+    """A worker's worker.engine.Transport to the in-process cluster."""
+
     def __init__(self, cluster: InProcessCluster, worker: str):
         self.cluster, self.worker, self.num_shards = cluster, worker, len(cluster.shards)
 
-    def push(self, fragment, round, slices, weight, loss) -> None:
+    @property
+    def pace_seconds(self) -> float:
+        return self.cluster.pace_seconds
+
+    def push(
+        self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
+    ) -> None:
         self.cluster.push(self.worker, fragment, round, slices, weight, loss)
 
-    def update(self, fragment, round) -> Future:
+    def update(self, fragment: int, round: int) -> Future:
         return self.cluster.update(fragment, round)
+
+    def close(self) -> None:
+        pass  # no sessions
 
 
 def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.Tensor]) -> None:
@@ -230,7 +247,11 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     names = [f"worker-{m}" for m in range(cfg.workers)]
-    cluster = InProcessCluster(layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed, cfg.robust)
+    # unequal speeds: the emulated step times; the engines pace themselves by them as workers do (adaptive)
+    times = cfg.step_seconds or (1.0,) * cfg.workers
+    cluster = InProcessCluster(
+        layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed, cfg.robust, pace_seconds(times)
+    )
     replicas = [copy.deepcopy(model) for _ in range(cfg.workers)]
     opts = [make_inner_optimizer(r, cfg.inner) for r in replicas]
     engines = [
@@ -248,35 +269,26 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     ]
     device = next(model.parameters()).device
     eval_model = model  # holds the global parameters for evaluation only
-    # unequal speeds: each worker's inner steps per schedule step, from the emulated step times
-    times = cfg.step_seconds or (1.0,) * cfg.workers
-    per_tick = [steps_per_tick(pace_seconds(times), t, cfg.sync) for t in times]
-    clocks = [TickClock() for _ in engines]
     wall, compute = 0.0, [0.0] * cfg.workers
     timed = bool(cfg.step_seconds)
     report(0, eval_model, float("nan"), 0, 0.0 if timed else None)
     for step in range(cfg.steps):
         lr = lr_at(step, cfg.steps, cfg.inner)
-        losses, due, tick_seconds = [], None, 0.0
+        losses, tick_seconds = [], 0.0
         for m, (r, opt, stream, eng) in enumerate(zip(replicas, opts, streams, engines, strict=True)):
             inner = 0
-            while True:  # one inner step per schedule step, or per_tick[m] of them (adaptive)
+            while eng.step_count == step:  # one inner step per schedule step, or per_tick of them (adaptive)
                 set_lr(opt, lr)
                 x, y = stream.next()
                 loss = forward_backward(r, x.to(device), y.to(device))
                 optimizer_step(r, opt, cfg.inner)
                 losses.append(loss)
                 inner += 1
-                if clocks[m].inner_step(per_tick[m]):
-                    due = eng.advance(tokens=x.numel(), loss=loss)
-                    break
-                eng.count(tokens=x.numel(), loss=loss)
+                eng.step(tokens=x.numel(), loss=loss, seconds=times[m])
             compute[m] += inner * times[m]
             tick_seconds = max(tick_seconds, inner * times[m])
         wall += tick_seconds
-        for ev in due or []:
-            for eng in engines:
-                eng.execute(ev)
+        _finish_steps(engines)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             _load_globals(eval_model, layout, [cluster.master(f) for f in range(layout.num_fragments)])
             tokens = sum(e.tokens for e in engines)
@@ -300,6 +312,17 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
         "compute_utilization": [c / wall for c in compute],  # of the emulated wall time (step_seconds)
         "global_params": masters,
     }
+
+
+def _finish_steps(engines: list[SyncEngine]) -> None:
+    """Lock-step: the merges each worker's step left for later (their rounds closed only once the workers
+    after it had pushed: tau = 0, the final sync), worker by worker until every step is done."""
+    while any(e.pending for e in engines):
+        left = [len(e.pending) for e in engines]
+        for e in engines:
+            e.finish_step()
+        if [len(e.pending) for e in engines] == left:
+            raise RuntimeError("lock-step order broken: no worker can finish its step")
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -446,10 +446,13 @@ def test_the_next_rounds_a_worker_names_count_the_sends_of_its_step_not_done_yet
     from streamdiloco.worker.engine import SyncEngine
 
     class NoWire:
-        num_shards = 1
+        num_shards, pace_seconds = 1, 0.0
+
+        def close(self) -> None:
+            pass
 
     cfg = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=2)
-    engine = SyncEngine(build_gpt("nano"), _LAYOUT, cfg, NoWire())  # type: ignore[arg-type]
+    engine = SyncEngine(build_gpt("nano"), _LAYOUT, cfg, NoWire())
     engine.step_count = 8
     engine.pending = sends_early([Event("merge", 1, 0)] + events(8, cfg))
     assert engine.pending == [Event("merge", 1, 0), Event("send", 1, 1), Event("merge", 0, 0)]

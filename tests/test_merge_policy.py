@@ -18,8 +18,9 @@ import torch.nn as nn
 from streamdiloco.common.codecs import decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.common.schedule import merge_deadline, send_step
-from streamdiloco.worker.engine import StopRequested, SyncEngine
+from streamdiloco.common.schedule import Event, merge_deadline, send_step
+from streamdiloco.sim.simulator import InProcessCluster, InProcessTransport
+from streamdiloco.worker.engine import StopRequested, SyncEngine, Transport
 
 # fragment 1 sends at steps 2, 6, 10, ...; fragment 0 at 4, 8, ... (H = 4, P = 2)
 H, P = 4, 2
@@ -36,14 +37,18 @@ class Net(nn.Module):
 class HeldTransport:
     """Pushes are kept; each round's update is a future that the test completes (fp32: exact)."""
 
-    num_shards = 1
+    num_shards, pace_seconds = 1, 0.0
 
     def __init__(self) -> None:
         self.pushes: dict[tuple[int, int], torch.Tensor] = {}
         self.futures: dict[tuple[int, int], Future] = {}
+        self.closed = False
 
     def push(self, fragment, round, slices, weight, loss) -> None:
         self.pushes[(fragment, round)] = slices[0]
+
+    def close(self) -> None:
+        self.closed = True
 
     def update(self, fragment: int, round: int) -> Future:
         return self.futures.setdefault((fragment, round), Future())
@@ -342,3 +347,54 @@ def test_an_unknown_policy_says_what_to_choose():
         SyncConfig(merge_policy="eager")
     with pytest.raises(ValueError, match="unknown merge_rule 'lerp': choose mix or rebase"):
         SyncConfig(merge_rule="lerp")
+
+
+def test_every_transport_is_a_whole_transport_and_the_engine_closes_it():
+    # the engine reads pace_seconds at every step (adaptive schedule) and calls close() at the end: every
+    # transport has them (a transport with only push and update is not one)
+    net = Net()
+    layout = build_layout(net, P, "strided")
+    initial = [flatten(fragment_params(net, f)) for f in layout.fragments]
+    cluster = InProcessCluster(layout, SyncConfig(sync_every=H, num_fragments=P), initial, 2, ["a"], 0)
+    assert isinstance(HeldTransport(), Transport) and isinstance(InProcessTransport(cluster, "a"), Transport)
+
+    class PushOnly:
+        num_shards = 1
+
+        def push(self, fragment, round, slices, weight, loss) -> None: ...
+
+        def update(self, fragment, round) -> Future:
+            return Future()
+
+    assert not isinstance(PushOnly(), Transport)
+    engine, transport, _ = make("adaptive")
+    engine.close()
+    assert transport.closed
+
+
+def test_lock_step_leaves_a_merge_whose_round_has_not_closed_to_finish_step():
+    # tau = 0: fragment 1 sends round 0 at step 2 and merges it in the same step. Without a sync thread
+    # (the simulator) nothing brings the update while the engine would wait: the first worker's step leaves
+    # the merge in `pending`, and its finish_step() does it once the second worker has pushed
+    cfg = SyncConfig(
+        sync_every=H, num_fragments=P, fragment_sync_delay=0, uplink_codec="fp32", merge_policy="fixed"
+    )
+    nets = [Net(), Net()]
+    layout = build_layout(nets[0], P, "strided")
+    initial = [flatten(fragment_params(nets[0], f)) for f in layout.fragments]
+    cluster = InProcessCluster(layout, cfg, initial, 1, ["a", "b"], 0)
+    engines = [
+        SyncEngine(n, layout, cfg, InProcessTransport(cluster, w), background=False)
+        for n, w in zip(nets, "ab", strict=True)
+    ]
+    for _ in range(2):
+        for net, engine in zip(nets, engines, strict=True):
+            train_step(net)
+            engine.step()
+    first, second = engines
+    assert first.pending == [Event("merge", 1, 0)] and first.merges == 0 and first.in_flight == {1: 0}
+    assert second.pending == [] and second.merges == 1
+    first.finish_step()
+    assert first.pending == [] and first.merges == 1 and first.step_count == 2
+    assert all(torch.equal(e.mirrors[1], cluster.master(1)) for e in engines)
+    assert torch.equal(params(first, 1), params(second, 1))

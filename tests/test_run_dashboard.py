@@ -229,7 +229,10 @@ def test_the_run_view_shows_every_shard_and_a_peer_down_or_hanging_as_down(tmp_p
 
 # --- the worker: --eval-every reported to the shard, --tensorboard -------------------------------------
 class NoWire:
-    num_shards = 1
+    num_shards, pace_seconds = 1, 0.0
+
+    def close(self) -> None:
+        pass
 
 
 def test_the_engine_reports_what_the_shards_take_and_leaves_out_an_eval_loss_they_would_refuse():
@@ -238,10 +241,10 @@ def test_the_engine_reports_what_the_shards_take_and_leaves_out_an_eval_loss_the
         model, build_layout(model, 3, "strided"), SyncConfig(num_fragments=3), NoWire(), total_steps=90
     )
     assert engine.progress() == Progress(total_steps=90)  # nothing measured yet: nothing said
-    engine._count(512, 3.0)  # a step's counting, as step() does it
+    engine.step(512, 3.0)  # step 1: nothing to send yet
     engine.report(eval_loss=2.5, compute_utilization=0.75)
     assert engine.progress() == Progress(1, 0.0, 90, 512, 0.75, 2.5, 1)
-    engine._count(512, 3.0)
+    engine.step(512, 3.0)
     engine.report(eval_loss=math.nan, compute_utilization=1.0000001)  # a push would be refused for NaN
     engine.report(eval_loss=-1.0)
     engine.report(eval_loss=1e5)

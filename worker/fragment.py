@@ -1,0 +1,304 @@
+"""One fragment of a worker's model and everything the sync engine keeps for it, in one object.
+
+A `FragmentSync` holds, for one fragment (as torchft's `_StreamingDiLoCoFragment` does): the parameters'
+tensors, the fp32 mirror of the global parameters and the rounds it holds, the buffers its sends and merges
+reuse, the tokens and losses since its last send, the round in flight and the step that sent it, its latest
+send job and one future per round that says the round's update is in the mirror. Its methods are the
+mechanics of one sync, each on the thread that runs it:
+- training thread: `prepare_send` (a snapshot of the parameters, and what the push reports) at the send
+  step, `merge` (one multi-tensor lerp on the parameters' device) at the merge step;
+- sync thread: `encode` (the outer gradient, mirror - snapshot, encoded per shard slice) and `apply` (the
+  round's update added into the mirror; on CUDA also staged on the device for the lerp).
+On CUDA the snapshot is a device-side copy that the sync thread brings to a pinned host buffer on its own
+stream, and what the lerp reads is copied to the device there too (`Placement`).
+
+What it must not do: decide when (the schedule, the merge policy, the waits and the engine's counters are
+worker/engine.py's) or talk to a transport.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from streamdiloco.common.codecs import Encoded, add_into, encode
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fragments import Fragment, slice_ranges
+from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
+
+
+class Placement:
+    """Where a worker's fragments live: the parameters' device and, on CUDA, the sync thread's stream (one
+    per engine) and pinned host buffers, so that copies between host and device run beside the training."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._side: Any = None
+
+    def host(self, numel: int) -> torch.Tensor:
+        """A flat fp32 buffer on the CPU (pinned on CUDA, for asynchronous copies)."""
+        return torch.empty(numel, dtype=torch.float32, pin_memory=self.cuda and torch.cuda.is_available())
+
+    def side_stream(self) -> Any:
+        """CUDA: the sync thread's stream."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+
+class FragmentSync:
+    """One fragment's sync state and the mechanics of its sends and merges (see the module's docstring)."""
+
+    def __init__(
+        self, spec: Fragment, params: list[torch.Tensor], cfg: SyncConfig, num_shards: int, place: Placement
+    ):
+        self.index, self.spec, self.params, self.cfg, self.place = spec.index, spec, params, cfg, place
+        self.ranges = slice_ranges(spec.numel, num_shards)  # the shards' slices of the flat vector
+        # fp32 copy of the global parameters as of the last sync, on the CPU (pinned for async copies)
+        self.mirror = place.host(spec.numel)
+        _copy_into(self.views(self.mirror), params)
+        self.mirror_views = self.views(self.mirror)  # where the lerp reads the mirror on the CPU
+        # rounds < mirror_rounds[s] are in slice s of the mirror (what a checkpoint holds)
+        self.mirror_rounds = [0] * num_shards
+        self.lock = threading.Lock()  # apply jobs vs a checkpoint's copy of the mirror and its rounds
+        self.tokens = 0  # since the last send: its push's weight
+        self.loss = (0.0, 0)  # (sum, count) of the inner losses since the last send
+        self.in_flight: int | None = None  # the round sent and not merged yet
+        self.sent_at: dict[int, int] = {}  # round -> the step that sent it
+        self.send_job: Future | None = None  # the latest send's job on the sync thread
+        self.applied: dict[int, Future] = {}  # round -> its update is in the mirror
+        self.snapshot: torch.Tensor | None = None  # host buffer of the parameters at the send, reused
+        # the round whose send the snapshot holds (merge_rule "rebase" mixes against it; a round this
+        # process did not send, or one sent before a restart, is mixed as it is at the merge)
+        self.snapshot_round: int | None = None
+        self._delta: torch.Tensor | None = None  # the sync thread's outer gradient, reused
+        self._staged: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # CUDA: on the device
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters' shapes as views of a flat fp32 vector."""
+        out, off = [], 0
+        for p in self.params:
+            out.append(flat[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def count(self, tokens: int, loss: float | None) -> None:
+        """An inner step's tokens and loss, for the next push's weight and reported loss."""
+        self.tokens += tokens
+        if loss is not None:
+            total, count = self.loss
+            self.loss = (total + loss, count + 1)
+
+    # --- send: a snapshot on the training thread, the outer gradient on the sync thread ----------------
+    def prepare_send(self, round: int, step: int) -> tuple[Any, float, float | None]:
+        """Training thread, at the send of `round` at `step`: the parameters as of now (the snapshot that
+        `encode` takes), the push's weight (the tokens since the last send) and mean loss."""
+        if self.send_job is not None:  # its snapshot buffer is ours again (the job is long done, normally)
+            self.send_job.result()
+        snapshot = self._snapshot()
+        weight = float(max(1, self.tokens))
+        total, count = self.loss
+        loss = total / count if count else None
+        self.tokens, self.loss = 0, (0.0, 0)
+        self.in_flight = round
+        self.sent_at[round] = step
+        self.snapshot_round = round
+        return snapshot, weight, loss
+
+    def _snapshot(self) -> Any:
+        """The parameters as of now. On the CPU, copied into the fragment's buffer; on CUDA, a device-side
+        copy (the sync thread brings it to the host) and the event that marks it done."""
+        if self.place.cuda:
+            dev = torch.empty(self.spec.numel, dtype=torch.float32, device=self.place.device)
+            _copy_into(self.views(dev), self.params)
+            ev = torch.cuda.Event()
+            ev.record()
+            return dev, ev
+        buf = self._host_buffer()
+        _copy_into(self.views(buf), self.params)
+        return buf
+
+    def _host_buffer(self) -> torch.Tensor:
+        if self.snapshot is None:
+            self.snapshot = self.place.host(self.spec.numel)
+        return self.snapshot
+
+    def _host_snapshot(self, snapshot: Any) -> torch.Tensor:
+        if not self.place.cuda:
+            return snapshot
+        dev, ev = snapshot
+        buf = self._host_buffer()
+        side = self.place.side_stream()
+        with torch.cuda.stream(side):
+            side.wait_event(ev)
+            buf.copy_(dev, non_blocking=True)
+            dev.record_stream(side)
+        side.synchronize()
+        return buf
+
+    def _delta_buffer(self) -> torch.Tensor:
+        if self._delta is None:
+            self._delta = self.place.host(self.spec.numel)
+        return self._delta
+
+    def encode(self, snapshot: Any, generator: torch.Generator) -> list[Encoded]:
+        """Sync thread: the outer gradient (mirror - snapshot), encoded with the uplink codec, one Encoded
+        per shard slice."""
+        local = self._host_snapshot(snapshot)
+        delta = outer_gradient(self.mirror, local, out=self._delta_buffer())
+        cfg = self.cfg
+        return [
+            encode(delta[lo:hi], cfg.uplink_codec, cfg.codec_block_size, cfg.uplink_rounding, generator)
+            for lo, hi in self.ranges
+        ]
+
+    # --- merge: the update into the mirror on the sync thread, a lerp on the training thread ----------
+    def apply(self, round: int, slices: Sequence[Any]) -> int:
+        """Sync thread: the round's update into the mirror, slice by slice (see engine.Transport.update for
+        what a slice's entry may be); returns the bytes of the updates added."""
+        if len(slices) != len(self.ranges):
+            raise RuntimeError(f"update for fragment {self.index} has {len(slices)} slices")
+        received = 0
+        with self.lock:
+            held, mirror = self.mirror_rounds, self.mirror
+            for s, ((lo, hi), part) in enumerate(zip(self.ranges, slices, strict=True)):
+                if part is None:  # the mirror holds this round already (fetched when we joined)
+                    held[s] = max(held[s], round + 1)
+                    continue
+                parts = _parts(part)
+                if parts is not None:
+                    n = sum(p.numel for _, p in parts)
+                    if n != hi - lo:
+                        raise RuntimeError(
+                            f"update for fragment {self.index} has {n} values in a slice of {hi - lo}"
+                        )
+                    for off, p in parts:
+                        add_into(p, mirror[lo + off : lo + off + p.numel])  # the master's fp32 addition
+                        received += p.nbytes
+                    held[s] = max(held[s], round + 1)
+                else:  # a master fetched after a reconnect: it holds this round's update (and any missed)
+                    if part.values.numel() != hi - lo:
+                        raise RuntimeError(
+                            f"fetched master of fragment {self.index} has {part.values.numel()} values"
+                        )
+                    mirror[lo:hi] = part.values
+                    held[s] = max(held[s], part.round)
+        if self.place.cuda:
+            self._stage(round)
+        return received
+
+    def rebases(self, round: int) -> bool:
+        """Whether the merge of `round` is a rebase: merge_rule "rebase", and the snapshot of its send is
+        here."""
+        return self.cfg.merge_rule == "rebase" and self.snapshot_round == round
+
+    def _correction(self) -> torch.Tensor:
+        """The rebase's correction, mirror minus the parameters at the send (the host snapshot, which
+        `encode` filled), in the outer-gradient buffer: free until the fragment's next send, which comes
+        after this merge, so no fragment-sized allocation per merge."""
+        if self.send_job is not None:  # none after a resume from a checkpoint
+            self.send_job.result()  # the push that used the buffer is through (its update is in)
+        assert self.snapshot is not None, "a rebase needs the snapshot of its send (rebases)"
+        return torch.sub(self.mirror, self.snapshot, out=self._delta_buffer())
+
+    def _stage(self, round: int) -> None:
+        """CUDA: what the training thread's merge needs, copied to the device: the mirror (mix), or the
+        mirror minus the parameters at the send (rebase)."""
+        side = self.place.side_stream()
+        src = self._correction() if self.rebases(round) else self.mirror
+        with torch.cuda.stream(side):
+            dev = torch.empty(self.spec.numel, dtype=torch.float32, device=self.place.device)
+            dev.copy_(src, non_blocking=True)
+        side.synchronize()  # the pinned mirror may change again once this returns
+        self._staged = (dev, self.views(dev))
+
+    def merge(self, round: int) -> int | None:
+        """Training thread, once the round's update is in the mirror: mix it into the parameters (local +=
+        (1 - alpha) * (mirror - local at the send) with merge_rule "rebase", else local = lerp(local, mirror,
+        1 - alpha)). Returns the steps since the round's send (None: not sent by this process)."""
+        alpha = self.cfg.fragment_update_alpha
+        rebase = self.rebases(round)
+        if self.place.cuda:
+            if self._staged is None:  # nothing was applied in this process (came with a fetch)
+                self._stage(round)
+            assert self._staged is not None
+            dev, views = self._staged
+            self._staged = None
+            (rebase_local_ if rebase else merge_local_)(self.params, views, alpha)
+            dev.record_stream(torch.cuda.current_stream(self.place.device))  # allocated on the side stream
+        elif rebase:
+            rebase_local_(self.params, self.views(self._correction()), alpha)
+        else:
+            merge_local_(self.params, self.mirror_views, alpha)
+        self.snapshot_round = None
+        self.applied.pop(round, None)
+        self.in_flight = None
+        return self.sent_at.pop(round, None)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint(self) -> tuple[torch.Tensor, list[int]]:
+        """A copy of the mirror and the rounds it holds, taken as one (updates may be added meanwhile),
+        once the latest send's push is in the transport."""
+        if self.send_job is not None:
+            self.send_job.result()
+        with self.lock:
+            return self.mirror.clone(), list(self.mirror_rounds)
+
+    def restore(self, mirror: torch.Tensor, rounds: list[int], tokens: int, loss: Sequence[float]) -> None:
+        """A checkpoint's mirror, its rounds, and the tokens and loss since the last send; nothing in flight
+        until the checkpoint says (the engine sets in_flight, sent_at, restore_snapshot)."""
+        with self.lock:
+            self.mirror.copy_(mirror)
+            self.mirror_rounds = [int(x) for x in rounds]
+        self.tokens, self.loss = tokens, (float(loss[0]), int(loss[1]))
+        self.in_flight, self.sent_at, self.snapshot_round = None, {}, None
+
+    def restore_snapshot(self, round: int, snapshot: torch.Tensor) -> None:
+        """A checkpoint's snapshot of the send of `round`, not merged yet (a rebase mixes against it)."""
+        if snapshot.shape != (self.spec.numel,):
+            raise ValueError(
+                f"the checkpoint's send snapshot of fragment {self.index} does not fit this model"
+            )
+        self._host_buffer().copy_(snapshot)
+        self.snapshot_round = round
+
+
+def global_state_dict(model: nn.Module, fragments: Sequence[FragmentSync]) -> dict[str, torch.Tensor]:
+    """The model's state_dict with every parameter's value taken from its fragment's mirror (on the CPU,
+    each parameter in its own dtype, buffers as the model holds them); a parameter under several names
+    (tied weights) gets its global value under every name."""
+    out = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    names_of: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(key)
+    params = dict(model.named_parameters())
+    for frag in fragments:
+        with frag.lock:
+            for e in frag.spec.entries:
+                value = frag.mirror[e.offset : e.offset + e.numel].view(e.shape)
+                for key in names_of.get(id(params[e.name]), [e.name]):
+                    out[key] = value.to(out[key].dtype, copy=True)
+    return out
+
+
+def _parts(update: Any) -> list[tuple[int, Encoded]] | None:
+    if isinstance(update, Encoded):
+        return [(0, update)]
+    if isinstance(update, list):
+        return update
+    return None
+
+
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        if all(d.dtype == s.dtype and d.device == s.device for d, s in zip(dst, src, strict=True)):
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
