@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
 
-from streamdiloco.common.config import SyncConfig  # noqa: E402
+from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig  # noqa: E402
 from streamdiloco.sim.simulator import SimConfig, simulate  # noqa: E402
 from streamdiloco.worker.client import fetch_masters  # noqa: E402
 
@@ -128,8 +128,8 @@ def sim_runs(steps: int, model: str) -> list[dict]:
             t0 = time.perf_counter()
             cfg = SimConfig(
                 workers=2,
-                steps=steps,
-                model=model,
+                run=RunSettings(steps=steps),
+                model=ModelSettings(model=model),
                 eval_every=max(1, steps // 6),
                 step_seconds=times,
                 sync=SyncConfig(sync_schedule=schedule),
