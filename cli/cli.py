@@ -141,12 +141,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace):
-    """(blocks_path, fragment groups) from the layout flags; ValueError (one line) for a bad --fragments."""
-    from streamdiloco.common.fragments import parse_groups
-
-    if args.blocks_path and args.fragments:
-        raise ValueError("give --blocks-path or --fragments, not both")
-    return args.blocks_path, parse_groups(args.fragments) if args.fragments else None
+    """(blocks_path, fragment groups) from the [model] settings; ValueError (one line) for bad ones."""
+    model = args.settings.build("model")
+    return model.blocks_path, model.fragment_groups
 
 
 def _add_shard_flags(g) -> None:
@@ -688,25 +685,10 @@ def _peers(args: argparse.Namespace, auth):
     return Peers(parse_peers(args.peers), auth.read_token, ca)
 
 
-# The head of every file `streamdiloco config` writes: how to use it, and how to make it again
-CONFIG_HEADER = """\
-# A run's settings: `streamdiloco server|worker|launch|simulate --config FILE` reads the sections it needs.
-# A flag given on the command line overrides the file; a key left out takes its default.
-# Made with `{made_with}`.
-
-"""
-
-
 def _cmd_config(args: argparse.Namespace) -> int:
-    import shlex
+    from streamdiloco.settings import config_file
 
-    from streamdiloco.settings import given_flags
-
-    settings = args.settings
-    for section in settings.values:  # only a file whose settings would start a run
-        settings.build(section)
-    made_with = shlex.join(["streamdiloco", "config", *given_flags(settings)])
-    text = CONFIG_HEADER.format(made_with=made_with) + settings.to_toml(comments=True)
+    text = config_file(args.settings)  # raises a one-line ValueError for settings that would not start a run
     if args.out is None or args.print:
         print(text, end="")
     if args.out is not None:

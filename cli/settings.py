@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import json
 import math
+import shlex
 import sys
 import textwrap
 import typing
@@ -292,6 +293,25 @@ def dump_toml(values: dict[str, dict[str, Any]], comments: bool = False) -> str:
                 continue
             lines.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+# The head of every file `streamdiloco config` writes: how to use it, and how to make it again
+CONFIG_HEADER = """\
+# A run's settings: `streamdiloco server|worker|launch|simulate --config FILE` reads the sections it needs.
+# A flag given on the command line overrides the file; a key left out takes its default.
+# Made with `{made_with}`.
+
+"""
+
+
+def config_file(settings: Settings) -> str:
+    """What `streamdiloco config` writes: every setting with its help as a comment, under a header that
+    names the flags that make the file again. ValueError (one line) for settings that would not start a
+    run."""
+    for section in settings.values:
+        settings.build(section)
+    made_with = shlex.join(["streamdiloco", "config", *given_flags(settings)])
+    return CONFIG_HEADER.format(made_with=made_with) + settings.to_toml(comments=True)
 
 
 def given_flags(settings: Settings) -> list[str]:
