@@ -44,7 +44,7 @@ from benchmarks.harness import (
     wait_quiet,
     write_results,
 )
-from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.client import fetch_masters
 
@@ -135,8 +135,8 @@ def sim_runs(steps: int, model: str) -> list[dict]:
             t0 = time.perf_counter()
             cfg = SimConfig(
                 workers=2,
-                steps=steps,
-                model=model,
+                run=RunSettings(steps=steps),
+                model=ModelSettings(model=model),
                 eval_every=max(1, steps // 6),
                 step_seconds=times,
                 sync=SyncConfig(sync_schedule=schedule),

@@ -141,12 +141,9 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace):
-    """(blocks_path, fragment groups) from the layout flags; ValueError (one line) for a bad --fragments."""
-    from streamdiloco.common.fragments import parse_groups
-
-    if args.blocks_path and args.fragments:
-        raise ValueError("give --blocks-path or --fragments, not both")
-    return args.blocks_path, parse_groups(args.fragments) if args.fragments else None
+    """(blocks_path, fragment groups) from the [model] settings; ValueError (one line) for bad ones."""
+    model = args.settings.build("model")
+    return model.blocks_path, model.fragment_groups
 
 
 def _add_shard_flags(g) -> None:
@@ -238,27 +235,18 @@ def _pick(cls, v: dict) -> dict:
 
 def sim_config(args: argparse.Namespace | dict, **overrides):
     """A validated SimConfig from parsed flags (and setup overrides). Raises ValueError."""
-    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.common.config import compose
     from streamdiloco.sim.simulator import SimConfig
-    from streamdiloco.worker.train import InnerConfig
 
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
-    if v.get("blocks_path") or v.get("fragments"):
-        raise ValueError(
-            "--blocks-path and --fragments are for shards and workers: the simulator splits the model's "
-            "largest nn.ModuleList of blocks"
-        )
-    inner = InnerConfig(**_pick(InnerConfig, v))
-    sync = SyncConfig(**_pick(SyncConfig, v))
-    top = {k: x for k, x in _pick(SimConfig, v).items() if k not in ("sync", "inner", "robust")}
-    return SimConfig(**top, sync=sync, inner=inner, robust=_robust_config(v))
+    return compose(SimConfig, v, strict=False)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from streamdiloco.sim.simulator import simulate, write_json
 
     cfg = sim_config(args)
-    _check_data(cfg.data)
+    _check_data(cfg.run.data)
     result = simulate(cfg)
     print(
         f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
@@ -698,10 +686,9 @@ def _peers(args: argparse.Namespace, auth):
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    settings = args.settings
-    for section in settings.values:  # only a file whose settings would start a run
-        settings.build(section)
-    text = settings.to_toml(comments=True)
+    from streamdiloco.settings import config_file
+
+    text = config_file(args.settings)  # raises a one-line ValueError for settings that would not start a run
     if args.out is None or args.print:
         print(text, end="")
     if args.out is not None:
@@ -743,13 +730,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from streamdiloco.worker.client import SyncError
     from streamdiloco.worker.group import GroupError
     from streamdiloco.worker.run import WorkerConfig, run_worker
-    from streamdiloco.worker.train import InnerConfig
 
     _setup_logging()
     v = vars(args)
     servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    # WorkerConfig's fields beside its sections: this process's own
     top = {
-        k: x for k, x in _pick(WorkerConfig, v).items() if k not in ("sync", "inner", "servers", "sync_set")
+        k: x for k, x in _pick(WorkerConfig, v).items() if k not in (*WORKER_SECTIONS, "servers", "sync_set")
     }
     if top.get("name") is None:
         flag = "--resume" if args.resume else "--auto-resume" if args.auto_resume else None
@@ -777,9 +764,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         **top,
         sync=given_sync(given),
         sync_set=frozenset(args.sync_set),
-        inner=InnerConfig(**_pick(InnerConfig, v)),
+        **{s: args.settings.build(s) for s in WORKER_SECTIONS if s != "sync"},
     )
-    _check_data(cfg.data)
+    _check_data(cfg.run.data)
     try:
         run_worker(cfg)
     except (SyncError, GroupError) as e:

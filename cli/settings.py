@@ -1,13 +1,15 @@
-"""The run's settings, written once: each config dataclass's fields are both command-line flags and the keys
-of one section of a TOML config file (`--config run.toml`).
+"""The run's settings as flags and as a config file: each section's dataclass (declared once, in
+common/config.py, or beside the code it configures: server/robust.py, server/bounds.py) gives both the
+command-line flags and the keys of one section of a TOML config file (`--config run.toml`).
 
 A field `sync_every` of the section [sync] (SyncConfig) is the flag `--sync-every` (its metadata's "flag"
-names another), with the field's metadata "help" and "choices" and its default shown; a bool is
-`--x/--no-x`. A value comes from the command line, else the config file, else the field's default, and
-`Settings.given` says which fields the user set (on the command line or in the file): a worker takes the
-Streaming DiLoCo settings it did not set from the shard (the `sync_set`). Renaming a field renames its flag
-and its key; nothing here lists fields by hand. Per-process flags (a shard's index and ports, a worker's
-name) stay out of the file: they differ from one process to the next.
+names another), with the field's metadata "help" and its default shown, and its "choices" listed (the
+dataclass checks them, with a one-line error); a bool is `--x/--no-x`. A value comes from the command
+line, else the config file, else the field's default, and `Settings.given` says which fields the user set
+(on the command line or in the file): a worker takes the Streaming DiLoCo settings it did not set from the
+shard (the `sync_set`). Renaming a field renames its flag and its key; nothing here lists fields by hand.
+Per-process flags (a shard's index and ports, a worker's name) stay out of the file: they differ from one
+process to the next.
 
 This module parses nothing from the network; it only reads the user's own file, with one-line errors that
 name the file, the section and the key.
@@ -20,12 +22,22 @@ import dataclasses
 import difflib
 import json
 import math
+import shlex
 import sys
 import textwrap
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from streamdiloco.common.config import (
+    InnerConfig,
+    ModelSettings,
+    RunSettings,
+    ShardSettings,
+    SyncConfig,
+    WorkerSettings,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,121 +45,10 @@ else:  # pragma: no cover (Python 3.10)
     import tomli as tomllib
 
 
-@dataclass(frozen=True)
-class ModelSettings:
-    """The model every shard and worker of a run builds (the same factory, seed and context length)."""
-
-    model: str = field(
-        default="tiny",
-        metadata={"help": "built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory"},
-    )
-    block_size: int | None = field(
-        default=None, metadata={"help": "context length in bytes (default: the preset's)"}
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "seed for init, data streams and rounding; shards refuse workers of another seed"},
-    )
-    blocks_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest; a "
-            "shard started from --init FILE without --model: the file's fingerprint's, else the longest "
-            "NAME.<int>. list in its names)",
-            "metavar": "NAME",
-        },
-    )
-    fragments: str | None = field(
-        default=None,
-        metadata={
-            "help": "group the parameters yourself: groups of parameter or module names, ';' between groups "
-            "and ',' within one (embed,head;blocks.0,blocks.1); what no group names makes one more fragment. "
-            "P = the fragments made",
-            "metavar": "GROUPS",
-        },
-    )
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """How each worker trains."""
-
-    steps: int = field(default=600, metadata={"help": "inner steps per worker"})
-    batch_size: int = field(default=16, metadata={"help": "sequences per worker per step"})
-    data: str | None = field(
-        default=None,
-        metadata={"help": "a text file to train on (default: the built-in plays)", "metavar": "PATH"},
-    )
-    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
-    device: str = field(default="cpu", metadata={"help": "torch device for training: cpu, cuda, cuda:1 ..."})
-
-
-@dataclass(frozen=True)
-class ShardSettings:
-    """Round policy every shard of a run applies."""
-
-    min_workers: int = field(default=1, metadata={"help": "contributions a round needs before it may close"})
-    round_timeout: float = field(
-        default=120.0,
-        metadata={
-            "help": "seconds after a round's first push after which it closes with those present (sized "
-            "for WAN stragglers)"
-        },
-    )
-    chunk_bytes: int = field(default=1 << 20, metadata={"help": "payload bytes per chunk (default 1 MiB)"})
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """The worker process's own settings that every worker of a run may share (its name, rank, checkpoint
-    path and credentials stay flags). The fields are WorkerConfig's (worker/run.py), with its defaults: a
-    test holds them equal."""
-
-    log_every: int = field(default=20, metadata={"help": "steps between progress lines"})
-    checkpoint_every: int = field(
-        default=100, metadata={"help": "steps between the worker's checkpoints, 0: only when stopping"}
-    )
-    join_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for the shards"})
-    reconnect_timeout: float = field(
-        default=600.0, metadata={"help": "seconds to keep trying to reach a shard that went away"}
-    )
-    step_delay: float = field(
-        default=0.0,
-        metadata={
-            "help": "sleep this many seconds after every step: a slow worker on purpose, to try "
-            "stragglers, or an emulated GPU step (counted as compute in the utilization)"
-        },
-    )
-    rank_timeout: float = field(
-        default=1800.0,
-        metadata={
-            "help": "a worker of several ranks (torchrun): seconds a rank waits for the others at a "
-            "collective before the worker stops (a rank that dies is noticed at once)"
-        },
-    )
-    eval_every: int = field(
-        default=200,
-        metadata={
-            "help": "steps between evaluations of the global parameters, shown on the shards' dashboards "
-            "(0: at the start and the end only)"
-        },
-    )
-    tensorboard: str | None = field(
-        default=None,
-        metadata={
-            "help": "write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, "
-            "blocked time); needs pip install 'streamdiloco[tensorboard]'",
-            "metavar": "DIR",
-        },
-    )
-
-
 def section_classes() -> dict[str, type]:
     """Every section of the config file and its dataclass, in the order the file lists them."""
-    from streamdiloco.common.config import SyncConfig
     from streamdiloco.server.bounds import Limits
     from streamdiloco.server.robust import RobustConfig
-    from streamdiloco.worker.train import InnerConfig
 
     return {
         "model": ModelSettings,
@@ -228,8 +129,9 @@ def add_flags(
     help_for: dict[str, str] | None = None,
 ) -> None:
     """One flag per field of the dataclass `cls` (but `skip`), with the field's name as dest, its default,
-    its help (or `help_for`'s, with the default shown) and choices. The flags the user gives are noted
-    (args.flags_given): `resolve` then knows which values came from the command line."""
+    its help (or `help_for`'s, with the default shown) and its choices listed as the flag's metavar
+    (checked by the dataclass, whose error is one line, not argparse's usage). The flags the user gives are
+    noted (args.flags_given): `resolve` then knows which values came from the command line."""
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue
@@ -243,9 +145,9 @@ def add_flags(
         if kind is bool:
             kw["action"] = _StoreBool
         else:
-            kw.update(
-                action=_Store, type=kind, choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar")
-            )
+            choices = f.metadata.get("choices")
+            metavar = "{" + ",".join(choices) + "}" if choices else f.metadata.get("metavar")
+            kw.update(action=_Store, type=kind, metavar=metavar)
         group.add_argument(flag_of(f), **kw)
 
 
@@ -383,9 +285,47 @@ def dump_toml(values: dict[str, dict[str, Any]], comments: bool = False) -> str:
             value = table[f.name]
             if comments and f.metadata.get("help"):
                 lines += [f"# {line}" for line in textwrap.wrap(f.metadata["help"], 100)]
+                if f.metadata.get("choices"):
+                    lines.append(f"# one of: {', '.join(f.metadata['choices'])}")
             if value is None:
                 if comments:
                     lines.append(f"# {f.name} =")
                 continue
             lines.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+# The head of every file `streamdiloco config` writes: how to use it, and how to make it again
+CONFIG_HEADER = """\
+# A run's settings: `streamdiloco server|worker|launch|simulate --config FILE` reads the sections it needs.
+# A flag given on the command line overrides the file; a key left out takes its default.
+# Made with `{made_with}`.
+
+"""
+
+
+def config_file(settings: Settings) -> str:
+    """What `streamdiloco config` writes: every setting with its help as a comment, under a header that
+    names the flags that make the file again. ValueError (one line) for settings that would not start a
+    run."""
+    for section in settings.values:
+        settings.build(section)
+    made_with = shlex.join(["streamdiloco", "config", *given_flags(settings)])
+    return CONFIG_HEADER.format(made_with=made_with) + settings.to_toml(comments=True)
+
+
+def given_flags(settings: Settings) -> list[str]:
+    """The flags that give `settings`' user-set values (command line or file), in the file's order: what
+    `streamdiloco config` writes in its header so that the file can be made again."""
+    classes = section_classes()
+    argv: list[str] = []
+    for section, table in settings.values.items():
+        for f in dataclasses.fields(classes[section]):
+            if f.name not in settings.given.get(section, ()):
+                continue
+            value, flag = table[f.name], flag_of(f)
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+            elif value is not None:
+                argv += [flag, str(value)]
+    return argv

@@ -1,10 +1,11 @@
 """Codecs for the values that cross the network: fp32, bf16, int8 and 4-bit E3M0.
 
-One registry (`CODECS`) and four functions: `encode`, `decode` (optionally straight into a caller's buffer),
-`accumulate` (acc += weight * values, the shard's aggregation) and `add_into` (out += values, the worker's
-mirror update); and `sumsq` (the squared norm, which the shard checks each push's size by). The quantized
-codecs cut the flat vector into blocks of `block_size` values that share one fp32 scale; E3M0 packs two
-4-bit codes per byte (the first value in the low nibble).
+One registry (`CODECS`, plain data in common/codecspec.py, which the settings read without torch) and four
+functions: `encode`, `decode` (optionally straight into a caller's buffer), `accumulate` (acc += weight *
+values, the shard's aggregation) and `add_into` (out += values, the worker's mirror update); and `sumsq` (the
+squared norm, which the shard checks each push's size by). The quantized codecs cut the flat vector into
+blocks of `block_size` values that share one fp32 scale; E3M0 packs two 4-bit codes per byte (the first
+value in the low nibble).
 
 E3M0 (the paper's 4-bit float: 1 sign bit, 3 exponent bits, no mantissa): code 0 is zero and codes 1..7 are
 2^-6 .. 2^0 times the block's scale, which is the block's largest magnitude. Rounding is to the nearest level
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ROUNDINGS = ("nearest", "stochastic")
+from streamdiloco.common.codecspec import CODECS, ROUNDINGS, Codec  # the registry, torch-free
 
 # E3M0 magnitudes relative to the block scale: 0, 2^-6, ..., 2^0.
 E3M0_LEVELS = torch.tensor([0.0] + [2.0**e for e in range(-6, 1)], dtype=torch.float32)
@@ -69,30 +70,6 @@ class Encoded:
     def nbytes(self) -> int:
         """Bytes of payload and scales: what the codec puts on the wire for these values."""
         return self.payload.numel() + 4 * self.scales.numel()
-
-
-@dataclass(frozen=True)
-class Codec:
-    name: str
-    bits: int  # bits per value in the payload
-    scaled: bool  # has one fp32 scale per block
-
-    def sizes(self, numel: int, block_size: int) -> tuple[int, int]:
-        """(payload bytes, number of fp32 scales) that `encode` gives `numel` values."""
-        return (numel * self.bits + 7) // 8, (-(-numel // block_size) if self.scaled else 0)
-
-    def encoded_nbytes(self, numel: int, block_size: int) -> int:
-        """The size `encode` will produce, without encoding: payload plus scales."""
-        payload, scales = self.sizes(numel, block_size)
-        return payload + 4 * scales
-
-
-CODECS: dict[str, Codec] = {
-    "fp32": Codec("fp32", 32, False),
-    "bf16": Codec("bf16", 16, False),
-    "int8": Codec("int8", 8, True),
-    "e3m0": Codec("e3m0", 4, True),
-}
 
 
 def get_codec(name: str) -> Codec:

@@ -1,21 +1,254 @@
-"""The run's configuration: one dataclass for the Streaming DiLoCo knobs, validated once, at the edge.
+"""The run's settings, each declared once: one frozen dataclass per section of the config file, validated
+once, at the edge, with a one-line ValueError that says what to change.
 
-Names follow the paper and torchft: sync_every = H, num_fragments = P, fragment_sync_delay = tau,
-fragment_update_alpha = alpha (the weight of the LOCAL parameters in the merge). Every check raises a
-ValueError whose one-line message says what to change.
+The sections are `ModelSettings` [model], `RunSettings` [run], `InnerConfig` [inner], `SyncConfig` [sync],
+`ShardSettings` [server] and `WorkerSettings` [worker] (the shard's `RobustConfig` and `Limits` live beside
+the code they configure, in server/). Each field's metadata carries its flag's help (and "choices", "flag",
+"metavar"): cli/settings.py makes the flags and the TOML keys from them, so a field, its flag and its key
+cannot drift apart. A process's config is composed of sections, never re-declares their fields
+(worker/run.py's WorkerConfig, sim/simulator.py's SimConfig); `compose` builds one from flat setting names.
+
+SyncConfig's names follow the paper and torchft: sync_every = H, num_fragments = P, fragment_sync_delay =
+tau, fragment_update_alpha = alpha (the weight of the LOCAL parameters in the merge).
+
+Plain data: this module must not import torch (--help and the config file read it) nor anything of
+server/, worker/ or sim/.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar, cast
+
+from streamdiloco.common.codecspec import CODECS, ROUNDINGS
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
 MERGE_RULES = ("mix", "rebase")
 SYNC_SCHEDULES = ("fixed", "adaptive")
-ROUNDING_MODES = ("nearest", "stochastic")
-# the codec registry's names (common/codecs.py), for help texts only: the check below asks the registry
-_CODEC_NAMES = "fp32, bf16, int8 or e3m0"
+CODEC_NAMES = tuple(CODECS)
+
+
+def _at_least_one(cfg: Any, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model every shard and worker of a run builds (the same factory, seed and context length)."""
+
+    model: str = field(
+        default="tiny",
+        metadata={"help": "built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory"},
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "context length in bytes (default: the preset's)"}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "seed for init, data streams and rounding; shards refuse workers of another seed"},
+    )
+    blocks_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model's nn.ModuleList of blocks, split into P-1 fragments (default: the largest; a "
+            "shard started from --init FILE without --model: the file's fingerprint's, else the longest "
+            "NAME.<int>. list in its names)",
+            "metavar": "NAME",
+        },
+    )
+    fragments: str | None = field(
+        default=None,
+        metadata={
+            "help": "group the parameters yourself: groups of parameter or module names, ';' between groups "
+            "and ',' within one (embed,head;blocks.0,blocks.1); what no group names makes one more fragment. "
+            "P = the fragments made",
+            "metavar": "GROUPS",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.blocks_path and self.fragments:
+            raise ValueError("give --blocks-path or --fragments, not both")
+        _ = self.fragment_groups  # a one-line error for a bad --fragments, now
+
+    @property
+    def fragment_groups(self) -> tuple[tuple[str, ...], ...] | None:
+        """--fragments as groups of names (common/fragments.py), or None: split the blocks."""
+        if not self.fragments:
+            return None
+        from streamdiloco.common.fragments import parse_groups  # local: fragments imports torch
+
+        return parse_groups(self.fragments)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How each worker trains."""
+
+    steps: int = field(default=600, metadata={"help": "inner steps per worker"})
+    batch_size: int = field(default=16, metadata={"help": "sequences per worker per step"})
+    data: str | None = field(
+        default=None,
+        metadata={"help": "a text file to train on (default: the built-in plays)", "metavar": "PATH"},
+    )
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    device: str = field(default="cpu", metadata={"help": "torch device for training: cpu, cuda, cuda:1 ..."})
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "steps", "batch_size", "eval_batches")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner optimizer: AdamW with linear warm-up and cosine decay (worker/train.py)."""
+
+    # measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
+    lr: float = field(default=1.5e-3, metadata={"help": "AdamW's peak learning rate"})
+    min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "the cosine schedule's floor, as a fraction of --lr"}
+    )
+    warmup_steps: int = field(default=100, metadata={"help": "steps of linear warm-up to --lr"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW's weight decay (not on norms, biases)"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW's beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW's beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip, 0 disables"})
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"inner lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """Round policy every shard of a run applies."""
+
+    min_workers: int = field(default=1, metadata={"help": "contributions a round needs before it may close"})
+    round_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "seconds after a round's first push after which it closes with those present (sized "
+            "for WAN stragglers)"
+        },
+    )
+    chunk_bytes: int = field(default=1 << 20, metadata={"help": "payload bytes per chunk (default 1 MiB)"})
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The worker process's own settings that every worker of a run may share (its name, rank, checkpoint
+    path and credentials are per process: WorkerConfig's own fields)."""
+
+    log_every: int = field(default=20, metadata={"help": "steps between progress lines"})
+    checkpoint_every: int = field(
+        default=100, metadata={"help": "steps between the worker's checkpoints, 0: only when stopping"}
+    )
+    join_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for the shards"})
+    reconnect_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to keep trying to reach a shard that went away"}
+    )
+    # counts as compute time in the utilization, as a GPU's step would
+    step_delay: float = field(
+        default=0.0,
+        metadata={
+            "help": "sleep this many seconds after every step: a slow worker on purpose, to try "
+            "stragglers, or an emulated GPU step (counted as compute in the utilization)"
+        },
+    )
+    # rank 0 may be waiting that long for an update (a shard that restarts), so it is long; a rank that
+    # dies is noticed at once (gloo) or by torchrun, which stops the others
+    rank_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "a worker of several ranks (torchrun): seconds a rank waits for the others at a "
+            "collective before the worker stops (a rank that dies is noticed at once)"
+        },
+    )
+    # each evaluation costs --eval-batches forward passes, on the training thread between steps (the sync
+    # threads go on meanwhile)
+    eval_every: int = field(
+        default=200,
+        metadata={
+            "help": "steps between evaluations of the global parameters, shown on the shards' dashboards "
+            "(0: at the start and the end only)"
+        },
+    )
+    tensorboard: str | None = field(
+        default=None,
+        metadata={
+            "help": "write TensorBoard scalars here (train and eval loss, tokens/s, utilization, bytes, "
+            "blocked time); needs pip install tensorboard",
+            "metavar": "DIR",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "log_every")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be 0 (start and end only) or more, got {self.eval_every}")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"--checkpoint-every must be 0 (only when stopping) or more, got {self.checkpoint_every}"
+            )
+        if not self.reconnect_timeout > 0:
+            raise ValueError(f"--reconnect-timeout must be positive seconds, got {self.reconnect_timeout}")
+        if not self.rank_timeout > 0:
+            raise ValueError(f"--rank-timeout must be positive seconds, got {self.rank_timeout}")
+        if not 0 <= self.step_delay < 3600:
+            raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
+
+
+C = TypeVar("C")
+
+
+def section_of(f: dataclasses.Field) -> type | None:
+    """The settings section a composed config's field holds (its default_factory, a dataclass), else None."""
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+
+
+def compose(cls: type[C], values: Mapping[str, Any], strict: bool = True) -> C:
+    """A config composed of sections (WorkerConfig, SimConfig) from flat setting names, as the flags and the
+    config file's keys name them: {"model": "nano", "steps": 6, "sync_every": 12, "workers": 2}. A section's
+    field goes into its section (a section given whole, sync=SyncConfig(...), is the base that its fields
+    given beside it replace); the config's own fields are taken as they are. A name that is nothing of
+    `cls` is a TypeError, unless not `strict` (the rest of an argparse namespace: ignored)."""
+    kw: dict[str, Any] = {}
+    used: set[str] = set()
+    for f in fields(cast(Any, cls)):  # a dataclass: type[C] cannot say so
+        section = section_of(f)
+        if section is None:
+            if f.name in values:
+                kw[f.name] = values[f.name]
+                used.add(f.name)
+            continue
+        base: Any = values.get(f.name)
+        if not isinstance(base, section):  # e.g. "model": "nano", the [model] section's own key
+            base = None
+        else:
+            used.add(f.name)
+        given = {
+            g.name: values[g.name]
+            for g in fields(section)
+            if g.name in values and not (base is not None and g.name == f.name)
+        }
+        used |= given.keys()
+        if base is not None:
+            kw[f.name] = dataclasses.replace(base, **given) if given else base
+        elif given:
+            kw[f.name] = section(**given)
+    unknown = sorted(set(values) - used)
+    if strict and unknown:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
+    return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -64,23 +297,32 @@ class SyncConfig:
         default="strided",
         metadata={
             "choices": FRAGMENT_PATTERNS,
-            "help": "strided: block i goes to fragment i mod P; sequential: consecutive blocks",
+            "help": "strided: block i goes to block fragment i mod (P-1); sequential: consecutive blocks "
+            "(the last fragment holds the rest of the model)",
         },
     )
     uplink_codec: str = field(
-        default="e3m0", metadata={"help": "how workers quantize their outer gradients: " + _CODEC_NAMES}
+        default="e3m0",
+        metadata={"choices": CODEC_NAMES, "help": "how workers quantize their outer gradients"},
     )
     downlink_codec: str = field(
         default="e3m0",
-        metadata={"help": "how shards quantize the outer update (with error feedback): " + _CODEC_NAMES},
+        metadata={
+            "choices": CODEC_NAMES,
+            "help": "how shards quantize the outer update (with error feedback)",
+        },
     )
     codec_block_size: int = field(
         default=128, metadata={"help": "values that share one scale in the quantized codecs"}
     )
     uplink_rounding: str = field(
-        default="nearest", metadata={"help": "nearest or stochastic (unbiased), for the uplink codec"}
+        default="nearest",
+        metadata={"choices": ROUNDINGS, "help": "the uplink codec's rounding (stochastic: unbiased)"},
     )
-    downlink_rounding: str = field(default="nearest", metadata={"help": "nearest or stochastic"})
+    downlink_rounding: str = field(
+        default="nearest",
+        metadata={"choices": ROUNDINGS, "help": "the downlink codec's rounding (stochastic: unbiased)"},
+    )
     # measured best with momentum 0.95 at H=30 (BENCHMARKS.md; the paper: 0.7 or 0.4)
     outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
     outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
@@ -113,8 +355,6 @@ class SyncConfig:
     )
 
     def __post_init__(self) -> None:
-        from streamdiloco.common.codecs import CODECS  # local import: codecs imports nothing from here
-
         if self.num_fragments < 1:
             raise ValueError(f"num_fragments must be at least 1, got {self.num_fragments}")
         if self.sync_every < 1:
@@ -159,10 +399,8 @@ class SyncConfig:
             if getattr(self, name) not in CODECS:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(CODECS)}")
         for name in ("uplink_rounding", "downlink_rounding"):
-            if getattr(self, name) not in ROUNDING_MODES:
-                raise ValueError(
-                    f"unknown {name} {getattr(self, name)!r}: choose {' or '.join(ROUNDING_MODES)}"
-                )
+            if getattr(self, name) not in ROUNDINGS:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose {' or '.join(ROUNDINGS)}")
         if self.codec_block_size < 2 or self.codec_block_size % 2:
             raise ValueError(f"codec_block_size must be an even number >= 2, got {self.codec_block_size}")
         if self.outer_lr <= 0:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.config import InnerConfig, ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.fragments import (
     FragmentLayout,
     build_layout,
@@ -45,7 +45,6 @@ from streamdiloco.server.shard import ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.train import (
-    InnerConfig,
     evaluate,
     forward_backward,
     lr_at,
@@ -59,30 +58,32 @@ METHODS = ("streaming", "dp")
 
 @dataclass(frozen=True)
 class SimConfig:
+    """One simulation: the run's settings sections (common/config.py, as the workers' and shards') and the
+    simulation's own fields."""
+
     method: str = "streaming"  # streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) | dp (data-parallel)
     workers: int = 2  # M
-    steps: int = 600  # inner steps per worker
-    batch_size: int = 16  # sequences per worker per step
-    model: str = "tiny"  # built-in GPT preset or module.path:factory
-    block_size: int | None = None  # override the preset's context length
-    data: str | None = None  # text file; None = the built-in plays
-    seed: int = 0
     num_shards: int = 1  # S: each fragment is cut into S slices, as the sharded server does
     eval_every: int = 100  # steps between evaluations of the global parameters
-    eval_batches: int = 8
-    device: str = "cpu"
+    # emulated seconds per inner step of each worker (sites of unequal speed); empty: all alike (1.0)
+    step_seconds: tuple[float, ...] = ()
+    model: ModelSettings = field(default_factory=ModelSettings)
+    run: RunSettings = field(default_factory=RunSettings)
     sync: SyncConfig = field(default_factory=SyncConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)  # the shards' defenses, on as on a shard
-    # emulated seconds per inner step of each worker (sites of unequal speed); empty: all alike (1.0)
-    step_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}: choose {' or '.join(METHODS)}")
-        for name in ("workers", "steps", "batch_size", "num_shards", "eval_every", "eval_batches"):
+        for name in ("workers", "num_shards", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.model.blocks_path or self.model.fragments:
+            raise ValueError(
+                "--blocks-path and --fragments are for shards and workers: the simulator splits the model's "
+                "largest nn.ModuleList of blocks"
+            )
         if self.step_seconds and len(self.step_seconds) != self.workers:
             raise ValueError(
                 f"--step-seconds gives {len(self.step_seconds)} step times for {self.workers} workers: "
@@ -162,14 +163,17 @@ def _load_globals(model: nn.Module, layout: FragmentLayout, vectors: list[torch.
 
 def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
     """Run one simulated training; returns the final figures (also what --json writes)."""
-    device = torch.device(cfg.device)
-    model = build_model(cfg.model, cfg.seed, cfg.block_size).to(device)
-    block = model_block_size(model, cfg.block_size)
-    data = ByteDataset.load(cfg.data, block)
-    val = eval_batches(data.val, cfg.batch_size, block, cfg.eval_batches)
-    streams = [BatchStream(data.train, cfg.batch_size, block, cfg.seed, rank) for rank in range(cfg.workers)]
+    device = torch.device(cfg.run.device)
+    model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size).to(device)
+    block = model_block_size(model, cfg.model.block_size)
+    data = ByteDataset.load(cfg.run.data, block)
+    val = eval_batches(data.val, cfg.run.batch_size, block, cfg.run.eval_batches)
+    streams = [
+        BatchStream(data.train, cfg.run.batch_size, block, cfg.model.seed, rank)
+        for rank in range(cfg.workers)
+    ]
     nparams = sum(p.numel() for p in model.parameters())
-    tokens_per_step = cfg.workers * cfg.batch_size * block
+    tokens_per_step = cfg.workers * cfg.run.batch_size * block
     curve: list[dict] = []
     t_start = time.perf_counter()
 
@@ -192,9 +196,10 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
         curve.append(point)
         if log:
             el = time.perf_counter() - t_start
-            eta = el / step * (cfg.steps - step) if step else 0.0
+            eta = el / step * (cfg.run.steps - step) if step else 0.0
+            steps = cfg.run.steps
             log(
-                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{cfg.steps}  tokens {point['tokens']:>10,}"
+                f"[{cfg.method} M={cfg.workers}] step {step:5d}/{steps}  tokens {point['tokens']:>10,}"
                 f"  train {train_loss:6.3f}  eval {loss:6.3f}  {el:6.0f}s elapsed, ~{eta:.0f}s left"
             )
 
@@ -205,7 +210,7 @@ def simulate(cfg: SimConfig, log: Callable[[str], None] | None = print) -> dict:
     result.update(
         method=cfg.method,
         workers=cfg.workers,
-        steps=cfg.steps,
+        steps=cfg.run.steps,
         params=nparams,
         tokens=curve[-1]["tokens"],
         eval_loss=curve[-1]["eval_loss"],
@@ -226,18 +231,18 @@ def _run_dp(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report
     device = next(model.parameters()).device
     nbytes = 4 * sum(p.numel() for p in model.parameters())
     report(0, model, float("nan"))
-    for step in range(cfg.steps):
-        set_lr(opt, lr_at(step, cfg.steps, cfg.inner))
+    for step in range(cfg.run.steps):
+        set_lr(opt, lr_at(step, cfg.run.steps, cfg.inner))
         losses = [forward_backward(model, x.to(device), y.to(device)) for x, y in (s.next() for s in streams)]
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(cfg.workers)
         optimizer_step(model, opt, cfg.inner)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.run.steps:
             report(step + 1, model, sum(losses) / len(losses))
     return {
-        "bytes_sent_per_worker": nbytes * cfg.steps,
-        "bytes_received_per_worker": nbytes * cfg.steps,
+        "bytes_sent_per_worker": nbytes * cfg.run.steps,
+        "bytes_received_per_worker": nbytes * cfg.run.steps,
         "peak_sync_bytes": nbytes,
         "blocked_seconds": 0.0,
     }
@@ -250,7 +255,7 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     # unequal speeds: the emulated step times; the engines pace themselves by them as workers do (adaptive)
     times = cfg.step_seconds or (1.0,) * cfg.workers
     cluster = InProcessCluster(
-        layout, cfg.sync, initial, cfg.num_shards, names, cfg.seed, cfg.robust, pace_seconds(times)
+        layout, cfg.sync, initial, cfg.num_shards, names, cfg.model.seed, cfg.robust, pace_seconds(times)
     )
     replicas = [copy.deepcopy(model) for _ in range(cfg.workers)]
     opts = [make_inner_optimizer(r, cfg.inner) for r in replicas]
@@ -260,8 +265,8 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
             build_layout(r, cfg.sync.num_fragments, cfg.sync.fragment_pattern),
             cfg.sync,
             InProcessTransport(cluster, n),
-            total_steps=cfg.steps,
-            seed=cfg.seed,
+            total_steps=cfg.run.steps,
+            seed=cfg.model.seed,
             rank=m,
             background=False,  # lock-step: each job is done when the driver says
         )
@@ -272,8 +277,8 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
     wall, compute = 0.0, [0.0] * cfg.workers
     timed = bool(cfg.step_seconds)
     report(0, eval_model, float("nan"), 0, 0.0 if timed else None)
-    for step in range(cfg.steps):
-        lr = lr_at(step, cfg.steps, cfg.inner)
+    for step in range(cfg.run.steps):
+        lr = lr_at(step, cfg.run.steps, cfg.inner)
         losses, tick_seconds = [], 0.0
         for m, (r, opt, stream, eng) in enumerate(zip(replicas, opts, streams, engines, strict=True)):
             inner = 0
@@ -289,7 +294,7 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
             tick_seconds = max(tick_seconds, inner * times[m])
         wall += tick_seconds
         _finish_steps(engines)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.run.steps:
             _load_globals(eval_model, layout, [cluster.master(f) for f in range(layout.num_fragments)])
             tokens = sum(e.tokens for e in engines)
             report(step + 1, eval_model, sum(losses) / len(losses), tokens, wall if timed else None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from procs import shard_process, streamdiloco
 
-from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.client import SyncError, connect, fetch_masters
 from streamdiloco.worker.model import build_gpt
@@ -49,8 +49,8 @@ def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tm
         sim = simulate(
             SimConfig(
                 workers=2,
-                steps=36,
-                model="nano",
+                run=RunSettings(steps=36),
+                model=ModelSettings(model="nano"),
                 num_shards=2,
                 eval_every=36,
                 sync=SyncConfig(sync_every=6, num_fragments=3, merge_policy="fixed"),

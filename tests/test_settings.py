@@ -130,11 +130,19 @@ def test_the_flags_users_know_keep_their_names():
         assert not missing, f"`streamdiloco {command}` lost {sorted(missing)}"
 
 
-def test_the_codec_help_names_every_codec():
-    from streamdiloco.common.codecs import CODECS
-    from streamdiloco.common.config import _CODEC_NAMES
+def test_the_codec_and_rounding_flags_list_their_choices_from_the_registry():
+    from streamdiloco.common.codecspec import CODECS, ROUNDINGS
 
-    assert _CODEC_NAMES == ", ".join(list(CODECS)[:-1]) + " or " + list(CODECS)[-1]
+    text = " ".join(_subparser("worker").format_help().split())
+    codecs, roundings = "{" + ",".join(CODECS) + "}", "{" + ",".join(ROUNDINGS) + "}"
+    for flag, choices in (("--uplink-codec", codecs), ("--downlink-codec", codecs)):
+        assert f"{flag} {choices}" in text, flag
+    for flag in ("--uplink-rounding", "--downlink-rounding"):
+        assert f"{flag} {roundings}" in text, flag
+    # a value not in the list is the dataclass's one-line error, not argparse's usage
+    args = build_parser().parse_args(["config", "--uplink-codec", "fp4"])
+    with pytest.raises(ValueError, match="unknown uplink_codec 'fp4': choose one of " + ", ".join(CODECS)):
+        resolve(args, args.sections).build("sync")
 
 
 def test_help_shows_each_setting_with_its_default():
@@ -142,13 +150,45 @@ def test_help_shows_each_setting_with_its_default():
     assert "(default 30)" in text and "--no-final-sync" in text and "[sync]" in text
 
 
-def test_the_worker_section_is_worker_configs_fields_with_its_defaults():
-    from streamdiloco.settings import WorkerSettings
+def test_the_fragment_pattern_help_says_what_build_layout_does():
+    """strided: block i goes to block fragment i mod (P-1) (the last fragment is the rest of the model)."""
+    help_text = " ".join(_subparser("worker").format_help().split())
+    assert "block i goes to block fragment i mod (P-1)" in help_text
+    model = build_gpt("nano")  # 4 blocks
+    layout = build_layout(model, 3, "strided")
+    for i in range(4):
+        block = {n for n, _ in model.named_parameters() if n.startswith(f"blocks.{i}.")}
+        assert block <= set(layout.fragments[i % (3 - 1)].names), i
+
+
+def test_a_process_config_is_composed_of_the_sections_and_declares_none_of_their_fields():
+    """WorkerConfig and SimConfig hold the sections (one declaration per setting, no mirror to keep equal):
+    none of their own fields is a section's field, and each section is there whole, with its defaults."""
+    from streamdiloco.common.config import compose, section_of
+    from streamdiloco.sim.simulator import SimConfig
     from streamdiloco.worker.run import WorkerConfig
 
-    theirs = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
-    for f in dataclasses.fields(WorkerSettings):
-        assert f.name in theirs and theirs[f.name] == f.default, f.name
+    classes = section_classes()
+    for cls, sections in (
+        (WorkerConfig, ("model", "run", "sync", "inner", "worker")),
+        (SimConfig, ("model", "run", "sync", "inner", "robust")),
+    ):
+        # the settings of the sections it holds (the simulator's own --eval-every, default 100, is not
+        # [worker]'s: simulate reads no [worker] section)
+        settings = {f.name for s in sections for f in dataclasses.fields(classes[s])}
+        own = {f.name for f in dataclasses.fields(cls) if section_of(f) is None}
+        assert not own & settings, (cls.__name__, own & settings)
+        held = {f.name: section_of(f) for f in dataclasses.fields(cls) if section_of(f) is not None}
+        assert held == {s: classes[s] for s in sections}, cls.__name__
+    # flat names, as flags and keys name them, land in their sections
+    cfg = compose(SimConfig, {"model": "nano", "steps": 6, "sync_every": 15, "workers": 3, "weight_cap": 0.0})
+    assert (cfg.model.model, cfg.run.steps, cfg.sync.sync_every, cfg.workers) == ("nano", 6, 15, 3)
+    assert cfg.robust.weight_cap == 0.0 and cfg.run.batch_size == 16
+    base = SyncConfig(num_fragments=3, sync_every=6)
+    cfg = compose(SimConfig, {"sync": base, "fragment_sync_delay": 0})
+    assert cfg.sync == SyncConfig(num_fragments=3, sync_every=6, fragment_sync_delay=0)
+    with pytest.raises(TypeError, match="SimConfig has no setting stepz"):
+        compose(SimConfig, {"stepz": 6})
 
 
 def test_no_two_sections_share_a_field_name():
@@ -252,6 +292,33 @@ def test_the_example_config_is_complete_and_valid():
     settings = resolve(args, args.sections, args.config)
     for section in settings.values:
         settings.build(section)
+
+
+def test_the_example_config_is_what_streamdiloco_config_prints(capsys):
+    """examples/run.toml cannot go stale: it is `streamdiloco config`'s output for the flags its own header
+    names (make it again with those flags and --out examples/run.toml)."""
+    import re
+    import shlex
+
+    text = (ROOT / "examples" / "run.toml").read_text()
+    made_with = re.search(r"^# Made with `streamdiloco config(.*)`\.$", text, re.M)
+    assert made_with, "examples/run.toml has lost its `Made with` line"
+    argv = shlex.split(made_with.group(1))
+    assert main(["config", *argv]) == 0
+    assert capsys.readouterr().out == text, (
+        f"examples/run.toml is stale: make it again with `streamdiloco config {shlex.join(argv)} "
+        "--out examples/run.toml`"
+    )
+
+
+def test_config_names_the_flags_that_make_it_again(tmp_path, capsys):
+    path = _write(tmp_path, "[sync]\nfinal_sync = false\n[run]\ndata = 'my file.txt'\n")
+    assert main(["config", "--config", str(path), "--seed", "3", "--steps", "9"]) == 0
+    out = capsys.readouterr().out
+    line = "# Made with `streamdiloco config --seed 3 --steps 9 --data 'my file.txt' --no-final-sync`."
+    assert line in out.splitlines()
+    assert main(["config", "--seed", "3", "--steps", "9", "--data", "my file.txt", "--no-final-sync"]) == 0
+    assert capsys.readouterr().out == out
 
 
 def test_launch_print_config_has_what_launch_decides(capsys):

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.data import BatchStream, ByteDataset
@@ -25,13 +25,11 @@ FP32 = dict(uplink_codec="fp32", downlink_codec="fp32")
 
 def nano(steps, workers=1, shards=1, **sync):
     return SimConfig(
-        model="nano",
-        batch_size=4,
-        steps=steps,
+        model=ModelSettings(model="nano"),
+        run=RunSettings(steps=steps, batch_size=4, eval_batches=1),
         workers=workers,
         num_shards=shards,
         eval_every=10_000,
-        eval_batches=1,
         inner=INNER,
         sync=SyncConfig(**sync),
     )
@@ -111,12 +109,10 @@ def test_data_parallel_equals_one_model_on_the_joined_batch():
     steps = 6
     cfg = SimConfig(
         method="dp",
-        model="nano",
-        batch_size=4,
-        steps=steps,
+        model=ModelSettings(model="nano"),
+        run=RunSettings(steps=steps, batch_size=4, eval_batches=1),
         workers=2,
         eval_every=10_000,
-        eval_batches=1,
         inner=INNER,
     )
     res = simulate(cfg, log=None)

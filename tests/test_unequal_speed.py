@@ -15,7 +15,7 @@ from inthread import InThreadShard, push_messages
 from procs import Cluster
 
 from streamdiloco.common.codecs import encode
-from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
@@ -142,8 +142,8 @@ def test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_the_f
         for schedule in ("fixed", "adaptive"):
             cfg = SimConfig(
                 workers=2,
-                steps=12,
-                model="nano",
+                run=RunSettings(steps=12),
+                model=ModelSettings(model="nano"),
                 eval_every=12,
                 step_seconds=(0.5, 1.0),  # worker 0 twice as fast (emulated)
                 sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule=schedule),
@@ -261,8 +261,8 @@ def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
     try:
         cfg = SimConfig(
             workers=3,
-            steps=24,
-            model="nano",
+            run=RunSettings(steps=24),
+            model=ModelSettings(model="nano"),
             eval_every=24,
             step_seconds=(0.5, 1.0, 1.0),  # worker 0 twice as fast: 2 inner steps per schedule step
             sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive"),

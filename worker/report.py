@@ -35,16 +35,13 @@ class ScalarLogger(Protocol):
 
 class TensorBoardLogger:
     """Scalars as TensorBoard event files in `logdir` (torch.utils.tensorboard; needs the `tensorboard`
-    package: pip install 'streamdiloco[tensorboard]'). Tags are grouped: train/loss, eval/loss, ..."""
+    package: pip install tensorboard). Tags are grouped: train/loss, eval/loss, ..."""
 
     def __init__(self, logdir: str, flag: str = "--tensorboard") -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # torch's module imports tensorboard at once
-            raise ValueError(
-                f"{flag} needs the tensorboard package: pip install 'streamdiloco[tensorboard]' "
-                "(or pip install tensorboard)"
-            ) from None
+            raise ValueError(f"{flag} needs the tensorboard package: pip install tensorboard") from None
         try:
             self.writer = SummaryWriter(log_dir=logdir)
         except OSError as e:

@@ -8,32 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-
-@dataclass(frozen=True)
-class InnerConfig:
-    # measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
-    lr: float = field(default=1.5e-3, metadata={"help": "AdamW's peak learning rate"})
-    min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "the cosine schedule's floor, as a fraction of --lr"}
-    )
-    warmup_steps: int = field(default=100, metadata={"help": "steps of linear warm-up to --lr"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW's weight decay (not on norms, biases)"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW's beta1"})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW's beta2"})
-    grad_clip: float = field(default=1.0, metadata={"help": "gradient-norm clip, 0 disables"})
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"inner lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+from streamdiloco.common.config import InnerConfig  # the [inner] section, declared with the others
 
 
 def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
