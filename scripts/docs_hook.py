@@ -1,4 +1,4 @@
-"""The docs build's hook (mkdocs.yml `hooks:`): lays the package out as it imports before mkdocstrings reads it.
+"""The docs build's hook (mkdocs.yml `hooks:`): the package laid out as it imports, for mkdocstrings.
 
 The code sits in top-level folders that pyproject.toml's package-dir maps into `streamdiloco.*`; griffe
 (mkdocstrings' reader, static analysis: nothing is imported) cannot follow that mapping. So, as the type

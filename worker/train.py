@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
+# torch is imported where it is used: `streamdiloco SUB --help` reads InnerConfig without it
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
 
 def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
     """AdamW; no weight decay on 1-D parameters (norms, biases), as in nanoGPT."""
+    import torch
+
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -76,6 +81,8 @@ def check_model_output(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec:
     """Run one batch through `model` (no gradients) and check it answers as the CLI's loop expects, so that
     a model built for another loop fails here with one line naming `spec` (--model), not with a traceback
     from deep in training."""
+    import torch
+
     was_training = model.training
     model.eval()  # no dropout: the check draws nothing from the generator that training then uses
     try:
@@ -99,6 +106,8 @@ def check_model_output(model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec:
 
 
 def _describe(value: object) -> str:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
     if isinstance(value, tuple | list):
@@ -107,22 +116,26 @@ def _describe(value: object) -> str:
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: InnerConfig) -> None:
+    import torch
+
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str = "cpu"
 ) -> float:
     """Mean loss over fixed validation batches."""
+    import torch
+
     was_training = model.training
     model.eval()
     total = 0.0
-    for x, y in batches:
-        _, loss = model(x.to(device), y.to(device))
-        total += float(loss)
+    with torch.no_grad():
+        for x, y in batches:
+            _, loss = model(x.to(device), y.to(device))
+            total += float(loss)
     model.train(was_training)
     return total / max(1, len(batches))
