@@ -4,7 +4,7 @@ applies them, on the shard and in the simulator alike.
 
 A worker's weight is the tokens it trained on since its last sync of the fragment, and its push is the
 outer gradient of those steps. Nothing stops a worker with the run's credentials from reporting 2^53 tokens
-or pushing 1e30 (either alone took the model: DESIGN.md, "Trust"). So, per fragment slice and round:
+or pushing 1e30 (either alone took the model). So, per fragment slice and round:
 
 - weights are cut to `max_weight` (the tokens one worker can process between two syncs, when the operator
   knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round (and,

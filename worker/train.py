@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class InnerConfig:
-    # measured for the built-in tiny GPT (DESIGN's 4e-4 suits ~100M+ models)
+    # measured for the built-in tiny GPT (the usual 4e-4 suits ~100M+ models)
     lr: float = field(default=1.5e-3, metadata={"help": "AdamW's peak learning rate"})
     min_lr_ratio: float = field(
         default=0.1, metadata={"help": "the cosine schedule's floor, as a fraction of --lr"}
@@ -72,8 +72,8 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> floa
 
 CLI_MODELS = (
     "the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as the built-in GPT's "
-    "does; train any other model with your own loop and streamdiloco.connect() (README: the sync engine "
-    "around your own model and loop)"
+    "does; train any other model with your own loop and streamdiloco.connect() (docs/library.md: your "
+    "own model and loop)"
 )
 
 
