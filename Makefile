@@ -30,6 +30,7 @@ system-deps:
 test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/typecheck.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	$(BIN)/pytest -q
 
 # mypy over the package as it imports (streamdiloco.*), through a symlink tree: scripts/typecheck.py

@@ -557,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tk.set_defaults(func=_cmd_token)
 
-    from streamdiloco.export import add_export_parser
+    from streamdiloco.export_flags import add_export_parser
 
     add_export_parser(sub)
     return p

@@ -41,12 +41,13 @@ def package_dirs(root: Path) -> dict[str, str]:
     return dict(mapping)
 
 
-def build_tree(root: Path) -> Path:
-    """build/typecheck/streamdiloco/: a symlink per file of the root package's folder, one per sub-package.
+def build_tree(root: Path, base: Path | None = None) -> Path:
+    """build/typecheck/streamdiloco/ (or BASE/streamdiloco/): a symlink per file of the root package's
+    folder, one per sub-package. The docs build (scripts/docs_hook.py) makes its own for mkdocstrings.
 
     Made anew on every run, so that files added or removed since the last run are seen as they are.
     """
-    base = root / "build" / "typecheck"
+    base = base or root / "build" / "typecheck"
     pkg = base / PACKAGE
     shutil.rmtree(base, ignore_errors=True)
     pkg.mkdir(parents=True)

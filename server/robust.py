@@ -4,7 +4,7 @@ applies them, on the shard and in the simulator alike.
 
 A worker's weight is the tokens it trained on since its last sync of the fragment, and its push is the
 outer gradient of those steps. Nothing stops a worker with the run's credentials from reporting 2^53 tokens
-or pushing 1e30 (either alone took the model: DESIGN.md, "Trust"). So, per fragment slice and round:
+or pushing 1e30 (either alone took the model). So, per fragment slice and round:
 
 - weights are cut to `max_weight` (the tokens one worker can process between two syncs, when the operator
   knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round (and,
@@ -34,8 +34,11 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-import torch
+# torch is imported where it is used: `streamdiloco SUB --help` reads RobustConfig without it
+if TYPE_CHECKING:
+    import torch
 
 AGGREGATORS = ("mean", "trimmed", "centered-clip")
 MIN_WEIGHT = 1.0  # a push stands for at least one token: below that it counts toward a quorum with nothing
@@ -152,13 +155,15 @@ def trim_count(k: int, trim: float) -> int:
 
 
 # read(i, lo, hi, out): out (fp32, hi - lo values) = push i's values [lo, hi), as scaled by its clipping
-Reader = Callable[[int, int, int, torch.Tensor], None]
+Reader = Callable[[int, int, int, "torch.Tensor"], None]
 
 
 def trimmed_mean(n: int, k: int, read: Reader, trim: float, out: torch.Tensor, step: int) -> None:
     """out = the coordinate-wise trimmed mean of k pushes of n values: per value, the trim_count largest and
     smallest are dropped and the rest averaged (in fp64, rounded once; every push counts the same). Blocks of
     `step` values, so that the k x step block stays in cache."""
+    import torch
+
     b = trim_count(k, trim)
     block = torch.empty(k, min(step, n), dtype=torch.float32)
     for lo in range(0, n, step):
@@ -181,6 +186,8 @@ def centered_clip(
     `iters` times, v <- v + sum_i w_i c_i (x_i - v) / sum_i w_i with c_i = min(1, tau / ||x_i - v||) and tau
     the median of those distances, so a push far from the center pulls on it no harder than a typical one.
     Returns the last iteration's distances."""
+    import torch
+
     total = float(sum(weights))
     block = torch.empty(min(step, n), dtype=torch.float32)
     dist: list[float] = [0.0] * k

@@ -302,9 +302,9 @@ def test_a_worker_evaluates_every_n_steps_reports_it_to_the_shard_and_to_tensorb
 
 
 def test_the_readmes_wandb_logger_fits_the_workers_hook(monkeypatch):
-    """The README's W&B snippet (W&B itself is not installed here: it wants an account or a server), run
+    """The manual's W&B snippet (W&B itself is not installed here: it wants an account or a server), run
     against a stand-in `wandb` module and a run_worker that drives its loggers as the worker does."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "monitoring.md").read_text()
     code = re.search(r"```py\n(import wandb\n.*?)```", text, flags=re.S).group(1)
     assert "loggers" in inspect.signature(worker_run.run_worker).parameters
     got: list = []
@@ -328,7 +328,7 @@ def test_the_readmes_wandb_logger_fits_the_workers_hook(monkeypatch):
             logger.close()
 
     monkeypatch.setattr(worker_run, "run_worker", run_worker)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/monitoring.md", "exec"), {})
     assert got == [
         {"project": "my-run"},
         (20, {"train/loss": 3.25, "perf/tokens_per_second": 9000.0}),

@@ -2,7 +2,8 @@
 dashboards show it: step of total, tokens, compute utilization, the latest eval loss of the global
 parameters). `ScalarLogger` is the hook for experiment trackers: the worker calls `log_scalars` with its
 training loss, eval loss, tokens/s, utilization, bytes and blocked time; `TensorBoardLogger` is the one
-built in (`--tensorboard DIR`), and a W&B logger is five lines (README). Nothing here talks to a shard."""
+built in (`--tensorboard DIR`), and a W&B logger is five lines (docs/monitoring.md). Nothing here talks
+to a shard."""
 
 from __future__ import annotations
 

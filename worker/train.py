@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from streamdiloco.common.config import InnerConfig  # the [inner] section, declared with the others
+
+from streamdiloco.common.config import InnerConfig  # noqa: E402  the [inner] section, declared with the others
 
 
 def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
@@ -46,8 +47,8 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> floa
 
 CLI_MODELS = (
     "the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as the built-in GPT's "
-    "does; train any other model with your own loop and streamdiloco.connect() (README: the sync engine "
-    "around your own model and loop)"
+    "does; train any other model with your own loop and connect() (docs/library.md: your "
+    "own model and loop)"
 )
 
 
