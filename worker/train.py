@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-
-from streamdiloco.common.config import InnerConfig  # noqa: E402  the [inner] section, declared with the others
+from streamdiloco.common.config import InnerConfig  # the [inner] section, declared with the others
 
 
 def lr_at(step: int, total_steps: int, cfg: InnerConfig) -> float:
