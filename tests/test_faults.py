@@ -80,6 +80,12 @@ def _run_two_workers(tmp, steps: int, kill_shard: bool) -> tuple[list[torch.Tens
         return mirrors, {"summaries": summaries, "killed_round": killed_round, "log0": c.log("shard0")}
 
 
+# two whole 2-shard runs (~1 min): in `make test-slow`. `make test` covers its parts in-process: the kept push
+# sent again to a restarted shard (test_elastic_units.py::test_a_kept_push_is_sent_again_to_a_shard_restarted_
+# from_its_checkpoint), the restart's replay bit for bit (test_elastic_units.py::test_a_restart_replays_the_
+# logged_rounds_after_the_whole_state_bit_for_bit) and a shard process restarted on its checkpoint
+# (test_checkpoint_checks.py::test_a_shard_restarted_on_its_checkpoint_reports_the_same_hashes_...)
+@pytest.mark.slow
 def test_a_shard_killed_mid_round_restarts_from_its_checkpoint_and_the_run_ends_as_if_uninterrupted(tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "kill").mkdir()
@@ -163,10 +169,11 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool, stall: bool = False) ->
         return torch.load(tmp / "a.pt")
 
 
-# the stalled link's variant runs in `make test-slow` (the killed one covers the common path in `make test`)
-@pytest.mark.parametrize(
-    "stall", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["killed", "link-stalls"]
-)
+# two runs each (~40 s): in `make test-slow`. `make test` covers it in-process: a member that leaves mid-push
+# takes its chunks with it (test_shard_chunks.py::test_a_member_that_leaves_mid_push_takes_its_chunks_with_it)
+# and a round closes at its deadline without a straggler (test_a_slow_worker_does_not_hold_the_others_...)
+@pytest.mark.slow
+@pytest.mark.parametrize("stall", [False, True], ids=["killed", "link-stalls"])
 def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path, stall):
     (tmp_path / "alone").mkdir()
     (tmp_path / "kill").mkdir()
@@ -177,6 +184,10 @@ def test_a_worker_killed_in_the_middle_of_a_push_leaves_nothing_behind(tmp_path,
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
+# 2 shards and 4 workers over 72 steps: in `make test-slow`. `make test` covers joining a run in progress at
+# the run's step and taking part from the next round with real shard processes
+# (test_e2e.py::test_a_worker_joins_a_run_in_progress_at_the_runs_step_and_stays_in_sync)
+@pytest.mark.slow
 def test_workers_that_join_a_running_run_take_part_from_the_next_round(tmp_path):
     shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "1", "--round-timeout", "60"]
     work = [*NANO, "--steps", "72", "--checkpoint-every", "0", "--log-every", "12", "--step-delay", "0.05"]

@@ -87,6 +87,11 @@ def test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_and_its_mirror_e
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
 
 
+# 6 processes (2 shards, torchrun and its 2 ranks, a slow worker): in `make test-slow`. `make test` covers its
+# two halves: the adaptive schedule's fast site taking more inner steps with real processes
+# (test_unequal_speed.py::test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing) and a two-rank
+# worker whose ranks stay equal (test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_...)
+@pytest.mark.slow
 def test_a_fast_two_rank_site_takes_more_inner_steps_in_step_with_its_ranks(tmp_path):
     """--sync-schedule adaptive: the group's rank 0 decides how many inner steps make a schedule step, and
     its other rank follows that count (the lr, the end of the run), so the ranks stay equal."""
