@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamdiloco.common import codecs
+from streamdiloco.common import codecs, kernels
 from streamdiloco.common.codecs import (
     CODECS,
     E3M0_LEVELS,
@@ -506,7 +506,7 @@ def test_bad_targets_are_refused():
 
 def test_torch_ops_alone_give_the_same_results(monkeypatch):
     """Without the kernels (no numba, or STREAMDILOCO_CODECS_NUMBA=0) everything runs on the torch ops."""
-    monkeypatch.setattr(codecs, "_KERNELS", False)
+    monkeypatch.setattr(kernels, "_KERNELS", False)
     for codec in CODECS:
         for name in ("random", "e3m0 ties", "int8 ties", "denormals", "three"):
             x = EDGES[name]

@@ -147,7 +147,7 @@ def test_a_non_finite_gradient_is_refused_and_changes_nothing():
 def test_the_fused_cpu_step_equals_the_torch_ops(monkeypatch, codec, rounding, momentum, nesterov):
     """On the CPU the step of the quantized codecs is one fused kernel (split over threads for large
     slices); the torch ops (no kernels) give the same master, residual, momentum and bytes, bit for bit."""
-    from streamdiloco.common import codecs
+    from streamdiloco.common import codecs, kernels
 
     monkeypatch.setattr(codecs, "PARALLEL_VALUES", 5000)  # several threads on uneven ranges
     monkeypatch.setenv("STREAMDILOCO_CODEC_THREADS", "3")
@@ -155,14 +155,14 @@ def test_the_fused_cpu_step_equals_the_torch_ops(monkeypatch, codec, rounding, m
     start = torch.randn(n, generator=torch.Generator().manual_seed(3))
     kw = dict(lr=0.7, momentum=momentum, nesterov=nesterov, downlink_codec=codec, rounding=rounding, seed=5)
     fused, plain = OuterOptimizer(start, **kw), OuterOptimizer(start, **kw)
-    kernels = codecs._cpu_kernels()
-    assert kernels is not None
+    compiled = kernels.cpu_kernels()
+    assert compiled is not None
     for i in range(4):
         g = torch.randn(n, generator=torch.Generator().manual_seed(10 + i)) * 1e-3
         a, ua = fused.step(g)
-        monkeypatch.setattr(codecs, "_KERNELS", False)
+        monkeypatch.setattr(kernels, "_KERNELS", False)
         b, ub = plain.step(g)
-        monkeypatch.setattr(codecs, "_KERNELS", kernels)
+        monkeypatch.setattr(kernels, "_KERNELS", compiled)
         assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
         assert torch.equal(ua, ub) and torch.equal(fused.master, plain.master)
         assert torch.equal(fused.residual, plain.residual)

@@ -1,0 +1,446 @@
+"""The CPU codec kernels: single-pass numba functions for encode, decode, accumulate, sumsq and the
+shard's fused outer step, compiled on first use.
+
+common/codecs.py is their only caller: it owns the formats, checks the arguments and cuts the work into ranges
+of whole blocks; this module holds the loops alone. Bit-identical to codecs.py's torch reference (the tests
+compare them byte for byte). `cpu_kernels()` returns the compiled namespace, or None where numba is missing or
+STREAMDILOCO_CODECS_NUMBA=0 switches it off. Must not import torch: its inputs are numpy views.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+# The kernels are plain functions here and compiled on first use (numba's import costs 0.4 s, so processes
+# that never encode on the CPU do not pay it). `_f2i`, `_i2f` (bit casts) and `_fma` (a fused multiply-add,
+# which is what torch's add_ with alpha computes) are numba intrinsics put in place by `_load_kernels`.
+_f2i: Any = None
+_i2f: Any = None
+_fma: Any = None
+_U16 = np.uint64(16)
+_U15 = np.uint64(15)
+_U8 = np.uint64(8)
+_UM32 = np.uint64(0xFFFFFFFF)
+_UH1 = np.uint64(0x7FEB352D)
+_UH2 = np.uint64(0x846CA68B)
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_F127 = np.float32(127.0)
+_FM127 = np.float32(-127.0)
+_F2M6 = np.float32(2.0**-6)
+_F2M24 = np.float32(2.0**-24)
+
+
+def _nb_hash(key: Any, i: Any) -> Any:
+    """lowbias32((i + key) mod 2^32) as uint64: the same stream as `_uniform_bits`."""
+    h = (np.uint64(i) + np.uint64(key)) & _UM32
+    h ^= h >> _U16
+    h = (h * _UH1) & _UM32
+    h ^= h >> _U15
+    h = (h * _UH2) & _UM32
+    h ^= h >> _U16
+    return h
+
+
+def _nb_block_absmax(xb: Any) -> Any:
+    """The largest |x| bit pattern of a block's int32 view (>= 0x7F800000 when any is NaN or inf)."""
+    amax = 0
+    for j in range(xb.shape[0]):
+        amax = max(amax, xb[j] & 0x7FFFFFFF)
+    return amax
+
+
+# The kernels index per-block slices from 0: indices known to be nonnegative let LLVM vectorize the loops
+# (with `out[lo + j]` numba's negative-index wraparound kept them scalar, 4x slower).
+def _nb_encode_e3m0(
+    xi: Any, xf: Any, bs: int, payload: Any, scales: Any, key: int, stochastic: bool, base: int
+) -> bool:
+    n = xi.shape[0]
+    codes = np.zeros(bs, np.uint8)
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        m = min(bs, n - lo)
+        amax = _nb_block_absmax(xi[lo : lo + m])
+        if amax >= 0x7F800000:
+            return True
+        s = _i2f(amax)
+        scales[b] = s
+        d = s if amax != 0 else _F1
+        xb = xf[lo : lo + m]
+        if stochastic:
+            for j in range(m):
+                v = xb[j]
+                r = abs(v) / d
+                rb = _f2i(r)
+                lvl = min((rb >> 23) - 120, 6) if rb >= 0x3C800000 else 0
+                lo_v = _i2f((lvl + 120) << 23) if lvl > 0 else _F0
+                gap = lo_v if lvl > 0 else _F2M6
+                u = np.float32(_nb_hash(key, base + lo + j) >> _U8) * _F2M24
+                c = lvl + (1 if u < (r - lo_v) / gap else 0)
+                codes[j] = c | (8 if v < _F0 and c > 0 else 0)
+        else:
+            for j in range(m):
+                v = xb[j]
+                rb = _f2i(abs(v) / d)
+                c = max(((rb + 0x3FFFFF) >> 23) - 120, 1) if rb > 0x3C000000 else 0
+                codes[j] = c | (8 if v < _F0 and c > 0 else 0)
+        if m & 1:
+            codes[m] = 0
+        pb = payload[lo >> 1 : (lo >> 1) + ((m + 1) >> 1)]
+        for j in range(pb.shape[0]):
+            pb[j] = codes[2 * j] | (codes[2 * j + 1] << 4)
+    return False
+
+
+def _nb_encode_int8(
+    xi: Any, xf: Any, bs: int, q: Any, scales: Any, key: int, stochastic: bool, base: int
+) -> bool:
+    n = xi.shape[0]
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        m = min(bs, n - lo)
+        amax = _nb_block_absmax(xi[lo : lo + m])
+        if amax >= 0x7F800000:
+            return True
+        step = _i2f(amax) / _F127
+        scales[b] = step
+        d = step if step > _F0 else _F1
+        xb = xf[lo : lo + m]
+        qb = q[lo : lo + m]
+        if stochastic:
+            for j in range(m):
+                u = np.float32(_nb_hash(key, base + lo + j) >> _U8) * _F2M24
+                qb[j] = np.int8(min(max(np.floor(xb[j] / d + u), _FM127), _F127))
+        else:
+            for j in range(m):
+                qb[j] = np.int8(min(max(np.rint(xb[j] / d), _FM127), _F127))
+    return False
+
+
+def _nb_copy_check(xi: Any, out: Any) -> bool:
+    amax = 0
+    for i in range(xi.shape[0]):
+        v = xi[i]
+        out[i] = v
+        amax = max(amax, v & 0x7FFFFFFF)
+    return amax >= 0x7F800000
+
+
+def _nb_encode_bf16(xi: Any, out: Any, key: int, stochastic: bool, base: int) -> bool:
+    amax = 0
+    if stochastic:
+        for i in range(xi.shape[0]):
+            v = xi[i]
+            amax = max(amax, v & 0x7FFFFFFF)
+            out[i] = ((v & 0xFFFFFFFF) + np.int64(_nb_hash(key, base + i) >> _U16)) >> 16
+    else:
+        for i in range(xi.shape[0]):
+            v = xi[i]
+            amax = max(amax, v & 0x7FFFFFFF)
+            bits = v & 0xFFFFFFFF
+            out[i] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even, as torch
+    return amax >= 0x7F800000
+
+
+def _nb_e3m0_value(c: Any) -> Any:
+    """The fp32 value of a 4-bit code at scale 1: +-2^(e-7) for e = c & 7 > 0, else +-0."""
+    e = c & 7
+    return _i2f((((e + 120) << 23) if e else 0) | ((c & 8) << 28))
+
+
+def _nb_apply_e3m0(payload: Any, scales: Any, bs: int, n: int, out: Any, w: Any, mode: int) -> None:
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        lo = b * bs
+        m = min(bs, n - lo)
+        pb = payload[lo >> 1 : (lo >> 1) + ((m + 1) >> 1)]
+        ob = out[lo : lo + m]
+        if mode == 0:
+            for j in range(m >> 1):
+                byte = pb[j]
+                ob[2 * j] = _nb_e3m0_value(byte & 15) * s
+                ob[2 * j + 1] = _nb_e3m0_value(byte >> 4) * s
+        elif mode == 1:
+            for j in range(m >> 1):
+                byte = pb[j]
+                ob[2 * j] = _fma(_nb_e3m0_value(byte & 15) * s, w, ob[2 * j])
+                ob[2 * j + 1] = _fma(_nb_e3m0_value(byte >> 4) * s, w, ob[2 * j + 1])
+        else:
+            z = w - w  # +0 in out's type: as if out were zeros
+            for j in range(m >> 1):
+                byte = pb[j]
+                ob[2 * j] = _fma(_nb_e3m0_value(byte & 15) * s, w, z)
+                ob[2 * j + 1] = _fma(_nb_e3m0_value(byte >> 4) * s, w, z)
+        if m & 1:
+            v = _nb_e3m0_value(pb[m >> 1] & 15) * s
+            ob[m - 1] = v if mode == 0 else _fma(v, w, ob[m - 1] if mode == 1 else w - w)
+
+
+def _nb_apply_int8(q: Any, scales: Any, bs: int, n: int, out: Any, w: Any, mode: int) -> None:
+    for b in range(scales.shape[0]):
+        s = scales[b]
+        lo = b * bs
+        m = min(bs, n - lo)
+        qb = q[lo : lo + m]
+        ob = out[lo : lo + m]
+        if mode == 0:
+            for j in range(m):
+                ob[j] = np.float32(qb[j]) * s
+        elif mode == 1:
+            for j in range(m):
+                ob[j] = _fma(np.float32(qb[j]) * s, w, ob[j])
+        else:
+            z = w - w
+            for j in range(m):
+                ob[j] = _fma(np.float32(qb[j]) * s, w, z)
+
+
+def _nb_apply_f32(vals: Any, out: Any, w: Any, mode: int) -> None:
+    if mode == 0:
+        for i in range(vals.shape[0]):
+            out[i] = vals[i]
+    elif mode == 1:
+        for i in range(vals.shape[0]):
+            out[i] = _fma(vals[i], w, out[i])
+    else:
+        z = w - w
+        for i in range(vals.shape[0]):
+            out[i] = _fma(vals[i], w, z)
+
+
+def _nb_apply_bf16(vals: Any, out: Any, w: Any, mode: int) -> None:
+    if mode == 0:
+        for i in range(vals.shape[0]):
+            out[i] = _i2f(np.int64(vals[i]) << 16)
+    elif mode == 1:
+        for i in range(vals.shape[0]):
+            out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, out[i])
+    else:
+        z = w - w
+        for i in range(vals.shape[0]):
+            out[i] = _fma(_i2f(np.int64(vals[i]) << 16), w, z)
+
+
+# each byte's two E3M0 codes' squared levels (at scale 1), summed: exact in fp64 (powers of two 2^-12..1)
+_E3M0_LEVEL_SQUARES = np.array([0.0] + [4.0**e for e in range(-6, 1)], dtype=np.float64)
+_E3M0_CODE_SQUARES = np.concatenate([_E3M0_LEVEL_SQUARES] * 2)  # bit 3 (the sign) squares away
+_E3M0_BYTE_SQUARES = _E3M0_CODE_SQUARES[np.arange(256) & 0x0F] + _E3M0_CODE_SQUARES[np.arange(256) >> 4]
+
+
+def _nb_sumsq_e3m0(payload: Any, scales: Any, bs: int, n: int) -> float:
+    total = 0.0
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        m = min(bs, n - lo)
+        base = lo >> 1
+        acc = 0.0
+        for j in range(m >> 1):
+            acc += _E3M0_BYTE_SQUARES[payload[base + j]]
+        if m & 1:
+            acc += _E3M0_BYTE_SQUARES[payload[base + (m >> 1)] & 15]  # the low code alone
+        s = np.float64(scales[b])
+        total += acc * (s * s)
+    return total
+
+
+def _nb_sumsq_int8(q: Any, scales: Any, bs: int, n: int) -> float:
+    total = 0.0
+    for b in range(scales.shape[0]):
+        lo = b * bs
+        s = scales[b]
+        for j in range(lo, min(lo + bs, n)):
+            v = np.float64(np.float32(q[j]) * s)  # the decoded value, as `decode` rounds it
+            total += v * v
+    return total
+
+
+def _nb_sumsq_f32(vals: Any) -> float:
+    total = 0.0
+    for i in range(vals.shape[0]):
+        v = np.float64(vals[i])
+        total += v * v
+    return total
+
+
+def _nb_sumsq_bf16(vals: Any) -> float:
+    total = 0.0
+    for i in range(vals.shape[0]):
+        v = np.float64(_i2f(np.int64(vals[i]) << 16))
+        total += v * v
+    return total
+
+
+def _nb_divide_into(acc: Any, d: Any, out: Any) -> None:
+    for i in range(acc.shape[0]):
+        out[i] = np.float32(acc[i] / d)
+
+
+# The outer step of a shard (common/outer.py), fused: per chunk of values that stays in cache, Nesterov SGD
+# (torch.optim.SGD's ops and roundings: buf = buf * mu + g; d = fma(buf, mu, g); theta = fma(d, -lr, old)),
+# v = (theta - old) + residual, encoding v (the kernels above, on the same ranges and stream), decoding it
+# back, residual = v - u_hat and new = old + u_hat: seven passes over memory become one.
+# (slices indexed from 0: see the note above _nb_encode_e3m0)
+def _nb_outer_v(g: Any, buf: Any, old: Any, res: Any, v: Any, mom: Any, neglr: Any, nesterov: bool,
+                first: bool) -> None:  # fmt: skip
+    m = v.shape[0]
+    if mom == _F0:
+        for j in range(m):
+            o = old[j]
+            v[j] = (_fma(g[j], neglr, o) - o) + res[j]
+    elif first:
+        for j in range(m):
+            gj = g[j]
+            buf[j] = gj
+            d = _fma(gj, mom, gj) if nesterov else gj
+            o = old[j]
+            v[j] = (_fma(d, neglr, o) - o) + res[j]
+    elif nesterov:
+        for j in range(m):
+            gj = g[j]
+            t = buf[j] * mom
+            b = t + gj
+            buf[j] = b
+            o = old[j]
+            v[j] = (_fma(_fma(b, mom, gj), neglr, o) - o) + res[j]
+    else:
+        for j in range(m):
+            t = buf[j] * mom
+            b = t + g[j]
+            buf[j] = b
+            o = old[j]
+            v[j] = (_fma(b, neglr, o) - o) + res[j]
+
+
+def _nb_outer_finish(v: Any, u: Any, old: Any, res: Any, new: Any) -> None:
+    for j in range(v.shape[0]):
+        res[j] = v[j] - u[j]
+        new[j] = old[j] + u[j]
+
+
+def _nb_outer(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scales: Any, bs: int,
+              mom: Any, neglr: Any, nesterov: bool, first: bool, key: int, stochastic: bool,
+              base: int, chunk: int, int8: bool) -> bool:  # fmt: skip
+    """The fused step over one range: e3m0 (`payload` packed codes) or int8 (`payload` viewed as int8)."""
+    n = g.shape[0]
+    v = np.empty(chunk, np.float32)
+    u = np.empty(chunk, np.float32)
+    vi = v.view(np.int32)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        hi = lo + m
+        _nb_outer_v(g[lo:hi], buf[lo:hi], old[lo:hi], res[lo:hi], v[:m], mom, neglr, nesterov, first)
+        sb = scales[lo // bs : (lo + m + bs - 1) // bs]
+        if int8:
+            qb = payload[lo:hi].view(np.int8)
+            if _nb_encode_int8(vi[:m], v[:m], bs, qb, sb, key, stochastic, base + lo):
+                return True
+            _nb_apply_int8(qb, sb, bs, m, u[:m], _F0, 0)
+        else:
+            pb = payload[lo // 2 : (lo + m + 1) // 2]
+            if _nb_encode_e3m0(vi[:m], v[:m], bs, pb, sb, key, stochastic, base + lo):
+                return True
+            _nb_apply_e3m0(pb, sb, bs, m, u[:m], _F0, 0)
+        _nb_outer_finish(v[:m], u[:m], old[lo:hi], res[lo:hi], new[lo:hi])
+    return False
+
+
+_KERNELS: Any = None  # None: not loaded yet; False: unavailable (no numba, or switched off)
+_KERNELS_LOCK = threading.Lock()
+
+
+def cpu_kernels() -> Any:
+    """The compiled CPU kernels (a namespace), or None when the torch ops must do the work."""
+    global _KERNELS
+    if _KERNELS is None:
+        with _KERNELS_LOCK:
+            if _KERNELS is None:
+                _KERNELS = _load_kernels()
+    return _KERNELS or None
+
+
+def _load_kernels() -> Any:
+    if os.environ.get("STREAMDILOCO_CODECS_NUMBA", "1") == "0":
+        return False
+    try:
+        import numba
+        from llvmlite import ir
+        from numba.core import types
+        from numba.extending import intrinsic
+    except ImportError:
+        return False
+
+    @intrinsic
+    def f2i(typingctx: Any, x: Any) -> Any:
+        if x != types.float32:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.int32(types.float32), codegen
+
+    @intrinsic
+    def i2f(typingctx: Any, x: Any) -> Any:
+        """The fp32 number whose bits are the low 32 bits of an int64."""
+        if x != types.int64:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+        return types.float32(types.int64), codegen
+
+    @intrinsic
+    def fma(typingctx: Any, v: Any, w: Any, acc: Any) -> Any:
+        """fma(v, w, acc) = v * w + acc rounded once, in acc's float type (v widened exactly)."""
+        if not (isinstance(v, types.Float) and w == acc and isinstance(acc, types.Float)):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            a, b, c = args
+            if a.type != c.type:
+                a = builder.fpext(a, c.type)
+            return builder.fma(a, b, c)
+
+        return acc(v, w, acc), codegen
+
+    g = globals()
+    g["_f2i"], g["_i2f"], g["_fma"] = f2i, i2f, fma
+    opts: dict[str, Any] = {"nogil": True, "error_model": "numpy", "boundscheck": False}
+
+    def jit(fn: Any, **extra: Any) -> Any:
+        fn = getattr(fn, "py_func", fn)  # loaded before (a test reloads): compile the Python function again
+        try:
+            return numba.njit(cache=True, **opts, **extra)(fn)
+        except RuntimeError:  # no writable place for the cache: compile in memory
+            return numba.njit(**opts, **extra)(fn)
+
+    for name in ("_nb_hash", "_nb_block_absmax", "_nb_e3m0_value"):
+        g[name] = jit(g[name], inline="always")
+
+    class Kernels:
+        encode_e3m0 = jit(_nb_encode_e3m0)
+        encode_int8 = jit(_nb_encode_int8)
+        encode_bf16 = jit(_nb_encode_bf16)
+        copy_check = jit(_nb_copy_check)
+        apply_e3m0 = jit(_nb_apply_e3m0)
+        apply_int8 = jit(_nb_apply_int8)
+        apply_f32 = jit(_nb_apply_f32)
+        apply_bf16 = jit(_nb_apply_bf16)
+        divide_into = jit(_nb_divide_into)
+        sumsq_e3m0 = jit(_nb_sumsq_e3m0)
+        sumsq_int8 = jit(_nb_sumsq_int8)
+        sumsq_f32 = jit(_nb_sumsq_f32)
+        sumsq_bf16 = jit(_nb_sumsq_bf16)
+
+    # the fused outer step calls the kernels above: compiled functions, by their global names
+    for name in ("encode_e3m0", "encode_int8", "apply_e3m0", "apply_int8"):
+        g[f"_nb_{name}"] = getattr(Kernels, name)
+    for name in ("_nb_outer_v", "_nb_outer_finish"):
+        g[name] = jit(g[name], inline="always")
+    Kernels.outer = jit(_nb_outer)  # type: ignore[attr-defined]
+    return Kernels
