@@ -28,15 +28,24 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from streamdiloco.common.codecs import chunk_values, get_codec
-from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
+from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.pace import MAX_STEP_SECONDS, pace_seconds, valid_step_seconds
-from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
+from streamdiloco.common.wire import from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
+from streamdiloco.server.admission import (
+    Refusal,
+    Undecodable,
+    abort,
+    admit,
+    authenticate,
+    credentials,
+    parse,
+    short,
+)
+from streamdiloco.server.auth import Auth, Refused, WorkersFile
 from streamdiloco.server.bounds import (
     FETCHES_PER_PEER,
     MIN_UNREAD_BYTES,
@@ -55,9 +64,7 @@ from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardStat
 
 log = logging.getLogger("streamdiloco.shard")
 
-MAX_NAME = 128
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
-MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard checks no token (then: throttled)
 MAX_ROUND = 1 << 53
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
@@ -65,11 +72,6 @@ MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one i
 SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
-
-
-def _short(text: str, limit: int = 300) -> str:
-    """Client-supplied text as it goes back into messages and logs: bounded."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 @dataclass
@@ -101,35 +103,6 @@ class Counters:
     fetch_out: int = 0
     bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
     fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
-
-
-@dataclass
-class Undecodable:
-    """What a message that does not parse becomes: the servicer refuses it with one throttled line, where
-    gRPC would log a traceback for each."""
-
-    kind: str  # the message type it should have been
-    size: int
-    error: str
-
-
-def _parse(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except DecodeError as e:
-            return Undecodable(cls.__name__, len(data), _short(str(e), 120))
-
-    return parse
-
-
-def check_name(name: str) -> str | None:
-    if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
-        return (
-            f"worker name must be 1..{MAX_NAME} printable characters without surrounding spaces, "
-            f"got {_short(repr(name), 60)}"
-        )
-    return None
 
 
 class ShardService(pb_grpc.ShardServicer):
@@ -195,53 +168,27 @@ class ShardService(pb_grpc.ShardServicer):
             await self._undecodable(request, context)
         if self.stopping or self.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        identity = await self._authenticate(context, request.token, request.worker)
-        if request.protocol != PROTOCOL:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the worker speaks protocol {request.protocol}, this shard {PROTOCOL}: "
-                "upgrade the older side",
+        try:
+            identity = admit(
+                self.auth,
+                credentials(context, request.token),
+                request.worker,
+                request.protocol,
+                request.fingerprint_json,
+                None if request.config_only else self.fingerprint,
             )
-        if problem := check_name(request.worker):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if (unchecked := self.auth.unchecked_token(self._offered_token(context, request.token))) is not None:
-            if request.worker not in self._told_unchecked:  # once per name (a restart policy retries)
-                if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
-                    self._told_unchecked.add(request.worker)
-                self.throttled.warning("unchecked-token", "refused %s at Join: %s", request.worker, unchecked)
-            await _abort(context, unchecked)
+        except Refusal as r:
+            self._refused_join(request.worker, r)
+            await abort(context, r)
         st = self.state
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
             return pb.JoinReply(
                 config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
             )
-        if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint of {len(request.fingerprint_json):,} characters is too large "
-                f"(at most {MAX_FINGERPRINT_BYTES:,})",
-            )
-        try:
-            theirs = json.loads(request.fingerprint_json)
-            if not isinstance(theirs, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}")
-        try:
-            diff = fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard")
-        except (TypeError, KeyError, IndexError, AttributeError) as e:  # JSON, but not a fingerprint's shape
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint is malformed: {type(e).__name__}: {_short(str(e), 200)}",
-            )
-        if diff:
-            diff = _short(diff, 1000)
-            self.throttled.warning("join", "refused %s at Join: %s", request.worker, diff)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
         try:
             session = self.sessions.join(request.worker, identity, self.clock(), self.members)
         except Refused as r:
-            await _abort(context, r)
+            await abort(context, r)
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
             shard=st.shard,
@@ -251,6 +198,16 @@ class ShardService(pb_grpc.ShardServicer):
             session=session,
             chunk_values=self.up_chunk,
         )
+
+    def _refused_join(self, worker: str, refusal: Refusal) -> None:
+        """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
+        restart policy retries)."""
+        if refusal.kind == "fingerprint":
+            self.throttled.warning("join", "refused %s at Join: %s", worker, refusal.message)
+        elif refusal.kind == "unchecked-token" and worker not in self._told_unchecked:
+            if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
+                self._told_unchecked.add(worker)
+            self.throttled.warning("unchecked-token", "refused %s at Join: %s", worker, refusal.message)
 
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(
@@ -302,11 +259,11 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
+        identity = await authenticate(self.auth, context, "", name)  # the session id alone proves nothing
         try:
             self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
         except Refused as r:
-            await _abort(context, r)
+            await abort(context, r)
         member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
         member.call = asyncio.current_task()
         if first.hello.passive:
@@ -345,7 +302,7 @@ class ShardService(pb_grpc.ShardServicer):
             if reader.done() and not reader.cancelled() and (error := reader.exception()) is not None:
                 log.error("session of %s failed", name, exc_info=error)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {_short(str(error))}"
+                    grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {short(str(error))}"
                 )
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
@@ -365,16 +322,6 @@ class ShardService(pb_grpc.ShardServicer):
             self.close_due()
 
     # --- credentials ---------------------------------------------------------------------------------------
-    async def _authenticate(
-        self, context: grpc.aio.ServicerContext, token: str, name: str | None
-    ) -> Identity:
-        return await authenticate(self.auth, context, token, name)
-
-    @staticmethod
-    def _offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
-        """The token a call offers: its metadata's bearer token, else `token` from the message."""
-        return offered_token(context, token)
-
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
         whose credential it revoked. A file that does not parse changes nothing (one error line)."""
@@ -595,7 +542,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
-        message = _short(message)  # it may quote what the worker sent (a codec's name, ...)
+        message = short(message)  # it may quote what the worker sent (a codec's name, ...)
         level = logging.INFO if reason == "late" else logging.WARNING
         self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
@@ -783,7 +730,7 @@ class ShardService(pb_grpc.ShardServicer):
         st = self.state
         if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        await self._authenticate(context, request.token, None)
+        await authenticate(self.auth, context, request.token, None)
         nfrag = st.layout.num_fragments
         if len(request.fragments) > nfrag:  # each fragment at most once
             await context.abort(
@@ -960,43 +907,6 @@ class ShardService(pb_grpc.ShardServicer):
         return self.dashboard.series(since, self._sample_now())
 
 
-_STATUS = {
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
-    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
-    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
-    """The token a call offers: its metadata's bearer token, else `token` from the message."""
-    offered = token
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-            offered = value[7:].strip()
-    return offered
-
-
-async def authenticate(
-    auth: Auth, context: grpc.aio.ServicerContext, token: str, name: str | None
-) -> Identity:
-    """What the call's credentials prove (the token in its metadata, else `token` from the message; the
-    client certificate's name under mutual TLS); aborts the call when they do not allow it."""
-    offered = offered_token(context, token)
-    names = (context.auth_context() or {}).get("x509_common_name") or ()
-    certificate = next(iter(names), b"").decode("utf-8", "replace") or None
-    try:
-        return auth.authenticate(offered, certificate, name)
-    except Refused as r:
-        await _abort(context, r)
-        raise  # not reached: abort raises
-
-
-async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
-    """End the call with the status that an auth or membership refusal maps to."""
-    await context.abort(_STATUS[refused.code], refused.message)
-
-
 def _check_progress(h: pb.PushHeader) -> str | None:
     """The progress a push reports (step, blocked time, total steps, tokens, utilization, eval loss): what
     the dashboard plots must be numbers in range; a push with one that is not is refused as a whole."""
@@ -1043,22 +953,23 @@ def _serialize(msg: pb.ShardMessage | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def rpc_handlers(service: ShardService) -> dict[str, grpc.RpcMethodHandler]:
-    """The servicer's methods as the generated add_ShardServicer_to_server registers them, except that a
-    Session reply may also be bytes already serialized (an update's chunks: serialized once per round, the
-    same bytes written to every member)."""
+def rpc_handlers(service: pb_grpc.ShardServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """A servicer's Join, Session and Fetch as the generated add_ShardServicer_to_server registers them,
+    except that a Session reply may also be bytes already serialized (an update's chunks: serialized once
+    per round, the same bytes written to every member). The one table: the pending shard of `--init
+    from-worker` (server/initialize.py) takes it for its own methods and adds Initialize."""
     return {
         "Join": grpc.unary_unary_rpc_method_handler(
             service.Join,
-            request_deserializer=_parse(pb.JoinRequest),
+            request_deserializer=parse(pb.JoinRequest),
             response_serializer=pb.JoinReply.SerializeToString,
         ),
         "Session": grpc.stream_stream_rpc_method_handler(
-            service.Session, request_deserializer=_parse(pb.WorkerMessage), response_serializer=_serialize
+            service.Session, request_deserializer=parse(pb.WorkerMessage), response_serializer=_serialize
         ),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             service.Fetch,
-            request_deserializer=_parse(pb.FetchRequest),
+            request_deserializer=parse(pb.FetchRequest),
             response_serializer=pb.MasterChunk.SerializeToString,
         ),
     }
