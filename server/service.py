@@ -31,7 +31,7 @@ import torch
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import tensor_digest
-from streamdiloco.common.pace import MAX_STEP_SECONDS, pace_seconds, valid_step_seconds
+from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
 from streamdiloco.common.wire import from_chunk, to_chunks, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -57,9 +57,9 @@ from streamdiloco.server.bounds import (
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import DashboardData, Report, Sample
-from streamdiloco.server.membership import Sessions
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.robust import MAX_LOSS
+from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -72,27 +72,6 @@ MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one i
 SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
-
-
-@dataclass
-class _Member:
-    name: str
-    queue: asyncio.Queue
-    joined_at: float
-    pushes: int = 0
-    refused: int = 0
-    last_loss: float | None = None
-    msg_in: int = 0
-    msg_out: int = 0
-    queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
-    overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
-    active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
-    step: int | None = None  # the progress it reported with its latest push
-    blocked_seconds: float | None = None
-    report: Report | None = None  # all of that report (total steps, tokens, utilization, eval loss)
-    revoked: bool = False  # its credential was revoked: its session is ended
-    call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
-    ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
 
 
 @dataclass
@@ -141,9 +120,8 @@ class ShardService(pb_grpc.ShardServicer):
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
-        self.members: dict[str, _Member] = {}
-        # the session ids Join gave out, until their Session starts; Joins never followed by one are bounded
-        self.sessions = Sessions(self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
+        # Joins, sessions and members, one truth; Joins never followed by a Session are bounded
+        self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.started = time.time()
@@ -186,7 +164,7 @@ class ShardService(pb_grpc.ShardServicer):
                 config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
             )
         try:
-            session = self.sessions.join(request.worker, identity, self.clock(), self.members)
+            session = self.roster.join(request.worker, identity, self.clock())
         except Refused as r:
             await abort(context, r)
         return pb.JoinReply(
@@ -260,14 +238,13 @@ class ShardService(pb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
         identity = await authenticate(self.auth, context, "", name)  # the session id alone proves nothing
+        member = Member(name, asyncio.Queue(), time.time(), call=asyncio.current_task())
         try:
-            self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
+            self.roster.hello(member, first.hello.session, identity, self.clock())
         except Refused as r:
             await abort(context, r)
-        member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
-        member.call = asyncio.current_task()
         if first.hello.passive:
-            log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
+            log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.roster.open))
         else:
             self._activate(member)
         reader = asyncio.create_task(self._read(member, it))
@@ -313,11 +290,9 @@ class ShardService(pb_grpc.ShardServicer):
             if member.ender is not None:
                 member.ender.cancel()
             self._drop_queue(member)
-            del self.members[name]
             for key in [k for k in self._push_started if k[0] == name]:
                 del self._push_started[key]
-            if not self.stopping:  # a shard on its way down keeps its members: its checkpoint names them
-                self.state.remove_member(name)
+            self.roster.leave(member, self.stopping)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
@@ -341,20 +316,16 @@ class ShardService(pb_grpc.ShardServicer):
 
     def revoke(self, names: Iterable[str]) -> None:
         """End the sessions of these workers and forget their Joins: they must prove a credential again."""
-        for name in self.sessions.revoke(names, self.members):
-            member = self.members[name]
-            member.revoked = True
-            self.state.remove_member(name)  # rounds stop waiting for it
+        for member in self.roster.revoke(names):  # rounds, status and pace let go of them at once
             member.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
-            log.warning("%s: credential revoked, its session ends", name)
+            log.warning("%s: credential revoked, its session ends", member.name)
         self.close_due()
 
-    def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
-        member.active = True
-        self.state.add_member(member.name, from_rounds)
+    def _activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
+        self.roster.activate(member, from_rounds)
         log.info("%s joined (%d members)", member.name, len(self.state.members))
 
-    def _welcome(self, member: _Member) -> pb.ShardMessage:
+    def _welcome(self, member: Member) -> pb.ShardMessage:
         st = self.state
         nfrag = st.layout.num_fragments
         return pb.ShardMessage(
@@ -367,7 +338,7 @@ class ShardService(pb_grpc.ShardServicer):
             )
         )
 
-    def _send(self, member: _Member, msg: pb.ShardMessage | bytes) -> None:
+    def _send(self, member: Member, msg: pb.ShardMessage | bytes) -> None:
         """Queue a message (or its serialized bytes) for a member; one that stops reading is dropped, not
         buffered for ever."""
         if member.overflowed:
@@ -377,13 +348,12 @@ class ShardService(pb_grpc.ShardServicer):
         member.queued_bytes += size
         member.queue.put_nowait((msg, size))
         while self.unread.over:  # one budget for all sessions: the one furthest behind goes first
-            reading = [m for m in self.members.values() if not m.overflowed]
+            reading = self.roster.reading()
             if not reading:  # what is left over is a message a writer is taking: it goes at once
                 break
             behind = max(reading, key=lambda m: m.queued_bytes)
-            behind.overflowed = True
+            self.roster.drop(behind)  # rounds, status and pace let go of it at once; its session is ended
             self._drop_queue(behind)
-            self.state.remove_member(behind.name)  # rounds stop waiting for it; its session is ended
             self.throttled.warning(
                 "unread", "%s does not read its updates: dropping it from the member set", behind.name
             )
@@ -392,12 +362,12 @@ class ShardService(pb_grpc.ShardServicer):
             # sees CANCELLED); its session's end lets go of the rest
             behind.ender = asyncio.get_running_loop().call_later(STUCK_SECONDS, self._cut, behind)
 
-    def _cut(self, member: _Member) -> None:
-        if self.members.get(member.name) is member and member.call is not None:
+    def _cut(self, member: Member) -> None:
+        if self.roster.open.get(member.name) is member and member.call is not None:
             self.throttled.log(logging.INFO, "cut", "%s still does not read: cutting its call", member.name)
             member.call.cancel()
 
-    def _drop_queue(self, member: _Member) -> None:
+    def _drop_queue(self, member: Member) -> None:
         """Let go of the messages still queued for a member (its session ends)."""
         while not member.queue.empty():
             msg, _ = member.queue.get_nowait()
@@ -405,7 +375,7 @@ class ShardService(pb_grpc.ShardServicer):
                 self.unread.remove(msg)
         member.queued_bytes = 0
 
-    async def _read(self, member: _Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
+    async def _read(self, member: Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
         async for msg in it:
             if member.overflowed or member.revoked:
                 return
@@ -429,7 +399,7 @@ class ShardService(pb_grpc.ShardServicer):
                 continue
             self._on_push(member, msg.push)
 
-    def _on_ready(self, member: _Member, from_rounds: list[int]) -> None:
+    def _on_ready(self, member: Member, from_rounds: list[int]) -> None:
         nfrag = self.state.layout.num_fragments
         if from_rounds and (len(from_rounds) != nfrag or max(from_rounds) > MAX_ROUND):
             self.counters.bad_messages += 1
@@ -446,7 +416,7 @@ class ShardService(pb_grpc.ShardServicer):
             self._activate(member, from_rounds or None)
         self._send(member, self._welcome(member))
 
-    def _on_push(self, member: _Member, push: pb.Push) -> None:
+    def _on_push(self, member: Member, push: pb.Push) -> None:
         c, h = push.chunk, push.header
         if not member.active:  # no round may count on a worker that has not said it is ready
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
@@ -519,16 +489,19 @@ class ShardService(pb_grpc.ShardServicer):
             self.close_due()
 
     def pace(self) -> float:
-        """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what a
-        worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
-        return pace_seconds(
-            m.report.step_seconds for m in self.members.values() if m.active and m.report is not None
-        )
+        """The run's pace: the slowest member's reported seconds per inner step (Roster.pace)."""
+        return self.roster.pace()
 
     @property
     def passive_sessions(self) -> int:
         """Connected workers that are not members yet (joining)."""
-        return sum(not m.active for m in self.members.values())
+        return self.roster.passive
+
+    @property
+    def members(self) -> dict[str, Member]:
+        """The open sessions by name, those being dropped too (Roster.open; the members are
+        roster.members())."""
+        return self.roster.open
 
     def _sample_now(self) -> Sample:
         c = self.counters
@@ -540,7 +513,7 @@ class ShardService(pb_grpc.ShardServicer):
         self._sampled_at = time.monotonic()
         self.dashboard.samples.append(self._sample_now())
 
-    def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
+    def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
         message = short(message)  # it may quote what the worker sent (a codec's name, ...)
         level = logging.INFO if reason == "late" else logging.WARNING
@@ -633,7 +606,7 @@ class ShardService(pb_grpc.ShardServicer):
             log.critical(self.fatal)
             self.on_fatal()
             return
-        for m in list(self.members.values()):
+        for m in self.roster.sessions():
             for data in messages:  # the same bytes for every member
                 self._send(m, data)
             self.counters.codec_out += c.update.nbytes
@@ -835,7 +808,7 @@ class ShardService(pb_grpc.ShardServicer):
                         if w == m.name
                     ],
                 }
-                for m in self.members.values()
+                for m in self.roster.sessions()
             ],
             "fragments": [
                 {
@@ -869,7 +842,7 @@ class ShardService(pb_grpc.ShardServicer):
                 "fetches": self.fetches.held,
                 "unread_bytes": self.unread.held,
                 "unread_limit": self.unread.limit,
-                "pending_joins": len(self.sessions.pending),
+                "pending_joins": len(self.roster.joins.pending),
                 "refused": dict(self.refused),
             },
             "bytes": {
@@ -884,7 +857,7 @@ class ShardService(pb_grpc.ShardServicer):
             "recent_rounds": self.dashboard.recent_rounds(rounds),
         }
 
-    def _reported(self, m: _Member) -> dict:
+    def _reported(self, m: Member) -> dict:
         """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""
         r = m.report
         rates = self.dashboard.rates(m.name)
