@@ -22,8 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -32,7 +31,7 @@ import torch
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
-from streamdiloco.common.wire import from_chunk, to_chunks, values_to_bytes
+from streamdiloco.common.wire import from_chunk, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.admission import (
@@ -60,7 +59,8 @@ from streamdiloco.server.dashboard import DashboardData, Report, Sample
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.robust import MAX_LOSS
 from streamdiloco.server.roster import Member, Roster
-from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
+from streamdiloco.server.rounds import RoundRunner
+from streamdiloco.server.shard import PushRejected, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -69,9 +69,7 @@ MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard che
 MAX_ROUND = 1 << 53
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
-SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
-COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
 
 
 @dataclass
@@ -104,9 +102,6 @@ class ShardService(pb_grpc.ShardServicer):
         self.limits = limits = limits or Limits()
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
-        self.stopping = False  # shutting down: sessions end, but no round closes because of that
-        self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
-        self.on_fatal = lambda: None  # serve() sets this to stop the shard
         cfg = state.cfg
         self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
@@ -130,21 +125,29 @@ class ShardService(pb_grpc.ShardServicer):
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
         self._push_started: dict[tuple[str, int], tuple[float, Report]] = {}
         self.metrics = ShardMetrics(self)
-        self.pool = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
-        self._jobs: set[asyncio.Task] = set()  # fold and close jobs out (awaited before a final checkpoint)
-        self._closing: dict[int, asyncio.Task] = {}  # fragment -> its close job, while it runs
+        # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
+        self.rounds = RoundRunner(
+            state,
+            checkpoint,
+            self.metrics,
+            self.dashboard,
+            self.down_chunk,
+            self._deliver,
+            self._closing,
+            clock,
+        )
         self.sample()
 
     @property
     def ready(self) -> bool:
         """Serving, with its state loaded, and not on its way down."""
-        return self.serving and not self.stopping and not self.fatal
+        return self.serving and not self.rounds.stopping and not self.rounds.fatal
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if isinstance(request, Undecodable):
             await self._undecodable(request, context)
-        if self.stopping or self.fatal:
+        if self.rounds.down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         try:
             identity = admit(
@@ -292,7 +295,7 @@ class ShardService(pb_grpc.ShardServicer):
             self._drop_queue(member)
             for key in [k for k in self._push_started if k[0] == name]:
                 del self._push_started[key]
-            self.roster.leave(member, self.stopping)
+            self.roster.leave(member, self.rounds.stopping)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
@@ -510,7 +513,6 @@ class ShardService(pb_grpc.ShardServicer):
 
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
-        self._sampled_at = time.monotonic()
         self.dashboard.samples.append(self._sample_now())
 
     def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
@@ -521,166 +523,28 @@ class ShardService(pb_grpc.ShardServicer):
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
         self._send(member, pb.ShardMessage(result=result))
 
-    # --- rounds ----------------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        """Close rounds at their deadlines (the round runner); each second, sample the dashboard's time series
+        and re-read the workers file if it changed (a revocation takes effect within a second)."""
+        await self.rounds.tick(self._each_second)
+
+    def _each_second(self) -> None:
+        self.sample()
+        self.reload_credentials()
+
     def close_due(self) -> None:
-        """Start a close job for every round that is due, and a fold job where pushes wait to be folded."""
-        if self.stopping or self.fatal:
-            return
-        now = self.clock()
-        for fragment, why in self.state.due(now):
-            started = self.state.open[fragment].started_at
-            job = self.state.begin_close(fragment, why)
-            for key in [k for k in self._push_started if k[1] == fragment]:
-                del self._push_started[key]  # pushes still arriving for the closed round are late now
-            self._closing[fragment] = self._start(self._close(job, started))
-        for fragment in self.state.fold_due():
-            self._start(self._fold(self.state.begin_fold(fragment)))
+        self.rounds.close_due()
 
-    def _start(self, work: Coroutine) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(work)
-        self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
-        return task
-
-    async def drain(self) -> None:
-        """Wait for the jobs that are out (before a final checkpoint: the state is whole again)."""
-        while self._jobs:
-            await asyncio.wait(set(self._jobs))
-
-    def _job_failed(self, what: str, error: BaseException) -> None:
-        # a bug, not bad input: the fragment cannot go on, so the shard stops; workers keep their pushes and
-        # send them again to the shard restarted from its checkpoint
-        log.error("%s failed", what, exc_info=error)
-        if not self.fatal:
-            self.fatal = f"{what} failed ({type(error).__name__}: {error}): stopping the shard"
-            self.on_fatal()
-
-    async def _fold(self, job: FoldJob) -> None:
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.pool, job.run)
-        except Exception as e:
-            self._job_failed(f"folding pushes of fragment {job.fragment} round {job.round}", e)
-            return
-        self.state.end_fold(job)
-        self.close_due()
-
-    def _compute_close(self, job: CloseJob) -> tuple[bool, list[bytes], float | None]:
-        """On a pool thread: the round's arithmetic, its checkpoint, and its update's messages."""
-        ckpt = self.checkpoint
-        record = job.record() if ckpt is not None else None  # before run(), which lets the pushes go
-        job.run()
-        saved, seconds = True, None
-        if ckpt is not None and record is not None:  # the round is durable before its update goes out
-            t0 = time.perf_counter()
-            saved = ckpt.log_round(job.fragment, record)
-            seconds = time.perf_counter() - t0
-        assert job.update is not None
-        messages = (
-            [
-                pb.ShardMessage(update=c).SerializeToString()
-                for c in to_chunks(job.update, job.fragment, job.round, self.down_chunk)
-            ]
-            if saved
-            else []
-        )
-        return saved, messages, seconds
-
-    async def _close(self, job: CloseJob, started: float | None) -> None:
-        try:
-            saved, messages, seconds = await asyncio.get_running_loop().run_in_executor(
-                self.pool, self._compute_close, job
-            )
-        except Exception as e:
-            self._job_failed(f"closing fragment {job.fragment} round {job.round}", e)
-            return
-        finally:
-            del self._closing[job.fragment]
-        c = self.state.end_close(job)
-        if seconds is not None:
-            self.metrics.checkpoint_write.observe(seconds)
-        if not saved:
-            assert self.checkpoint is not None
-            # no worker may apply an update that a restart would not have: stop instead; workers keep
-            # their pushes and send them again to the shard restarted from its last good checkpoint
-            self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
-            log.critical(self.fatal)
-            self.on_fatal()
-            return
+    def _deliver(self, messages: list[bytes], nbytes: int) -> None:
+        """A closed round's update messages, the same bytes to every session."""
         for m in self.roster.sessions():
-            for data in messages:  # the same bytes for every member
+            for data in messages:
                 self._send(m, data)
-            self.counters.codec_out += c.update.nbytes
-        seconds = self.clock() - started if started is not None else None
-        self.metrics.round_closed(c.why, seconds, c.update.nbytes)
-        self.dashboard.record_round(
-            {
-                "fragment": c.fragment,
-                "round": c.round,
-                "contributors": list(c.contributors),
-                "why": c.why,
-                "clipped": list(c.clipped),
-                "capped": list(c.capped),
-                "seconds": round(seconds, 3) if seconds is not None else None,
-                "mean_loss": c.mean_loss,
-                "closed_at": time.time(),
-            }
-        )
-        (log.error if c.why == "nonfinite" else log.info)(
-            "fragment %d round %d closed (%s): %d contributors%s%s",
-            c.fragment,
-            c.round,
-            c.why,
-            len(c.contributors),
-            f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
-            "; THE OUTER STEP CAME OUT NON-FINITE: the round's update was not applied (a zero update went "
-            "out) and the outer optimizer restarted from the master before it"
-            if c.why == "nonfinite"
-            else "",
-        )
-        if c.clipped or c.capped:  # names are bounded (check_name): at most a member list's length
-            log.warning(
-                "fragment %d round %d: %s",
-                c.fragment,
-                c.round,
-                "; ".join(
-                    f"{what} of {', '.join(names)}"
-                    for what, names in (("norm clipped", c.clipped), ("weight capped", c.capped))
-                    if names
-                ),
-            )
-        if self.checkpoint is not None and self.checkpoint.full_due(c.round):
-            # the fragment's whole state, after the update has gone out (the round's log made it durable);
-            # the fragment holds still meanwhile: no close until it is written
-            self.state.hold(c.fragment)
-            self._start(self._save_whole(job))
-        self.close_due()  # a round may have become due while this one was out
+            self.counters.codec_out += nbytes
 
-    async def _save_whole(self, job: CloseJob) -> None:
-        ckpt = self.checkpoint
-        assert ckpt is not None
-        try:
-            t0 = time.perf_counter()
-            # a failure is logged and counted, not fatal: the round logs stay until a whole state is written
-            await asyncio.get_running_loop().run_in_executor(
-                self.pool, lambda: ckpt.save(job.fragment, job.fragment_state())
-            )
-            self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
-        finally:
-            self.state.release(job.fragment)
-            self.close_due()
-
-    async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed; sample the dashboard's time series; re-read the workers
-        file when it changed."""
-        while True:
-            await asyncio.sleep(period)
-            if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
-                self.sample()
-                self.reload_credentials()  # a revocation takes effect within a second
-            try:
-                self.close_due()
-            except Exception:  # keep closing rounds at their deadlines whatever one close did
-                log.exception("closing rounds failed")
+    def _closing(self, fragment: int) -> None:
+        for key in [k for k in self._push_started if k[1] == fragment]:
+            del self._push_started[key]
 
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(
@@ -701,7 +565,7 @@ class ShardService(pb_grpc.ShardServicer):
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.MasterChunk, None]:
         st = self.state
-        if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
+        if self.rounds.down:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         await authenticate(self.auth, context, request.token, None)
         nfrag = st.layout.num_fragments
@@ -730,7 +594,7 @@ class ShardService(pb_grpc.ShardServicer):
                 f"{first_len}-value slice",
             )
         for i, f in enumerate(fragments):
-            while (closing := self._closing.get(f)) is not None:  # its master and round are changing
+            while (closing := self.rounds.closing.get(f)) is not None:  # its master and round are changing
                 self.counters.fetch_waits += 1
                 await asyncio.wait({closing})
             master, rnd = st.master(f), st.round_of(f)  # a master is never changed in place: a snapshot
@@ -738,7 +602,7 @@ class ShardService(pb_grpc.ShardServicer):
             start = request.offset if i == 0 else 0
             los = list(range(start, n, self.fetch_chunk)) or [n]
             for lo in los:
-                if self.fatal:
+                if self.rounds.fatal:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
                 hi = min(n, lo + self.fetch_chunk)
                 msg = pb.MasterChunk(
@@ -772,7 +636,7 @@ class ShardService(pb_grpc.ShardServicer):
             master = self.state.master(f)
             cached = self._digests.get(f)
             if cached is None or cached[0] is not master:
-                digest = await loop.run_in_executor(self.pool, tensor_digest, master)
+                digest = await loop.run_in_executor(self.rounds.pool, tensor_digest, master)
                 self._digests[f] = (master, digest)
 
     def status(self, rounds: int = 20, hashes: bool = True) -> dict:

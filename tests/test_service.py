@@ -716,14 +716,14 @@ def test_health_status_and_pushes_are_answered_while_a_round_closes(tmp_path):
     s = InThreadShard(build(), tmp_path, GOOD_FP, http=True)
     try:
         entered, release = threading.Event(), threading.Event()
-        compute = s.service._compute_close
+        compute = s.service.rounds._compute_close
 
         def held(job):
             entered.set()
             assert release.wait(RPC_TIMEOUT), "the test never let the close job go on"
             return compute(job)
 
-        s.service._compute_close = held
+        s.service.rounds._compute_close = held
         a, b = s.worker("a"), s.worker("b")
         a.push(push_messages(ENC_A, weight=100.0, loss=2.5))
         b.push(push_messages(ENC_B, weight=300.0, loss=3.5))
