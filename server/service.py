@@ -26,10 +26,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from streamdiloco.common.codecs import chunk_values, get_codec
-from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
 from streamdiloco.common.wire import from_chunk, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -55,12 +53,13 @@ from streamdiloco.server.bounds import (
     peer_host,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.dashboard import DashboardData, Report, Sample
+from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.robust import MAX_LOSS
 from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.status import ShardStatus
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -119,8 +118,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
-        self.started = time.time()
-        self._digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
+        self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
         self._push_started: dict[tuple[str, int], tuple[float, Report]] = {}
@@ -506,14 +504,9 @@ class ShardService(pb_grpc.ShardServicer):
         roster.members())."""
         return self.roster.open
 
-    def _sample_now(self) -> Sample:
-        c = self.counters
-        n = len(self.state.members)
-        return time.time(), c.msg_in, c.msg_out + c.fetch_out, n, self.passive_sessions
-
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
-        self.dashboard.samples.append(self._sample_now())
+        self.view.sample()
 
     def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
@@ -620,128 +613,16 @@ class ShardService(pb_grpc.ShardServicer):
                 yield msg
 
     # --- status ----------------------------------------------------------------------------------------
-    def _digest(self, fragment: int) -> str:
-        """The master's hash, computed once per round: a master changes only when its round closes."""
-        master = self.state.master(fragment)
-        cached = self._digests.get(fragment)
-        if cached is None or cached[0] is not master:
-            cached = self._digests[fragment] = (master, tensor_digest(master))
-        return cached[1]
-
-    async def hash_masters(self) -> None:
-        """Compute on a pool thread the masters' hashes that status() would otherwise compute on the loop
-        (a hash reads the whole slice)."""
-        loop = asyncio.get_running_loop()
-        for f in range(self.state.layout.num_fragments):
-            master = self.state.master(f)
-            cached = self._digests.get(f)
-            if cached is None or cached[0] is not master:
-                digest = await loop.run_in_executor(self.rounds.pool, tensor_digest, master)
-                self._digests[f] = (master, digest)
-
     def status(self, rounds: int = 20, hashes: bool = True) -> dict:
-        """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
-        page, which polls, leaves it out)."""
-        st = self.state
-        return {
-            "shard": st.shard,
-            "num_shards": st.num_shards,
-            "uptime_seconds": round(time.time() - self.started, 1),
-            "ready": self.ready,
-            "config": st.cfg.to_dict(),
-            "min_workers": st.min_workers,
-            "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
-            "round_timeout": st.round_timeout,
-            "pace_seconds": self.pace(),  # the slowest member's step time (sync_schedule adaptive)
-            "members": [
-                {
-                    "name": m.name,
-                    "state": "member" if m.active else "passive",
-                    "joined_at": m.joined_at,
-                    "pushes": m.pushes,
-                    "refused": m.refused,
-                    "last_loss": m.last_loss,
-                    "step": m.step,
-                    "blocked_seconds": m.blocked_seconds,
-                    **self._reported(m),
-                    "message_bytes_in": m.msg_in,
-                    "message_bytes_out": m.msg_out,
-                    "receiving": [  # pushes whose chunks are arriving
-                        {"fragment": f, "round": p.round, "values": p.asm.received, "of": p.asm.total}
-                        for (w, f), p in sorted(st.staged.items())
-                        if w == m.name
-                    ],
-                }
-                for m in self.roster.sessions()
-            ],
-            "fragments": [
-                {
-                    "fragment": f,
-                    "round": st.round_of(f),
-                    "slice": list(st.ranges[f]),
-                    "master_hash": self._digest(f) if hashes else None,
-                    "contributors": sorted(st.contributors(f)),
-                }
-                for f in range(st.layout.num_fragments)
-            ],
-            "rounds_closed": st.rounds_closed,
-            "checkpoint": None
-            if self.checkpoint is None
-            else {
-                "dir": str(self.checkpoint.dir),
-                "writes": self.checkpoint.writes,
-                "errors": self.checkpoint.errors,
-                "last_error": self.checkpoint.last_error,
-            },
-            "pushes_accepted": st.pushes_accepted,
-            "pushes_refused": dict(st.pushes_refused),
-            "robust": {
-                **st.robust.to_dict(),
-                "pushes_clipped": st.pushes_clipped,
-                "weights_capped": st.weights_capped,
-            },
-            "bad_messages": self.counters.bad_messages,
-            "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
-                "sessions": self.peer_sessions.held,
-                "fetches": self.fetches.held,
-                "unread_bytes": self.unread.held,
-                "unread_limit": self.unread.limit,
-                "pending_joins": len(self.roster.joins.pending),
-                "refused": dict(self.refused),
-            },
-            "bytes": {
-                "codec_in": st.bytes_received,
-                "codec_out": self.counters.codec_out,
-                "message_bytes_in": self.counters.msg_in,
-                "message_bytes_out": self.counters.msg_out,
-                "fetch_out": self.counters.fetch_out,
-            },
-            "training_loss": self.dashboard.last_loss,
-            "round_seconds": self.dashboard.round_seconds(),
-            "recent_rounds": self.dashboard.recent_rounds(rounds),
-        }
-
-    def _reported(self, m: Member) -> dict:
-        """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""
-        r = m.report
-        rates = self.dashboard.rates(m.name)
-        eta = None
-        if r is not None and r.total_steps and rates["steps_per_second"]:
-            eta = max(0, r.total_steps - r.step) / rates["steps_per_second"]
-        return {
-            "total_steps": r.total_steps if r is not None and r.total_steps else None,
-            "tokens": r.tokens if r is not None else None,
-            "compute_utilization": r.utilization if r is not None else None,
-            "eval_loss": r.eval_loss if r is not None else None,
-            "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
-            "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)
-            **rates,
-            "eta_seconds": eta,
-        }
+        """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too."""
+        return self.view.status(rounds, hashes)
 
     def series(self, since: float = 0.0) -> dict:
         """The dashboard's time series after `since` (a time.time()), with the values of this moment."""
-        return self.dashboard.series(since, self._sample_now())
+        return self.view.series(since)
+
+    async def hash_masters(self) -> None:
+        await self.view.hash_masters()
 
 
 def _check_progress(h: pb.PushHeader) -> str | None:
