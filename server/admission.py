@@ -118,6 +118,37 @@ def check_fingerprint(fingerprint_json: str, ours: dict) -> None:
         raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, short(diff, 1000), "fingerprint")
 
 
+def fetch_fragments(requested: list[int], offset: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """The fragments a Fetch asks for, in its order (none named: all of them, `ranges` being this shard's
+    slice of each), each at most once, that exist, with `offset` within the first one's slice; Refusal
+    otherwise."""
+    nfrag = len(ranges)
+    if len(requested) > nfrag:  # each fragment at most once
+        raise Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a Fetch names at most the run's {nfrag} fragments, got {len(requested)}",
+        )
+    if len(set(requested)) != len(requested):
+        twice = next(f for i, f in enumerate(requested) if f in requested[:i])
+        raise Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT, f"fragment {twice} is named twice: name each fragment once"
+        )
+    fragments = requested or list(range(nfrag))
+    for f in fragments:
+        if not 0 <= f < nfrag:
+            raise Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fragment {f} does not exist: this run has fragments 0..{nfrag - 1}",
+            )
+    first_len = ranges[fragments[0]][1] - ranges[fragments[0]][0]
+    if offset > first_len:
+        raise Refusal(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"offset {offset} is past the end of fragment {fragments[0]}'s {first_len}-value slice",
+        )
+    return fragments
+
+
 # --- the gRPC edge ---------------------------------------------------------------------------------------
 def credentials(context: grpc.aio.ServicerContext, token: str) -> Credentials:
     """What a call offers: its metadata's bearer token, else `token` from the message, and its client

@@ -39,6 +39,7 @@ from streamdiloco.server.admission import (
     admit,
     authenticate,
     credentials,
+    fetch_fragments,
     parse,
     short,
 )
@@ -55,6 +56,7 @@ from streamdiloco.server.bounds import (
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.metrics import ShardMetrics
+from streamdiloco.server.outbox import Outbox
 from streamdiloco.server.robust import MAX_LOSS
 from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
@@ -66,7 +68,6 @@ log = logging.getLogger("streamdiloco.shard")
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
 MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard checks no token (then: throttled)
 MAX_ROUND = 1 << 53
-STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 
@@ -116,6 +117,7 @@ class ShardService(pb_grpc.ShardServicer):
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
         # Joins, sessions and members, one truth; Joins never followed by a Session are bounded
         self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
+        self.outbox = Outbox(self.roster, self.unread, self.throttled)  # the sessions' queues, backpressure
         self.counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
@@ -269,9 +271,7 @@ class ShardService(pb_grpc.ShardServicer):
                     break
                 msg, size = getter.result()
                 getter = None
-                if msg is not None:  # taken from the queue: no longer waiting
-                    self.unread.remove(msg)
-                    member.queued_bytes -= size
+                self.outbox.take(member, msg, size)
                 if member.overflowed or member.revoked:
                     continue  # ends the session at the top of the loop
                 member.msg_out += size
@@ -288,9 +288,7 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
                     self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
-            if member.ender is not None:
-                member.ender.cancel()
-            self._drop_queue(member)
+            self.outbox.close(member)
             for key in [k for k in self._push_started if k[0] == name]:
                 del self._push_started[key]
             self.roster.leave(member, self.rounds.stopping)
@@ -318,7 +316,7 @@ class ShardService(pb_grpc.ShardServicer):
     def revoke(self, names: Iterable[str]) -> None:
         """End the sessions of these workers and forget their Joins: they must prove a credential again."""
         for member in self.roster.revoke(names):  # rounds, status and pace let go of them at once
-            member.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
+            self.outbox.wake(member)  # its writer ends the session
             log.warning("%s: credential revoked, its session ends", member.name)
         self.close_due()
 
@@ -338,43 +336,6 @@ class ShardService(pb_grpc.ShardServicer):
                 min_workers=st.min_workers,
             )
         )
-
-    def _send(self, member: Member, msg: pb.ShardMessage | bytes) -> None:
-        """Queue a message (or its serialized bytes) for a member; one that stops reading is dropped, not
-        buffered for ever."""
-        if member.overflowed:
-            return
-        size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
-        self.unread.add(msg, size)
-        member.queued_bytes += size
-        member.queue.put_nowait((msg, size))
-        while self.unread.over:  # one budget for all sessions: the one furthest behind goes first
-            reading = self.roster.reading()
-            if not reading:  # what is left over is a message a writer is taking: it goes at once
-                break
-            behind = max(reading, key=lambda m: m.queued_bytes)
-            self.roster.drop(behind)  # rounds, status and pace let go of it at once; its session is ended
-            self._drop_queue(behind)
-            self.throttled.warning(
-                "unread", "%s does not read its updates: dropping it from the member set", behind.name
-            )
-            behind.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
-            # ... unless it is stuck writing to a client that takes nothing: then the call is cut (the client
-            # sees CANCELLED); its session's end lets go of the rest
-            behind.ender = asyncio.get_running_loop().call_later(STUCK_SECONDS, self._cut, behind)
-
-    def _cut(self, member: Member) -> None:
-        if self.roster.open.get(member.name) is member and member.call is not None:
-            self.throttled.log(logging.INFO, "cut", "%s still does not read: cutting its call", member.name)
-            member.call.cancel()
-
-    def _drop_queue(self, member: Member) -> None:
-        """Let go of the messages still queued for a member (its session ends)."""
-        while not member.queue.empty():
-            msg, _ = member.queue.get_nowait()
-            if msg is not None:
-                self.unread.remove(msg)
-        member.queued_bytes = 0
 
     async def _read(self, member: Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
         async for msg in it:
@@ -415,7 +376,7 @@ class ShardService(pb_grpc.ShardServicer):
             return
         if not member.active:
             self._activate(member, from_rounds or None)
-        self._send(member, self._welcome(member))
+        self.outbox.send(member, self._welcome(member))
 
     def _on_push(self, member: Member, push: pb.Push) -> None:
         c, h = push.chunk, push.header
@@ -486,7 +447,7 @@ class ShardService(pb_grpc.ShardServicer):
             result = pb.PushResult(
                 fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.pace()
             )
-            self._send(member, pb.ShardMessage(result=result))
+            self.outbox.send(member, pb.ShardMessage(result=result))
             self.close_due()
 
     def pace(self) -> float:
@@ -514,7 +475,7 @@ class ShardService(pb_grpc.ShardServicer):
         level = logging.INFO if reason == "late" else logging.WARNING
         self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
-        self._send(member, pb.ShardMessage(result=result))
+        self.outbox.send(member, pb.ShardMessage(result=result))
 
     async def tick(self) -> None:
         """Close rounds at their deadlines (the round runner); each second, sample the dashboard's time series
@@ -532,7 +493,7 @@ class ShardService(pb_grpc.ShardServicer):
         """A closed round's update messages, the same bytes to every session."""
         for m in self.roster.sessions():
             for data in messages:
-                self._send(m, data)
+                self.outbox.send(m, data)
             self.counters.codec_out += nbytes
 
     def _closing(self, fragment: int) -> None:
@@ -561,31 +522,10 @@ class ShardService(pb_grpc.ShardServicer):
         if self.rounds.down:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         await authenticate(self.auth, context, request.token, None)
-        nfrag = st.layout.num_fragments
-        if len(request.fragments) > nfrag:  # each fragment at most once
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a Fetch names at most the run's {nfrag} fragments, got {len(request.fragments)}",
-            )
-        if len(set(request.fragments)) != len(request.fragments):
-            twice = next(f for i, f in enumerate(request.fragments) if f in request.fragments[:i])
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {twice} is named twice: name each fragment once"
-            )
-        fragments = list(request.fragments) or list(range(nfrag))
-        for f in fragments:
-            if not 0 <= f < st.layout.num_fragments:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"fragment {f} does not exist: this run has fragments 0..{st.layout.num_fragments - 1}",
-                )
-        first_len = st.ranges[fragments[0]][1] - st.ranges[fragments[0]][0]
-        if request.offset > first_len:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"offset {request.offset} is past the end of fragment {fragments[0]}'s "
-                f"{first_len}-value slice",
-            )
+        try:
+            fragments = fetch_fragments(list(request.fragments), request.offset, st.ranges)
+        except Refusal as r:
+            await abort(context, r)
         for i, f in enumerate(fragments):
             while (closing := self.rounds.closing.get(f)) is not None:  # its master and round are changing
                 self.counters.fetch_waits += 1

@@ -773,8 +773,8 @@ def test_a_revoked_or_overflowed_member_leaves_status_and_pace_at_once(shard):
         svc.revoke(["a"])
         revoked = seen()
         svc.unread.limit = 100  # b has the most unread: it is dropped when the budget runs out
-        svc._send(svc.members["b"], b"x" * 80)
-        svc._send(svc.members["c"], b"x" * 40)
+        svc.outbox.send(svc.members["b"], b"x" * 80)
+        svc.outbox.send(svc.members["c"], b"x" * 40)
         return before, revoked, seen()
 
     before, revoked, overflowed = shard.on_loop(drop)
