@@ -1,18 +1,21 @@
-"""The shard's gRPC servicer: validate, translate, hand off to the pure ShardState.
+"""The shard's gRPC servicer: it validates each call, translates it from and to protobuf, and hands off.
+
+Who is admitted: server/admission.py (every Join, the pending shard's too). Who is here: server/roster.py
+(Joins, sessions, members: one truth for the rounds, status and pace). What a session's worker sends after
+Hello: server/intake.py (Ready, pushes and their checks). What waits to be written, and the backpressure on
+it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
+The status JSON and the dashboard's series: server/status.py. The rounds themselves: ShardState
+(server/shard.py), pure.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
-runs on the loop, so ShardState needs no locks. Those calls are bookkeeping (a chunk is checked and kept,
-still encoded; a round is marked closed): microseconds. The arithmetic runs beside the loop on a small
-thread pool (torch releases the GIL): a closing round's fold of its pushes into the mean, the outer step,
-encoding the update, writing the checkpoint and serializing the update's messages are one job
-(ShardState.begin_close hands it out with everything it needs and the fragment's optimizer; end_close
-takes it back on the loop), as is folding pushes ahead of a close when many are kept. So health, status
-and other sessions are answered while a round closes, and the next round's pushes are taken meanwhile.
+runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,
+encoding, checkpoint, serializing the update's messages) runs on the round runner's pool, so health,
+status and other sessions are answered while a round closes.
 
-Each worker session has one outgoing queue and one writer (the response generator); a reader task takes
-the worker's chunks. When a round closes, its update is cut into chunks and serialized once, on the job's
-thread, and the same bytes are queued to every member (Session's serializer passes bytes through: see
-`add_to_server`).
+Each worker session has one outgoing queue and one writer (the response generator here); a reader task
+(Intake.read) takes the worker's messages. A round's update is serialized once, on the job's thread, and
+the same bytes are queued to every session (Session's serializer passes bytes through: `rpc_handlers`).
+What this module must not do: decide admission, membership or rounds itself.
 """
 
 from __future__ import annotations
