@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamdiloco.common.atomic import atomic_save
-from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry, slice_ranges
+from streamdiloco.common.fingerprint import layout_from_fingerprint
+from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 
 if TYPE_CHECKING:
     from streamdiloco.common.tls import ClientTLS
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 FINGERPRINT_KEY = "streamdiloco.fingerprint"  # `server --init` reads the run's layout from it: keep the name
 ROUNDS_KEY = "streamdiloco.rounds"
 MAX_FINGERPRINT_BYTES = 4 << 20  # as the shard's Join: names and shapes are kilobytes, not megabytes
-MAX_DIMS = 16
-MAX_VALUES = 1 << 40  # values in one parameter or the whole model: a bound on what a fingerprint may claim
 
 Progress = Callable[[str], None]
 
@@ -85,59 +83,6 @@ def _dtype(name: str, param: str, where: str = "the fingerprint") -> torch.dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{where} gives parameter {param[:80]!r} the dtype {name[:40]!r}, not a float dtype")
     return dtype
-
-
-def layout_from_fingerprint(fp: object, where: str = "the fingerprint") -> FragmentLayout:
-    """The run's fragment layout (names, shapes, dtypes, offsets) from its model fingerprint alone; a
-    ValueError (one line, prefixed with `where`) when the fingerprint is not one: it may come off the
-    network."""
-    if not isinstance(fp, dict):
-        raise ValueError(f"{where} is not a model fingerprint (a JSON object)")
-    params, fragments = fp.get("params"), fp.get("fragments")
-    if not isinstance(params, list) or not isinstance(fragments, list) or not fragments:
-        raise ValueError(f"{where} lacks its lists of parameters and fragments")
-    by_name: dict[str, tuple[tuple[int, ...], str]] = {}
-    total = 0
-    for p in params:
-        ok = isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
-        shape = p[1] if ok else None
-        if not ok or not isinstance(shape, list) or len(shape) > MAX_DIMS:
-            raise ValueError(f"{where} lists a parameter that is not [name, shape, dtype]: {str(p)[:80]}")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_VALUES for d in shape):
-            raise ValueError(f"{where} gives parameter {p[0][:80]!r} the shape {str(shape)[:80]}")
-        if p[0] in by_name:
-            raise ValueError(f"{where} lists parameter {p[0][:80]!r} twice")
-        _dtype(p[2], p[0], where)
-        by_name[p[0]] = (tuple(shape), p[2])
-        total += math.prod(shape)
-        if total > MAX_VALUES:
-            raise ValueError(f"{where} claims more than {MAX_VALUES:,} values")
-    out, listed = [], []
-    for i, f in enumerate(fragments):
-        if not (
-            isinstance(f, list)
-            and len(f) == 2
-            and isinstance(f[0], list)
-            and all(isinstance(b, int) for b in f[0])
-            and isinstance(f[1], list)
-            and all(isinstance(n, str) for n in f[1])
-        ):
-            raise ValueError(f"{where}: fragment {i} is not [blocks, names]")
-        entries, off = [], 0
-        for name in f[1]:
-            if name not in by_name:
-                raise ValueError(f"{where}: fragment {i} names {name[:80]!r}, which is not a parameter")
-            shape, dtype = by_name[name]
-            entries.append(ParamEntry(name, shape, off, math.prod(shape), dtype))
-            off += math.prod(shape)
-        listed += f[1]
-        out.append(Fragment(i, tuple(entries), tuple(f[0])))
-    if listed != list(by_name):  # the fingerprint lists the parameters fragment by fragment, each once
-        raise ValueError(f"{where}: its fragments do not list the parameters in order, each once")
-    blocks_path, pattern = fp.get("blocks_path", ""), fp.get("fragment_pattern", "strided")
-    if not isinstance(blocks_path, str) or not isinstance(pattern, str):
-        raise ValueError(f"{where}: blocks_path and fragment_pattern must be strings")
-    return FragmentLayout(tuple(out), blocks_path, pattern)
 
 
 def _empty(numel: int, what: str) -> torch.Tensor:

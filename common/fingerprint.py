@@ -5,6 +5,11 @@ the run's seed and the model's architectural hyperparameters (`model_config`: a 
 has the same shapes but computes another function). Every value is plain JSON data, so that a shard can
 hold a fingerprint without the model's code. `fingerprint_diff` names the first difference in words a user
 can act on.
+
+A fingerprint that comes off the network (a Join, an upload, a Fetch that describes the run) or out of a
+file is read here and nowhere else: `parse_fingerprint` takes its text (bounded, a JSON object), and
+`layout_from_fingerprint` the layout it lists, strictly (a whitelist of dtypes, a bounded number and size of
+dimensions and of values), before anything is allocated for it. Both raise a one-line ValueError.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import math
 from typing import TYPE_CHECKING
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import FragmentLayout
+from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +95,115 @@ def _plain(value, depth: int = 0):
         table = {k: _plain(v, depth + 1) for k, v in value.items()}
         return _NOT_PLAIN if any(v is _NOT_PLAIN for v in table.values()) else table
     return _NOT_PLAIN
+
+
+MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
+MAX_DIMS = 16  # dimensions of one parameter
+MAX_VALUES = 1 << 40  # values in one parameter or the whole model: a bound on what a fingerprint may claim
+# the dtypes a parameter may have (torch's names, as build_layout writes them): floats, which the fp32
+# vectors on the wire hold
+FLOAT_DTYPES = frozenset(
+    {
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+    }
+)
+
+
+def parse_fingerprint(text: str | bytes, where: str = "model fingerprint") -> dict:
+    """A fingerprint's JSON text, read: a JSON object of at most MAX_FINGERPRINT_BYTES characters; a
+    ValueError (one line, starting with `where`) otherwise. Its fields are checked by the readers of what
+    they list (layout_from_fingerprint) or by comparison with a known fingerprint (fingerprint_diff)."""
+    if len(text) > MAX_FINGERPRINT_BYTES:
+        raise ValueError(
+            f"{where} of {len(text):,} characters is too large (at most {MAX_FINGERPRINT_BYTES:,})"
+        )
+    try:
+        fp = json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
+        raise ValueError(f"{where} is not valid JSON: {_short(str(e), quote=False, limit=200)}") from None
+    if not isinstance(fp, dict):
+        raise ValueError(f"{where} is not valid JSON: not a JSON object")
+    return fp
+
+
+def read_params(fp: object, where: str = "the fingerprint") -> list[tuple[str, tuple[int, ...], str]]:
+    """A fingerprint's parameters as (name, shape, dtype), in its order, checked: each listed once, a
+    float dtype of FLOAT_DTYPES, at most MAX_DIMS dimensions, each size and the total at most MAX_VALUES.
+    ValueError (one line, starting with `where`) for one that is not a fingerprint's shape."""
+    if not isinstance(fp, dict):
+        raise ValueError(f"{where} is not a model fingerprint (a JSON object)")
+    params, fragments = fp.get("params"), fp.get("fragments")
+    if not isinstance(params, list) or not isinstance(fragments, list) or not fragments:
+        raise ValueError(f"{where} lacks its lists of parameters and fragments")
+    out, seen, total = [], set(), 0
+    for p in params:
+        ok = isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
+        shape = p[1] if ok else None
+        if not ok or not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise ValueError(f"{where} lists a parameter that is not [name, shape, dtype]: {str(p)[:80]}")
+        name = p[0]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_VALUES for d in shape):
+            raise ValueError(f"{where} gives parameter {name[:80]!r} the shape {str(shape)[:80]}")
+        if p[2] not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{where} gives parameter {name[:80]!r} the dtype {p[2][:40]!r}, not a float dtype"
+            )
+        if name in seen:
+            raise ValueError(f"{where} lists parameter {name[:80]!r} twice")
+        seen.add(name)
+        total += math.prod(shape)
+        if total > MAX_VALUES:
+            raise ValueError(f"{where} claims more than {MAX_VALUES:,} values")
+        out.append((name, tuple(shape), p[2]))
+    return out
+
+
+def layout_from_fingerprint(
+    fp: object, where: str = "the fingerprint", pattern: str | None = None
+) -> FragmentLayout:
+    """The run's fragment layout (names, shapes, dtypes, offsets, each fragment's blocks) from its model
+    fingerprint alone, exactly as it lists them: how a shard with no model takes the first worker's layout,
+    and export the run's. `pattern`: the layout's fragment pattern (None: the fingerprint's own). ValueError
+    (one line, starting with `where`) for a fingerprint that is not one: it may come off the network."""
+    by_name = {name: (shape, dtype) for name, shape, dtype in read_params(fp, where)}
+    assert isinstance(fp, dict)  # read_params checked it
+    out, listed = [], []
+    for i, f in enumerate(fp["fragments"]):
+        if not (
+            isinstance(f, list)
+            and len(f) == 2
+            and isinstance(f[0], list)
+            and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= MAX_VALUES for b in f[0])
+            and isinstance(f[1], list)
+            and all(isinstance(n, str) for n in f[1])
+        ):
+            raise ValueError(f"{where}: fragment {i} is not [blocks, names]")
+        entries, off = [], 0
+        for name in f[1]:
+            if name not in by_name:
+                raise ValueError(f"{where}: fragment {i} names {name[:80]!r}, which is not a parameter")
+            shape, dtype = by_name[name]
+            entries.append(ParamEntry(name, shape, off, math.prod(shape), dtype))
+            off += math.prod(shape)
+        listed += f[1]
+        out.append(Fragment(i, tuple(entries), tuple(f[0])))
+    if listed != list(by_name):  # model_fingerprint lists the parameters fragment by fragment, each once
+        raise ValueError(
+            f"{where}: its fragments do not hold every parameter once (listed in order, each once)"
+        )
+    blocks_path = fp.get("blocks_path", "")
+    if pattern is None:
+        pattern = fp.get("fragment_pattern", "strided")
+    if not isinstance(blocks_path, str) or not isinstance(pattern, str):
+        raise ValueError(f"{where}: blocks_path and fragment_pattern must be strings")
+    return FragmentLayout(tuple(out), blocks_path, pattern)
 
 
 def model_fingerprint(

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from streamdiloco.common.fingerprint import read_params
 from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry, assign_blocks
 
 FINGERPRINT_KEY = "streamdiloco.fingerprint"
@@ -135,42 +136,18 @@ def _fragment(index: int, params: Sequence[ParamSpec], blocks: tuple[int, ...]) 
 
 
 def params_from_fingerprint(fp: dict) -> tuple[list[ParamSpec], str, int]:
-    """A fingerprint's parameters (in the model's order), its blocks_path and its number of blocks (0 when
-    the run had one fragment); ValueError (one line) for one that is not a fingerprint's shape."""
+    """A fingerprint's parameters (in its order, checked by the one strict reader: read_params), its
+    blocks_path and its number of blocks (0 when the run had one fragment); ValueError (one line) for one
+    that is not a fingerprint's shape."""
+    params = [ParamSpec(*p) for p in read_params(fp, "not a model fingerprint: it")]
     try:
-        params = [
-            ParamSpec(str(n), tuple(int(x) for x in shape), str(dtype)) for n, shape, dtype in fp["params"]
-        ]
         num_blocks = sum(len(blocks) for blocks, _ in fp["fragments"])
-        blocks_path = str(fp.get("blocks_path") or "")
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"not a model fingerprint ({type(e).__name__}: {e})") from None
-    if any(d < 0 for p in params for d in p.shape):
-        raise ValueError("not a model fingerprint: a shape has a negative size")
-    return params, blocks_path, num_blocks
-
-
-def layout_from_fingerprint(fp: dict, pattern: str) -> FragmentLayout:
-    """The layout a fingerprint lists, exactly (its fragments, their blocks, their parameters in order): how
-    a shard with no model takes the first worker's layout, and takes it back from its checkpoint. ValueError
-    (one line) for a fingerprint that does not list every parameter in exactly one fragment."""
-    params, blocks_path, _ = params_from_fingerprint(fp)
-    spec = {p.name: p for p in params}
-    if len(spec) != len(params):
-        raise ValueError("not a model fingerprint: a parameter is listed twice")
-    fragments, placed = [], 0
-    try:
-        for i, (blocks, names) in enumerate(fp["fragments"]):
-            named = [spec[str(n)] for n in names]
-            fragments.append(_fragment(i, named, tuple(int(b) for b in blocks)))
-            placed += len(named)
-    except (KeyError, TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"not a model fingerprint: its fragments list {type(e).__name__}: {e}") from None
-    if placed != len(params) or {n for f in fragments for n in f.names} != set(spec):
-        raise ValueError("not a model fingerprint: its fragments do not hold every parameter once")
-    if not fragments:
-        raise ValueError("not a model fingerprint: it has no fragments")
-    return FragmentLayout(tuple(fragments), blocks_path, pattern)
+    blocks_path = fp.get("blocks_path") or ""
+    if not isinstance(blocks_path, str):
+        raise ValueError("not a model fingerprint: its blocks_path is not a string")
+    return params, blocks_path, num_blocks
 
 
 def opaque_keys(fp: dict) -> dict:

@@ -25,23 +25,21 @@ import grpc
 import torch
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
+from streamdiloco.common.fingerprint import (
+    fingerprint_diff,
+    layout_from_fingerprint,
+    model_fingerprint,
+    parse_fingerprint,
+)
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
-from streamdiloco.common.statefile import layout_from_fingerprint, opaque_keys
-from streamdiloco.common.wire import PROTOCOL, bytes_to_values
+from streamdiloco.common.statefile import opaque_keys
+from streamdiloco.common.wire import bytes_to_values
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.admission import Refusal, Undecodable, abort, admit, credentials, parse, short
 from streamdiloco.server.auth import Auth
 from streamdiloco.server.bounds import Limits
-from streamdiloco.server.service import (
-    MAX_FINGERPRINT_BYTES,
-    ShardService,
-    Undecodable,
-    _parse,
-    _short,
-    authenticate,
-    check_name,
-    rpc_handlers,
-)
+from streamdiloco.server.service import ShardService, rpc_handlers
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -65,15 +63,15 @@ def shard_fingerprint(theirs: dict, cfg: SyncConfig) -> tuple[FragmentLayout, di
     shard's own sync settings, plus the worker's other keys); InitRefused when the fingerprint is malformed
     or its sync settings are not the shard's."""
     try:
-        layout = layout_from_fingerprint(theirs, cfg.fragment_pattern)
+        layout = layout_from_fingerprint(theirs, "the worker's model fingerprint", cfg.fragment_pattern)
     except ValueError as e:
-        raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint: {e}") from None
+        raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     # the first worker's seed and model config (opaque_keys) become the run's: later workers must match them
     ours = {**model_fingerprint(layout, cfg), **opaque_keys(theirs)}
     if "model_config" not in theirs:  # a run started from a plain state_dict file: no model config known
         del ours["model_config"]
     if diff := fingerprint_diff(theirs, ours, us="worker", them="shard"):
-        raise InitRefused(grpc.StatusCode.FAILED_PRECONDITION, _short(diff, 1000))
+        raise InitRefused(grpc.StatusCode.FAILED_PRECONDITION, short(diff, 1000))
     return layout, ours
 
 
@@ -156,9 +154,11 @@ class Upload:
         return out
 
 
-class PendingShard:
+class PendingShard(pb_grpc.ShardServicer):
     """The shard before its first worker's upload; `make(layout, initial, fingerprint)` builds the real
-    service (with its checkpoint) from it, on a thread."""
+    service (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
+    with Initialize added; its Join admits as the real one does (server/admission.py), less the
+    fingerprint, which the upload brings."""
 
     def __init__(
         self,
@@ -175,24 +175,10 @@ class PendingShard:
         self.service: ShardService | None = None
         self.ready: asyncio.Future | None = None  # the service, once built and checkpointed (set by serve)
         self.handlers = {
-            "Join": grpc.unary_unary_rpc_method_handler(
-                self.Join,
-                request_deserializer=_parse(pb.JoinRequest),
-                response_serializer=pb.JoinReply.SerializeToString,
-            ),
-            "Session": grpc.stream_stream_rpc_method_handler(
-                self._not_yet_stream,
-                request_deserializer=_parse(pb.WorkerMessage),
-                response_serializer=pb.ShardMessage.SerializeToString,
-            ),
-            "Fetch": grpc.unary_stream_rpc_method_handler(
-                self._not_yet_stream,
-                request_deserializer=_parse(pb.FetchRequest),
-                response_serializer=pb.MasterChunk.SerializeToString,
-            ),
+            **rpc_handlers(self),
             "Initialize": grpc.stream_unary_rpc_method_handler(
                 self.Initialize,
-                request_deserializer=_parse(pb.InitChunk),
+                request_deserializer=parse(pb.InitChunk),
                 response_serializer=pb.InitReply.SerializeToString,
             ),
         }
@@ -209,20 +195,19 @@ class PendingShard:
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {request.kind} does not parse")
-        await authenticate(self.auth, context, request.token, request.worker)
-        if request.protocol != PROTOCOL:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the worker speaks protocol {request.protocol}, this shard {PROTOCOL}: "
-                "upgrade the older side",
-            )
-        if problem := check_name(request.worker):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            admit(self.auth, credentials(context, request.token), request.worker, request.protocol)
+        except Refusal as r:
+            await abort(context, r)
         return self._reply()
 
-    async def _not_yet_stream(self, request, context: grpc.aio.ServicerContext):
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
         yield  # an async generator, as gRPC's stream handlers are
+
+    async def Fetch(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
+        yield
 
     async def Initialize(
         self, request_iterator: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
@@ -239,19 +224,20 @@ class PendingShard:
             )
         if isinstance(first, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {first.kind} does not parse")
-        await authenticate(self.auth, context, first.token, first.worker)  # only a worker the shard admits
-        if problem := check_name(first.worker):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:  # only a worker the shard admits, as at Join
+            admit(self.auth, credentials(context, first.token), first.worker, None)
+        except Refusal as r:
+            await abort(context, r)
         if self.uploader is not None:
             await context.abort(
                 grpc.StatusCode.ABORTED,
-                f"worker {_short(self.uploader, 60)!r} is sending the parameters now: join once it is done",
+                f"worker {short(self.uploader, 60)!r} is sending the parameters now: join once it is done",
             )
         self.uploader = first.worker
         try:
             return await self._upload(first, it, context)
         except InitRefused as e:
-            log.warning("refused %s's upload of the starting parameters: %s", _short(first.worker, 60), e)
+            log.warning("refused %s's upload of the starting parameters: %s", short(first.worker, 60), e)
             await context.abort(e.code, str(e))
             raise  # not reached
         finally:
@@ -260,20 +246,10 @@ class PendingShard:
     async def _upload(
         self, first: pb.InitChunk, it: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
     ) -> pb.InitReply:
-        if len(first.fingerprint_json) > MAX_FINGERPRINT_BYTES:
-            raise InitRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint of {len(first.fingerprint_json):,} characters is too large "
-                f"(at most {MAX_FINGERPRINT_BYTES:,})",
-            )
         try:
-            theirs = json.loads(first.fingerprint_json)
-            if not isinstance(theirs, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError) as e:
-            raise InitRefused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}"
-            ) from None
+            theirs = parse_fingerprint(first.fingerprint_json)
+        except ValueError as e:
+            raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         layout, fingerprint = shard_fingerprint(theirs, self.cfg)
         upload = Upload(layout, self.shard, self.num_shards)
         msg = first

@@ -552,7 +552,7 @@ async def _serve_grpc(
     service.serving = True
     holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
-    service.on_fatal = stop.set
+    service.rounds.on_fatal = stop.set
     st = service.state
     auth = service.auth
     log.info(
@@ -590,12 +590,12 @@ async def _serve_grpc(
         await stop.wait()
     finally:
         log.info("shard %d stopping", st.shard)
-        service.stopping = True  # sessions end now: that must not close rounds with partial pushes
+        service.rounds.stopping = True  # sessions end now: that must not close rounds with partial pushes
         holder.phase = "stopping"
         tick.cancel()
         await server.stop(grace=1.0)
-        await service.drain()  # jobs still out give their fragments back: the checkpoint sees whole state
-        if service.fatal:
-            raise OSError(service.fatal)
+        await service.rounds.drain()  # jobs still out give their fragments back: the checkpoint is whole
+        if service.rounds.fatal:
+            raise OSError(service.rounds.fatal)
         if service.checkpoint is not None and service.checkpoint.save_all(st):
             log.info("shard %d: checkpoint written to %s", st.shard, service.checkpoint.dir)

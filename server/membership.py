@@ -1,8 +1,8 @@
 """Who may open a session on a shard: the session ids that Join hands out, each bound to the name and the
 identity that joined, good once and for PENDING_SECONDS; one session per name; and what a revocation
-takes back. Pure (the clock is passed in), tested without a network (tests/test_auth.py). The servicer
-keeps the open sessions themselves (their queues); ShardState keeps who the rounds wait for (members,
-returning)."""
+takes back. Pure (the clock is passed in), tested without a network (tests/test_auth.py). The roster
+(server/roster.py) holds the one Sessions of a shard, with the open sessions and the members; nothing else
+may change them."""
 
 from __future__ import annotations
 

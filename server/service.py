@@ -1,18 +1,21 @@
-"""The shard's gRPC servicer: validate, translate, hand off to the pure ShardState.
+"""The shard's gRPC servicer: it validates each call, translates it from and to protobuf, and hands off.
+
+Who is admitted: server/admission.py (every Join, the pending shard's too). Who is here: server/roster.py
+(Joins, sessions, members: one truth for the rounds, status and pace). What a session's worker sends after
+Hello: server/intake.py (Ready, pushes and their checks). What waits to be written, and the backpressure on
+it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
+The status JSON and the dashboard's series: server/status.py. The rounds themselves: ShardState
+(server/shard.py), pure.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
-runs on the loop, so ShardState needs no locks. Those calls are bookkeeping (a chunk is checked and kept,
-still encoded; a round is marked closed): microseconds. The arithmetic runs beside the loop on a small
-thread pool (torch releases the GIL): a closing round's fold of its pushes into the mean, the outer step,
-encoding the update, writing the checkpoint and serializing the update's messages are one job
-(ShardState.begin_close hands it out with everything it needs and the fragment's optimizer; end_close
-takes it back on the loop), as is folding pushes ahead of a close when many are kept. So health, status
-and other sessions are answered while a round closes, and the next round's pushes are taken meanwhile.
+runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,
+encoding, checkpoint, serializing the update's messages) runs on the round runner's pool, so health,
+status and other sessions are answered while a round closes.
 
-Each worker session has one outgoing queue and one writer (the response generator); a reader task takes
-the worker's chunks. When a round closes, its update is cut into chunks and serialized once, on the job's
-thread, and the same bytes are queued to every member (Session's serializer passes bytes through: see
-`add_to_server`).
+Each worker session has one outgoing queue and one writer (the response generator here); a reader task
+(Intake.read) takes the worker's messages. A round's update is serialized once, on the job's thread, and
+the same bytes are queued to every session (Session's serializer passes bytes through: `rpc_handlers`).
+What this module must not do: decide admission, membership or rounds itself.
 """
 
 from __future__ import annotations
@@ -22,21 +25,26 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 import grpc
-import torch
-from google.protobuf.message import DecodeError
 
 from streamdiloco.common.codecs import chunk_values, get_codec
-from streamdiloco.common.fingerprint import fingerprint_diff, tensor_digest
-from streamdiloco.common.pace import MAX_STEP_SECONDS, pace_seconds, valid_step_seconds
-from streamdiloco.common.wire import PROTOCOL, from_chunk, to_chunks, values_to_bytes
+from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.auth import Auth, Identity, Refused, WorkersFile
+from streamdiloco.server.admission import (
+    Refusal,
+    Undecodable,
+    abort,
+    admit,
+    authenticate,
+    credentials,
+    fetch_fragments,
+    parse,
+    short,
+)
+from streamdiloco.server.auth import Auth, Refused, WorkersFile
 from streamdiloco.server.bounds import (
     FETCHES_PER_PEER,
     MIN_UNREAD_BYTES,
@@ -47,89 +55,19 @@ from streamdiloco.server.bounds import (
     peer_host,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.dashboard import DashboardData, Report, Sample
-from streamdiloco.server.membership import Sessions
+from streamdiloco.server.dashboard import DashboardData
+from streamdiloco.server.intake import Counters, Intake
 from streamdiloco.server.metrics import ShardMetrics
-from streamdiloco.server.robust import MAX_LOSS
-from streamdiloco.server.shard import CloseJob, FoldJob, PushRejected, ShardState
+from streamdiloco.server.outbox import Outbox
+from streamdiloco.server.roster import Member, Roster
+from streamdiloco.server.rounds import RoundRunner
+from streamdiloco.server.shard import ShardState
+from streamdiloco.server.status import ShardStatus
 
 log = logging.getLogger("streamdiloco.shard")
 
-MAX_NAME = 128
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
-MAX_FINGERPRINT_BYTES = 4 << 20  # a fingerprint lists parameter names and shapes: kilobytes, not megabytes
 MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard checks no token (then: throttled)
-MAX_ROUND = 1 << 53
-STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
-MIN_WEIGHT = 1.0  # a push's weight is the tokens it trained on: less than one is no contribution
-SAMPLE_SECONDS = 1.0  # the dashboard's time series: one sample of the shard's counters a second
-MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
-COMPUTE_THREADS = 2  # jobs of different fragments may run at once; one fragment has one job at a time
-
-
-def _short(text: str, limit: int = 300) -> str:
-    """Client-supplied text as it goes back into messages and logs: bounded."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
-@dataclass
-class _Member:
-    name: str
-    queue: asyncio.Queue
-    joined_at: float
-    pushes: int = 0
-    refused: int = 0
-    last_loss: float | None = None
-    msg_in: int = 0
-    msg_out: int = 0
-    queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
-    overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
-    active: bool = True  # False while passive: it gets updates, no round waits for it (until Ready)
-    step: int | None = None  # the progress it reported with its latest push
-    blocked_seconds: float | None = None
-    report: Report | None = None  # all of that report (total steps, tokens, utilization, eval loss)
-    revoked: bool = False  # its credential was revoked: its session is ended
-    call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
-    ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
-
-
-@dataclass
-class Counters:
-    codec_out: int = 0  # payload + scales of updates, summed over the members they went to
-    msg_in: int = 0  # serialized protobuf bytes of every message received on sessions
-    msg_out: int = 0
-    fetch_out: int = 0
-    bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
-    fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
-
-
-@dataclass
-class Undecodable:
-    """What a message that does not parse becomes: the servicer refuses it with one throttled line, where
-    gRPC would log a traceback for each."""
-
-    kind: str  # the message type it should have been
-    size: int
-    error: str
-
-
-def _parse(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except DecodeError as e:
-            return Undecodable(cls.__name__, len(data), _short(str(e), 120))
-
-    return parse
-
-
-def check_name(name: str) -> str | None:
-    if not name or len(name) > MAX_NAME or not name.isprintable() or name != name.strip():
-        return (
-            f"worker name must be 1..{MAX_NAME} printable characters without surrounding spaces, "
-            f"got {_short(repr(name), 60)}"
-        )
-    return None
 
 
 class ShardService(pb_grpc.ShardServicer):
@@ -152,9 +90,6 @@ class ShardService(pb_grpc.ShardServicer):
         self.limits = limits = limits or Limits()
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
-        self.stopping = False  # shutting down: sessions end, but no round closes because of that
-        self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
-        self.on_fatal = lambda: None  # serve() sets this to stop the shard
         cfg = state.cfg
         self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
         self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
@@ -168,80 +103,71 @@ class ShardService(pb_grpc.ShardServicer):
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
-        self.members: dict[str, _Member] = {}
-        # the session ids Join gave out, until their Session starts; Joins never followed by one are bounded
-        self.sessions = Sessions(self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
+        # Joins, sessions and members, one truth; Joins never followed by a Session are bounded
+        self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
+        self.outbox = Outbox(self.roster, self.unread, self.throttled)  # the sessions' queues, backpressure
         self.counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
-        self.started = time.time()
-        self._digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
+        self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
-        self._push_started: dict[tuple[str, int], tuple[float, Report]] = {}
         self.metrics = ShardMetrics(self)
-        self.pool = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
-        self._jobs: set[asyncio.Task] = set()  # fold and close jobs out (awaited before a final checkpoint)
-        self._closing: dict[int, asyncio.Task] = {}  # fragment -> its close job, while it runs
+        # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
+        self.rounds = RoundRunner(
+            state,
+            checkpoint,
+            self.metrics,
+            self.dashboard,
+            self.down_chunk,
+            self._deliver,
+            self._closing,
+            clock,
+        )
+        # what a session's worker sends after Hello: Ready and pushes, checked and handed off
+        self.intake = Intake(
+            state,
+            self.roster,
+            self.outbox,
+            self.counters,
+            self.metrics,
+            self.dashboard,
+            self.throttled,
+            self.close_due,
+            clock,
+        )
         self.sample()
 
     @property
     def ready(self) -> bool:
         """Serving, with its state loaded, and not on its way down."""
-        return self.serving and not self.stopping and not self.fatal
+        return self.serving and not self.rounds.stopping and not self.rounds.fatal
 
     # --- Join ------------------------------------------------------------------------------------------
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         if isinstance(request, Undecodable):
             await self._undecodable(request, context)
-        if self.stopping or self.fatal:
+        if self.rounds.down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        identity = await self._authenticate(context, request.token, request.worker)
-        if request.protocol != PROTOCOL:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the worker speaks protocol {request.protocol}, this shard {PROTOCOL}: "
-                "upgrade the older side",
+        try:
+            identity = admit(
+                self.auth,
+                credentials(context, request.token),
+                request.worker,
+                request.protocol,
+                request.fingerprint_json,
+                None if request.config_only else self.fingerprint,
             )
-        if problem := check_name(request.worker):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if (unchecked := self.auth.unchecked_token(self._offered_token(context, request.token))) is not None:
-            if request.worker not in self._told_unchecked:  # once per name (a restart policy retries)
-                if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
-                    self._told_unchecked.add(request.worker)
-                self.throttled.warning("unchecked-token", "refused %s at Join: %s", request.worker, unchecked)
-            await _abort(context, unchecked)
+        except Refusal as r:
+            self._refused_join(request.worker, r)
+            await abort(context, r)
         st = self.state
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
             return pb.JoinReply(
                 config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
             )
-        if len(request.fingerprint_json) > MAX_FINGERPRINT_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint of {len(request.fingerprint_json):,} characters is too large "
-                f"(at most {MAX_FINGERPRINT_BYTES:,})",
-            )
         try:
-            theirs = json.loads(request.fingerprint_json)
-            if not isinstance(theirs, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model fingerprint is not valid JSON: {e}")
-        try:
-            diff = fingerprint_diff(theirs, self.fingerprint, us="worker", them="shard")
-        except (TypeError, KeyError, IndexError, AttributeError) as e:  # JSON, but not a fingerprint's shape
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model fingerprint is malformed: {type(e).__name__}: {_short(str(e), 200)}",
-            )
-        if diff:
-            diff = _short(diff, 1000)
-            self.throttled.warning("join", "refused %s at Join: %s", request.worker, diff)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, diff)
-        try:
-            session = self.sessions.join(request.worker, identity, self.clock(), self.members)
+            session = self.roster.join(request.worker, identity, self.clock())
         except Refused as r:
-            await _abort(context, r)
+            await abort(context, r)
         return pb.JoinReply(
             config_json=json.dumps(st.cfg.to_dict()),
             shard=st.shard,
@@ -251,6 +177,16 @@ class ShardService(pb_grpc.ShardServicer):
             session=session,
             chunk_values=self.up_chunk,
         )
+
+    def _refused_join(self, worker: str, refusal: Refusal) -> None:
+        """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
+        restart policy retries)."""
+        if refusal.kind == "fingerprint":
+            self.throttled.warning("join", "refused %s at Join: %s", worker, refusal.message)
+        elif refusal.kind == "unchecked-token" and worker not in self._told_unchecked:
+            if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
+                self._told_unchecked.add(worker)
+            self.throttled.warning("unchecked-token", "refused %s at Join: %s", worker, refusal.message)
 
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(
@@ -302,21 +238,20 @@ class ShardService(pb_grpc.ShardServicer):
         if first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a session starts with Hello")
         name = first.hello.worker
-        identity = await self._authenticate(context, "", name)  # the session id alone proves nothing
+        identity = await authenticate(self.auth, context, "", name)  # the session id alone proves nothing
+        member = Member(name, asyncio.Queue(), time.time(), call=asyncio.current_task())
         try:
-            self.sessions.hello(first.hello.session, name, identity, self.clock(), self.members)
+            self.roster.hello(member, first.hello.session, identity, self.clock())
         except Refused as r:
-            await _abort(context, r)
-        member = self.members[name] = _Member(name, asyncio.Queue(), time.time(), active=False)
-        member.call = asyncio.current_task()
+            await abort(context, r)
         if first.hello.passive:
-            log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.members))
+            log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.roster.open))
         else:
-            self._activate(member)
-        reader = asyncio.create_task(self._read(member, it))
+            self.intake.activate(member)
+        reader = asyncio.create_task(self.intake.read(member, it))
         getter: asyncio.Task | None = None
         try:
-            yield self._welcome(member)
+            yield self.intake.welcome(member)
             while True:
                 if member.revoked:
                     await context.abort(
@@ -334,9 +269,7 @@ class ShardService(pb_grpc.ShardServicer):
                     break
                 msg, size = getter.result()
                 getter = None
-                if msg is not None:  # taken from the queue: no longer waiting
-                    self.unread.remove(msg)
-                    member.queued_bytes -= size
+                self.outbox.take(member, msg, size)
                 if member.overflowed or member.revoked:
                     continue  # ends the session at the top of the loop
                 member.msg_out += size
@@ -345,7 +278,7 @@ class ShardService(pb_grpc.ShardServicer):
             if reader.done() and not reader.cancelled() and (error := reader.exception()) is not None:
                 log.error("session of %s failed", name, exc_info=error)
                 await context.abort(
-                    grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {_short(str(error))}"
+                    grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {short(str(error))}"
                 )
         finally:
             if getter is not None:  # also when the call was cancelled: no task may outlive the session
@@ -353,28 +286,13 @@ class ShardService(pb_grpc.ShardServicer):
                 if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
                     self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
-            if member.ender is not None:
-                member.ender.cancel()
-            self._drop_queue(member)
-            del self.members[name]
-            for key in [k for k in self._push_started if k[0] == name]:
-                del self._push_started[key]
-            if not self.stopping:  # a shard on its way down keeps its members: its checkpoint names them
-                self.state.remove_member(name)
+            self.outbox.close(member)
+            self.intake.forget(worker=name)
+            self.roster.leave(member, self.rounds.stopping)
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
     # --- credentials ---------------------------------------------------------------------------------------
-    async def _authenticate(
-        self, context: grpc.aio.ServicerContext, token: str, name: str | None
-    ) -> Identity:
-        return await authenticate(self.auth, context, token, name)
-
-    @staticmethod
-    def _offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
-        """The token a call offers: its metadata's bearer token, else `token` from the message."""
-        return offered_token(context, token)
-
     def reload_credentials(self, force: bool = False) -> None:
         """Re-read the workers file if it changed (or `force`: SIGHUP); end the sessions of the workers
         whose credential it revoked. A file that does not parse changes nothing (one error line)."""
@@ -394,373 +312,51 @@ class ShardService(pb_grpc.ShardServicer):
 
     def revoke(self, names: Iterable[str]) -> None:
         """End the sessions of these workers and forget their Joins: they must prove a credential again."""
-        for name in self.sessions.revoke(names, self.members):
-            member = self.members[name]
-            member.revoked = True
-            self.state.remove_member(name)  # rounds stop waiting for it
-            member.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
-            log.warning("%s: credential revoked, its session ends", name)
+        for member in self.roster.revoke(names):  # rounds, status and pace let go of them at once
+            self.outbox.wake(member)  # its writer ends the session
+            log.warning("%s: credential revoked, its session ends", member.name)
         self.close_due()
 
-    def _activate(self, member: _Member, from_rounds: list[int] | None = None) -> None:
-        member.active = True
-        self.state.add_member(member.name, from_rounds)
-        log.info("%s joined (%d members)", member.name, len(self.state.members))
-
-    def _welcome(self, member: _Member) -> pb.ShardMessage:
-        st = self.state
-        nfrag = st.layout.num_fragments
-        return pb.ShardMessage(
-            welcome=pb.Welcome(
-                rounds=[st.round_of(f) for f in range(nfrag)],
-                started=[st.started(f) for f in range(nfrag)],
-                member=member.active,
-                pushes=[len(st.open[f].contributors) for f in range(nfrag)],
-                min_workers=st.min_workers,
-            )
-        )
-
-    def _send(self, member: _Member, msg: pb.ShardMessage | bytes) -> None:
-        """Queue a message (or its serialized bytes) for a member; one that stops reading is dropped, not
-        buffered for ever."""
-        if member.overflowed:
-            return
-        size = len(msg) if isinstance(msg, bytes) else msg.ByteSize()
-        self.unread.add(msg, size)
-        member.queued_bytes += size
-        member.queue.put_nowait((msg, size))
-        while self.unread.over:  # one budget for all sessions: the one furthest behind goes first
-            reading = [m for m in self.members.values() if not m.overflowed]
-            if not reading:  # what is left over is a message a writer is taking: it goes at once
-                break
-            behind = max(reading, key=lambda m: m.queued_bytes)
-            behind.overflowed = True
-            self._drop_queue(behind)
-            self.state.remove_member(behind.name)  # rounds stop waiting for it; its session is ended
-            self.throttled.warning(
-                "unread", "%s does not read its updates: dropping it from the member set", behind.name
-            )
-            behind.queue.put_nowait((None, 0))  # wake the writer so that it ends the session
-            # ... unless it is stuck writing to a client that takes nothing: then the call is cut (the client
-            # sees CANCELLED); its session's end lets go of the rest
-            behind.ender = asyncio.get_running_loop().call_later(STUCK_SECONDS, self._cut, behind)
-
-    def _cut(self, member: _Member) -> None:
-        if self.members.get(member.name) is member and member.call is not None:
-            self.throttled.log(logging.INFO, "cut", "%s still does not read: cutting its call", member.name)
-            member.call.cancel()
-
-    def _drop_queue(self, member: _Member) -> None:
-        """Let go of the messages still queued for a member (its session ends)."""
-        while not member.queue.empty():
-            msg, _ = member.queue.get_nowait()
-            if msg is not None:
-                self.unread.remove(msg)
-        member.queued_bytes = 0
-
-    async def _read(self, member: _Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
-        async for msg in it:
-            if member.overflowed or member.revoked:
-                return
-            if isinstance(msg, Undecodable):
-                self.counters.bad_messages += 1
-                self.throttled.warning("undecodable", "a %s from %s does not parse", msg.kind, member.name)
-                self._refuse(member, 0, 0, "bad_message", f"a message of {msg.size} bytes does not parse")
-                continue
-            size = msg.ByteSize()
-            member.msg_in += size
-            self.counters.msg_in += size
-            kind = msg.WhichOneof("kind")
-            if kind == "ready":
-                self._on_ready(member, list(msg.ready.from_rounds))
-                continue
-            if kind != "push":
-                self.counters.bad_messages += 1
-                self._refuse(
-                    member, 0, 0, "bad_message", "only pushes and Ready may follow Hello on a session"
-                )
-                continue
-            self._on_push(member, msg.push)
-
-    def _on_ready(self, member: _Member, from_rounds: list[int]) -> None:
-        nfrag = self.state.layout.num_fragments
-        if from_rounds and (len(from_rounds) != nfrag or max(from_rounds) > MAX_ROUND):
-            self.counters.bad_messages += 1
-            self._refuse(
-                member,
-                0,
-                0,
-                "bad_message",
-                f"Ready must name the first round of each of the {nfrag} fragments (or none), "
-                f"got {len(from_rounds)} values",
-            )
-            return
-        if not member.active:
-            self._activate(member, from_rounds or None)
-        self._send(member, self._welcome(member))
-
-    def _on_push(self, member: _Member, push: pb.Push) -> None:
-        c, h = push.chunk, push.header
-        if not member.active:  # no round may count on a worker that has not said it is ready
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
-                self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
-            return
-        try:
-            part = from_chunk(c)
-        except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_length"):
-                message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
-                self._refuse(member, c.fragment, c.round, "bad_length", message)
-            return
-        if c.seq == 0 and 0 < h.weight < MIN_WEIGHT:  # ShardState refuses the rest of what is not 1..2^53
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_weight"):
-                self._refuse(
-                    member,
-                    c.fragment,
-                    c.round,
-                    "bad_weight",
-                    f"fragment {c.fragment} round {c.round}: push weight must be at least {MIN_WEIGHT:g} "
-                    f"token (it counts the tokens trained on), got {h.weight}",
-                )
-            return
-        if c.seq == 0 and (problem := _check_progress(h)):
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_header"):
-                self._refuse(
-                    member,
-                    c.fragment,
-                    c.round,
-                    "bad_header",
-                    f"fragment {c.fragment} round {c.round}: {problem}",
-                )
-            return
-        before = self.state.bytes_received
-        try:
-            done = self.state.push_chunk(
-                member.name,
-                c.fragment,
-                c.round,
-                c.seq,
-                c.offset,
-                c.total,
-                part,
-                c.last,
-                weight=h.weight if c.seq == 0 else None,
-                loss=h.loss if c.seq == 0 and h.has_loss else None,
-                now=self.clock(),
-            )
-        except PushRejected as e:
-            self._refuse(member, c.fragment, c.round, e.reason, str(e))
-            return
-        now = self.clock()
-        if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
-            self._push_started[(member.name, c.fragment)] = (now, _report(h))
-        if done:
-            member.pushes += 1
-            self.metrics.push_size.observe(self.state.bytes_received - before)
-            started = self._push_started.pop((member.name, c.fragment), None)
-            if started is not None:  # the worker's progress, reported with an accepted push
-                t0, report = started
-                self.metrics.push_transfer.observe(max(0.0, now - t0))
-                member.step, member.blocked_seconds, member.report = report.step, report.blocked, report
-                if report.loss is not None:
-                    member.last_loss = report.loss
-                self.dashboard.record_progress(member.name, report.step, report.loss, report.blocked, report)
-            result = pb.PushResult(
-                fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.pace()
-            )
-            self._send(member, pb.ShardMessage(result=result))
-            self.close_due()
-
     def pace(self) -> float:
-        """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what a
-        worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
-        return pace_seconds(
-            m.report.step_seconds for m in self.members.values() if m.active and m.report is not None
-        )
+        """The run's pace: the slowest member's reported seconds per inner step (Roster.pace)."""
+        return self.roster.pace()
 
     @property
     def passive_sessions(self) -> int:
         """Connected workers that are not members yet (joining)."""
-        return sum(not m.active for m in self.members.values())
+        return self.roster.passive
 
-    def _sample_now(self) -> Sample:
-        c = self.counters
-        n = len(self.state.members)
-        return time.time(), c.msg_in, c.msg_out + c.fetch_out, n, self.passive_sessions
+    @property
+    def members(self) -> dict[str, Member]:
+        """The open sessions by name, those being dropped too (Roster.open; the members are
+        roster.members())."""
+        return self.roster.open
 
     def sample(self) -> None:
         """One point of the dashboard's time series: cumulative bytes and the member count."""
-        self._sampled_at = time.monotonic()
-        self.dashboard.samples.append(self._sample_now())
+        self.view.sample()
 
-    def _refuse(self, member: _Member, fragment: int, round: int, reason: str, message: str) -> None:
-        member.refused += 1
-        message = _short(message)  # it may quote what the worker sent (a codec's name, ...)
-        level = logging.INFO if reason == "late" else logging.WARNING
-        self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
-        result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
-        self._send(member, pb.ShardMessage(result=result))
+    async def tick(self) -> None:
+        """Close rounds at their deadlines (the round runner); each second, sample the dashboard's time series
+        and re-read the workers file if it changed (a revocation takes effect within a second)."""
+        await self.rounds.tick(self._each_second)
 
-    # --- rounds ----------------------------------------------------------------------------------------
+    def _each_second(self) -> None:
+        self.sample()
+        self.reload_credentials()
+
     def close_due(self) -> None:
-        """Start a close job for every round that is due, and a fold job where pushes wait to be folded."""
-        if self.stopping or self.fatal:
-            return
-        now = self.clock()
-        for fragment, why in self.state.due(now):
-            started = self.state.open[fragment].started_at
-            job = self.state.begin_close(fragment, why)
-            for key in [k for k in self._push_started if k[1] == fragment]:
-                del self._push_started[key]  # pushes still arriving for the closed round are late now
-            self._closing[fragment] = self._start(self._close(job, started))
-        for fragment in self.state.fold_due():
-            self._start(self._fold(self.state.begin_fold(fragment)))
+        self.rounds.close_due()
 
-    def _start(self, work: Coroutine) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(work)
-        self._jobs.add(task)
-        task.add_done_callback(self._jobs.discard)
-        return task
+    def _deliver(self, messages: list[bytes], nbytes: int) -> None:
+        """A closed round's update messages, the same bytes to every session."""
+        for m in self.roster.sessions():
+            for data in messages:
+                self.outbox.send(m, data)
+            self.counters.codec_out += nbytes
 
-    async def drain(self) -> None:
-        """Wait for the jobs that are out (before a final checkpoint: the state is whole again)."""
-        while self._jobs:
-            await asyncio.wait(set(self._jobs))
-
-    def _job_failed(self, what: str, error: BaseException) -> None:
-        # a bug, not bad input: the fragment cannot go on, so the shard stops; workers keep their pushes and
-        # send them again to the shard restarted from its checkpoint
-        log.error("%s failed", what, exc_info=error)
-        if not self.fatal:
-            self.fatal = f"{what} failed ({type(error).__name__}: {error}): stopping the shard"
-            self.on_fatal()
-
-    async def _fold(self, job: FoldJob) -> None:
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.pool, job.run)
-        except Exception as e:
-            self._job_failed(f"folding pushes of fragment {job.fragment} round {job.round}", e)
-            return
-        self.state.end_fold(job)
-        self.close_due()
-
-    def _compute_close(self, job: CloseJob) -> tuple[bool, list[bytes], float | None]:
-        """On a pool thread: the round's arithmetic, its checkpoint, and its update's messages."""
-        ckpt = self.checkpoint
-        record = job.record() if ckpt is not None else None  # before run(), which lets the pushes go
-        job.run()
-        saved, seconds = True, None
-        if ckpt is not None and record is not None:  # the round is durable before its update goes out
-            t0 = time.perf_counter()
-            saved = ckpt.log_round(job.fragment, record)
-            seconds = time.perf_counter() - t0
-        assert job.update is not None
-        messages = (
-            [
-                pb.ShardMessage(update=c).SerializeToString()
-                for c in to_chunks(job.update, job.fragment, job.round, self.down_chunk)
-            ]
-            if saved
-            else []
-        )
-        return saved, messages, seconds
-
-    async def _close(self, job: CloseJob, started: float | None) -> None:
-        try:
-            saved, messages, seconds = await asyncio.get_running_loop().run_in_executor(
-                self.pool, self._compute_close, job
-            )
-        except Exception as e:
-            self._job_failed(f"closing fragment {job.fragment} round {job.round}", e)
-            return
-        finally:
-            del self._closing[job.fragment]
-        c = self.state.end_close(job)
-        if seconds is not None:
-            self.metrics.checkpoint_write.observe(seconds)
-        if not saved:
-            assert self.checkpoint is not None
-            # no worker may apply an update that a restart would not have: stop instead; workers keep
-            # their pushes and send them again to the shard restarted from its last good checkpoint
-            self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
-            log.critical(self.fatal)
-            self.on_fatal()
-            return
-        for m in list(self.members.values()):
-            for data in messages:  # the same bytes for every member
-                self._send(m, data)
-            self.counters.codec_out += c.update.nbytes
-        seconds = self.clock() - started if started is not None else None
-        self.metrics.round_closed(c.why, seconds, c.update.nbytes)
-        self.dashboard.record_round(
-            {
-                "fragment": c.fragment,
-                "round": c.round,
-                "contributors": list(c.contributors),
-                "why": c.why,
-                "clipped": list(c.clipped),
-                "capped": list(c.capped),
-                "seconds": round(seconds, 3) if seconds is not None else None,
-                "mean_loss": c.mean_loss,
-                "closed_at": time.time(),
-            }
-        )
-        (log.error if c.why == "nonfinite" else log.info)(
-            "fragment %d round %d closed (%s): %d contributors%s%s",
-            c.fragment,
-            c.round,
-            c.why,
-            len(c.contributors),
-            f", mean loss {c.mean_loss:.4f}" if c.mean_loss is not None else "",
-            "; THE OUTER STEP CAME OUT NON-FINITE: the round's update was not applied (a zero update went "
-            "out) and the outer optimizer restarted from the master before it"
-            if c.why == "nonfinite"
-            else "",
-        )
-        if c.clipped or c.capped:  # names are bounded (check_name): at most a member list's length
-            log.warning(
-                "fragment %d round %d: %s",
-                c.fragment,
-                c.round,
-                "; ".join(
-                    f"{what} of {', '.join(names)}"
-                    for what, names in (("norm clipped", c.clipped), ("weight capped", c.capped))
-                    if names
-                ),
-            )
-        if self.checkpoint is not None and self.checkpoint.full_due(c.round):
-            # the fragment's whole state, after the update has gone out (the round's log made it durable);
-            # the fragment holds still meanwhile: no close until it is written
-            self.state.hold(c.fragment)
-            self._start(self._save_whole(job))
-        self.close_due()  # a round may have become due while this one was out
-
-    async def _save_whole(self, job: CloseJob) -> None:
-        ckpt = self.checkpoint
-        assert ckpt is not None
-        try:
-            t0 = time.perf_counter()
-            # a failure is logged and counted, not fatal: the round logs stay until a whole state is written
-            await asyncio.get_running_loop().run_in_executor(
-                self.pool, lambda: ckpt.save(job.fragment, job.fragment_state())
-            )
-            self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
-        finally:
-            self.state.release(job.fragment)
-            self.close_due()
-
-    async def tick(self, period: float = 0.2) -> None:
-        """Close rounds whose deadline has passed; sample the dashboard's time series; re-read the workers
-        file when it changed."""
-        while True:
-            await asyncio.sleep(period)
-            if time.monotonic() - self._sampled_at >= SAMPLE_SECONDS:  # not time.time(): clocks step
-                self.sample()
-                self.reload_credentials()  # a revocation takes effect within a second
-            try:
-                self.close_due()
-            except Exception:  # keep closing rounds at their deadlines whatever one close did
-                log.exception("closing rounds failed")
+    def _closing(self, fragment: int) -> None:
+        self.intake.forget(fragment=fragment)  # pushes still arriving for the closed round are late now
 
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(
@@ -781,36 +377,15 @@ class ShardService(pb_grpc.ShardServicer):
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.MasterChunk, None]:
         st = self.state
-        if self.stopping or self.fatal:  # a master that a failed checkpoint did not save must not go out
+        if self.rounds.down:  # a master that a failed checkpoint did not save must not go out
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-        await self._authenticate(context, request.token, None)
-        nfrag = st.layout.num_fragments
-        if len(request.fragments) > nfrag:  # each fragment at most once
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a Fetch names at most the run's {nfrag} fragments, got {len(request.fragments)}",
-            )
-        if len(set(request.fragments)) != len(request.fragments):
-            twice = next(f for i, f in enumerate(request.fragments) if f in request.fragments[:i])
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {twice} is named twice: name each fragment once"
-            )
-        fragments = list(request.fragments) or list(range(nfrag))
-        for f in fragments:
-            if not 0 <= f < st.layout.num_fragments:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"fragment {f} does not exist: this run has fragments 0..{st.layout.num_fragments - 1}",
-                )
-        first_len = st.ranges[fragments[0]][1] - st.ranges[fragments[0]][0]
-        if request.offset > first_len:
-            await context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"offset {request.offset} is past the end of fragment {fragments[0]}'s "
-                f"{first_len}-value slice",
-            )
+        await authenticate(self.auth, context, request.token, None)
+        try:
+            fragments = fetch_fragments(list(request.fragments), request.offset, st.ranges)
+        except Refusal as r:
+            await abort(context, r)
         for i, f in enumerate(fragments):
-            while (closing := self._closing.get(f)) is not None:  # its master and round are changing
+            while (closing := self.rounds.closing.get(f)) is not None:  # its master and round are changing
                 self.counters.fetch_waits += 1
                 await asyncio.wait({closing})
             master, rnd = st.master(f), st.round_of(f)  # a master is never changed in place: a snapshot
@@ -818,7 +393,7 @@ class ShardService(pb_grpc.ShardServicer):
             start = request.offset if i == 0 else 0
             los = list(range(start, n, self.fetch_chunk)) or [n]
             for lo in los:
-                if self.fatal:
+                if self.rounds.fatal:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
                 hi = min(n, lo + self.fetch_chunk)
                 msg = pb.MasterChunk(
@@ -836,229 +411,39 @@ class ShardService(pb_grpc.ShardServicer):
                 yield msg
 
     # --- status ----------------------------------------------------------------------------------------
-    def _digest(self, fragment: int) -> str:
-        """The master's hash, computed once per round: a master changes only when its round closes."""
-        master = self.state.master(fragment)
-        cached = self._digests.get(fragment)
-        if cached is None or cached[0] is not master:
-            cached = self._digests[fragment] = (master, tensor_digest(master))
-        return cached[1]
-
-    async def hash_masters(self) -> None:
-        """Compute on a pool thread the masters' hashes that status() would otherwise compute on the loop
-        (a hash reads the whole slice)."""
-        loop = asyncio.get_running_loop()
-        for f in range(self.state.layout.num_fragments):
-            master = self.state.master(f)
-            cached = self._digests.get(f)
-            if cached is None or cached[0] is not master:
-                digest = await loop.run_in_executor(self.pool, tensor_digest, master)
-                self._digests[f] = (master, digest)
-
     def status(self, rounds: int = 20, hashes: bool = True) -> dict:
-        """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
-        page, which polls, leaves it out)."""
-        st = self.state
-        return {
-            "shard": st.shard,
-            "num_shards": st.num_shards,
-            "uptime_seconds": round(time.time() - self.started, 1),
-            "ready": self.ready,
-            "config": st.cfg.to_dict(),
-            "min_workers": st.min_workers,
-            "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
-            "round_timeout": st.round_timeout,
-            "pace_seconds": self.pace(),  # the slowest member's step time (sync_schedule adaptive)
-            "members": [
-                {
-                    "name": m.name,
-                    "state": "member" if m.active else "passive",
-                    "joined_at": m.joined_at,
-                    "pushes": m.pushes,
-                    "refused": m.refused,
-                    "last_loss": m.last_loss,
-                    "step": m.step,
-                    "blocked_seconds": m.blocked_seconds,
-                    **self._reported(m),
-                    "message_bytes_in": m.msg_in,
-                    "message_bytes_out": m.msg_out,
-                    "receiving": [  # pushes whose chunks are arriving
-                        {"fragment": f, "round": p.round, "values": p.asm.received, "of": p.asm.total}
-                        for (w, f), p in sorted(st.staged.items())
-                        if w == m.name
-                    ],
-                }
-                for m in self.members.values()
-            ],
-            "fragments": [
-                {
-                    "fragment": f,
-                    "round": st.round_of(f),
-                    "slice": list(st.ranges[f]),
-                    "master_hash": self._digest(f) if hashes else None,
-                    "contributors": sorted(st.contributors(f)),
-                }
-                for f in range(st.layout.num_fragments)
-            ],
-            "rounds_closed": st.rounds_closed,
-            "checkpoint": None
-            if self.checkpoint is None
-            else {
-                "dir": str(self.checkpoint.dir),
-                "writes": self.checkpoint.writes,
-                "errors": self.checkpoint.errors,
-                "last_error": self.checkpoint.last_error,
-            },
-            "pushes_accepted": st.pushes_accepted,
-            "pushes_refused": dict(st.pushes_refused),
-            "robust": {
-                **st.robust.to_dict(),
-                "pushes_clipped": st.pushes_clipped,
-                "weights_capped": st.weights_capped,
-            },
-            "bad_messages": self.counters.bad_messages,
-            "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
-                "sessions": self.peer_sessions.held,
-                "fetches": self.fetches.held,
-                "unread_bytes": self.unread.held,
-                "unread_limit": self.unread.limit,
-                "pending_joins": len(self.sessions.pending),
-                "refused": dict(self.refused),
-            },
-            "bytes": {
-                "codec_in": st.bytes_received,
-                "codec_out": self.counters.codec_out,
-                "message_bytes_in": self.counters.msg_in,
-                "message_bytes_out": self.counters.msg_out,
-                "fetch_out": self.counters.fetch_out,
-            },
-            "training_loss": self.dashboard.last_loss,
-            "round_seconds": self.dashboard.round_seconds(),
-            "recent_rounds": self.dashboard.recent_rounds(rounds),
-        }
-
-    def _reported(self, m: _Member) -> dict:
-        """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""
-        r = m.report
-        rates = self.dashboard.rates(m.name)
-        eta = None
-        if r is not None and r.total_steps and rates["steps_per_second"]:
-            eta = max(0, r.total_steps - r.step) / rates["steps_per_second"]
-        return {
-            "total_steps": r.total_steps if r is not None and r.total_steps else None,
-            "tokens": r.tokens if r is not None else None,
-            "compute_utilization": r.utilization if r is not None else None,
-            "eval_loss": r.eval_loss if r is not None else None,
-            "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
-            "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)
-            **rates,
-            "eta_seconds": eta,
-        }
+        """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too."""
+        return self.view.status(rounds, hashes)
 
     def series(self, since: float = 0.0) -> dict:
         """The dashboard's time series after `since` (a time.time()), with the values of this moment."""
-        return self.dashboard.series(since, self._sample_now())
+        return self.view.series(since)
 
-
-_STATUS = {
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
-    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
-    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def offered_token(context: grpc.aio.ServicerContext, token: str) -> str:
-    """The token a call offers: its metadata's bearer token, else `token` from the message."""
-    offered = token
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
-            offered = value[7:].strip()
-    return offered
-
-
-async def authenticate(
-    auth: Auth, context: grpc.aio.ServicerContext, token: str, name: str | None
-) -> Identity:
-    """What the call's credentials prove (the token in its metadata, else `token` from the message; the
-    client certificate's name under mutual TLS); aborts the call when they do not allow it."""
-    offered = offered_token(context, token)
-    names = (context.auth_context() or {}).get("x509_common_name") or ()
-    certificate = next(iter(names), b"").decode("utf-8", "replace") or None
-    try:
-        return auth.authenticate(offered, certificate, name)
-    except Refused as r:
-        await _abort(context, r)
-        raise  # not reached: abort raises
-
-
-async def _abort(context: grpc.aio.ServicerContext, refused: Refused) -> None:
-    """End the call with the status that an auth or membership refusal maps to."""
-    await context.abort(_STATUS[refused.code], refused.message)
-
-
-def _check_progress(h: pb.PushHeader) -> str | None:
-    """The progress a push reports (step, blocked time, total steps, tokens, utilization, eval loss): what
-    the dashboard plots must be numbers in range; a push with one that is not is refused as a whole."""
-    for what, value in (
-        ("step", h.step),
-        ("total steps", h.total_steps),
-        ("token count", h.tokens),
-        ("eval step", h.eval_step),
-    ):
-        if value > MAX_ROUND:
-            return f"the reported {what} must be at most 2^53, got {value}"
-    if not (0.0 <= h.blocked_seconds <= MAX_BLOCKED_SECONDS):  # also refuses NaN
-        return (
-            f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
-        )
-    if h.has_utilization and not (0.0 <= h.compute_utilization <= 1.0):
-        return f"the reported compute utilization must be a fraction in [0, 1], got {h.compute_utilization}"
-    if h.has_eval_loss and not (0.0 <= h.eval_loss <= MAX_LOSS):
-        return f"the reported eval loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {h.eval_loss}"
-    if h.step_seconds != 0.0 and not valid_step_seconds(h.step_seconds):  # NaN too
-        return (
-            f"the reported step time must be 0 (not measured) or in (0, {MAX_STEP_SECONDS:g}] seconds, "
-            f"got {h.step_seconds}"
-        )
-    return None
-
-
-def _report(h: pb.PushHeader) -> Report:
-    """A push header's progress, once _check_progress has passed it."""
-    return Report(
-        step=h.step,
-        loss=h.loss if h.has_loss else None,
-        blocked=h.blocked_seconds,
-        total_steps=h.total_steps,
-        tokens=h.tokens,
-        utilization=h.compute_utilization if h.has_utilization else None,
-        eval_loss=h.eval_loss if h.has_eval_loss else None,
-        eval_step=h.eval_step,
-        step_seconds=h.step_seconds or None,
-    )
+    async def hash_masters(self) -> None:
+        await self.view.hash_masters()
 
 
 def _serialize(msg: pb.ShardMessage | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-def rpc_handlers(service: ShardService) -> dict[str, grpc.RpcMethodHandler]:
-    """The servicer's methods as the generated add_ShardServicer_to_server registers them, except that a
-    Session reply may also be bytes already serialized (an update's chunks: serialized once per round, the
-    same bytes written to every member)."""
+def rpc_handlers(service: pb_grpc.ShardServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """A servicer's Join, Session and Fetch as the generated add_ShardServicer_to_server registers them,
+    except that a Session reply may also be bytes already serialized (an update's chunks: serialized once
+    per round, the same bytes written to every member). The one table: the pending shard of `--init
+    from-worker` (server/initialize.py) takes it for its own methods and adds Initialize."""
     return {
         "Join": grpc.unary_unary_rpc_method_handler(
             service.Join,
-            request_deserializer=_parse(pb.JoinRequest),
+            request_deserializer=parse(pb.JoinRequest),
             response_serializer=pb.JoinReply.SerializeToString,
         ),
         "Session": grpc.stream_stream_rpc_method_handler(
-            service.Session, request_deserializer=_parse(pb.WorkerMessage), response_serializer=_serialize
+            service.Session, request_deserializer=parse(pb.WorkerMessage), response_serializer=_serialize
         ),
         "Fetch": grpc.unary_stream_rpc_method_handler(
             service.Fetch,
-            request_deserializer=_parse(pb.FetchRequest),
+            request_deserializer=parse(pb.FetchRequest),
             response_serializer=pb.MasterChunk.SerializeToString,
         ),
     }

@@ -38,14 +38,12 @@ The gRPC servicer and the in-process simulator both drive this class.
 from __future__ import annotations
 
 import math
-import threading
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from streamdiloco.common.chunks import MAX_ABS_VALUE, Assembly, ChunkError
-from streamdiloco.common.codecs import Encoded, divide_into, encode, in_parallel, sumsq
+from streamdiloco.common.codecs import Encoded, sumsq
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
@@ -54,9 +52,18 @@ from streamdiloco.server.robust import (
     MIN_WEIGHT,
     RobustConfig,
     cap_weights,
-    centered_clip,
     clip_scales,
-    trimmed_mean,
+)
+from streamdiloco.server.roundjobs import (
+    ClosedRound,
+    CloseJob,
+    FoldJob,
+    OpenRound,
+    Push,
+    Staged,
+    checked_history,
+    fold,
+    ordered,
 )
 
 __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
@@ -64,8 +71,6 @@ __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", 
 # Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
 # overflow: values are bounded by the chunk assembler (MAX_ABS_VALUE); weights are token counts.
 MAX_WEIGHT = float(2**53)
-# Values per block when folding pushes into a mean: the block's fp64 sum (512 KiB) stays in a core's L2.
-FOLD_VALUES = 1 << 16
 
 
 class PushRejected(ValueError):
@@ -74,282 +79,6 @@ class PushRejected(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason  # short machine-readable cause: bad_fragment, late, duplicate, ...
-
-
-@dataclass
-class _Push:
-    """A whole push, still encoded."""
-
-    worker: str
-    weight: float  # as reported (cut to --max-weight)
-    asm: Assembly
-    norm: float = 0.0  # L2 norm of its values over the slice (measured when clipping is on)
-    share: float = 0.0  # its weight in the mean, once settled (capped)
-    scale: float = 1.0  # what clipping scales its values by
-    mult: float = 0.0  # what its values are multiplied by in the sum: share * scale
-    loss: float | None = None  # the training loss it reported
-
-    def __post_init__(self) -> None:
-        if not self.share:  # not settled yet: as reported
-            self.share = self.mult = self.weight
-
-
-@dataclass
-class _OpenRound:
-    number: int
-    kept: list[_Push] = field(default_factory=list)  # whole pushes, not yet folded
-    kept_bytes: int = 0
-    groups: list[list[_Push]] = field(default_factory=list)  # to fold into `partial`, in this order
-    partial: torch.Tensor | None = None  # fp64 sum of weight * delta of the groups folded so far
-    weight: float = 0.0
-    contributors: set[str] = field(default_factory=set)
-    weights: list[float] = field(default_factory=list)  # every whole push's reported weight, and norm:
-    norms: list[float] = field(default_factory=list)  # what caps and clips are relative to (and history)
-    settled: float = 0.0  # the sum of the shares of the pushes settled so far (the mean's divisor)
-    used_norms: list[float] = field(default_factory=list)  # their norms as used (clipped ones at the bound)
-    clipped: list[str] = field(default_factory=list)  # workers whose push was clipped, or weight capped
-    capped: list[str] = field(default_factory=list)
-    loss_sum: float = 0.0  # token-weighted (by share) sum of the inner losses of the pushes settled so far
-    loss_weight: float = 0.0
-    expected: frozenset[str] | None = None  # members present when the round's first push was complete
-    started_at: float | None = None  # when that was: the deadline counts from here
-
-
-@dataclass
-class _Staged:
-    """A push whose chunks are arriving: validated pieces, not yet in the round."""
-
-    round: int
-    weight: float
-    loss: float | None
-    asm: Assembly
-    sumsq: float = 0.0  # of the values so far (when clipping is on)
-
-
-@dataclass(frozen=True)
-class ClosedRound:
-    fragment: int
-    round: int
-    update: Encoded  # the quantized update u_hat, as it goes to every worker
-    contributors: tuple[str, ...]
-    weight: float
-    mean_loss: float | None
-    why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left;
-    # nonfinite: the step came out non-finite and was undone (a zero update)
-    clipped: tuple[str, ...] = ()  # workers whose push was scaled down to the norm bound
-    capped: tuple[str, ...] = ()  # workers whose weight was cut
-
-
-def _ordered(pushes: list[_Push]) -> list[_Push]:
-    return sorted(pushes, key=lambda p: p.worker)  # a worker pushes once per round: names are unique
-
-
-def _fold_block(
-    pushes: list[_Push], start: torch.Tensor | None, divisor: float, lo: int, out: torch.Tensor
-) -> None:
-    """out = (start + sum of weight * values over `pushes`, in this order) / divisor for values [lo, lo +
-    out.numel()), summed in fp64 (out: fp32 or fp64; the division is rounded once)."""
-    acc = out if out.dtype == torch.float64 else _scratch(out.numel())
-    if start is not None:
-        acc.copy_(start[lo : lo + out.numel()])
-    elif not pushes:
-        acc.zero_()
-    for i, p in enumerate(pushes):
-        p.asm.accumulate_into(acc, p.mult, lo, overwrite=start is None and i == 0)  # 0 + w * x, no zeroing
-    if divisor != 1.0 or acc is not out:
-        divide_into(acc, divisor, out)  # x / 1 is x: the same values as a copy
-
-
-def _history(saved: object, rounds: bool = True) -> dict | None:
-    """Weights and norms as a checkpoint keeps them ({"weights": [...], "norms": [...]}: lists of rounds'
-    lists when `rounds`, else one round's lists), checked: finite and not negative. None if malformed."""
-
-    def ok(xs: object) -> bool:
-        return isinstance(xs, list) and all(
-            isinstance(x, float | int) and not isinstance(x, bool) and 0 <= x < math.inf for x in xs
-        )
-
-    if not isinstance(saved, dict) or set(saved) != {"weights", "norms"}:
-        return None
-    out = {}
-    for key, value in saved.items():
-        lists = value if rounds else [value]
-        if not (isinstance(lists, list) and all(ok(xs) for xs in lists)):
-            return None
-        clean = [[float(x) for x in xs] for xs in lists]
-        out[key] = clean if rounds else clean[0]
-    return out
-
-
-def _finite(t: torch.Tensor) -> bool:
-    return t.numel() == 0 or all(bool(torch.isfinite(x)) for x in torch.aminmax(t))  # NaN propagates
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n: int) -> torch.Tensor:
-    """A thread's fp64 fold buffer of n values (kept: a fresh 512 KiB each block costs its page faults)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.numel() < n:
-        buf = _SCRATCH.buf = torch.empty(max(n, FOLD_VALUES), dtype=torch.float64)
-    return buf[:n]
-
-
-def _fold_values(pushes: list[_Push]) -> int:
-    """Values per fold block: FOLD_VALUES, a multiple of every push's chunk alignment."""
-    align = max([p.asm.align for p in pushes] + [1])
-    return max(align, FOLD_VALUES // align * align)
-
-
-def fold(
-    n: int, pushes: list[_Push], out: torch.Tensor, start: torch.Tensor | None, divisor: float = 1.0
-) -> None:
-    """out = (start + sum of weight * values over `pushes`, in this order) / divisor, computed in fp64 one
-    block of values at a time (out may be start itself). Large slices are folded by the codec threads, each
-    on its own range of blocks (the values do not depend on the split)."""
-    step = _fold_values(pushes)
-
-    def run(a: int, b: int) -> None:
-        for lo in range(a, b, step):
-            _fold_block(pushes, start, divisor, lo, out[lo : min(b, lo + step)])
-
-    in_parallel(n, step, run)
-
-
-@dataclass
-class FoldJob:
-    """Groups of a round's pushes to fold into its fp64 sum ahead of the close (memory bound)."""
-
-    fragment: int
-    round: int
-    n: int
-    groups: list[list[_Push]]
-    partial: torch.Tensor | None
-
-    def run(self) -> FoldJob:
-        if self.partial is None:
-            self.partial = torch.zeros(self.n, dtype=torch.float64)
-        for group in self.groups:
-            fold(self.n, group, self.partial, self.partial)
-        return self
-
-
-@dataclass
-class CloseJob:
-    """A closed round's arithmetic: the weighted mean of its pushes, the outer step, the encoded update.
-    Holds everything it needs: `run` may go on another thread while the shard takes other pushes."""
-
-    fragment: int
-    round: int
-    why: str
-    n: int
-    pushes: list[_Push]  # groups not folded yet, then the kept pushes, in folding order
-    partial: torch.Tensor | None
-    weight: float
-    contributors: tuple[str, ...]
-    mean_loss: float | None
-    opt: OuterOptimizer
-    downlink: tuple[str, int]  # codec, block size: the zero update's
-    saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
-    aggregator: tuple[str, float, int] = ("mean", 0.0, 1)  # name, trim, centered-clip iterations
-    clipped: tuple[str, ...] = ()
-    capped: tuple[str, ...] = ()
-    history: dict = field(default_factory=dict)  # the round's weights and used norms (what medians keep)
-    update: Encoded | None = None
-
-    def run(self) -> CloseJob:
-        partial = self.partial
-        old = self.opt.master
-        if (
-            self.weight > 0
-            and partial is not None
-            and not all(torch.isfinite(x) for x in torch.aminmax(partial))
-        ):
-            # cannot happen: validated pushes (bounded values and weights) have a finite fp64 sum, and so a
-            # finite mean; the caller logs it
-            self.why = "nonfinite"
-        elif self.weight > 0:
-            try:
-                self.update = self._step(partial)
-            except ValueError:  # the step met non-finite values (it may have written part of its state)
-                self.update = None
-            if self.update is None or not _finite(self.opt.master):
-                # no NaN or inf may reach a worker: the round's update is not applied, and the optimizer
-                # starts again from the master before it (the caller logs it loudly)
-                self.opt.restart(old)
-                self.update, self.why = None, "nonfinite"
-        if self.update is None:  # nobody pushed (or the step was not finite): a zero update; nobody waits
-            self.mean_loss = None
-            codec, block_size = self.downlink
-            self.update = encode(torch.zeros_like(self.opt.master), codec, block_size)
-        self.pushes, self.partial = [], None  # let the pushes' bytes go
-        return self
-
-    def _step(self, partial: torch.Tensor | None) -> Encoded:
-        pushes, weight = self.pushes, self.weight
-        name, trim, iters = self.aggregator
-        if name == "mean":
-            # the mean is folded block by block and each block stepped while it is in cache (on the CPU)
-            def fill(lo: int, hi: int, out: torch.Tensor) -> None:
-                _fold_block(pushes, partial, weight, lo, out)
-
-            return self.opt.step_from(fill, _fold_values(pushes))
-
-        def read(i: int, lo: int, hi: int, out: torch.Tensor) -> None:
-            p = pushes[i]
-            p.asm.decode_into(out, lo)
-            if p.scale != 1.0:
-                out.mul_(p.scale)
-
-        # the options need every push at once (no groups were folded ahead): the whole gradient is built
-        g, step = self.opt.gradient_buffer(), _fold_values(pushes)
-        if name == "trimmed":
-            trimmed_mean(self.n, len(pushes), read, trim, g, step)
-        else:  # centered clipping, from the clipped weighted mean
-            fold(self.n, pushes, g, None, weight)
-            centered_clip(self.n, len(pushes), read, [p.share for p in pushes], iters, g, step)
-        return self.opt.step(g)[0]
-
-    def fragment_state(self) -> dict:
-        """The fragment as a checkpoint keeps it once the round has closed (call after `run`)."""
-        return {**self.saved, "outer": self.opt.state_dict()}
-
-    def record(self) -> dict:
-        """The round's inputs, as a checkpoint logs them (call before `run`, which lets the pushes go):
-        replayed on the fragment's state before the round (ShardState.replay_round) they give the state
-        after it bit for bit. The pushes stay encoded: about 0.53 bytes per value and push for E3M0."""
-        return {
-            "round": self.round,
-            "why": self.why,
-            "weight": self.weight,
-            "contributors": list(self.contributors),
-            "mean_loss": self.mean_loss,
-            "partial": self.partial,
-            "aggregator": list(self.aggregator),
-            "history": self.history,
-            "pushes": [
-                {
-                    "worker": p.worker,
-                    "weight": p.weight,
-                    "share": p.share,
-                    "scale": p.scale,
-                    "mult": p.mult,
-                    "parts": [
-                        {
-                            "offset": offset,
-                            "codec": e.codec,
-                            "numel": e.numel,
-                            "block_size": e.block_size,
-                            "payload": e.payload,
-                            "scales": e.scales,
-                        }
-                        for offset, e in p.asm.parts
-                    ],
-                }
-                for p in self.pushes
-            ],
-        }
 
 
 class ShardState:
@@ -396,7 +125,7 @@ class ShardState:
                     seed=seed * 1_000_003 + shard * 1009 + f,
                 )
             )
-        self.open = [_OpenRound(0) for _ in range(layout.num_fragments)]
+        self.open = [OpenRound(0) for _ in range(layout.num_fragments)]
         self.busy: set[int] = set()  # fragments whose fold or close job is out (see begin_close)
         self._masters = [opt.master for opt in self.outer]  # as of the last round closed (never changed)
         self.fold_bytes = [8 * (hi - lo) for lo, hi in self.ranges]  # kept pushes beyond an fp64 sum: fold
@@ -407,7 +136,7 @@ class ShardState:
         self.restored_members: set[str] = set()
         self.returning: set[str] = set()
         self.returning_until: float | None = None
-        self.staged: dict[tuple[str, int], _Staged] = {}
+        self.staged: dict[tuple[str, int], Staged] = {}
         # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
         self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
         self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
@@ -432,7 +161,7 @@ class ShardState:
         rnd = self.open[fragment]
         lo, hi = self.ranges[fragment]
         out = torch.zeros(hi - lo, dtype=torch.float64)
-        pushes = [p for g in rnd.groups for p in _ordered(g)] + _ordered(rnd.kept)
+        pushes = [p for g in rnd.groups for p in ordered(g)] + ordered(rnd.kept)
         fold(hi - lo, pushes, out, rnd.partial)
         return out
 
@@ -504,14 +233,14 @@ class ShardState:
         members = saved.get("members", [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(f"checkpoint of fragment {fragment} has a malformed member list")
-        history = _history(saved.get("history", {"weights": [], "norms": []}))
+        history = checked_history(saved.get("history", {"weights": [], "norms": []}))
         if history is None:
             raise ValueError(f"checkpoint of fragment {fragment} has a malformed history of weights, norms")
         if fragment in self.busy:
             raise RuntimeError(f"fragment {fragment} is being closed: cannot load its state now")
         self.outer[fragment].load_state_dict(outer)
         self._masters[fragment] = self.outer[fragment].master
-        self.open[fragment] = _OpenRound(rnd)
+        self.open[fragment] = OpenRound(rnd)
         self.restored_members.update(members)
         keep = self.robust.history_rounds
         self.weight_history[fragment] = deque(history["weights"], maxlen=keep)
@@ -596,7 +325,7 @@ class ShardState:
             if cap and weight > cap:  # more tokens than one worker can train on between two syncs
                 weight = cap
                 self.weights_capped += 1
-            st = self.staged[key] = _Staged(round, weight, loss, asm)
+            st = self.staged[key] = Staged(round, weight, loss, asm)
         if self.robust.clip_norm:
             st.sumsq += sumsq(part)  # the push's size, as it arrives (the chunk was checked: values bounded)
         if not last:
@@ -606,14 +335,14 @@ class ShardState:
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
             rnd.expected = self._expected(fragment, rnd.number) | {worker}
-        rnd.kept.append(_Push(worker, st.weight, asm, math.sqrt(st.sumsq), loss=st.loss))
+        rnd.kept.append(Push(worker, st.weight, asm, math.sqrt(st.sumsq), loss=st.loss))
         rnd.weights.append(st.weight)
         rnd.norms.append(math.sqrt(st.sumsq))
         rnd.kept_bytes += asm.nbytes
         if rnd.kept_bytes >= self.fold_bytes[fragment] and self.robust.aggregator == "mean":
             # as big as an fp64 sum: settle them and fold them (memory bound); the other aggregators need
             # every push at the close
-            group = _ordered(rnd.kept)
+            group = ordered(rnd.kept)
             self._settle(fragment, rnd, group)
             rnd.groups.append(group)
             rnd.kept, rnd.kept_bytes = [], 0
@@ -665,7 +394,7 @@ class ShardState:
         round: int,
         seq: int,
         offset: int,
-        st: _Staged | None,
+        st: Staged | None,
         weight: float | None,
         loss: float | None,
     ) -> Assembly:
@@ -746,11 +475,11 @@ class ShardState:
         lo, hi = self.ranges[fragment]
         for key in [k for k in self.staged if k[1] == fragment]:
             del self.staged[key]
-        kept = _ordered(rnd.kept)
+        kept = ordered(rnd.kept)
         self._settle(fragment, rnd, kept)
         history = {"weights": rnd.weights, "norms": rnd.used_norms if self.robust.clip_norm else []}
         self._remember(fragment, history)
-        self.open[fragment] = _OpenRound(rnd.number + 1)
+        self.open[fragment] = OpenRound(rnd.number + 1)
         self.busy.add(fragment)
         rob = self.robust
         return CloseJob(
@@ -779,7 +508,7 @@ class ShardState:
         if history["norms"]:
             self.norm_history[fragment].append(list(history["norms"]))
 
-    def _settle(self, fragment: int, rnd: _OpenRound, pushes: list[_Push]) -> None:
+    def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
         """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
         medians of the round's pushes so far and the recent rounds' (scalars: microseconds)."""
         if not pushes:
@@ -857,7 +586,7 @@ class ShardState:
                 mult = float(p.get("mult", share * scale))
                 if not (0 < share <= weight and 0 <= scale <= 1 and 0 <= mult <= share):
                     raise ValueError(f"a push's share {share}, scale {scale} or mult {mult} is out of range")
-                pushes.append(_Push(str(p["worker"]), weight, asm, 0.0, share, scale, mult))
+                pushes.append(Push(str(p["worker"]), weight, asm, 0.0, share, scale, mult))
             partial = record["partial"]
             if partial is not None and not (
                 isinstance(partial, torch.Tensor)
@@ -869,7 +598,7 @@ class ShardState:
             contributors = tuple(str(c) for c in record["contributors"])
             mean_loss = None if record["mean_loss"] is None else float(record["mean_loss"])
             why = str(record["why"])
-            history = _history(record.get("history", {"weights": [], "norms": []}), rounds=False)
+            history = checked_history(record.get("history", {"weights": [], "norms": []}), rounds=False)
             if history is None:
                 raise ValueError("its weights and norms are malformed")
             name, trim, iters = record.get("aggregator", ("mean", 0.0, 1))
@@ -886,7 +615,7 @@ class ShardState:
         saved = self._saved(fragment, rnd.number + 1)
         job = CloseJob(fragment, rnd.number, why, hi - lo, pushes, partial, weight, contributors, mean_loss,
                        self.outer[fragment], downlink, saved, aggregator, history=history)  # fmt: skip
-        self.open[fragment] = _OpenRound(rnd.number + 1)
+        self.open[fragment] = OpenRound(rnd.number + 1)
         self.busy.add(fragment)
         return self.end_close(job.run())
 

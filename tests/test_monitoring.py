@@ -206,7 +206,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
         assert get(http_port, "/")[0] == 200
 
         async def begin_stopping():
-            built[0].stopping = True
+            built[0].rounds.stopping = True
 
         asyncio.run_coroutine_threadsafe(begin_stopping(), loop).result(5)
         code, body = get(http_port, "/readyz")

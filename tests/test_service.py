@@ -25,6 +25,7 @@ from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.dashboard import Report
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 
@@ -715,14 +716,14 @@ def test_health_status_and_pushes_are_answered_while_a_round_closes(tmp_path):
     s = InThreadShard(build(), tmp_path, GOOD_FP, http=True)
     try:
         entered, release = threading.Event(), threading.Event()
-        compute = s.service._compute_close
+        compute = s.service.rounds._compute_close
 
         def held(job):
             entered.set()
             assert release.wait(RPC_TIMEOUT), "the test never let the close job go on"
             return compute(job)
 
-        s.service._compute_close = held
+        s.service.rounds._compute_close = held
         a, b = s.worker("a"), s.worker("b")
         a.push(push_messages(ENC_A, weight=100.0, loss=2.5))
         b.push(push_messages(ENC_B, weight=300.0, loss=3.5))
@@ -750,3 +751,34 @@ def test_health_status_and_pushes_are_answered_while_a_round_closes(tmp_path):
         assert status["rounds_closed"] == 1 and status["fragments"][0]["master_hash"] == tensor_digest(master)
     finally:
         s.shutdown()
+
+
+# === one truth for who is a member ========================================================================
+def test_a_revoked_or_overflowed_member_leaves_status_and_pace_at_once(shard):
+    """Status and pace read the roster, as the rounds do: a member whose credential was revoked, or that
+    stopped reading, is gone from them the moment it is dropped, not when its session has ended."""
+    for name in ("a", "b", "c"):
+        shard.worker(name)
+
+    def drop():
+        svc = shard.service
+        for name, seconds in (("a", 3.0), ("b", 2.0), ("c", 0.5)):
+            svc.members[name].report = Report(step=1, step_seconds=seconds)
+
+        def seen() -> tuple[list[str], float, list[str]]:
+            names = [m["name"] for m in svc.status(0, hashes=False)["members"]]
+            return names, svc.pace(), sorted(svc.state.members)
+
+        before = seen()
+        svc.revoke(["a"])
+        revoked = seen()
+        svc.unread.limit = 100  # b has the most unread: it is dropped when the budget runs out
+        svc.outbox.send(svc.members["b"], b"x" * 80)
+        svc.outbox.send(svc.members["c"], b"x" * 40)
+        return before, revoked, seen()
+
+    before, revoked, overflowed = shard.on_loop(drop)
+    assert before == (["a", "b", "c"], 3.0, ["a", "b", "c"])
+    assert revoked == (["b", "c"], 2.0, ["b", "c"])
+    assert overflowed == (["c"], 0.5, ["c"])
+    shard.wait_for(lambda: sorted(shard.service.members) == ["c"], "a's and b's sessions to end")

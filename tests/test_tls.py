@@ -117,7 +117,7 @@ def test_a_tls_shard_refuses_plaintext_and_clients_that_do_not_trust_its_ca(tmp_
             assert e.code() == grpc.StatusCode.UNAVAILABLE
         with make_channel(s.target, ClientTLS(str(other / "ca.pem"))) as wrong_ca:
             assert refused(join, wrong_ca, "w0", TOKEN).code() == grpc.StatusCode.UNAVAILABLE
-        assert s.on_loop(lambda: len(s.service.sessions.pending)) == 1  # only the TLS Join got in
+        assert s.on_loop(lambda: len(s.service.roster.joins.pending)) == 1  # only the TLS Join got in
     finally:
         s.shutdown()
 

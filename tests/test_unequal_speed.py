@@ -20,9 +20,9 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.intake import check_progress
 from streamdiloco.server.main import build_service
 from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.service import _check_progress
 from streamdiloco.server.shard import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.client import fetch_masters
@@ -75,9 +75,9 @@ def test_bad_settings_are_refused_with_one_line(kw, message):
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), 3601.0])
 def test_a_push_reporting_a_step_time_no_worker_can_have_is_refused(bad):
-    assert _check_progress(pb.PushHeader(weight=1.0, step_seconds=0.25)) is None
-    assert _check_progress(pb.PushHeader(weight=1.0)) is None  # 0: not measured yet
-    problem = _check_progress(pb.PushHeader(weight=1.0, step_seconds=bad))
+    assert check_progress(pb.PushHeader(weight=1.0, step_seconds=0.25)) is None
+    assert check_progress(pb.PushHeader(weight=1.0)) is None  # 0: not measured yet
+    problem = check_progress(pb.PushHeader(weight=1.0, step_seconds=bad))
     assert problem is not None and "step time must be 0 (not measured) or in (0, 3600] seconds" in problem
 
 

@@ -1,0 +1,253 @@
+"""What a worker sends on its session after Hello, read and handed off: Ready (the member joins the rounds,
+through the roster) and pushes, whose chunks are checked here for what ShardState does not check (the codec's
+scales, the weight's minimum, the progress a header reports) and handed to ShardState; every push is
+answered with a PushResult (through the outbox), and an accepted push's progress goes to the member's
+record, the dashboard and the metrics.
+
+What it must not do: write to the network (the outbox queues, the servicer writes), or close rounds itself
+(it asks the round runner, `close_due`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
+from streamdiloco.common.wire import from_chunk
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.admission import Undecodable, short
+from streamdiloco.server.bounds import Throttled
+from streamdiloco.server.dashboard import DashboardData, Report
+from streamdiloco.server.metrics import ShardMetrics
+from streamdiloco.server.outbox import Outbox
+from streamdiloco.server.robust import MAX_LOSS, MIN_WEIGHT
+from streamdiloco.server.roster import Member, Roster
+from streamdiloco.server.shard import PushRejected, ShardState
+
+log = logging.getLogger("streamdiloco.shard")
+
+MAX_ROUND = 1 << 53
+MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
+
+
+@dataclass
+class Counters:
+    """The servicer's byte and message counters (status, metrics, the dashboard's samples)."""
+
+    codec_out: int = 0  # payload + scales of updates, summed over the members they went to
+    msg_in: int = 0  # serialized protobuf bytes of every message received on sessions
+    msg_out: int = 0
+    fetch_out: int = 0
+    bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
+    fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
+
+
+class Intake:
+    """A shard's sessions' incoming messages (see the module's docstring)."""
+
+    def __init__(
+        self,
+        state: ShardState,
+        roster: Roster,
+        outbox: Outbox,
+        counters: Counters,
+        metrics: ShardMetrics,
+        dashboard: DashboardData,
+        throttled: Throttled,
+        close_due: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state, self.roster, self.outbox, self.counters = state, roster, outbox, counters
+        self.metrics, self.dashboard, self.throttled = metrics, dashboard, throttled
+        self.close_due, self.clock = close_due, clock
+        # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
+        self.started: dict[tuple[str, int], tuple[float, Report]] = {}
+
+    def forget(self, worker: str | None = None, fragment: int | None = None) -> None:
+        """Forget the pushes under way of a worker whose session ended, or of a fragment whose round is
+        closing (the rest of them is late)."""
+        for key in [k for k in self.started if k[0] == worker or k[1] == fragment]:
+            del self.started[key]
+
+    def activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
+        self.roster.activate(member, from_rounds)
+        log.info("%s joined (%d members)", member.name, len(self.state.members))
+
+    def welcome(self, member: Member) -> pb.ShardMessage:
+        st = self.state
+        nfrag = st.layout.num_fragments
+        return pb.ShardMessage(
+            welcome=pb.Welcome(
+                rounds=[st.round_of(f) for f in range(nfrag)],
+                started=[st.started(f) for f in range(nfrag)],
+                member=member.active,
+                pushes=[len(st.open[f].contributors) for f in range(nfrag)],
+                min_workers=st.min_workers,
+            )
+        )
+
+    async def read(self, member: Member, it: AsyncIterator[pb.WorkerMessage]) -> None:
+        async for msg in it:
+            if member.overflowed or member.revoked:
+                return
+            if isinstance(msg, Undecodable):
+                self.counters.bad_messages += 1
+                self.throttled.warning("undecodable", "a %s from %s does not parse", msg.kind, member.name)
+                self._refuse(member, 0, 0, "bad_message", f"a message of {msg.size} bytes does not parse")
+                continue
+            size = msg.ByteSize()
+            member.msg_in += size
+            self.counters.msg_in += size
+            kind = msg.WhichOneof("kind")
+            if kind == "ready":
+                self._on_ready(member, list(msg.ready.from_rounds))
+                continue
+            if kind != "push":
+                self.counters.bad_messages += 1
+                self._refuse(
+                    member, 0, 0, "bad_message", "only pushes and Ready may follow Hello on a session"
+                )
+                continue
+            self._on_push(member, msg.push)
+
+    def _on_ready(self, member: Member, from_rounds: list[int]) -> None:
+        nfrag = self.state.layout.num_fragments
+        if from_rounds and (len(from_rounds) != nfrag or max(from_rounds) > MAX_ROUND):
+            self.counters.bad_messages += 1
+            self._refuse(
+                member,
+                0,
+                0,
+                "bad_message",
+                f"Ready must name the first round of each of the {nfrag} fragments (or none), "
+                f"got {len(from_rounds)} values",
+            )
+            return
+        if not member.active:
+            self.activate(member, from_rounds or None)
+        self.outbox.send(member, self.welcome(member))
+
+    def _on_push(self, member: Member, push: pb.Push) -> None:
+        c, h = push.chunk, push.header
+        if not member.active:  # no round may count on a worker that has not said it is ready
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
+                self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
+            return
+        try:
+            part = from_chunk(c)
+        except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_length"):
+                message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
+                self._refuse(member, c.fragment, c.round, "bad_length", message)
+            return
+        if c.seq == 0 and 0 < h.weight < MIN_WEIGHT:  # ShardState refuses the rest of what is not 1..2^53
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_weight"):
+                self._refuse(
+                    member,
+                    c.fragment,
+                    c.round,
+                    "bad_weight",
+                    f"fragment {c.fragment} round {c.round}: push weight must be at least {MIN_WEIGHT:g} "
+                    f"token (it counts the tokens trained on), got {h.weight}",
+                )
+            return
+        if c.seq == 0 and (problem := check_progress(h)):
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_header"):
+                self._refuse(
+                    member,
+                    c.fragment,
+                    c.round,
+                    "bad_header",
+                    f"fragment {c.fragment} round {c.round}: {problem}",
+                )
+            return
+        before = self.state.bytes_received
+        try:
+            done = self.state.push_chunk(
+                member.name,
+                c.fragment,
+                c.round,
+                c.seq,
+                c.offset,
+                c.total,
+                part,
+                c.last,
+                weight=h.weight if c.seq == 0 else None,
+                loss=h.loss if c.seq == 0 and h.has_loss else None,
+                now=self.clock(),
+            )
+        except PushRejected as e:
+            self._refuse(member, c.fragment, c.round, e.reason, str(e))
+            return
+        now = self.clock()
+        if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
+            self.started[(member.name, c.fragment)] = (now, report_of(h))
+        if done:
+            member.pushes += 1
+            self.metrics.push_size.observe(self.state.bytes_received - before)
+            started = self.started.pop((member.name, c.fragment), None)
+            if started is not None:  # the worker's progress, reported with an accepted push
+                t0, report = started
+                self.metrics.push_transfer.observe(max(0.0, now - t0))
+                member.step, member.blocked_seconds, member.report = report.step, report.blocked, report
+                if report.loss is not None:
+                    member.last_loss = report.loss
+                self.dashboard.record_progress(member.name, report.step, report.loss, report.blocked, report)
+            result = pb.PushResult(
+                fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.roster.pace()
+            )
+            self.outbox.send(member, pb.ShardMessage(result=result))
+            self.close_due()
+
+    def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
+        member.refused += 1
+        message = short(message)  # it may quote what the worker sent (a codec's name, ...)
+        level = logging.INFO if reason == "late" else logging.WARNING
+        self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
+        result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
+        self.outbox.send(member, pb.ShardMessage(result=result))
+
+
+def check_progress(h: pb.PushHeader) -> str | None:
+    """The progress a push reports (step, blocked time, total steps, tokens, utilization, eval loss): what
+    the dashboard plots must be numbers in range; a push with one that is not is refused as a whole."""
+    for what, value in (
+        ("step", h.step),
+        ("total steps", h.total_steps),
+        ("token count", h.tokens),
+        ("eval step", h.eval_step),
+    ):
+        if value > MAX_ROUND:
+            return f"the reported {what} must be at most 2^53, got {value}"
+    if not (0.0 <= h.blocked_seconds <= MAX_BLOCKED_SECONDS):  # also refuses NaN
+        return (
+            f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
+        )
+    if h.has_utilization and not (0.0 <= h.compute_utilization <= 1.0):
+        return f"the reported compute utilization must be a fraction in [0, 1], got {h.compute_utilization}"
+    if h.has_eval_loss and not (0.0 <= h.eval_loss <= MAX_LOSS):
+        return f"the reported eval loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {h.eval_loss}"
+    if h.step_seconds != 0.0 and not valid_step_seconds(h.step_seconds):  # NaN too
+        return (
+            f"the reported step time must be 0 (not measured) or in (0, {MAX_STEP_SECONDS:g}] seconds, "
+            f"got {h.step_seconds}"
+        )
+    return None
+
+
+def report_of(h: pb.PushHeader) -> Report:
+    """A push header's progress, once check_progress has passed it."""
+    return Report(
+        step=h.step,
+        loss=h.loss if h.has_loss else None,
+        blocked=h.blocked_seconds,
+        total_steps=h.total_steps,
+        tokens=h.tokens,
+        utilization=h.compute_utilization if h.has_utilization else None,
+        eval_loss=h.eval_loss if h.has_eval_loss else None,
+        eval_step=h.eval_step,
+        step_seconds=h.step_seconds or None,
+    )

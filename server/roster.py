@@ -1,0 +1,126 @@
+"""Who is on a shard, in one place: the Joins not yet followed by a Session (server/membership.py's
+Sessions), the open sessions, and which of them are members. Every change of membership goes through the
+`Roster`, which changes ShardState's members (who the rounds wait for) with it, so that the rounds, the
+status page and the run's pace never disagree: a member whose credential is revoked, or that stops reading
+its updates, is gone from all three the moment it is dropped, while its session is still ending.
+
+Pure (the clock is passed in; no I/O, no gRPC): tested without a network. The servicer keeps what a session
+needs to run (its queue and task live on the `Member`, but the roster never touches them); what this module
+must not do: send, log or wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from streamdiloco.common.pace import pace_seconds
+from streamdiloco.server.auth import Auth, Identity
+from streamdiloco.server.dashboard import Report
+from streamdiloco.server.membership import PENDING_SECONDS, Sessions
+from streamdiloco.server.shard import ShardState
+
+
+@dataclass
+class Member:
+    """One open session: a member of the rounds (`active`), or passive until it sends Ready."""
+
+    name: str
+    queue: asyncio.Queue
+    joined_at: float
+    pushes: int = 0
+    refused: int = 0
+    last_loss: float | None = None
+    msg_in: int = 0
+    msg_out: int = 0
+    queued_bytes: int = 0  # messages waiting in `queue` for the member to read them
+    overflowed: bool = False  # it stopped reading: dropped from the member set, its session is ended
+    active: bool = False  # False while passive: it gets updates, no round waits for it (until Ready)
+    step: int | None = None  # the progress it reported with its latest push
+    blocked_seconds: float | None = None
+    report: Report | None = None  # all of that report (total steps, tokens, utilization, eval loss)
+    revoked: bool = False  # its credential was revoked: its session is ended
+    call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
+    ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
+
+    @property
+    def dropped(self) -> bool:
+        """Revoked or overflowed: no longer a member or a session of the shard's, its session ending."""
+        return self.overflowed or self.revoked
+
+
+class Roster:
+    """The shard's Joins, sessions and members (see the module's docstring)."""
+
+    def __init__(
+        self, state: ShardState, auth: Auth, max_pending: int, pending_seconds: float = PENDING_SECONDS
+    ):
+        self.state = state
+        self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
+        self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
+
+    # --- sessions ------------------------------------------------------------------------------------------
+    def join(self, name: str, identity: Identity, now: float) -> str:
+        """A session id for a Join that admission let in; Refused while the name has a session."""
+        return self.joins.join(name, identity, now, self.open)
+
+    def hello(self, member: Member, session: str, identity: Identity, now: float) -> None:
+        """Open `member`'s session with the id its Join gave (passive until `activate`); Refused, nothing
+        changed, unless the id is good for this name and identity."""
+        self.joins.hello(session, member.name, identity, now, self.open)
+        self.open[member.name] = member
+
+    def activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
+        """The member is ready: rounds that start from now on wait for it (from `from_rounds` on)."""
+        member.active = True
+        self.state.add_member(member.name, from_rounds)
+
+    def drop(self, member: Member, revoked: bool = False) -> None:
+        """The member stopped reading (or, `revoked`, lost its credential): it is no member from now on,
+        and its session is to be ended."""
+        if revoked:
+            member.revoked = True
+        else:
+            member.overflowed = True
+        self.state.remove_member(member.name)  # rounds stop waiting for it
+
+    def revoke(self, names: Iterable[str]) -> list[Member]:
+        """Forget the Joins of `names` and drop their members; returns the sessions to end."""
+        gone = [self.open[name] for name in sorted(self.joins.revoke(names, self.open))]
+        for member in gone:
+            self.drop(member, revoked=True)
+        return gone
+
+    def leave(self, member: Member, stopping: bool = False) -> None:
+        """The member's session ended. A shard on its way down (`stopping`) keeps it in the rounds' member
+        set: its checkpoint names the members, to wait for them after the restart."""
+        if self.open.get(member.name) is member:
+            del self.open[member.name]
+        if not stopping:
+            self.state.remove_member(member.name)
+
+    # --- who is here ---------------------------------------------------------------------------------------
+    def sessions(self) -> list[Member]:
+        """The open sessions that are not being dropped: members and passive ones (what status lists)."""
+        return [m for m in self.open.values() if not m.dropped]
+
+    def members(self) -> list[Member]:
+        """The members: sessions that are active and not dropped (the rounds wait for exactly these, and
+        for the returning members of a restart: ShardState.returning)."""
+        return [m for m in self.open.values() if m.active and not m.dropped]
+
+    @property
+    def passive(self) -> int:
+        """Connected workers that are not members yet (joining)."""
+        return sum(not m.active for m in self.sessions())
+
+    def pace(self) -> float:
+        """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what
+        a worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
+        return pace_seconds(m.report.step_seconds for m in self.members() if m.report is not None)
+
+    def reading(self) -> list[Member]:
+        """The sessions that still read their messages (not overflowed): who may be dropped next when the
+        shard's unread budget runs out."""
+        return [m for m in self.open.values() if not m.overflowed]

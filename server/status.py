@@ -1,0 +1,163 @@
+"""The shard's status as JSON data (the /api/status page, `streamdiloco status`) and the dashboard's time
+series: built from the servicer's parts (the state, the roster, the counters, the bounds, the checkpoint),
+read on the event loop. The masters' hashes are cached per round (a hash reads the whole slice) and may be
+computed ahead on the round runner's pool (`hash_masters`).
+
+What it must not do: change anything it reads (it only counts the dashboard's samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamdiloco.common.fingerprint import tensor_digest
+from streamdiloco.server.dashboard import DashboardData, Sample
+from streamdiloco.server.roster import Member
+
+if TYPE_CHECKING:
+    from streamdiloco.server.service import ShardService
+
+
+class ShardStatus:
+    """What a shard reports about itself (see the module's docstring)."""
+
+    def __init__(self, svc: ShardService, dashboard: DashboardData):
+        self.svc, self.dashboard = svc, dashboard
+        self.started = time.time()
+        self.digests: dict[int, tuple[torch.Tensor, str]] = {}  # fragment -> (master, its hash)
+
+    def sample_now(self) -> Sample:
+        c = self.svc.counters
+        n = len(self.svc.state.members)
+        return time.time(), c.msg_in, c.msg_out + c.fetch_out, n, self.svc.roster.passive
+
+    def sample(self) -> None:
+        """One point of the dashboard's time series: cumulative bytes and the member count."""
+        self.dashboard.samples.append(self.sample_now())
+
+    def digest(self, fragment: int) -> str:
+        """The master's hash, computed once per round: a master changes only when its round closes."""
+        master = self.svc.state.master(fragment)
+        cached = self.digests.get(fragment)
+        if cached is None or cached[0] is not master:
+            cached = self.digests[fragment] = (master, tensor_digest(master))
+        return cached[1]
+
+    async def hash_masters(self) -> None:
+        """Compute on a pool thread the masters' hashes that status() would otherwise compute on the loop
+        (a hash reads the whole slice)."""
+        loop = asyncio.get_running_loop()
+        for f in range(self.svc.state.layout.num_fragments):
+            master = self.svc.state.master(f)
+            cached = self.digests.get(f)
+            if cached is None or cached[0] is not master:
+                digest = await loop.run_in_executor(self.svc.rounds.pool, tensor_digest, master)
+                self.digests[f] = (master, digest)
+
+    def status(self, rounds: int = 20, hashes: bool = True) -> dict:
+        """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
+        page, which polls, leaves it out)."""
+        st = self.svc.state
+        return {
+            "shard": st.shard,
+            "num_shards": st.num_shards,
+            "uptime_seconds": round(time.time() - self.started, 1),
+            "ready": self.svc.ready,
+            "config": st.cfg.to_dict(),
+            "min_workers": st.min_workers,
+            "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
+            "round_timeout": st.round_timeout,
+            "pace_seconds": self.svc.roster.pace(),  # the slowest member's step time (sync_schedule adaptive)
+            "members": [
+                {
+                    "name": m.name,
+                    "state": "member" if m.active else "passive",
+                    "joined_at": m.joined_at,
+                    "pushes": m.pushes,
+                    "refused": m.refused,
+                    "last_loss": m.last_loss,
+                    "step": m.step,
+                    "blocked_seconds": m.blocked_seconds,
+                    **self.reported(m),
+                    "message_bytes_in": m.msg_in,
+                    "message_bytes_out": m.msg_out,
+                    "receiving": [  # pushes whose chunks are arriving
+                        {"fragment": f, "round": p.round, "values": p.asm.received, "of": p.asm.total}
+                        for (w, f), p in sorted(st.staged.items())
+                        if w == m.name
+                    ],
+                }
+                for m in self.svc.roster.sessions()
+            ],
+            "fragments": [
+                {
+                    "fragment": f,
+                    "round": st.round_of(f),
+                    "slice": list(st.ranges[f]),
+                    "master_hash": self.digest(f) if hashes else None,
+                    "contributors": sorted(st.contributors(f)),
+                }
+                for f in range(st.layout.num_fragments)
+            ],
+            "rounds_closed": st.rounds_closed,
+            "checkpoint": None
+            if self.svc.checkpoint is None
+            else {
+                "dir": str(self.svc.checkpoint.dir),
+                "writes": self.svc.checkpoint.writes,
+                "errors": self.svc.checkpoint.errors,
+                "last_error": self.svc.checkpoint.last_error,
+            },
+            "pushes_accepted": st.pushes_accepted,
+            "pushes_refused": dict(st.pushes_refused),
+            "robust": {
+                **st.robust.to_dict(),
+                "pushes_clipped": st.pushes_clipped,
+                "weights_capped": st.weights_capped,
+            },
+            "bad_messages": self.svc.counters.bad_messages,
+            "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
+                "sessions": self.svc.peer_sessions.held,
+                "fetches": self.svc.fetches.held,
+                "unread_bytes": self.svc.unread.held,
+                "unread_limit": self.svc.unread.limit,
+                "pending_joins": len(self.svc.roster.joins.pending),
+                "refused": dict(self.svc.refused),
+            },
+            "bytes": {
+                "codec_in": st.bytes_received,
+                "codec_out": self.svc.counters.codec_out,
+                "message_bytes_in": self.svc.counters.msg_in,
+                "message_bytes_out": self.svc.counters.msg_out,
+                "fetch_out": self.svc.counters.fetch_out,
+            },
+            "training_loss": self.dashboard.last_loss,
+            "round_seconds": self.dashboard.round_seconds(),
+            "recent_rounds": self.dashboard.recent_rounds(rounds),
+        }
+
+    def reported(self, m: Member) -> dict:
+        """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""
+        r = m.report
+        rates = self.dashboard.rates(m.name)
+        eta = None
+        if r is not None and r.total_steps and rates["steps_per_second"]:
+            eta = max(0, r.total_steps - r.step) / rates["steps_per_second"]
+        return {
+            "total_steps": r.total_steps if r is not None and r.total_steps else None,
+            "tokens": r.tokens if r is not None else None,
+            "compute_utilization": r.utilization if r is not None else None,
+            "eval_loss": r.eval_loss if r is not None else None,
+            "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
+            "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)
+            **rates,
+            "eta_seconds": eta,
+        }
+
+    def series(self, since: float = 0.0) -> dict:
+        """The dashboard's time series after `since` (a time.time()), with the values of this moment."""
+        return self.dashboard.series(since, self.sample_now())
