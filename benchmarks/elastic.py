@@ -48,9 +48,9 @@ from streamdiloco.common.config import SyncConfig  # noqa: E402
 from streamdiloco.common.fingerprint import model_fingerprint  # noqa: E402
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params  # noqa: E402
 from streamdiloco.common.modelspec import build_model  # noqa: E402
+from streamdiloco.export import fetch_masters  # noqa: E402
 from streamdiloco.server.checkpoint import ShardCheckpoint  # noqa: E402
 from streamdiloco.server.shard import ShardState  # noqa: E402
-from streamdiloco.worker.client import fetch_masters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wire import Procs, machine, machine_line, say, sd, start_shards, wait_quiet, write_results  # noqa: E402
 
 from streamdiloco.common.config import SyncConfig  # noqa: E402
+from streamdiloco.export import fetch_masters  # noqa: E402
 from streamdiloco.sim.simulator import SimConfig, simulate  # noqa: E402
-from streamdiloco.worker.client import fetch_masters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("fixed", "adaptive")

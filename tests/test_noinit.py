@@ -21,9 +21,10 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.statefile import FINGERPRINT_KEY, ParamSpec, layout_from_description
 from streamdiloco.common.wire import values_to_bytes
+from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.worker.client import SyncError, connect, fetch_masters, given_sync
+from streamdiloco.worker.client import SyncError, connect, given_sync
 from streamdiloco.worker.model import build_gpt
 
 

@@ -27,9 +27,10 @@ from typing import Any
 import grpc
 import torch
 
-from streamdiloco.common.chunks import Assembly, ChunkError, MasterAssembly
+from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded, chunk_alignment, warm_up
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fetch import FetchError, fetch_slices
 from streamdiloco.common.fragments import slice_ranges
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.pace import valid_step_seconds
@@ -38,7 +39,6 @@ from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import (
     PROTOCOL,
     auth_metadata,
-    bytes_to_values,
     from_chunk,
     make_channel,
     parse_target,
@@ -60,7 +60,6 @@ __all__ = [
     "Update",
     "adopt_sync",
     "connect",
-    "fetch_masters",
     "given_sync",
     "initialize_shard",
     "probe_shard",
@@ -755,7 +754,10 @@ class ShardLink:
     def resync(self, timeout: float | None = None) -> None:
         """Compare what this link holds with the shard's last Welcome and fetch or resend what differs."""
         assert self._welcome is not None, "resync needs a session"
-        self._ask(self._resync, self._welcome).result(timeout)
+        try:
+            self._ask(self._resync, self._welcome).result(timeout)
+        except _Retry as e:
+            raise SyncError(str(e)) from None
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every push sent on this session has its PushResult (for a clean stop)."""
@@ -776,50 +778,23 @@ class ShardLink:
     def fetch(
         self, fragments: list[int] | None = None, attempts: int = 3
     ) -> dict[int, tuple[torch.Tensor, int]]:
-        """The current master slices (fp32) and their rounds, resuming from the last chunk received if the
-        stream breaks."""
+        """The current master slices (fp32) and their rounds, every chunk checked against this link's slices
+        (common/fetch.py: order, sizes, rounds, finite values), resuming from the last chunk received if the
+        stream breaks. SyncError when the shard sends what does not fit: nothing of it is kept."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
-        got = {
-            f: MasterAssembly(self.slices[f][1], where=f"slice {self.shard} of fragment {f}") for f in want
-        }
-        for attempt in range(attempts):
-            todo = [f for f in want if not got[f].done]
-            if not todo:
-                break
-            try:
-                request = pb.FetchRequest(fragments=todo, offset=got[todo[0]].received, token=self.token)
-                # no deadline: big models on slow links take long
-                call = self.stub.Fetch(request, metadata=self.metadata)
-                for m in call:
-                    self._count("in", m.ByteSize())
-                    asm = got.get(m.fragment)
-                    if asm is None:
-                        raise SyncError(
-                            f"shard {self.shard} sent fragment {m.fragment}, not asked for, in Fetch"
-                        )
-                    try:
-                        asm.add(m.round, m.offset, m.total, bytes_to_values(m.values), m.last)
-                    except ChunkError as e:
-                        if e.reason != "round_changed":
-                            raise SyncError(
-                                f"shard {self.shard} sent fragment {m.fragment} out of order in Fetch: {e}"
-                            ) from None
-                        # a round closed between a broken stream and its resumption: fetch it anew
-                        asm.reset()
-                        call.cancel()
-                        break
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED:
-                    continue  # we cancelled it, to start the fragment again
-                if attempt + 1 == attempts or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise SyncError(
-                        f"Fetch from shard {self.shard} failed: {e.code().name}: {e.details()}"
-                    ) from None
-                time.sleep(0.5 * (attempt + 1))
-        missing = [f for f in want if not got[f].done]
-        if missing:
-            raise SyncError(f"shard {self.shard} did not send all of fragment(s) {missing} in Fetch")
-        return {f: (a.values, a.round) for f, a in got.items()}  # type: ignore[misc]
+        try:
+            got = fetch_slices(
+                self.stub,
+                {f: self.slices[f][1] for f in want},
+                where=f"shard {self.shard} at {self.target}",
+                token=self.token,
+                attempts=attempts,
+                on_chunk=lambda m: self._count("in", m.ByteSize()),
+            )
+        except FetchError as e:
+            raise SyncError(str(e)) from None
+        log.debug("fetched %s", got.describe())
+        return got.masters()
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
@@ -926,10 +901,7 @@ class GrpcTransport:
         next round of each fragment), and send again the kept pushes whose rounds are still open."""
         for link in self.links:
             link.schedule = schedule
-            try:
-                link.resync()
-            except _Retry as e:
-                raise SyncError(str(e)) from None
+            link.resync()
         for link in self.links:
             link.ready()
 
@@ -1020,24 +992,6 @@ def gather(futures: list[Future]) -> Future:
     for f in futures:
         f.add_done_callback(on_done)
     return out
-
-
-def fetch_masters(
-    targets: list[str], token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
-) -> list[torch.Tensor]:
-    """The run's global parameters, fragment by fragment, read from the shards listed in shard order
-    (no Join: Fetch is read-only). For tools and tests; workers fetch through their links."""
-    per_shard: list[dict[int, list[torch.Tensor]]] = []
-    for target in targets:
-        with make_channel(parse_target(target), tls) as channel:
-            got: dict[int, list[torch.Tensor]] = {}
-            calls = pb_grpc.ShardStub(channel).Fetch(
-                pb.FetchRequest(token=token), metadata=auth_metadata(token), timeout=timeout
-            )
-            for m in calls:
-                got.setdefault(m.fragment, []).append(bytes_to_values(m.values))
-            per_shard.append(got)
-    return [torch.cat([torch.cat(s[f]) for s in per_shard]) for f in sorted(per_shard[0])]
 
 
 SYNC_FIELDS = frozenset(SyncConfig.__dataclass_fields__)
