@@ -813,7 +813,7 @@ def _client_go(ready: Path) -> float:
 
 def grpc_client_main(a: argparse.Namespace) -> int:
     """Join with ShardLink, then each round: push the slice, wait for the round's update."""
-    from streamdiloco.worker.client import ShardLink
+    from streamdiloco.worker.link import ShardLink
 
     plan = json.loads(Path(a.plan).read_text())
     enc = read_payload(plan, Path(a.payload))

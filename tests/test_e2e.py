@@ -15,7 +15,7 @@ from procs import shard_process, streamdiloco
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
-from streamdiloco.worker.client import SyncError, connect
+from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 
 

@@ -28,7 +28,8 @@ from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
-from streamdiloco.worker.client import ShardLink, SyncError, connect
+from streamdiloco.worker.join import SyncError, connect
+from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)

@@ -34,10 +34,10 @@ from streamdiloco.common.fragments import fragment_params, parse_groups, unflatt
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
-from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
-from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
+from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
@@ -50,6 +50,7 @@ from streamdiloco.worker.train import (
     optimizer_step,
     set_lr,
 )
+from streamdiloco.worker.transport import GrpcTransport
 
 log = logging.getLogger("streamdiloco.worker")
 
