@@ -42,7 +42,7 @@ def probe_shard(
     target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
 ) -> ShardInfo:
     """The shard's ShardInfo (a Join that asks only for the run's config)."""
-    conn = ShardConnection(target, worker, {}, token, timeout, tls=tls)
+    conn = ShardConnection(target, worker, {}, token=token, join_timeout=timeout, tls=tls)
     try:
         config = conn.join(config_only=True)
         assert conn.probed is not None

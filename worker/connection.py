@@ -58,6 +58,41 @@ RETRYABLE = JOIN_RETRYABLE | {
 }
 
 
+class Updates:
+    """A session's updates in the making: the chunks of each (fragment, round) assembled and checked
+    (common/chunks.py) until the update is whole."""
+
+    def __init__(self, shard: int, slices: list[tuple[int, int]], config: SyncConfig):
+        self.shard, self.slices, self.config = shard, slices, config
+        self.partial: dict[tuple[int, int], Assembly] = {}
+
+    def take(self, c: pb.Chunk) -> tuple[int, int, list] | None:
+        """One update chunk; (fragment, round, parts) once the update is whole; SyncError if it is bad."""
+        if not 0 <= c.fragment < len(self.slices):
+            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+        key = (c.fragment, c.round)
+        asm = self.partial.get(key)
+        if asm is None:
+            asm = self.partial[key] = Assembly(
+                self.slices[c.fragment][1],
+                self.config.downlink_codec,
+                self.config.codec_block_size,
+                what="update",
+                role="downlink",
+                where=f"slice {self.shard} of fragment {c.fragment}",
+            )
+        try:
+            if not asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last):
+                return None
+        except (ChunkError, ValueError) as e:
+            raise SyncError(
+                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round "
+                f"{c.round}: {e}"
+            ) from None
+        del self.partial[key]
+        return c.fragment, c.round, asm.parts
+
+
 class ShardConnection:
     """Join, Sessions and Fetch with one shard (see the module's docstring)."""
 
@@ -66,6 +101,7 @@ class ShardConnection:
         target: str,
         worker: str,
         fingerprint: dict,
+        *,
         token: str = "",
         join_timeout: float = 60.0,
         tls: ClientTLS | None = None,
@@ -264,14 +300,15 @@ class ShardConnection:
 
     def _read(self, session: int, call: Any, tell: Callable[..., None]) -> None:
         """A session's reader: assembles update chunks and tells what it reads (see open_session)."""
-        partial: dict[tuple[int, int], Assembly] = {}
+        assert self.config is not None
+        updates = Updates(self.shard, self.slices, self.config)
         why = f"shard {self.shard} at {self.target} ended the session"
         try:
             for msg in call:
                 self.count("in", msg.ByteSize())
                 kind = msg.WhichOneof("kind")
                 if kind == "update":
-                    done = self._assemble(partial, msg.update)
+                    done = updates.take(msg.update)
                     if done is not None:
                         tell("update", session, *done)
                 elif kind == "result":
@@ -295,33 +332,6 @@ class ShardConnection:
             )
             return
         tell("ended", session, why)
-
-    def _assemble(self, partial: dict[tuple[int, int], Assembly], c: pb.Chunk) -> tuple | None:
-        """Reader: take one update chunk; (fragment, round, parts) once the update is whole."""
-        if not 0 <= c.fragment < len(self.slices):
-            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
-        assert self.config is not None
-        key = (c.fragment, c.round)
-        asm = partial.get(key)
-        if asm is None:
-            asm = partial[key] = Assembly(
-                self.slices[c.fragment][1],
-                self.config.downlink_codec,
-                self.config.codec_block_size,
-                what="update",
-                role="downlink",
-                where=f"slice {self.shard} of fragment {c.fragment}",
-            )
-        try:
-            if not asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last):
-                return None
-        except (ChunkError, ValueError) as e:
-            raise SyncError(
-                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round "
-                f"{c.round}: {e}"
-            ) from None
-        del partial[key]
-        return c.fragment, c.round, asm.parts
 
     # --- reconnecting ----------------------------------------------------------------------------------
     def reconnect(self, timeout: float, tell: Callable[..., None], then: Callable[[pb.Welcome], None]) -> int:

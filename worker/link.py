@@ -203,7 +203,9 @@ class ShardLink(Actor):
         tls: ClientTLS | None = None,
     ):
         super().__init__()
-        self.conn = ShardConnection(target, worker, fingerprint, token, join_timeout, tls)
+        self.conn = ShardConnection(
+            target, worker, fingerprint, token=token, join_timeout=join_timeout, tls=tls
+        )
         self.reconnect_timeout = reconnect_timeout
         self.state: LinkState | None = None  # made at the first Join (its number of fragments)
         # what only the link's thread touches
