@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.common.tls import ClientTLS
@@ -234,18 +233,11 @@ class ShardLink(Actor):
     msg_out = property(lambda self: self.conn.msg_out)
     pace_seconds = property(lambda self: self.answers.pace_seconds)  # the run's, as the shard last said
 
-    def join(self, timeout: float | None = None, config_only: bool = False) -> SyncConfig:
-        """Join the shard (see ShardConnection.join); the link's state is made at the first."""
-        config = self.conn.join(timeout, config_only=config_only)
-        if self.state is None and not config_only:
-            self.state = LinkState(len(self.conn.slices))
-        return config
-
     def start(self, state: dict | None = None, held: list[int] | None = None) -> None:
         """Join, restore a checkpoint's `state` (and the rounds `held` in the mirror) if given, open a
         passive session and start the link's thread."""
-        self.join()
-        assert self.state is not None
+        self.conn.join()
+        self.state = self.state or LinkState(len(self.slices))
         if state is not None:
             if state["shard"] != self.shard:
                 raise SyncError(
@@ -351,11 +343,7 @@ class ShardLink(Actor):
         try:
             behind = self.state.behind(list(welcome.rounds))
         except ShardBehind as e:
-            raise SyncError(
-                f"shard {self.shard} at {self.target} is at round {e.theirs} of fragment {e.fragment}, but "
-                f"this worker already has round {e.ours - 1}: the shard restarted from an older checkpoint "
-                "than its last round; restart the run from the shards' checkpoints and the workers' --resume"
-            ) from None
+            raise SyncError(f"shard {self.shard} at {self.target} {e}") from None
         if not behind:
             return
         log.info(
@@ -499,12 +487,6 @@ class ShardLink(Actor):
         assert self.state is not None
         state = self._ask(self.state.state_dict).result()
         return {"target": self.target, "shard": self.shard, **state}
-
-    def fetch(
-        self, fragments: list[int] | None = None, attempts: int = 3
-    ) -> dict[int, tuple[torch.Tensor, int]]:
-        """The current master slices, checked (ShardConnection.fetch)."""
-        return self.conn.fetch(fragments, attempts)
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True

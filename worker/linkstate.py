@@ -53,7 +53,11 @@ class ShardBehind(Exception):
     """The shard is at an older round than this worker holds: it restarted from an older checkpoint."""
 
     def __init__(self, fragment: int, theirs: int, ours: int):
-        super().__init__(f"the shard is at round {theirs} of fragment {fragment}, this worker has {ours - 1}")
+        super().__init__(
+            f"is at round {theirs} of fragment {fragment}, but this worker already has round {ours - 1}: the "
+            "shard restarted from an older checkpoint than its last round; restart the run from the shards' "
+            "checkpoints and the workers' --resume"
+        )
         self.fragment, self.theirs, self.ours = fragment, theirs, ours
 
 

@@ -83,7 +83,7 @@ class GrpcTransport:
         push. Returns that step; `installed` then holds the rounds of the fetched slices."""
         cfg = self.links[0].config
         assert cfg is not None
-        parts = [link.fetch() for link in self.links]
+        parts = [link.conn.fetch() for link in self.links]
         per_link = [link.install(part) for link, part in zip(self.links, parts, strict=True)]
         self.installed = [list(r) for r in zip(*per_link, strict=True)]
         fragment_vectors([torch.cat([p[f][0] for p in parts]) for f in range(len(parts[0]))])
