@@ -55,9 +55,9 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
+from streamdiloco.export import fetch_masters
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.shard import ShardState
-from streamdiloco.worker.client import fetch_masters
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------

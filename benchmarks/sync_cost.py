@@ -193,7 +193,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def worker_main(spec: dict, result_path: Path) -> int:
     from streamdiloco.common.config import SyncConfig
-    from streamdiloco.worker.client import connect
+    from streamdiloco.worker.join import connect
 
     base_rss = _peak_rss_bytes()  # Python, torch and the package, before the model
     t_start = time.perf_counter()

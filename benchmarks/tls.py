@@ -25,9 +25,9 @@ def measure(target: str, model: str, repeats: int, tls, token: str) -> dict:
     from streamdiloco.common.fragments import build_layout
     from streamdiloco.common.modelspec import build_model
     from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
+    from streamdiloco.export import fetch_masters
     from streamdiloco.protos import streamdiloco_pb2 as pb
     from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-    from streamdiloco.worker.client import fetch_masters
 
     cfg = SyncConfig()
     fp = json.dumps(model_fingerprint(build_layout(build_model(model, 0, None), cfg.num_fragments), cfg))

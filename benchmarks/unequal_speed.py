@@ -45,8 +45,8 @@ from benchmarks.harness import (
     write_results,
 )
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
+from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
-from streamdiloco.worker.client import fetch_masters
 
 SCHEDULES = ("fixed", "adaptive")
 DELAYS = {"fast": 0.1, "slow": 0.2}  # seconds of emulated accelerator step per inner step

@@ -10,7 +10,7 @@ worker's time goes to training. Each figure is measured beside a reference in th
               the workers' summaries, the shards' counters and the chunks the proxy saw. A proxy sees the
               TCP payload only: TCP/IP headers (about 52 B per segment) are not in these figures.
 (b) ingest    One shard process (--min-workers 8) and 8 client processes that Join with
-              worker.client.ShardLink and push the same E3M0 fragment slice every round, each waiting for
+              worker.link.ShardLink and push the same E3M0 fragment slice every round, each waiting for
               the round's update before its next push: MB/s of 4-bit payload the shard accepts. Then 2 shard
               processes (--num-shards 2, --b-shards): each client holds a ShardLink per shard, pushes each
               its slice of the fragment (slice_ranges) and waits for both shards' updates before its next
@@ -639,7 +639,7 @@ def _client_go(ready: Path) -> float:
 
 def grpc_client_main(a: argparse.Namespace) -> int:
     """Join with ShardLink, then each round: push the slice, wait for the round's update."""
-    from streamdiloco.worker.client import ShardLink
+    from streamdiloco.worker.link import ShardLink
 
     plan = json.loads(Path(a.plan).read_text())
     enc = read_payload(plan, Path(a.payload))

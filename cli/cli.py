@@ -727,7 +727,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from streamdiloco.worker.client import SyncError
+    from streamdiloco.worker.connection import SyncError
     from streamdiloco.worker.group import GroupError
     from streamdiloco.worker.run import WorkerConfig, run_worker
 
@@ -755,14 +755,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             raise ValueError("give --token or --token-file, not both")
         top["token"] = read_secret(args.token_file, "--token-file")
     from streamdiloco.common.config import SyncConfig
-    from streamdiloco.worker.client import given_sync
 
     # the [sync] settings given by flag or --config file; the rest: the shard's
     given = {k: x for k, x in _pick(SyncConfig, v).items() if k in args.sync_set}
     cfg = WorkerConfig(
         servers=servers,
         **top,
-        sync=given_sync(given),
+        sync=SyncConfig.given(given),
         sync_set=frozenset(args.sync_set),
         **{s: args.settings.build(s) for s in WORKER_SECTIONS if s != "sync"},
     )

@@ -201,18 +201,6 @@ def from_checkpoints(
 
 
 # --- from a live run (Fetch) -----------------------------------------------------------------------------
-def _rpc_message(target: str, e) -> str:
-    import grpc
-
-    details = (e.details() or "").strip().splitlines()[:1] or [""]
-    if e.code() == grpc.StatusCode.UNAUTHENTICATED or e.code() == grpc.StatusCode.PERMISSION_DENIED:
-        return (
-            f"the shard at {target} refused the credentials ({details[0]}): Fetch needs a worker's "
-            "(--token or --token-file, and --tls-* as the workers)"
-        )
-    return f"Fetch from the shard at {target} failed: {e.code().name}: {details[0]}"
-
-
 class _ShardFetch:
     """Fetches from one shard, listed at place `shard` of `num_shards` in --servers."""
 
@@ -252,67 +240,55 @@ class _ShardFetch:
     ) -> tuple[FragmentLayout, list[torch.Tensor], list[int]]:
         """The shard's slice of every fragment (or of `fragment`) and their rounds; without a `layout`, the
         shard is asked to describe its run first (`self.fingerprint`). Every chunk is checked (order,
-        offsets, lengths, one round per fragment: common/chunks.py's MasterAssembly) and values finite."""
+        offsets, lengths, one round per fragment, finite values: common/fetch.py)."""
         import grpc
 
-        from streamdiloco.common.chunks import ChunkError, MasterAssembly
-        from streamdiloco.common.wire import auth_metadata, bytes_to_values, make_channel, parse_target
+        from streamdiloco.common.fetch import FetchError, fetch_slices
+        from streamdiloco.common.wire import make_channel, parse_target
         from streamdiloco.protos import streamdiloco_pb2 as pb
         from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 
-        request = pb.FetchRequest(
-            token=self.token, describe=layout is None, fragments=[] if fragment is None else [fragment]
-        )
-        slices: list[torch.Tensor] = []
-        rounds: list[int] = []
-        asm: MasterAssembly | None = None
-        received, last_said = 0, time.monotonic()
+        described: list[FragmentLayout] = []
+
+        def sizes_of(layout: FragmentLayout, fragments: list[int]) -> dict[int, int]:
+            ranges = [slice_ranges(layout.fragments[f].numel, self.num_shards)[self.shard] for f in fragments]
+            return {f: hi - lo for f, (lo, hi) in zip(fragments, ranges, strict=True)}
+
+        def describe(m: pb.MasterChunk) -> dict[int, int]:
+            described.append(self._described(m))
+            return sizes_of(described[0], list(range(described[0].num_fragments)))
+
+        received, last_said = [0], [time.monotonic()]
+
+        def on_chunk(m: pb.MasterChunk) -> None:
+            received[0] += len(m.values) // 4
+            if time.monotonic() - last_said[0] > 2.0:
+                progress(f"shard {self.shard} at {self.target}: {_size(received[0])} received")
+                last_said[0] = time.monotonic()
+
+        wanted = None
+        if layout is not None:
+            wanted = sizes_of(layout, list(range(layout.num_fragments)) if fragment is None else [fragment])
         try:
             with make_channel(parse_target(self.target), self.tls) as channel:
-                call = pb_grpc.ShardStub(channel).Fetch(
-                    request, metadata=auth_metadata(self.token), timeout=self.timeout
+                got = fetch_slices(
+                    pb_grpc.ShardStub(channel),
+                    wanted,
+                    where=f"the shard at {self.target}",
+                    describe=describe if layout is None else None,
+                    token=self.token,
+                    timeout=self.timeout,
+                    on_chunk=on_chunk,
                 )
-                for m in call:
-                    if layout is None:
-                        layout = self._described(m)
-                    want = len(slices) if fragment is None else fragment
-                    if asm is None:  # the next fragment's first chunk
-                        due = want < layout.num_fragments and not (fragment is not None and slices)
-                        if m.fragment != want or not due:
-                            raise ValueError(
-                                f"the shard at {self.target} sent fragment {m.fragment} where "
-                                + (f"fragment {want} was due" if due else "the Fetch was over")
-                            )
-                        lo, hi = slice_ranges(layout.fragments[want].numel, self.num_shards)[self.shard]
-                        asm = MasterAssembly(hi - lo, _empty(hi - lo, f"fragment {want}'s slice"))
-                    elif m.fragment != want:
-                        raise ValueError(
-                            f"the shard at {self.target} sent fragment {m.fragment} amid fragment {want}"
-                        )
-                    try:
-                        done = asm.add(m.round, m.offset, m.total, bytes_to_values(m.values), m.last)
-                    except (ChunkError, ValueError) as e:
-                        raise ValueError(f"the shard at {self.target}: fragment {want}: {e}") from None
-                    received += len(m.values) // 4
-                    if done:
-                        if not bool(torch.isfinite(asm.values).all()):
-                            raise ValueError(
-                                f"the shard at {self.target} sent non-finite values in fragment {want}"
-                            )
-                        slices.append(asm.values)
-                        rounds.append(int(asm.round or 0))
-                        asm = None
-                    if time.monotonic() - last_said > 2.0:
-                        progress(f"shard {self.shard} at {self.target}: {_size(received)} received")
-                        last_said = time.monotonic()
-        except grpc.RpcError as e:
-            raise ValueError(_rpc_message(self.target, e)) from None
-        wanted = 1 if fragment is not None else (layout.num_fragments if layout is not None else 1)
-        if layout is None or asm is not None or len(slices) != wanted:
-            raise ValueError(
-                f"the shard at {self.target} ended the Fetch after {len(slices)} of {wanted} fragments"
-            )
-        return layout, slices, rounds
+        except FetchError as e:
+            if e.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise ValueError(
+                    f"the shard at {self.target} refused the credentials ({e.details}): Fetch needs a "
+                    "worker's (--token or --token-file, and --tls-* as the workers)"
+                ) from None
+            raise
+        layout = layout or described[0]
+        return layout, list(got.slices.values()), list(got.rounds.values())
 
 
 def from_servers(
@@ -363,6 +339,16 @@ def from_servers(
     vectors = [torch.cat([per_shard[s][f] for s in range(len(shards))]) for f in range(layout.num_fragments)]
     fp = shards[0].fingerprint
     return GlobalModel(fp, layout, vectors, agree_rounds(rounds, mixed_rounds, lambda s: targets[s]))
+
+
+def fetch_masters(
+    targets: list[str], token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
+) -> list[torch.Tensor]:
+    """The run's global parameters, fragment by fragment, read from the live shards listed in shard order
+    (no Join: Fetch is read-only), every chunk checked as export checks it; the rounds may differ between
+    shards (no waiting for a closing round). For tools, tests and benchmarks; workers fetch through their
+    links."""
+    return from_servers(targets, token, tls, timeout, settle=0.0, mixed_rounds=True).vectors
 
 
 # --- writing -----------------------------------------------------------------------------------------------

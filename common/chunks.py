@@ -263,6 +263,8 @@ class MasterAssembly:
             raise ChunkError("bad_length", f"values [{offset}, {end}) do not fit a {total}-value slice")
         if last != (end == total):
             raise ChunkError("bad_length", f"chunk ends at {end} of {total} but last is {str(last).lower()}")
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise ChunkError("bad_value", "the chunk holds non-finite values")
 
     def add(self, round: int, offset: int, total: int, values: torch.Tensor, last: bool) -> bool:
         """Copy the next chunk's values into place (ChunkError, with nothing changed, if it does not fit).

@@ -423,3 +423,42 @@ class SyncConfig:
         if unknown:
             raise ValueError(f"unknown sync config field(s): {', '.join(sorted(unknown))}")
         return cls(**d)
+
+    @classmethod
+    def given(cls, values: dict) -> SyncConfig:
+        """The settings a user gave (`values`: field -> value) over the defaults, checked as a whole where
+        it can be: a schedule may be valid only with the shard's other settings (H=12 goes with the shard's
+        P=3, not with the default P=5), so a combination the defaults do not take is a GivenSync, checked
+        as a whole by `adopted` once the shard's settings are in (connect() does)."""
+        try:
+            return cls(**values)
+        except ValueError:
+            if unknown := sorted(set(values) - {f.name for f in fields(cls)}):
+                raise ValueError(f"unknown sync config field {unknown[0]!r}") from None
+            return GivenSync(**values)
+
+    @classmethod
+    def adopted(
+        cls, mine: SyncConfig, shards: SyncConfig, chosen: frozenset[str], where: str = "the shard"
+    ) -> SyncConfig:
+        """A worker's settings: its own (`mine`) for the `chosen` fields, the shard's for every other,
+        checked as a whole. ValueError (one line) when the two do not make a valid config together (say,
+        tau set to 8 with the shard's H of 6)."""
+        values = {f.name: getattr(mine if f.name in chosen else shards, f.name) for f in fields(cls)}
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"the settings given do not go with those of {where}: {e}") from None
+
+
+SCHEDULE_FIELDS = ("sync_every", "num_fragments", "fragment_sync_delay")  # valid or not only together
+
+
+@dataclass(frozen=True)
+class GivenSync(SyncConfig):
+    """Settings a user gave whose schedule (H, P, tau) the defaults do not take: each other setting is
+    checked now (a codec's name, alpha out of [0, 1]...), the whole only by SyncConfig.adopted, with the
+    shard's settings in."""
+
+    def __post_init__(self) -> None:
+        SyncConfig(**{k: x for k, x in self.to_dict().items() if k not in SCHEDULE_FIELDS})

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.worker.client import connect
+from streamdiloco.worker.join import connect
 
 
 class Block(nn.Module):

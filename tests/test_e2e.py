@@ -13,8 +13,9 @@ import torch
 from procs import shard_process, streamdiloco
 
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
+from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
-from streamdiloco.worker.client import SyncError, connect, fetch_masters
+from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 
 
@@ -143,7 +144,7 @@ def test_a_worker_with_a_different_model_is_refused_at_join_with_the_difference(
 
 def test_a_shard_started_from_saved_parameters_serves_them(tmp_path):
     from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-    from streamdiloco.worker.client import fetch_masters
+    from streamdiloco.export import fetch_masters
 
     torch.manual_seed(123)  # not the run's seed: the shard's factory alone would give other values
     model = build_gpt("nano")

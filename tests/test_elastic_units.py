@@ -37,7 +37,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
-from streamdiloco.worker.client import ShardLink
+from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
 

@@ -24,13 +24,13 @@ from streamdiloco.export import (
     FINGERPRINT_KEY,
     ROUNDS_KEY,
     agree_rounds,
+    fetch_masters,
     from_servers,
     layout_from_fingerprint,
 )
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
-from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
 
 RUN = ["--sync-every", "6", "--num-fragments", "3"]

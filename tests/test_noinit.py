@@ -21,9 +21,10 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.statefile import FINGERPRINT_KEY, ParamSpec, layout_from_description
 from streamdiloco.common.wire import values_to_bytes
+from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.worker.client import SyncError, connect, fetch_masters, given_sync
+from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 
 
@@ -188,7 +189,7 @@ def test_a_worker_takes_the_settings_it_did_not_set_from_the_shard(tmp_path):
         with pytest.raises(SyncError, match="sync_every is 30 on the worker, 6 on the shard"):
             connect(build_gpt("nano"), [target], SyncConfig(), name="w-h", sync_set=frozenset({"sync_every"}))
         with pytest.raises(SyncError, match="sync_every is 12 on the worker, 6 on the shard"):
-            connect(build_gpt("nano"), [target], given_sync({"sync_every": 12}), name="w-h")
+            connect(build_gpt("nano"), [target], SyncConfig.given({"sync_every": 12}), name="w-h")
         with pytest.raises(ValueError, match="do not go with those of the shard at .*tau=7"):
             connect(build_gpt("nano"), [target], SyncConfig(fragment_sync_delay=7), name="w")
         # the worker CLI: flags left out are the shard's; one set that differs is refused in one line

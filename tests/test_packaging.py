@@ -41,7 +41,7 @@ def test_wheel_maps_top_level_folders_into_the_package(wheel, tmp_path):
         "server/service.py",
         "server/main.py",
         "worker/engine.py",
-        "worker/client.py",
+        "worker/link.py",
         "worker/model.py",
         "sim/simulator.py",
         "launch.py",

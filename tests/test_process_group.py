@@ -227,8 +227,8 @@ def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tm
     from torch.nn.parallel import DistributedDataParallel
 
     from streamdiloco.common.config import SyncConfig
-    from streamdiloco.worker.client import connect
     from streamdiloco.worker.group import batch_slice, connect_group
+    from streamdiloco.worker.join import connect
     from streamdiloco.worker.model import build_gpt
 
     store = dist.FileStore(str(tmp_path / "store"), 1)

@@ -19,13 +19,13 @@ from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
+from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.intake import check_progress
 from streamdiloco.server.main import build_service
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
-from streamdiloco.worker.client import fetch_masters
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import CHECKPOINT_FORMAT, WorkerConfig, _checkpoint_key, load_checkpoint
 

@@ -1,6 +1,6 @@
 """The worker's sync engine: the fragment schedule, and the sends and merges it says, around any model.
 
-Driving it, the one way (like torchft's DiLoCo): build it once (`worker.client.connect()` does), then call
+Driving it, the one way (like torchft's DiLoCo): build it once (`worker.join.connect()` does), then call
 `step()` right after every inner optimizer step, and loop on the engine's step count:
 
     while engine.step_count < total_steps:
@@ -83,7 +83,7 @@ class StopRequested(Exception):
 
 @runtime_checkable
 class Transport(Protocol):
-    """What carries a worker's pushes and the rounds' updates: `GrpcTransport` (worker/client.py) in a
+    """What carries a worker's pushes and the rounds' updates: `GrpcTransport` (worker/transport.py) in a
     worker process, the simulator's `InProcessTransport` (sim/simulator.py) in one process. The engine
     calls nothing else on it."""
 

@@ -92,7 +92,7 @@ class RankGroup:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "no process group: call torch.distributed.init_process_group() first (torchrun sets its "
-                "environment), or use streamdiloco.worker.client.connect() for a one-process worker"
+                "environment), or use streamdiloco.worker.join.connect() for a one-process worker"
             )
         backend = dist.get_backend(pg)
         if backend == "nccl":
@@ -345,11 +345,11 @@ def connect_group(
     """Join a run as one worker made of a process group's ranks; call it on every rank, with the same
     arguments. `model` is the rank's model, bare or wrapped in DistributedDataParallel (the group is then
     DDP's unless `process_group` is given; default: the default group). Rank 0 joins as
-    `streamdiloco.worker.client.connect()` does (`kwargs` are its: total_steps, name, token, seed, resume,
+    `streamdiloco.worker.join.connect()` does (`kwargs` are its: total_steps, name, token, seed, resume,
     ...; the other ranks ignore them); every rank then holds rank 0's parameters. Call the returned
     GroupEngine's `step(tokens, loss)` after every `inner_optimizer.step()` on every rank, and `close()`.
     Feed each rank its own slice of the worker's batch (`batch_slice`)."""
-    from streamdiloco.worker.client import connect as connect_one
+    from streamdiloco.worker.join import connect as connect_one
 
     module = unwrap(model)
     if process_group is None and module is not model:

@@ -6,10 +6,12 @@ Per fragment of this shard's slice:
 - `arrived`: updates that came whole and are not taken yet;
 - `kept`: this worker's pushes, kept (encoded) until their round's update is taken, to be sent again after a
   reconnect or a shard's restart;
-- `awaiting`: pushes sent on the current session that have no PushResult yet.
+- `awaiting`: pushes sent on the current session that have no PushResult yet, with when they were sent
+  (the clock is the caller's: `sent(..., at)`), the one record of what is unanswered.
 
-One writer: the link's own thread (worker/client.py); everything else asks it. Tested on its own like
-ShardState.
+And where the shard is (`view`): its last Welcome moved on by what came since. One writer: the link's own
+thread (worker/link.py); everything else asks it. Tested on its own like ShardState. It must not do
+networking, threads or clocks.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ class ShardBehind(Exception):
     """The shard is at an older round than this worker holds: it restarted from an older checkpoint."""
 
     def __init__(self, fragment: int, theirs: int, ours: int):
-        super().__init__(f"the shard is at round {theirs} of fragment {fragment}, this worker has {ours - 1}")
+        super().__init__(
+            f"is at round {theirs} of fragment {fragment}, but this worker already has round {ours - 1}: the "
+            "shard restarted from an older checkpoint than its last round; restart the run from the shards' "
+            "checkpoints and the workers' --resume"
+        )
         self.fragment, self.theirs, self.ours = fragment, theirs, ours
 
 
@@ -62,7 +68,7 @@ class LinkState:
         self.arrived: dict[tuple[int, int], Parts] = {}
         self.masters: dict[int, Master] = {}
         self.kept: dict[tuple[int, int], Kept] = {}
-        self.awaiting: set[tuple[int, int]] = set()
+        self.awaiting: dict[tuple[int, int], float] = {}  # (fragment, round) -> when it was sent
 
     @property
     def num_fragments(self) -> int:
@@ -118,6 +124,13 @@ class LinkState:
         for key in [k for k in self.arrived if k[0] == fragment and k[1] < round]:
             del self.arrived[key]  # closed before the fetch: in the master already
 
+    def install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
+        """A joiner set its parameters from `fetched` (fragment -> (values, round)); the rounds its mirror
+        then holds, per fragment."""
+        for f, (_, rnd) in fetched.items():
+            self.installed(f, rnd)
+        return [fetched[f][1] for f in range(self.num_fragments)]
+
     # --- what the engine takes -------------------------------------------------------------------------
     def available(self, fragment: int, round: int) -> bool:
         return (
@@ -166,6 +179,38 @@ class LinkState:
         for f, r in self.kept:
             out[f] = min(out[f], r)
         return out
+
+    # --- what is unanswered ---------------------------------------------------------------------------
+    def sent(self, fragment: int, round: int, at: float) -> None:
+        """A push went out on the current session at time `at` (the caller's clock)."""
+        self.awaiting[(fragment, round)] = at
+
+    def answered(self, fragment: int, round: int) -> float | None:
+        """The shard answered a push: when it was sent (None if not on this session)."""
+        return self.awaiting.pop((fragment, round), None)
+
+    def session_ended(self) -> None:
+        """The session broke: its pushes will not be answered (the kept ones are sent again)."""
+        self.awaiting.clear()
+
+    @property
+    def all_answered(self) -> bool:
+        return not self.awaiting
+
+    # --- where the shard is ---------------------------------------------------------------------------
+    def view(
+        self, rounds: list[int], started: list[bool], pushes: list[int], min_workers: int
+    ) -> tuple[list[int], list[bool], list[bool]]:
+        """Where the shard is as of now, from its last Welcome (`rounds`, `started`, `pushes`, `min_workers`)
+        moved on by the updates that came and the rounds held since: per fragment the open round, whether it
+        has started and whether it is short of its quorum."""
+        rounds, started = list(rounds), list(started)
+        short = [s and n < min_workers for s, n in zip(started, pushes, strict=True)]
+        held = [(f, c - 1) for f, c in enumerate(self.covered) if c > 0]
+        for f, r in [*self.arrived, *held]:
+            if r + 1 > rounds[f]:
+                rounds[f], started[f], short[f] = r + 1, False, False
+        return rounds, started, short
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -11,7 +11,7 @@ Read it top to bottom as nanoGPT's train.py: `run_worker` makes the context (`_r
 to resume, the model, the data, the optimizer, and a `Training` that holds them), joins (`_join`), runs the
 one training loop (`_train`, on every rank of a torchrun group: the leading rank's `Lead` also keeps the
 statistics, evaluates, logs and checkpoints), saves (`_finish`) and writes the summary, in one place.
-The wire (worker/client.py) and the sync schedule (worker/engine.py) are not done here.
+The wire (worker/link.py, worker/transport.py) and the sync schedule (worker/engine.py) are not done here.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
-from streamdiloco.worker.client import GrpcTransport, StopRequested, connect
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
-from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
+from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
@@ -56,6 +56,7 @@ from streamdiloco.worker.train import (
     optimizer_step,
     set_lr,
 )
+from streamdiloco.worker.transport import GrpcTransport
 
 log = logging.getLogger("streamdiloco.worker")
 

@@ -1,0 +1,398 @@
+"""One shard's wire, as a worker's link uses it: Join, a Session's request stream, the reader that assembles
+the shard's update chunks, Fetch, and the bytes counted both ways.
+
+A ShardConnection holds what Join said (the run's config, this shard's index and slices) and the current
+session's outbox; it decides nothing about rounds or pushes (the link and worker/linkstate.py do) and
+changes no state of the link: its reader thread only tells the link what came (`open_session`'s `tell`).
+`reconnect` is the backoff loop that joins again and opens a new session until one holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import torch
+
+from streamdiloco.common.chunks import Assembly, ChunkError
+from streamdiloco.common.codecs import chunk_alignment
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fetch import FetchError, fetch_slices
+from streamdiloco.common.tls import ClientTLS
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, from_chunk, make_channel, parse_target
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+
+log = logging.getLogger("streamdiloco.worker")
+
+MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
+JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
+
+
+class SyncError(RuntimeError):
+    """The session with a shard failed for good: the worker cannot go on syncing."""
+
+
+class Retry(Exception):
+    """A step of (re)connecting failed in a way worth another try."""
+
+
+JOIN_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,  # shard down or restarting, network gone
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,  # the shard has not noticed yet that our old session is gone
+}
+RETRYABLE = JOIN_RETRYABLE | {
+    grpc.StatusCode.UNAUTHENTICATED,  # at Hello: the Join's session id expired meanwhile
+    grpc.StatusCode.RESOURCE_EXHAUSTED,  # we read too slowly and were dropped: resync
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+class Updates:
+    """A session's updates in the making: the chunks of each (fragment, round) assembled and checked
+    (common/chunks.py) until the update is whole."""
+
+    def __init__(self, shard: int, slices: list[tuple[int, int]], config: SyncConfig):
+        self.shard, self.slices, self.config = shard, slices, config
+        self.partial: dict[tuple[int, int], Assembly] = {}
+
+    def take(self, c: pb.Chunk) -> tuple[int, int, list] | None:
+        """One update chunk; (fragment, round, parts) once the update is whole; SyncError if it is bad."""
+        if not 0 <= c.fragment < len(self.slices):
+            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+        key = (c.fragment, c.round)
+        asm = self.partial.get(key)
+        if asm is None:
+            asm = self.partial[key] = Assembly(
+                self.slices[c.fragment][1],
+                self.config.downlink_codec,
+                self.config.codec_block_size,
+                what="update",
+                role="downlink",
+                where=f"slice {self.shard} of fragment {c.fragment}",
+            )
+        try:
+            if not asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last):
+                return None
+        except (ChunkError, ValueError) as e:
+            raise SyncError(
+                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round "
+                f"{c.round}: {e}"
+            ) from None
+        del self.partial[key]
+        return c.fragment, c.round, asm.parts
+
+
+class ShardConnection:
+    """Join, Sessions and Fetch with one shard (see the module's docstring)."""
+
+    def __init__(
+        self,
+        target: str,
+        worker: str,
+        fingerprint: dict,
+        *,
+        token: str = "",
+        join_timeout: float = 60.0,
+        tls: ClientTLS | None = None,
+    ):
+        self.target, self.worker, self.token = parse_target(target), worker, token
+        self.fingerprint, self.join_timeout, self.tls = fingerprint, join_timeout, tls
+        self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
+        self.channel = make_channel(self.target, tls)
+        self.stub = pb_grpc.ShardStub(self.channel)
+        # set by Join (the caller's thread before the link starts, then only the link's thread)
+        self.config: SyncConfig | None = None
+        self.probed: tuple[int, int, bool] | None = (
+            None  # a config_only Join's shard, num_shards, uninitialized
+        )
+        self.shard = self.num_shards = self.chunk_values = 0
+        self.slices: list[tuple[int, int]] = []
+        self.session_id = ""
+        self.session = 0  # the current session's number: what the reader of an older one tells is stale
+        self.call: Any = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._bytes = {"out": 0, "in": 0}
+        self._bytes_lock = threading.Lock()
+        self.closed = threading.Event()  # set by close(): waits end, retries stop
+
+    @property
+    def msg_out(self) -> int:
+        return self._bytes["out"]
+
+    @property
+    def msg_in(self) -> int:
+        return self._bytes["in"]
+
+    def count(self, direction: str, n: int) -> None:
+        with self._bytes_lock:
+            self._bytes[direction] += n
+
+    # --- Join ------------------------------------------------------------------------------------------
+    def join(
+        self, timeout: float | None = None, reconnecting: bool = False, config_only: bool = False
+    ) -> SyncConfig:
+        """Join the shard, waiting up to `timeout` for it to be reachable; returns the run's config. SyncError
+        if it refuses; when `reconnecting`, Retry if it cannot be reached (or still holds our old session).
+        `config_only`: only ask for the run's config (no fingerprint, no session; the link stays unjoined)."""
+        timeout = self.join_timeout if timeout is None else timeout
+        give_up = time.monotonic() + timeout
+        if not reconnecting:
+            self._wait_for_shard(give_up, timeout)
+        request = pb.JoinRequest(
+            worker=self.worker,
+            token=self.token,
+            fingerprint_json="" if config_only else json.dumps(self.fingerprint),
+            protocol=PROTOCOL,
+            config_only=config_only,
+        )
+        while True:
+            try:
+                reply = self.stub.Join(
+                    request,
+                    metadata=self.metadata,
+                    timeout=max(0.1, give_up - time.monotonic()),
+                    wait_for_ready=True,  # the shard may be starting: the call waits for the channel
+                )
+                break
+            except grpc.RpcError as e:
+                code = e.code()
+                if reconnecting and code in JOIN_RETRYABLE:
+                    raise Retry(f"Join: {code.name}: {e.details()}") from None
+                if code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
+                    # our own session from before a crash, not yet noticed by the shard (keepalive: < 1 min)
+                    log.info("shard at %s: %s; trying again", self.target, e.details())
+                    self.closed.wait(1.0)
+                    continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise SyncError(self._no_answer(timeout)) from None
+                raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
+        try:
+            config = SyncConfig.from_dict(json.loads(reply.config_json))
+        except (ValueError, TypeError) as e:
+            raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+        if config_only:
+            self.probed = (reply.shard, reply.num_shards, reply.uninitialized)
+            return config
+        if reply.uninitialized:
+            raise SyncError(
+                f"the shard at {self.target} has no parameters yet (server --init from-worker): connect() "
+                "sends them"
+            )
+        slices = [(s.offset, s.length) for s in reply.slices]
+        if self.config is not None and (
+            config != self.config
+            or slices != self.slices
+            or (reply.shard, reply.num_shards) != (self.shard, self.num_shards)
+        ):
+            raise SyncError(
+                f"the shard at {self.target} came back as another run: shard index, slices or config differ"
+            )
+        align = chunk_alignment(config.uplink_codec, config.codec_block_size)
+        if (
+            not reply.num_shards
+            or reply.shard >= reply.num_shards
+            or not reply.chunk_values
+            or reply.chunk_values % align
+        ):
+            raise SyncError(
+                f"shard at {self.target} sent an unusable Join reply (shard {reply.shard} of "
+                f"{reply.num_shards}, {reply.chunk_values} values per chunk)"
+            )
+        self.config, self.shard, self.num_shards = config, reply.shard, reply.num_shards
+        self.slices, self.chunk_values = slices, reply.chunk_values
+        self.session_id = reply.session
+        return config
+
+    def _wait_for_shard(self, give_up: float, timeout: float) -> None:
+        """Wait until the channel connects, saying so every JOIN_PROGRESS_EVERY seconds: a shard not started
+        yet, or a wrong address, is not 60 s of silence. SyncError naming the address and the flag when
+        `give_up` passes."""
+        start = time.monotonic()
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            while True:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise SyncError(self._no_answer(timeout))
+                try:
+                    ready.result(timeout=min(JOIN_PROGRESS_EVERY, left))
+                    return
+                except grpc.FutureTimeoutError:
+                    if self.closed.is_set():
+                        raise SyncError(f"closed while waiting for the shard at {self.target}") from None
+                    if give_up - time.monotonic() > 0:
+                        log.info(
+                            "waiting for shard at %s (retrying, %.0fs of --join-timeout %gs)",
+                            self.target,
+                            time.monotonic() - start,
+                            timeout,
+                        )
+        finally:
+            ready.cancel()
+
+    def _no_answer(self, timeout: float) -> str:
+        hint = (
+            " (over TLS: does it serve TLS, does its certificate name this host, is it signed by --tls-ca, "
+            "and does it take this worker's certificate?)"
+            if self.tls
+            else ": is it running, and is the address right?"
+        )
+        return f"no shard answered at {self.target} within --join-timeout {timeout:g}s{hint}"
+
+    # --- the session -----------------------------------------------------------------------------------
+    def open_session(self, tell: Callable[..., None]) -> pb.Welcome:
+        """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
+        the session's reader, which calls tell(kind, session number, ...) for what comes: ("update",
+        fragment, round, parts) once an update is whole, ("result", PushResult), ("welcome", Welcome), and
+        at its end ("ended", why) or ("failed", why) when the session cannot go on."""
+        self._outbox.put(None)  # ends the previous session's request stream, if any
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = outbox
+        call = self.stub.Session(self._requests(outbox, self.session_id), metadata=self.metadata)
+        try:
+            first = next(call)
+        except StopIteration:
+            raise Retry("the shard ended the session at once") from None
+        except grpc.RpcError as e:
+            if e.code() in RETRYABLE:
+                raise Retry(f"Session: {e.code().name}: {e.details()}") from None
+            raise SyncError(
+                f"shard {self.shard} at {self.target} refused the session: {e.code().name}: {e.details()}"
+            ) from None
+        self.count("in", first.ByteSize())
+        w = first.welcome
+        n = len(self.slices)
+        if first.WhichOneof("kind") != "welcome" or not len(w.rounds) == len(w.started) == len(w.pushes) == n:
+            call.cancel()
+            raise SyncError(f"shard {self.shard} at {self.target} did not start the session with a Welcome")
+        self.call = call
+        self.session += 1
+        threading.Thread(
+            target=self._read, args=(self.session, call, tell), name=f"shard{self.shard}-rx", daemon=True
+        ).start()
+        return w
+
+    def send(self, msg: pb.WorkerMessage) -> None:
+        """Queue a message on the current session (sent in order; lost if the session breaks)."""
+        self._outbox.put(msg)
+
+    def _requests(self, outbox: queue.SimpleQueue, session: str) -> Iterator[pb.WorkerMessage]:
+        hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session, passive=True))
+        self.count("out", hello.ByteSize())
+        yield hello
+        while True:
+            msg = outbox.get()
+            if msg is None:
+                return
+            self.count("out", msg.ByteSize())
+            yield msg
+
+    def _read(self, session: int, call: Any, tell: Callable[..., None]) -> None:
+        """A session's reader: assembles update chunks and tells what it reads (see open_session)."""
+        assert self.config is not None
+        updates = Updates(self.shard, self.slices, self.config)
+        why = f"shard {self.shard} at {self.target} ended the session"
+        try:
+            for msg in call:
+                self.count("in", msg.ByteSize())
+                kind = msg.WhichOneof("kind")
+                if kind == "update":
+                    done = updates.take(msg.update)
+                    if done is not None:
+                        tell("update", session, *done)
+                elif kind == "result":
+                    tell("result", session, msg.result)
+                elif kind == "welcome":
+                    tell("welcome", session, msg.welcome)
+        except grpc.RpcError as e:
+            why = f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
+            if e.code() not in RETRYABLE and not self.closed.is_set():
+                why = why.replace("broke", "failed")
+                tell("failed", session, why)
+                return
+        except SyncError as e:
+            tell("failed", session, str(e))
+            return
+        except Exception as e:  # a malformed message must not end the thread silently
+            tell(
+                "failed",
+                session,
+                f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}",
+            )
+            return
+        tell("ended", session, why)
+
+    # --- reconnecting ----------------------------------------------------------------------------------
+    def reconnect(self, timeout: float, tell: Callable[..., None], then: Callable[[pb.Welcome], None]) -> int:
+        """Join again and open a new session, then then(its Welcome), until all three succeed; returns the
+        attempts it took. SyncError after `timeout` seconds, or at once when the shard refuses for good.
+        Attempts are spaced by exponential backoff with jitter (0.5 s doubling to MAX_BACKOFF, each times a
+        random 0.5..1), so that many workers do not all come at once; during each, the Join waits for the
+        channel, which connects as soon as the shard is back (gRPC retries every 0.25..4 s). A Retry from
+        `then` (say, a Fetch that broke) counts as a failed attempt."""
+        give_up = time.monotonic() + timeout
+        delay = 0.5
+        attempt = 0
+        while not self.closed.is_set():
+            attempt += 1
+            window = max(0.5, min(delay * random.uniform(0.5, 1.0), give_up - time.monotonic()))
+            t0 = time.monotonic()
+            try:
+                self.join(timeout=window, reconnecting=True)
+                then(self.open_session(tell))
+                return attempt
+            except Retry as e:
+                if self.call is not None:
+                    self.call.cancel()
+                if time.monotonic() >= give_up:
+                    raise SyncError(
+                        f"shard {self.shard} at {self.target} unreachable for {timeout:g} s (last: {e}); "
+                        "giving up"
+                    ) from None
+                if attempt == 1 or attempt % 10 == 0:
+                    log.info(
+                        "shard %d at %s: %s; still trying (attempt %d)", self.shard, self.target, e, attempt
+                    )
+                self.closed.wait(max(0.0, window - (time.monotonic() - t0)))  # a quick refusal: wait it out
+                delay = min(delay * 2, MAX_BACKOFF)
+        return attempt
+
+    # --- Fetch ---------------------------------------------------------------------------------------------
+    def fetch(
+        self, fragments: list[int] | None = None, attempts: int = 3
+    ) -> dict[int, tuple[torch.Tensor, int]]:
+        """The current master slices (fp32) and their rounds, every chunk checked against this shard's slices
+        (common/fetch.py: order, sizes, rounds, finite values), resuming from the last chunk received if the
+        stream breaks. SyncError when the shard sends what does not fit: nothing of it is kept."""
+        want = list(fragments) if fragments is not None else list(range(len(self.slices)))
+        try:
+            got = fetch_slices(
+                self.stub,
+                {f: self.slices[f][1] for f in want},
+                where=f"shard {self.shard} at {self.target}",
+                token=self.token,
+                attempts=attempts,
+                on_chunk=lambda m: self.count("in", m.ByteSize()),
+            )
+        except FetchError as e:
+            raise SyncError(str(e)) from None
+        log.debug("fetched %s", got.describe())
+        return got.masters()
+
+    def close(self) -> None:
+        self.closed.set()
+        self._outbox.put(None)
+        if self.call is not None:
+            self.call.cancel()
+        self.channel.close()

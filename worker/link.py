@@ -1,0 +1,495 @@
+"""A worker's link to one shard: one actor that owns what the link holds, over a ShardConnection.
+
+The link's own thread owns the link's state (worker/linkstate.py: rounds held, kept pushes, arrived updates,
+the pushes not yet answered, where the shard is) and is the only one that changes it; everything else posts
+work to it (`_post`) or asks it and gets a future (`_ask`). It sends pushes, hands updates over as they
+arrive (one future per (fragment, round) that the engine waits on), and reconnects when a session breaks.
+The session's reader (worker/connection.py) assembles update chunks and tells the link's thread what came.
+This module must not decide what LinkState decides (what is held, what to resend, where the shard is) nor
+talk gRPC itself: the connection does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from streamdiloco.common.codecs import Encoded
+from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
+from streamdiloco.common.pace import valid_step_seconds
+from streamdiloco.common.tls import ClientTLS
+from streamdiloco.common.wire import to_chunks
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.worker.connection import Retry, ShardConnection, SyncError
+from streamdiloco.worker.engine import settle
+from streamdiloco.worker.linkstate import Kept, LinkState, ShardBehind, Update
+from streamdiloco.worker.report import Progress
+
+log = logging.getLogger("streamdiloco.worker")
+
+_STOP = object()  # ends the link's thread
+
+
+def push_header(push: Kept, p: Progress) -> pb.PushHeader:
+    """A push's header: its weight and loss, and the worker's progress (for the shard's dashboards)."""
+    return pb.PushHeader(
+        weight=push.weight,
+        has_loss=push.loss is not None,
+        loss=push.loss or 0.0,
+        step=p.step,
+        blocked_seconds=p.blocked_seconds,
+        total_steps=p.total_steps,
+        tokens=p.tokens,
+        has_utilization=p.compute_utilization is not None,
+        compute_utilization=p.compute_utilization or 0.0,
+        has_eval_loss=p.eval_loss is not None,
+        eval_loss=p.eval_loss or 0.0,
+        eval_step=p.eval_step,
+        step_seconds=p.step_seconds or 0.0,
+    )
+
+
+class Actor:
+    """One thread that runs what is posted to it, in order: the one writer of what its subclass holds.
+    Other threads `_post` work or `_ask` for a future of its result. An exception in posted work goes to
+    `_failed` (the thread never ends silently: whoever waits on it would wait for ever); `_stopped` runs
+    when the thread ends."""
+
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _start(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Have the thread run fn(*args), after what was posted before."""
+        self._inbox.put((fn, args, None))
+
+    def _ask(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """A future of fn(*args), run on the thread (here if it has not started: a test driving the state)."""
+        fut: Future = Future()
+        if self._thread is None:
+            fut.set_result(fn(*args))
+        else:
+            self._inbox.put((fn, args, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                break
+            fn, args, fut = item
+            try:
+                result = fn(*args)
+                if fut is not None:
+                    fut.set_result(result)
+            except BaseException as e:
+                if fut is not None:
+                    fut.set_exception(e)
+                else:
+                    self._failed(e)
+        self._stopped()
+
+    def _stop(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    def _failed(self, e: BaseException) -> None:
+        raise NotImplementedError
+
+    def _stopped(self) -> None:
+        pass
+
+
+class PushAnswers:
+    """The shard's answers to this worker's pushes: counted by outcome (/metrics), refusals kept, the run's
+    pace as the latest accepting answer said, and each accepted push's seconds from send to answer given to
+    `on_answer`."""
+
+    def __init__(self) -> None:
+        self.results = dict.fromkeys(PUSH_OUTCOMES, 0)
+        self.refusals: list[pb.PushResult] = []
+        self.pace_seconds = 0.0  # common/pace.py
+        self.on_answer: Callable[[float], None] | None = None
+
+    def take(self, r: pb.PushResult, sent: float | None, shard: int) -> str | None:
+        """Count one answer (`sent`: when its push went out, if on this session); the link's failure
+        message when the shard refused the push for good."""
+        self.results[push_outcome(None if r.accepted else r.reason)] += 1
+        if r.accepted:
+            # a shard that announces a pace no worker can have is ignored (common/pace.py bounds it)
+            self.pace_seconds = r.pace_seconds if valid_step_seconds(r.pace_seconds) else 0.0
+            if sent is not None and self.on_answer is not None:
+                self.on_answer(time.perf_counter() - sent)
+            return None
+        self.refusals.append(r)
+        if r.reason == "late":  # the round closed without us: its update still comes, and we apply it
+            log.warning("shard %d: %s", shard, r.message)
+        elif r.reason == "duplicate":  # sent before a reconnect and already in the round: nothing lost
+            log.info("shard %d already has this worker's push: %s", shard, r.message)
+        else:
+            return f"shard {shard} refused a push ({r.reason}): {r.message}"
+        return None
+
+
+class Waiters:
+    """The futures a link's thread settles: the engine's requests for updates (per fragment and round),
+    ready() calls waiting to be a member, flush() calls waiting for every push's answer."""
+
+    def __init__(self) -> None:
+        self.updates: dict[tuple[int, int], list[Future]] = {}
+        self.member: list[Future] = []
+        self.flushed: list[Future] = []
+
+    def hand_over(self, state: LinkState) -> None:
+        """Give every wanted update that is here to whoever waits for it."""
+        for key in sorted(self.updates):
+            if state.available(*key):
+                update = state.take(*key)
+                for fut in self.updates.pop(key):
+                    settle(fut, update)
+
+    def welcome(self, w: pb.Welcome) -> None:
+        for fut in self.member:
+            settle(fut, w)
+        self.member.clear()
+
+    def answered(self, all_answered: bool, hopeless: bool) -> None:
+        """Settle the flush() calls once every push has its answer, or none will come (`hopeless`)."""
+        if self.flushed and (all_answered or hopeless):
+            for fut in self.flushed:
+                settle(fut, all_answered)
+            self.flushed.clear()
+
+    def fail(self, message: str) -> None:
+        """The link failed for good: every update and membership waited for fails with SyncError."""
+        for fut in [f for futs in self.updates.values() for f in futs] + self.member:
+            settle(fut, exc=SyncError(message))
+        self.updates.clear()
+        self.member.clear()
+
+
+class ShardLink(Actor):
+    """One shard: Join, a Session that stays open, and its resumption when it breaks.
+
+    Pushes are kept (encoded) until their round's update is taken. When the session breaks, the link's
+    thread reconnects with exponential backoff and jitter: Join again, open a passive session, compare the
+    shard's rounds with what this worker holds, fetch any slice it missed rounds of (the engine then takes
+    that Master in place of the missed updates), become a member again, and send again every kept push
+    whose round is still open. A shard restarted from its checkpoint thereby gets back every push it lost.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        worker: str,
+        fingerprint: dict,
+        token: str = "",
+        join_timeout: float = 60.0,
+        reconnect_timeout: float = 600.0,
+        tls: ClientTLS | None = None,
+    ):
+        super().__init__()
+        self.conn = ShardConnection(
+            target, worker, fingerprint, token=token, join_timeout=join_timeout, tls=tls
+        )
+        self.reconnect_timeout = reconnect_timeout
+        self.state: LinkState | None = None  # made at the first Join (its number of fragments)
+        # what only the link's thread touches
+        self._connected = False  # a session is open and this worker is a member on it
+        self._welcome: pb.Welcome | None = None  # the latest Welcome (answer to Hello or Ready)
+        self._want_member = False  # ready() was called: a reconnect makes us a member again
+        self._waiters = Waiters()
+        self.join_from: list[int] | None = None  # first rounds a joining worker pushes (see join_run)
+        self.schedule: Callable[[], list[int]] | None = None  # the engine's next round of each fragment
+        # read from any thread
+        self.error: str | None = None
+        self.reconnects = self.resent = 0
+        self.answers = PushAnswers()
+        self.results, self.refusals = self.answers.results, self.answers.refusals
+        self.progress: Callable[[], Progress] = Progress  # what each push's header reports (dashboards)
+        self._closing = False
+
+    # what Join said, and the bytes on the wire (the connection's)
+    target = property(lambda self: self.conn.target)
+    shard = property(lambda self: self.conn.shard)
+    num_shards = property(lambda self: self.conn.num_shards)
+    slices = property(lambda self: self.conn.slices)
+    config = property(lambda self: self.conn.config)
+    probed = property(lambda self: self.conn.probed)
+    msg_in = property(lambda self: self.conn.msg_in)
+    msg_out = property(lambda self: self.conn.msg_out)
+    pace_seconds = property(lambda self: self.answers.pace_seconds)  # the run's, as the shard last said
+
+    def start(self, state: dict | None = None, held: list[int] | None = None) -> None:
+        """Join, restore a checkpoint's `state` (and the rounds `held` in the mirror) if given, open a
+        passive session and start the link's thread."""
+        self.conn.join()
+        self.state = self.state or LinkState(len(self.slices))
+        if state is not None:
+            if state["shard"] != self.shard:
+                raise SyncError(
+                    f"{self.target} is shard {self.shard}, the checkpoint's link to it was shard "
+                    f"{state['shard']}: give --servers in the same order as before"
+                )
+            assert held is not None
+            self.state.load_state_dict(state, held)
+        try:
+            self._welcome = self.conn.open_session(self._tell)
+        except Retry as e:
+            raise SyncError(f"shard at {self.target}: {e}") from None
+        self._start(f"shard{self.shard}-link")
+
+    # --- the link's thread -----------------------------------------------------------------------------
+    def _failed(self, e: BaseException) -> None:
+        if not self._closing:
+            what = f"shard {self.shard} at {self.target}: {type(e).__name__}: {e}"
+            self._fail(str(e) if isinstance(e, SyncError) else what)
+
+    def _stopped(self) -> None:
+        self._fail_waiters(self.error or f"the link to shard {self.shard} is closed")
+
+    def _tell(self, kind: str, session: int, *args: Any) -> None:
+        """The session's reader: what came on session number `session`, for the link's thread."""
+        self._post(self._on_message, kind, session, *args)
+
+    # --- on the link's thread: what the shard says -----------------------------------------------------
+    def _on_message(self, kind: str, session: int, *args: Any) -> None:
+        if session != self.conn.session or (kind == "ended" and (self._closing or self.error)):
+            return  # from a session that is over, or the end of one we are leaving
+        assert self.state is not None
+        if kind == "update" and self.state.on_update(*args):
+            self._hand_over()
+        elif kind == "welcome":
+            self._on_welcome(*args)
+        elif kind == "result":
+            self._on_result(*args)
+        elif kind == "failed":
+            self._fail(*args)
+        elif kind == "ended":
+            self._connected = False
+            self.state.session_ended()
+            self._check_flushed()
+            log.warning("%s; reconnecting", args[0])
+            self._reconnect()
+
+    def _on_welcome(self, w: pb.Welcome) -> None:
+        assert self.state is not None
+        n = len(self.slices)
+        if len(w.rounds) != n or len(w.started) != n or len(w.pushes) != n:
+            raise SyncError(f"shard {self.shard} sent a Welcome for {len(w.rounds)} fragments")
+        self._welcome = w
+        if w.member and not self._connected:
+            # a member (again): send every kept push whose round is still open (after a reconnect or a
+            # resume; the shard had them only if it says "duplicate")
+            for f, r, push in self.state.to_resend(list(w.rounds)):
+                self._send_push(f, r, push)
+                self.resent += 1
+            self._connected = True
+            self._waiters.welcome(w)
+
+    def _on_result(self, r: pb.PushResult) -> None:
+        assert self.state is not None
+        failure = self.answers.take(r, self.state.answered(r.fragment, r.round), self.shard)
+        self._check_flushed()
+        if failure is not None:
+            self._fail(failure)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            log.error(message)
+        self._fail_waiters(message)
+
+    def _fail_waiters(self, message: str) -> None:
+        self._waiters.fail(message)
+        self._check_flushed()
+
+    def _hand_over(self) -> None:
+        assert self.state is not None
+        self._waiters.hand_over(self.state)
+
+    # --- reconnecting ----------------------------------------------------------------------------------
+    def _reconnect(self) -> None:
+        """Join again, resynchronize and become a member (if we were one); fails the link when time runs
+        out (the backoff: ShardConnection.reconnect)."""
+
+        def resume(welcome: pb.Welcome) -> None:
+            self._welcome = welcome
+            self._resync(welcome)
+            if self._want_member:  # the answer's Welcome sends the kept pushes again
+                self.conn.send(self._ready_message())
+
+        attempts = self.conn.reconnect(self.reconnect_timeout, self._tell, resume)
+        if not self._closing:
+            self.reconnects += 1
+            log.info("reconnected to shard %d at %s (attempt %d)", self.shard, self.target, attempts)
+
+    def _resync(self, welcome: pb.Welcome) -> None:
+        """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
+        assert self.state is not None
+        try:
+            behind = self.state.behind(list(welcome.rounds))
+        except ShardBehind as e:
+            raise SyncError(f"shard {self.shard} at {self.target} {e}") from None
+        if not behind:
+            return
+        log.info(
+            "shard %d closed rounds of fragment(s) %s while this worker was away: fetching those slices",
+            self.shard,
+            behind,
+        )
+        try:
+            fetched = self.conn.fetch(behind)
+        except SyncError as e:
+            raise Retry(str(e)) from None
+        for f, (values, rnd) in fetched.items():
+            self.state.on_fetched(f, values, rnd)
+        self._hand_over()
+
+    def _ready_message(self) -> pb.WorkerMessage:
+        """Ready, naming the first round of each fragment this worker will push (none: every round)."""
+        assert self.state is not None
+        if self.schedule is not None:
+            first = self.state.first_rounds(list(self.schedule()))
+        else:
+            first = list(self.join_from or [])
+        return pb.WorkerMessage(ready=pb.Ready(from_rounds=first))
+
+    # --- on the link's thread: what the engine and the transport ask -----------------------------------
+    def _become_member(self, fut: Future) -> None:
+        self._want_member = True
+        if self.error:
+            settle(fut, exc=SyncError(self.error))
+            return
+        self._waiters.member.append(fut)
+        self.conn.send(self._ready_message())
+
+    def _keep_push(self, fragment: int, round: int, push: Kept) -> None:
+        assert self.state is not None
+        if self.state.keep(fragment, round, push) and self._connected:
+            self._send_push(fragment, round, push)
+
+    def _send_push(self, fragment: int, round: int, push: Kept) -> None:
+        assert self.state is not None
+        header = push_header(push, self.progress())
+        for chunk in to_chunks(push.enc, fragment, round, self.conn.chunk_values):
+            self.conn.send(
+                pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))
+            )
+        self.state.sent(fragment, round, time.perf_counter())
+
+    def _want(self, fragment: int, round: int, fut: Future) -> None:
+        if self.error:
+            settle(fut, exc=SyncError(self.error))
+            return
+        self._waiters.updates.setdefault((fragment, round), []).append(fut)
+        self._hand_over()
+
+    def _flush(self, fut: Future) -> None:
+        self._waiters.flushed.append(fut)
+        self._check_flushed()
+
+    def _check_flushed(self) -> None:
+        assert self.state is not None
+        self._waiters.answered(self.state.all_answered, not self._connected or bool(self.error))
+
+    def _view(self) -> tuple[list[int], list[bool], list[bool]]:
+        assert self.state is not None and self._welcome is not None
+        w = self._welcome
+        return self.state.view(list(w.rounds), list(w.started), list(w.pushes), w.min_workers)
+
+    # --- what other threads call -----------------------------------------------------------------------
+    def ready(self, timeout: float = 60.0) -> pb.Welcome:
+        """Become a member: rounds that start from now on wait for this worker's pushes (from the rounds
+        `_ready_message` names). Pushes kept from before are sent again when the shard says so."""
+        fut: Future = Future()
+        self._post(self._become_member, fut)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            raise SyncError(f"shard {self.shard} at {self.target} did not answer Ready") from None
+
+    def push(self, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None) -> None:
+        """Send a push (now, or after the reconnect under way) and keep it until its round's update."""
+        if self.error:
+            raise SyncError(self.error)
+        self._post(self._keep_push, fragment, round, Kept(enc, weight, loss))
+
+    def want(self, fragment: int, round: int) -> Future:
+        """A future of the round's update (an Update: see LinkState.take), set as soon as it is here; it
+        fails with SyncError when the link fails for good."""
+        fut: Future = Future()
+        self._post(self._want, fragment, round, fut)
+        return fut
+
+    def wait_update(self, fragment: int, round: int, timeout: float | None = None) -> Update:
+        """Block until the round's update is here and take it (tools and tests; the engine uses want())."""
+        try:
+            return self.want(fragment, round).result(timeout)
+        except FutureTimeout:
+            raise SyncError(
+                f"no update for fragment {fragment} round {round} from shard {self.shard}"
+            ) from None
+
+    def inspect(self, fn: Callable[[LinkState], Any], timeout: float | None = None) -> Any:
+        """fn(state) run on the link's thread, the state's one writer (a consistent look; tools and tests)."""
+
+        def look() -> Any:
+            if self.state is None:
+                raise SyncError(f"the link to shard {self.shard} has not joined: no state to inspect")
+            return fn(self.state)
+
+        return self._ask(look).result(timeout)
+
+    def install(self, fetched: dict[int, tuple[torch.Tensor, int]]) -> list[int]:
+        """Take fetched master slices as the rounds this link holds; returns their rounds (joining)."""
+        assert self.state is not None
+        return self._ask(self.state.install, fetched).result()
+
+    def view(self) -> tuple[list[int], list[bool], list[bool]]:
+        """Where the run is, as this shard says: per fragment the open round, whether it has started and
+        whether it is short of its quorum (LinkState.view; see GrpcTransport._view)."""
+        return self._ask(self._view).result()
+
+    def resync(self, timeout: float | None = None) -> None:
+        """Compare what this link holds with the shard's last Welcome and fetch or resend what differs."""
+        assert self._welcome is not None, "resync needs a session"
+        try:
+            self._ask(self._resync, self._welcome).result(timeout)
+        except Retry as e:
+            raise SyncError(str(e)) from None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every push sent on this session has its PushResult (for a clean stop)."""
+        fut: Future = Future()
+        self._post(self._flush, fut)
+        try:
+            return bool(fut.result(timeout))
+        except FutureTimeout:
+            return False
+
+    def state_dict(self) -> dict:
+        """What a worker checkpoint keeps of the link: the pushes not yet answered by an update (the rounds
+        its mirror holds are in the engine's part)."""
+        assert self.state is not None
+        state = self._ask(self.state.state_dict).result()
+        return {"target": self.target, "shard": self.shard, **state}
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        self.conn.closed.set()  # wakes a reconnect's backoff
+        self._stop(timeout)
+        self.conn.close()
