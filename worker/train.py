@@ -46,8 +46,8 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> floa
 
 CLI_MODELS = (
     "the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as the built-in GPT's "
-    "does; train any other model with your own loop and connect() (docs/library.md: your "
-    "own model and loop)"
+    "does; train any other model with your own loop and streamdiloco.worker.join.connect() "
+    "(docs/library.md: your own model and loop)"
 )
 
 
