@@ -25,7 +25,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -63,6 +64,9 @@ from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import ShardState
 from streamdiloco.server.status import ShardStatus
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -191,7 +195,7 @@ class ShardService(pb_grpc.ShardServicer):
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[pb.ShardMessage, None]:
+    ) -> AsyncGenerator[pb.ShardMessage | bytes, None]:
         peer = peer_host(context.peer())
         await self._admit(self.peer_sessions, peer, context)
         try:
@@ -218,7 +222,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def _session(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[pb.ShardMessage, None]:
+    ) -> AsyncGenerator[pb.ShardMessage | bytes, None]:
         it = request_iterator.__aiter__()
         timeout = self.limits.hello_timeout
         try:
@@ -249,7 +253,6 @@ class ShardService(pb_grpc.ShardServicer):
         else:
             self.intake.activate(member)
         reader = asyncio.create_task(self.intake.read(member, it))
-        getter: asyncio.Task | None = None
         try:
             yield self.intake.welcome(member)
             while True:
@@ -263,15 +266,11 @@ class ShardService(pb_grpc.ShardServicer):
                         f"the shard's {self.unread.limit:,} bytes of messages unread (over all sessions) ran "
                         f"out, and {name} had the most of them",
                     )
-                getter = asyncio.create_task(member.queue.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the worker closed its side, the call broke, or the reader failed
-                    break
-                msg, size = getter.result()
-                getter = None
-                self.outbox.take(member, msg, size)
-                if member.overflowed or member.revoked:
-                    continue  # ends the session at the top of the loop
+                if (taken := await self.outbox.next(member, reader)) is None:
+                    break  # the worker closed its side, the call broke, or the reader failed
+                msg, size = taken
+                if msg is None or member.overflowed or member.revoked:
+                    continue  # a wake-up: it ends the session at the top of the loop
                 member.msg_out += size
                 self.counters.msg_out += size
                 yield msg
@@ -281,10 +280,6 @@ class ShardService(pb_grpc.ShardServicer):
                     grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {short(str(error))}"
                 )
         finally:
-            if getter is not None:  # also when the call was cancelled: no task may outlive the session
-                getter.cancel()
-                if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
-                    self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
             self.outbox.close(member)
             self.intake.forget(worker=name)
@@ -388,23 +383,11 @@ class ShardService(pb_grpc.ShardServicer):
             while (closing := self.rounds.closing.get(f)) is not None:  # its master and round are changing
                 self.counters.fetch_waits += 1
                 await asyncio.wait({closing})
-            master, rnd = st.master(f), st.round_of(f)  # a master is never changed in place: a snapshot
-            n = master.numel()
-            start = request.offset if i == 0 else 0
-            los = list(range(start, n, self.fetch_chunk)) or [n]
-            for lo in los:
+            start = request.offset if i == 0 else 0  # a master is never changed in place: a snapshot
+            for j, msg in enumerate(master_chunks(f, st.round_of(f), st.master(f), start, self.fetch_chunk)):
                 if self.rounds.fatal:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-                hi = min(n, lo + self.fetch_chunk)
-                msg = pb.MasterChunk(
-                    fragment=f,
-                    round=rnd,
-                    offset=lo,
-                    total=n,
-                    values=values_to_bytes(master[lo:hi]),
-                    last=hi == n,
-                )
-                if request.describe and i == 0 and lo == los[0]:  # which run this is, once per stream
+                if request.describe and i == 0 and j == 0:  # which run this is, once per stream
                     msg.fingerprint_json = json.dumps(self.fingerprint)
                     msg.shard, msg.num_shards = st.shard, st.num_shards
                 self.counters.fetch_out += msg.ByteSize()
@@ -421,6 +404,24 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def hash_masters(self) -> None:
         await self.view.hash_masters()
+
+
+def master_chunks(
+    fragment: int, round: int, master: torch.Tensor, start: int, step: int
+) -> Iterator[pb.MasterChunk]:
+    """A fragment's master slice from value `start` on, as Fetch's chunks of at most `step` values (one
+    empty chunk from the end of the slice on)."""
+    n = master.numel()
+    for lo in range(start, n, step) if start < n else [n]:
+        hi = min(n, lo + step)
+        yield pb.MasterChunk(
+            fragment=fragment,
+            round=round,
+            offset=lo,
+            total=n,
+            values=values_to_bytes(master[lo:hi]),
+            last=hi == n,
+        )
 
 
 def _serialize(msg: pb.ShardMessage | bytes) -> bytes:
