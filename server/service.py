@@ -4,8 +4,9 @@ Who is admitted: server/admission.py (every Join, the pending shard's too). Who 
 (Joins, sessions, members: one truth for the rounds, status and pace). What a session's worker sends after
 Hello: server/intake.py (Ready, pushes and their checks). What waits to be written, and the backpressure on
 it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
-The status JSON and the dashboard's series: server/status.py. The rounds themselves: ShardState
-(server/shard.py), pure.
+The status JSON and the dashboard's series: server/status.py. The sizes of its traffic (values per chunk,
+the unread budget, calls per peer): server/wiring.py. The rounds themselves: ShardState (server/shard.py),
+pure. Join's reply and Fetch's chunks are made by `join_reply` and `master_chunks` below.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
 runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -46,15 +46,7 @@ from streamdiloco.server.admission import (
     short,
 )
 from streamdiloco.server.auth import Auth, Refused, WorkersFile
-from streamdiloco.server.bounds import (
-    FETCHES_PER_PEER,
-    MIN_UNREAD_BYTES,
-    Limits,
-    PeerCounts,
-    Throttled,
-    UnreadBudget,
-    peer_host,
-)
+from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import DashboardData
 from streamdiloco.server.intake import Counters, Intake
@@ -64,6 +56,7 @@ from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import ShardState
 from streamdiloco.server.status import ShardStatus
+from streamdiloco.server.wiring import chunk_sizes, peer_counts, unread_budget
 
 if TYPE_CHECKING:
     import torch
@@ -94,49 +87,28 @@ class ShardService(pb_grpc.ShardServicer):
         self.limits = limits = limits or Limits()
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
-        cfg = state.cfg
-        self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
-        self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
-        self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
-        down = get_codec(cfg.downlink_codec)
-        update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
-        # what waits for members to read it, over all sessions: four rounds of every fragment by default
-        self.unread = UnreadBudget(limits.max_unread_bytes or max(MIN_UNREAD_BYTES, 4 * update_bytes))
-        self.peer_sessions = PeerCounts("sessions", limits.max_sessions, limits.max_sessions_per_peer)
-        self.fetches = PeerCounts("Fetch calls", limits.max_sessions, FETCHES_PER_PEER)
+        self.up_chunk, self.down_chunk, self.fetch_chunk = chunk_sizes(state.cfg, chunk_bytes)
+        self.unread = unread_budget(state.cfg, state.ranges, limits)  # what waits for members to read it
+        self.peer_sessions, self.fetches = peer_counts(limits)
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
         # Joins, sessions and members, one truth; Joins never followed by a Session are bounded
         self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.outbox = Outbox(self.roster, self.unread, self.throttled)  # the sessions' queues, backpressure
-        self.counters = Counters()
+        self.counters = counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        self.metrics = ShardMetrics(self)
+        self.metrics = metrics = ShardMetrics(self)
         # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
+        dash = self.dashboard
         self.rounds = RoundRunner(
-            state,
-            checkpoint,
-            self.metrics,
-            self.dashboard,
-            self.down_chunk,
-            self._deliver,
-            self._closing,
-            clock,
+            state, checkpoint, metrics, dash, self.down_chunk, self._deliver, self._closing, clock
         )
         # what a session's worker sends after Hello: Ready and pushes, checked and handed off
         self.intake = Intake(
-            state,
-            self.roster,
-            self.outbox,
-            self.counters,
-            self.metrics,
-            self.dashboard,
-            self.throttled,
-            self.close_due,
-            clock,
+            state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock
         )
         self.sample()
 
@@ -163,24 +135,13 @@ class ShardService(pb_grpc.ShardServicer):
         except Refusal as r:
             self._refused_join(request.worker, r)
             await abort(context, r)
-        st = self.state
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
-            return pb.JoinReply(
-                config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
-            )
+            return join_reply(self.state)
         try:
             session = self.roster.join(request.worker, identity, self.clock())
         except Refused as r:
             await abort(context, r)
-        return pb.JoinReply(
-            config_json=json.dumps(st.cfg.to_dict()),
-            shard=st.shard,
-            num_shards=st.num_shards,
-            slices=[pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges],
-            rounds=[st.round_of(f) for f in range(st.layout.num_fragments)],
-            session=session,
-            chunk_values=self.up_chunk,
-        )
+        return join_reply(self.state, session, self.up_chunk)
 
     def _refused_join(self, worker: str, refusal: Refusal) -> None:
         """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
@@ -404,6 +365,18 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def hash_masters(self) -> None:
         await self.view.hash_masters()
+
+
+def join_reply(state: ShardState, session: str | None = None, chunk_values: int = 0) -> pb.JoinReply:
+    """Join's reply: the run's settings and this shard's place in it; with a session (not for a Join that
+    asks for the settings alone), the shard's slices, the open rounds and the values per push chunk too."""
+    st = state
+    reply = pb.JoinReply(config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards)
+    if session is not None:
+        reply.slices.extend(pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges)
+        reply.rounds.extend(st.round_of(f) for f in range(st.layout.num_fragments))
+        reply.session, reply.chunk_values = session, chunk_values
+    return reply
 
 
 def master_chunks(
