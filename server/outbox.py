@@ -4,7 +4,7 @@ dropped (through the roster: it is no member from that moment) and its session i
 is stuck on a client that takes nothing is cut after STUCK_SECONDS.
 
 Each session has one queue of (message or serialized bytes, size) and one writer (the servicer's Session
-generator), which `take`s what it writes. What this module must not do: write to the network, or decide
+generator), which takes what it writes (`next`). What this module must not do: write to the network, or decide
 membership beyond dropping a session that does not read.
 """
 
@@ -17,6 +17,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.bounds import Throttled, UnreadBudget
 from streamdiloco.server.roster import Member, Roster
 
+ShardMessage = pb.ShardMessage | bytes  # a message, or its bytes serialized once for every session
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut
 
 
@@ -60,6 +61,25 @@ class Outbox:
         if msg is not None:
             self.unread.remove(msg)
             member.queued_bytes -= size
+
+    async def next(self, member: Member, reader: asyncio.Task) -> tuple[ShardMessage | None, int] | None:
+        """The member's next queued message and its size, taken (a wake-up's message is None); None when
+        `reader` ends first (the worker closed its side, the call broke, or the reader failed). Cancelled
+        while it waits, it leaves nothing taken and unwritten."""
+        getter = asyncio.create_task(member.queue.get())
+        try:
+            done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the call was cancelled: no task may outlive the session
+            getter.cancel()
+            if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
+                self.unread.remove(taken)  # taken from the queue, never written
+            raise
+        if getter not in done:
+            getter.cancel()
+            return None
+        msg, size = getter.result()
+        self.take(member, msg, size)
+        return msg, size
 
     def close(self, member: Member) -> None:
         """The member's session ends: let go of what is still queued for it."""

@@ -61,6 +61,22 @@ class OpenRound:
     expected: frozenset[str] | None = None  # members present when the round's first push was complete
     started_at: float | None = None  # when that was: the deadline counts from here
 
+    def add(self, push: Push, nbytes: int) -> None:
+        """A whole push (of `nbytes` encoded) joins the round, kept until it is folded."""
+        self.kept.append(push)
+        self.kept_bytes += nbytes
+        self.weights.append(push.weight)
+        self.norms.append(push.norm)
+        self.weight += push.weight
+        self.contributors.add(push.worker)
+
+    def group(self) -> list[Push]:
+        """The kept pushes become a group to fold, in the order of the workers' names."""
+        group = ordered(self.kept)
+        self.groups.append(group)
+        self.kept, self.kept_bytes = [], 0
+        return group
+
 
 @dataclass
 class Staged:

@@ -4,8 +4,9 @@ Who is admitted: server/admission.py (every Join, the pending shard's too). Who 
 (Joins, sessions, members: one truth for the rounds, status and pace). What a session's worker sends after
 Hello: server/intake.py (Ready, pushes and their checks). What waits to be written, and the backpressure on
 it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
-The status JSON and the dashboard's series: server/status.py. The rounds themselves: ShardState
-(server/shard.py), pure.
+The status JSON and the dashboard's series: server/status.py. The sizes of its traffic (values per chunk,
+the unread budget, calls per peer): server/wiring.py. The rounds themselves: ShardState (server/shard.py),
+pure. Join's reply and Fetch's chunks are made by `join_reply` and `master_chunks` below.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
 runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,
@@ -25,11 +26,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -45,15 +46,7 @@ from streamdiloco.server.admission import (
     short,
 )
 from streamdiloco.server.auth import Auth, Refused, WorkersFile
-from streamdiloco.server.bounds import (
-    FETCHES_PER_PEER,
-    MIN_UNREAD_BYTES,
-    Limits,
-    PeerCounts,
-    Throttled,
-    UnreadBudget,
-    peer_host,
-)
+from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import DashboardData
 from streamdiloco.server.intake import Counters, Intake
@@ -63,6 +56,10 @@ from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import ShardState
 from streamdiloco.server.status import ShardStatus
+from streamdiloco.server.wiring import chunk_sizes, peer_counts, unread_budget
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -90,49 +87,28 @@ class ShardService(pb_grpc.ShardServicer):
         self.limits = limits = limits or Limits()
         if state.restored_members:  # restarted: the checkpoint's members are waited for a while
             state.expect_back(clock() + state.round_timeout)
-        cfg = state.cfg
-        self.up_chunk = chunk_values(cfg.uplink_codec, cfg.codec_block_size, chunk_bytes)
-        self.down_chunk = chunk_values(cfg.downlink_codec, cfg.codec_block_size, chunk_bytes)
-        self.fetch_chunk = chunk_values("fp32", cfg.codec_block_size, chunk_bytes)
-        down = get_codec(cfg.downlink_codec)
-        update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in state.ranges)
-        # what waits for members to read it, over all sessions: four rounds of every fragment by default
-        self.unread = UnreadBudget(limits.max_unread_bytes or max(MIN_UNREAD_BYTES, 4 * update_bytes))
-        self.peer_sessions = PeerCounts("sessions", limits.max_sessions, limits.max_sessions_per_peer)
-        self.fetches = PeerCounts("Fetch calls", limits.max_sessions, FETCHES_PER_PEER)
+        self.up_chunk, self.down_chunk, self.fetch_chunk = chunk_sizes(state.cfg, chunk_bytes)
+        self.unread = unread_budget(state.cfg, state.ranges, limits)  # what waits for members to read it
+        self.peer_sessions, self.fetches = peer_counts(limits)
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
         # Joins, sessions and members, one truth; Joins never followed by a Session are bounded
         self.roster = Roster(state, self.auth, max_pending=PENDING_PER_SESSION * limits.max_sessions)
         self.outbox = Outbox(self.roster, self.unread, self.throttled)  # the sessions' queues, backpressure
-        self.counters = Counters()
+        self.counters = counters = Counters()
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        self.metrics = ShardMetrics(self)
+        self.metrics = metrics = ShardMetrics(self)
         # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
+        dash = self.dashboard
         self.rounds = RoundRunner(
-            state,
-            checkpoint,
-            self.metrics,
-            self.dashboard,
-            self.down_chunk,
-            self._deliver,
-            self._closing,
-            clock,
+            state, checkpoint, metrics, dash, self.down_chunk, self._deliver, self._closing, clock
         )
         # what a session's worker sends after Hello: Ready and pushes, checked and handed off
         self.intake = Intake(
-            state,
-            self.roster,
-            self.outbox,
-            self.counters,
-            self.metrics,
-            self.dashboard,
-            self.throttled,
-            self.close_due,
-            clock,
+            state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock
         )
         self.sample()
 
@@ -159,24 +135,13 @@ class ShardService(pb_grpc.ShardServicer):
         except Refusal as r:
             self._refused_join(request.worker, r)
             await abort(context, r)
-        st = self.state
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
-            return pb.JoinReply(
-                config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards
-            )
+            return join_reply(self.state)
         try:
             session = self.roster.join(request.worker, identity, self.clock())
         except Refused as r:
             await abort(context, r)
-        return pb.JoinReply(
-            config_json=json.dumps(st.cfg.to_dict()),
-            shard=st.shard,
-            num_shards=st.num_shards,
-            slices=[pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges],
-            rounds=[st.round_of(f) for f in range(st.layout.num_fragments)],
-            session=session,
-            chunk_values=self.up_chunk,
-        )
+        return join_reply(self.state, session, self.up_chunk)
 
     def _refused_join(self, worker: str, refusal: Refusal) -> None:
         """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
@@ -191,7 +156,7 @@ class ShardService(pb_grpc.ShardServicer):
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[pb.ShardMessage, None]:
+    ) -> AsyncGenerator[pb.ShardMessage | bytes, None]:
         peer = peer_host(context.peer())
         await self._admit(self.peer_sessions, peer, context)
         try:
@@ -218,7 +183,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def _session(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[pb.ShardMessage, None]:
+    ) -> AsyncGenerator[pb.ShardMessage | bytes, None]:
         it = request_iterator.__aiter__()
         timeout = self.limits.hello_timeout
         try:
@@ -249,7 +214,6 @@ class ShardService(pb_grpc.ShardServicer):
         else:
             self.intake.activate(member)
         reader = asyncio.create_task(self.intake.read(member, it))
-        getter: asyncio.Task | None = None
         try:
             yield self.intake.welcome(member)
             while True:
@@ -263,15 +227,11 @@ class ShardService(pb_grpc.ShardServicer):
                         f"the shard's {self.unread.limit:,} bytes of messages unread (over all sessions) ran "
                         f"out, and {name} had the most of them",
                     )
-                getter = asyncio.create_task(member.queue.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:  # the worker closed its side, the call broke, or the reader failed
-                    break
-                msg, size = getter.result()
-                getter = None
-                self.outbox.take(member, msg, size)
-                if member.overflowed or member.revoked:
-                    continue  # ends the session at the top of the loop
+                if (taken := await self.outbox.next(member, reader)) is None:
+                    break  # the worker closed its side, the call broke, or the reader failed
+                msg, size = taken
+                if msg is None or member.overflowed or member.revoked:
+                    continue  # a wake-up: it ends the session at the top of the loop
                 member.msg_out += size
                 self.counters.msg_out += size
                 yield msg
@@ -281,10 +241,6 @@ class ShardService(pb_grpc.ShardServicer):
                     grpc.StatusCode.INTERNAL, f"shard error: {type(error).__name__}: {short(str(error))}"
                 )
         finally:
-            if getter is not None:  # also when the call was cancelled: no task may outlive the session
-                getter.cancel()
-                if getter.done() and not getter.cancelled() and (taken := getter.result()[0]) is not None:
-                    self.unread.remove(taken)  # taken from the queue, never written
             reader.cancel()
             self.outbox.close(member)
             self.intake.forget(worker=name)
@@ -388,23 +344,11 @@ class ShardService(pb_grpc.ShardServicer):
             while (closing := self.rounds.closing.get(f)) is not None:  # its master and round are changing
                 self.counters.fetch_waits += 1
                 await asyncio.wait({closing})
-            master, rnd = st.master(f), st.round_of(f)  # a master is never changed in place: a snapshot
-            n = master.numel()
-            start = request.offset if i == 0 else 0
-            los = list(range(start, n, self.fetch_chunk)) or [n]
-            for lo in los:
+            start = request.offset if i == 0 else 0  # a master is never changed in place: a snapshot
+            for j, msg in enumerate(master_chunks(f, st.round_of(f), st.master(f), start, self.fetch_chunk)):
                 if self.rounds.fatal:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
-                hi = min(n, lo + self.fetch_chunk)
-                msg = pb.MasterChunk(
-                    fragment=f,
-                    round=rnd,
-                    offset=lo,
-                    total=n,
-                    values=values_to_bytes(master[lo:hi]),
-                    last=hi == n,
-                )
-                if request.describe and i == 0 and lo == los[0]:  # which run this is, once per stream
+                if request.describe and i == 0 and j == 0:  # which run this is, once per stream
                     msg.fingerprint_json = json.dumps(self.fingerprint)
                     msg.shard, msg.num_shards = st.shard, st.num_shards
                 self.counters.fetch_out += msg.ByteSize()
@@ -421,6 +365,36 @@ class ShardService(pb_grpc.ShardServicer):
 
     async def hash_masters(self) -> None:
         await self.view.hash_masters()
+
+
+def join_reply(state: ShardState, session: str | None = None, chunk_values: int = 0) -> pb.JoinReply:
+    """Join's reply: the run's settings and this shard's place in it; with a session (not for a Join that
+    asks for the settings alone), the shard's slices, the open rounds and the values per push chunk too."""
+    st = state
+    reply = pb.JoinReply(config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards)
+    if session is not None:
+        reply.slices.extend(pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges)
+        reply.rounds.extend(st.round_of(f) for f in range(st.layout.num_fragments))
+        reply.session, reply.chunk_values = session, chunk_values
+    return reply
+
+
+def master_chunks(
+    fragment: int, round: int, master: torch.Tensor, start: int, step: int
+) -> Iterator[pb.MasterChunk]:
+    """A fragment's master slice from value `start` on, as Fetch's chunks of at most `step` values (one
+    empty chunk from the end of the slice on)."""
+    n = master.numel()
+    for lo in range(start, n, step) if start < n else [n]:
+        hi = min(n, lo + step)
+        yield pb.MasterChunk(
+            fragment=fragment,
+            round=round,
+            offset=lo,
+            total=n,
+            values=values_to_bytes(master[lo:hi]),
+            last=hi == n,
+        )
 
 
 def _serialize(msg: pb.ShardMessage | bytes) -> bytes:

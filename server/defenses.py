@@ -1,0 +1,111 @@
+"""The robust checks of a shard's pushes, per fragment slice: the reported weight cut to --max-weight, and,
+when a push is handed to a fold, its share (capped weight) and clipping scale settled against the medians
+of the round's and the recent rounds' weights and norms (server/robust.py's rules). The recent rounds are
+this module's one truth: checkpointed with the fragment and logged with each round, so that a restart goes
+on bit for bit.
+
+Split from server/shard.py (ShardState, which owns the rounds and asks this class) by job. Pure: numbers in,
+decisions out; what it must not do: refuse a push (the header checks are server/staging.py's), fold or step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.server.robust import RobustConfig, cap_weights, clip_scales
+from streamdiloco.server.roundjobs import OpenRound, Push
+
+
+class Defenses:
+    """Weight caps and norm clips of one shard's pushes, with the recent rounds they are relative to."""
+
+    def __init__(self, robust: RobustConfig, cfg: SyncConfig, num_fragments: int):
+        self.robust = robust
+        # how far honest workers' weights may differ: with sync_schedule "adaptive" a faster worker trains
+        # up to max_steps_per_tick inner steps per schedule step (common/pace.py), and its push carries those
+        # tokens (a k-times larger update), so the weight caps and the clip bound stretch that far
+        self.spread = cfg.max_steps_per_tick if cfg.sync_schedule == "adaptive" else 1.0
+        keep = robust.history_rounds
+        self.weight_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
+        self.norm_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
+        self.pushes_clipped = 0  # pushes scaled down to the norm bound
+        self.weights_capped = 0  # pushes whose weight was cut (to --max-weight or the median's multiple)
+
+    @property
+    def measures_norms(self) -> bool:
+        """Whether pushes' norms are measured as their chunks arrive (clipping is on)."""
+        return bool(self.robust.clip_norm)
+
+    @property
+    def folds_early(self) -> bool:
+        """Whether a round's pushes may be folded ahead of its close (the other aggregators need every push
+        of a round at the close)."""
+        return self.robust.aggregator == "mean"
+
+    @property
+    def aggregator(self) -> tuple[str, float, int]:
+        rob = self.robust
+        return (rob.aggregator, rob.trim, rob.center_iters)
+
+    def reported(self, weight: float) -> float:
+        """A push's weight as the round takes it: cut to --max-weight (more tokens than one worker can train
+        on between two syncs)."""
+        cap = self.robust.max_weight * self.spread
+        if cap and weight > cap:
+            self.weights_capped += 1
+            return cap
+        return weight
+
+    def settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
+        """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
+        medians of the round's pushes so far and the recent rounds' (scalars: microseconds)."""
+        if not pushes:
+            return
+        rob = self.robust
+        weights = list(rnd.weights)
+        if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
+            weights += [w for ws in self.weight_history[fragment] for w in ws]
+        if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
+            shares = [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
+        else:  # change no push's share of the mean
+            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap * self.spread)
+        norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
+        scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm * self.spread)
+        for p, share, scale in zip(pushes, shares, scales, strict=True):
+            p.share, p.scale, p.mult = share, scale, share * scale
+            rnd.settled += share
+            if p.loss is not None:
+                rnd.loss_sum += p.loss * share
+                rnd.loss_weight += share
+            rnd.used_norms.append(min(p.norm, bound))
+            if share < p.weight:
+                rnd.capped.append(p.worker)
+                self.weights_capped += 1
+            if scale < 1.0:
+                rnd.clipped.append(p.worker)
+                self.pushes_clipped += 1
+
+    def closing(self, rnd: OpenRound) -> dict:
+        """What a closing round leaves to later rounds' caps and clips (its log's "history")."""
+        return {"weights": rnd.weights, "norms": rnd.used_norms if self.robust.clip_norm else []}
+
+    def remember(self, fragment: int, history: dict) -> None:
+        """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""
+        if history["weights"]:
+            self.weight_history[fragment].append(list(history["weights"]))
+        if history["norms"]:
+            self.norm_history[fragment].append(list(history["norms"]))
+
+    def history(self, fragment: int) -> dict:
+        """The fragment's recent rounds, as a checkpoint keeps them."""
+        return {
+            "weights": [list(ws) for ws in self.weight_history[fragment]],
+            "norms": [list(xs) for xs in self.norm_history[fragment]],
+        }
+
+    def load(self, fragment: int, history: dict) -> None:
+        """Restore the fragment's recent rounds from a checkpoint's (checked) history."""
+        keep = self.robust.history_rounds
+        self.weight_history[fragment] = deque(history["weights"], maxlen=keep)
+        self.norm_history[fragment] = deque(history["norms"], maxlen=keep)

@@ -1,0 +1,175 @@
+"""A shard's pushes while their chunks arrive: each push's own checks (fragment, round, worker, header), one
+`common.chunks.Assembly` per push that validates its chunks the moment they arrive, and the pushes refused
+before their last chunk (whose later chunks are dropped without a word). A refused push changes nothing.
+
+Split from server/shard.py (ShardState, which takes a push into its round once its last chunk is in) by
+job. Pure: no networking, no clocks; what it must not do: touch a round (it only reads the open one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamdiloco.common.chunks import Assembly, ChunkError
+from streamdiloco.common.codecs import Encoded, sumsq
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.server.defenses import Defenses
+from streamdiloco.server.robust import MAX_LOSS, MIN_WEIGHT
+from streamdiloco.server.roundjobs import OpenRound, Staged
+
+# Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
+# overflow: values are bounded by the chunk assembler (MAX_ABS_VALUE); weights are token counts.
+MAX_WEIGHT = float(2**53)
+
+
+class PushRejected(ValueError):
+    """A push that the shard refuses; nothing in the shard's state changed."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason  # short machine-readable cause: bad_fragment, late, duplicate, ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a push, as ShardState.push_chunk takes it (`weight`, `loss`: the push's header, which
+    its first chunk carries)."""
+
+    worker: str
+    fragment: int
+    round: int
+    seq: int
+    offset: int
+    total: int
+    part: Encoded
+    last: bool
+    weight: float | None = None
+    loss: float | None = None
+
+
+class Staging:
+    """The pushes of one shard whose chunks are arriving, keyed by (worker, fragment)."""
+
+    def __init__(self, shard: int, ranges: list[tuple[int, int]], cfg: SyncConfig):
+        self.shard, self.ranges, self.cfg = shard, ranges, cfg
+        self.staged: dict[tuple[str, int], Staged] = {}
+        # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
+        self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
+        self.pushes_refused: dict[str, int] = {}  # reason -> count
+
+    def assembly(self, fragment: int) -> Assembly:
+        """An empty assembly of a push to this shard's slice of the fragment."""
+        lo, hi = self.ranges[fragment]
+        return Assembly(
+            hi - lo, self.cfg.uplink_codec, self.cfg.codec_block_size, where=f"slice {self.shard}"
+        )
+
+    def chunk(self, open: list[OpenRound], defenses: Defenses, c: Chunk) -> Staged | None:
+        """Take one chunk of a push (`open`: the open rounds). The push, once its last chunk is in (no longer
+        staged); None: kept, waiting for more. Raises PushRejected, without changing anything but the
+        refusal's count, when the chunk is bad; the push is then dropped."""
+        key = (c.worker, c.fragment)
+        st = self.staged.get(key)
+        try:
+            asm = self._check(open, c, st)
+            asm.add(c.seq, c.offset, c.total, c.part, c.last)
+        except ChunkError as e:
+            self.drop(key, c.round, c.last, e.reason)
+            raise PushRejected(
+                e.reason, f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
+            ) from None
+        except PushRejected as e:
+            self.drop(key, c.round, c.last, e.reason)
+            raise
+        self.discarding.pop(key, None)
+        if st is None:
+            assert c.weight is not None
+            st = self.staged[key] = Staged(c.round, defenses.reported(c.weight), c.loss, asm)
+        if defenses.measures_norms:
+            st.sumsq += sumsq(
+                c.part
+            )  # the push's size, as it arrives (the chunk was checked: values bounded)
+        if not c.last:
+            return None
+        del self.staged[key]
+        return st
+
+    def refuse(self, worker: str, fragment: int, round: int, seq: int, last: bool, reason: str) -> bool:
+        """A chunk refused before `chunk` could see it: its push is dropped. False: the chunk belonged to a
+        push that was already refused, so nothing more needs saying."""
+        if self.swallow(worker, fragment, round, seq, last):
+            return False
+        self.drop((worker, fragment), round, last, reason)
+        return True
+
+    def forget_worker(self, worker: str) -> None:
+        """The worker left: any push it had half-sent is dropped."""
+        for key in [k for k in self.staged if k[0] == worker]:
+            del self.staged[key]
+        for key in [k for k in self.discarding if k[0] == worker]:
+            del self.discarding[key]
+
+    def forget_fragment(self, fragment: int) -> None:
+        """The fragment's round closed: the pushes still arriving for it are dropped (they are `late`)."""
+        for key in [k for k in self.staged if k[1] == fragment]:
+            del self.staged[key]
+
+    def arriving(self, fragment: int) -> bool:
+        """Whether a push to the fragment has chunks in but not its last."""
+        return any(k[1] == fragment for k in self.staged)
+
+    def _discard_key(self, worker: str, fragment: int) -> tuple[str, int]:
+        # every fragment id that does not exist shares one entry: at most P + 1 entries per worker
+        return (worker, fragment if 0 <= fragment < len(self.ranges) else -1)
+
+    def swallow(self, worker: str, fragment: int, round: int, seq: int, last: bool) -> bool:
+        """True for a later chunk of a push already refused: it is dropped without a word."""
+        dkey = self._discard_key(worker, fragment)
+        if seq > 0 and self.discarding.get(dkey) == (fragment, round):
+            if last:
+                del self.discarding[dkey]
+            return True
+        return False
+
+    def drop(self, key: tuple[str, int], round: int, last: bool, reason: str) -> None:
+        self.staged.pop(key, None)
+        if not last:  # the push's later chunks are dropped without a word
+            self.discarding[self._discard_key(*key)] = (key[1], round)
+        self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1
+
+    def _check(self, open: list[OpenRound], c: Chunk, st: Staged | None) -> Assembly:
+        """The push's own checks (fragment, round, worker, header); the assembly that checks the chunk."""
+
+        def refuse(reason: str, message: str) -> PushRejected:
+            return PushRejected(reason, f"fragment {c.fragment} round {c.round} chunk {c.seq}: {message}")
+
+        if not 0 <= c.fragment < len(self.ranges):
+            raise PushRejected(
+                "bad_fragment",
+                f"fragment {c.fragment} does not exist: this run has fragments 0..{len(self.ranges) - 1}",
+            )
+        rnd = open[c.fragment]
+        if c.round < rnd.number:
+            raise refuse("late", f"the round is closed (open round is {rnd.number}): apply its update, go on")
+        if c.round > rnd.number:
+            raise refuse("bad_round", f"the round is ahead of the open round {rnd.number}")
+        if c.worker in rnd.contributors:
+            raise refuse("duplicate", f"{c.worker} already pushed this round")
+        if st is not None:  # st.round == c.round: closing a round drops the pushes still arriving for it
+            return st.asm
+        if (
+            c.seq == 0 and c.offset == 0
+        ):  # a push's first chunk carries its header (else: refused as bad_chunk)
+            if c.weight is None or not (MIN_WEIGHT <= c.weight <= MAX_WEIGHT):
+                # below one token a push would count toward --min-workers while adding nothing
+                raise refuse(
+                    "bad_weight",
+                    f"push weight must be a number of tokens, at least 1 and at most 2^53, got {c.weight}",
+                )
+            if c.loss is not None and not (0 <= c.loss <= MAX_LOSS):  # NaN fails both comparisons
+                # a cross-entropy: never negative, and beyond 1e4 not a measurement (it is shown and averaged)
+                raise refuse(
+                    "bad_loss",
+                    f"the reported training loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {c.loss}",
+                )
+        return self.assembly(c.fragment)
