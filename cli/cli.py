@@ -230,21 +230,20 @@ def _pick(cls, v: dict) -> dict:
 def sim_config(args: argparse.Namespace | dict, **overrides):
     """A validated SimConfig from parsed flags (and setup overrides). Raises ValueError."""
     from streamdiloco.common.config import compose
-    from streamdiloco.sim.simulator import SimConfig
+    from streamdiloco.sim.config import SimConfig
 
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
     return compose(SimConfig, v, strict=False)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from streamdiloco.checks import check_data, check_model, check_sections
+    from streamdiloco.checks import check_data, check_model
 
-    check_sections(args)  # one-line errors before torch is imported
+    cfg = sim_config(args)  # one-line errors before torch is imported
     check_model(args)
-    check_data(args.data)
+    check_data(cfg.run.data)
     from streamdiloco.sim.simulator import simulate, write_json
 
-    cfg = sim_config(args)
     result = simulate(cfg)
     print(
         f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
@@ -283,16 +282,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     if unknown := [s for s in setups if s not in SETUPS]:
         raise ValueError(f"unknown setup {unknown[0]!r}: choose from {', '.join(SETUPS)}")
-    check_model(args)  # one-line errors before torch is imported
+    workers = [int(m) for m in str(args.workers_list).split(",")]
+    for name in setups:  # validate every setup before spending minutes on the first (and importing torch)
+        for m in workers:
+            sim_config(args, workers=m, **SETUPS[name])
+    check_model(args)
     check_data(args.data)
     import json
 
     from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
 
-    workers = [int(m) for m in str(args.workers_list).split(",")]
-    for name in setups:  # validate every setup before spending minutes on the first
-        for m in workers:
-            sim_config(args, workers=m, **SETUPS[name])
     results = run_setups(args, setups, workers)
     rows = comparison_rows(results)
     print()
