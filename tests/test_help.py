@@ -3,6 +3,7 @@
 The parser is built from light modules: the settings sections' dataclasses and the subcommands' flags, with
 torch imported only where a command runs. One fresh interpreter asks every subcommand for its help, and
 checks after each that torch has not been imported; a real `python -m streamdiloco server --help` is run too.
+A bad invocation of each subcommand (a flag, a setting, a file) is refused in one line without torch too.
 """
 
 from __future__ import annotations
