@@ -223,12 +223,6 @@ def _add_worker_security_flags(g) -> None:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="mutual TLS: its private key (NAME.key)")
 
 
-def _robust_config(v: dict):
-    from streamdiloco.server.robust import RobustConfig
-
-    return RobustConfig(**_pick(RobustConfig, v))
-
-
 def _pick(cls, v: dict) -> dict:
     return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
@@ -236,17 +230,20 @@ def _pick(cls, v: dict) -> dict:
 def sim_config(args: argparse.Namespace | dict, **overrides):
     """A validated SimConfig from parsed flags (and setup overrides). Raises ValueError."""
     from streamdiloco.common.config import compose
-    from streamdiloco.sim.simulator import SimConfig
+    from streamdiloco.sim.config import SimConfig
 
     v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
     return compose(SimConfig, v, strict=False)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from streamdiloco.checks import check_data, check_model
+
+    cfg = sim_config(args)  # one-line errors before torch is imported
+    check_model(args)
+    check_data(cfg.run.data)
     from streamdiloco.sim.simulator import simulate, write_json
 
-    cfg = sim_config(args)
-    _check_data(cfg.run.data)
     result = simulate(cfg)
     print(
         f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
@@ -280,18 +277,21 @@ def run_setups(args, setups: list[str], workers: list[int]) -> list[tuple[str, d
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import json
-
-    from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
+    from streamdiloco.checks import check_data, check_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     if unknown := [s for s in setups if s not in SETUPS]:
         raise ValueError(f"unknown setup {unknown[0]!r}: choose from {', '.join(SETUPS)}")
     workers = [int(m) for m in str(args.workers_list).split(",")]
-    for name in setups:  # validate every setup before spending minutes on the first
+    for name in setups:  # validate every setup before spending minutes on the first (and importing torch)
         for m in workers:
             sim_config(args, workers=m, **SETUPS[name])
-    _check_data(args.data)
+    check_model(args)
+    check_data(args.data)
+    import json
+
+    from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
+
     results = run_setups(args, setups, workers)
     rows = comparison_rows(results)
     print()
@@ -308,13 +308,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     png = plot_curves(results, out / "loss.png")
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and the plot {png}")
     return 0
-
-
-def _check_data(path: str | None) -> None:
-    if path is not None:
-        from streamdiloco.worker.data import load_text
-
-        load_text(path)  # raises a one-line ValueError for a missing or empty file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -574,66 +567,20 @@ def _setup_logging() -> None:
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
 
 
-def _sync_config(args: argparse.Namespace):
-    """The SyncConfig of the flags given (a worker's unset ones, None, keep their defaults)."""
-    from streamdiloco.common.config import SyncConfig
-
-    return SyncConfig(**{k: x for k, x in _pick(SyncConfig, vars(args)).items() if x is not None})
-
-
-def _server_security(args: argparse.Namespace):
-    """(TLS, Auth, workers file, HTTP host) from a shard's flags; ValueError (one line) for a setup that
-    must not start: see server/auth.py's listen_plan."""
-    from streamdiloco.common.tls import ServerTLS, read_secret
-    from streamdiloco.server.auth import Auth, WorkersFile, listen_plan
-
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together (the shard's certificate and its key)")
-    if args.tls_client_ca and args.tls_cert is None:
-        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    if args.read_token and args.read_token_file:
-        raise ValueError("give --read-token or --read-token-file, not both")
-    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    workers_file = WorkersFile(args.workers_file) if args.workers_file else None
-    read_token = args.read_token
-    if args.read_token_file:
-        read_token = read_secret(args.read_token_file, "--read-token-file")
-    auth = Auth(
-        token=args.token,
-        workers=workers_file.load() if workers_file else None,
-        certificates=tls is not None and tls.mutual,
-        read_token=read_token,
-    )
-    http_host = listen_plan(args.host, args.http_host, tls is not None, auth, args.insecure)
-    return tls, auth, workers_file, http_host
-
-
 def _cmd_server(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from streamdiloco.server.bounds import Limits
-    from streamdiloco.server.main import build_service, serve
+    from streamdiloco.checks import check_server
 
     _setup_logging()
-    cfg = _sync_config(args)  # a one-line error before anything listens
-    robust = _robust_config(vars(args))
-    limits = Limits(**_pick(Limits, vars(args)))
-    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
-        if not 0 <= port <= 65535:
-            raise ValueError(f"{flag} must be 0..65535, got {port}")
-    if args.token_file:
-        from streamdiloco.common.tls import read_secret
-
-        if args.token:
-            raise ValueError("give --token or --token-file, not both")
-        args.token = read_secret(args.token_file, "--token-file")
-    tls, auth, workers_file, http_host = _server_security(args)
-    peers = _peers(args, auth)
+    plan = check_server(args)  # one-line errors before torch is imported and anything listens
     blocks_path, fragments = _layout(args)
+
+    import asyncio
+
+    from streamdiloco.server.main import build_service, serve
 
     def build():  # in serve()'s thread, while HTTP already answers /healthz
         return build_service(
-            cfg,
+            plan.cfg,
             # with --init (a file, or from-worker) and no --model given: no model code on the shard
             args.model if "model" in args.settings.given["model"] or not args.init else None,
             args.shard,
@@ -649,10 +596,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
             if args.no_checkpoint
             else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
             fresh=args.fresh,
-            robust=robust,
-            auth=auth,
-            workers_file=workers_file,
-            limits=limits,
+            robust=plan.robust,
+            auth=plan.auth,
+            workers_file=plan.workers_file,
+            limits=plan.limits,
             blocks_path=blocks_path,
             fragments=fragments,
         )
@@ -664,25 +611,14 @@ def _cmd_server(args: argparse.Namespace) -> int:
             args.port,
             args.http_port,
             args.ready_file,
-            http_host=http_host,
-            tls=tls,
-            auth=auth,
-            limits=limits,
-            peers=peers,
+            http_host=plan.http_host,
+            tls=plan.tls,
+            auth=plan.auth,
+            limits=plan.limits,
+            peers=plan.peers,
         )
     )
     return 0
-
-
-def _peers(args: argparse.Namespace, auth):
-    """The run's shards for the dashboard's run view (--peers), read with this shard's read token."""
-    from streamdiloco.common.tls import read_pem
-    from streamdiloco.server.run_view import Peers, parse_peers
-
-    ca = args.peers_ca or args.tls_client_ca
-    if args.peers_ca:
-        read_pem(args.peers_ca, "--peers-ca", "certificate")
-    return Peers(parse_peers(args.peers), auth.read_token, ca)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -727,33 +663,29 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    from streamdiloco.checks import check_worker, read_token_file
+
+    _setup_logging()
+    servers = check_worker(args)  # one-line errors before torch is imported
+
     from streamdiloco.worker.connection import SyncError
     from streamdiloco.worker.group import GroupError
     from streamdiloco.worker.run import WorkerConfig, run_worker
 
-    _setup_logging()
     v = vars(args)
-    servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
     # WorkerConfig's fields beside its sections: this process's own
     top = {
         k: x for k, x in _pick(WorkerConfig, v).items() if k not in (*WORKER_SECTIONS, "servers", "sync_set")
     }
     if top.get("name") is None:
-        flag = "--resume" if args.resume else "--auto-resume" if args.auto_resume else None
-        if flag and not args.checkpoint:  # the default name (host-pid) changes from one start to the next
-            raise ValueError(f"{flag} needs the worker's --name (or its --checkpoint PATH)")
-        if flag is not None and (args.resume or (args.auto_resume and Path(args.checkpoint).exists())):
+        if args.resume or (args.auto_resume and Path(args.checkpoint).exists()):
             from streamdiloco.worker.run import checkpoint_name
 
+            flag = "--resume" if args.resume else "--auto-resume"
             top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
         else:
             top.pop("name", None)
-    if args.token_file:
-        from streamdiloco.common.tls import read_secret
-
-        if args.token:
-            raise ValueError("give --token or --token-file, not both")
-        top["token"] = read_secret(args.token_file, "--token-file")
+    top["token"] = read_token_file(args)
     from streamdiloco.common.config import SyncConfig
 
     # the [sync] settings given by flag or --config file; the rest: the shard's
@@ -765,7 +697,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         sync_set=frozenset(args.sync_set),
         **{s: args.settings.build(s) for s in WORKER_SECTIONS if s != "sync"},
     )
-    _check_data(cfg.run.data)
     try:
         run_worker(cfg)
     except (SyncError, GroupError) as e:
@@ -775,10 +706,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from streamdiloco.checks import check_data, check_model, check_sections
+
+    # one-line errors before torch is imported and any process starts; launch fills in the [server] and
+    # [robust] settings it knows (run_settings) and checks them there
+    check_sections(args, ("model", "run", "sync", "inner", "limits", "worker"))
+    check_model(args)
+    check_data(args.data)
     from streamdiloco.launch import run_launch
 
-    _layout(args)  # one-line errors before any process starts
-    _check_data(args.data)
     return run_launch(args)
 
 

@@ -203,8 +203,6 @@ def run_settings(args: argparse.Namespace) -> Settings:
         v["server"]["min_workers"] = args.workers
     if "min_workers" not in given["server"]:
         v["server"]["min_workers"] = args.workers
-    if not v["robust"]["max_weight"]:  # the shards can know exactly what a worker of this run may report
-        v["robust"]["max_weight"] = run_max_weight(args)
     limits = v["limits"]
     if "max_sessions_per_peer" not in given["limits"]:  # every worker comes from this machine's address
         limits["max_sessions_per_peer"] = max(limits["max_sessions_per_peer"], args.workers)
@@ -215,15 +213,15 @@ def run_settings(args: argparse.Namespace) -> Settings:
             f"--min-workers {v['server']['min_workers']} is more than --workers {args.workers}: "
             "rounds would never close"
         )
-    for section in v:  # one-line errors before any process starts
+    settings.build("server")  # one-line errors before any process starts (and before torch is imported)
+    if not v["robust"]["max_weight"]:  # the shards can know exactly what a worker of this run may report
+        v["robust"]["max_weight"] = run_max_weight(args)
+    for section in v:
         settings.build(section)
     return settings
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from streamdiloco.common.tls import ClientTLS
-    from streamdiloco.export import from_servers, write_safetensors
-
     settings = run_settings(args)
     if args.print_config:
         print(settings.to_toml(comments=True), end="")
@@ -323,6 +321,9 @@ def run_launch(args: argparse.Namespace) -> int:
         ]
         if args.save_global:
             import torch
+
+            from streamdiloco.common.tls import ClientTLS
+            from streamdiloco.export import from_servers, write_safetensors
 
             token, tls = "", None
             if creds:  # worker-0's credentials: Fetch needs a worker's

@@ -18,6 +18,7 @@ server/, worker/ or sim/.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, cast
@@ -140,6 +141,14 @@ class ShardSettings:
         },
     )
     chunk_bytes: int = field(default=1 << 20, metadata={"help": "payload bytes per chunk (default 1 MiB)"})
+
+    def __post_init__(self) -> None:  # min_workers 0 is launch's "all M workers": the shard checks it
+        if not math.isfinite(self.round_timeout):
+            raise ValueError(f"--round-timeout must be a finite number of seconds, got {self.round_timeout}")
+        if not self.round_timeout > 0:
+            raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
+        if not 0 < self.chunk_bytes <= 16 << 20:
+            raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {self.chunk_bytes}")
 
 
 @dataclass(frozen=True)

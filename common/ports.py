@@ -5,7 +5,8 @@ shard listens on two ports (--port, --http-port), a worker on one (--metrics-por
 to its children. Every place that binds turns the OSError into one line such as
 `--port 7070: address 127.0.0.1:7070 already in use (another shard? pick another port or 0)`.
 
-Pure apart from `probe`, which binds a socket for a moment. No networking beyond that.
+`parse_target` checks a shard's HOST:PORT (torch-free: the command line checks --servers before it imports
+torch). Pure apart from `probe`, which binds a socket for a moment. No networking beyond that.
 """
 
 from __future__ import annotations
@@ -55,3 +56,12 @@ def probe(host: str, port: int) -> OSError | None:
     except OSError as e:
         return e
     return None
+
+
+def parse_target(target: str) -> str:
+    """Check a HOST:PORT string; returns it stripped, or raises ValueError with a one-line reason."""
+    t = target.strip()
+    host, sep, port = t.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--servers: {target!r} is not HOST:PORT")
+    return t

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from streamdiloco.common.codecs import Encoded, split
+from streamdiloco.common.ports import parse_target  # noqa: F401 (re-exported: the link dials with it)
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.protos import streamdiloco_pb2 as pb
 
@@ -69,15 +70,6 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """A call's credential: the worker's token as gRPC metadata (on every call, Session included, so that
     a session id alone proves nothing)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def parse_target(target: str) -> str:
-    """Check a HOST:PORT string; returns it stripped, or raises ValueError with a one-line reason."""
-    t = target.strip()
-    host, sep, port = t.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--servers: {target!r} is not HOST:PORT")
-    return t
 
 
 # --- chunks ----------------------------------------------------------------------------------------------
