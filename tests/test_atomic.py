@@ -138,4 +138,3 @@ def test_a_path_taking_writer_gets_a_complete_file_or_none(tmp_path):
         atomic_save(path, broken)
     assert torch.equal(load_file(str(path))["w"], torch.arange(4.0))
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
-

@@ -198,7 +198,8 @@ def test_a_model_the_worker_cli_cannot_train_is_one_line_before_joining(tmp_path
     assert one_error_line(r) == (
         "streamdiloco: error: --model logits_only:build: forward(idx, targets) returned a tensor of shape "
         "[16, 16, 256]: the worker CLI trains models whose forward(idx, targets) returns (logits, loss), as "
-        "the built-in GPT's does; train any other model with your own loop and streamdiloco.worker.join.connect() "
+        "the built-in GPT's does; train any other model with your own loop and "
+        "streamdiloco.worker.join.connect() "
         "(docs/library.md: your own model and loop)"
     )
     assert "waiting for shard" not in r.stderr
