@@ -31,7 +31,7 @@ test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python scripts/typecheck.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
-	$(BIN)/pytest -q -n 2 --dist loadfile  # two processes (most tests wait on child processes); a file stays on one
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=25  # two processes; a file stays on one; the slowest listed
 
 # mypy over the package as it imports (streamdiloco.*), through a symlink tree: scripts/typecheck.py
 typecheck: $(STAMP)
