@@ -1056,13 +1056,13 @@ def part_b(args, procs: Procs, tmp: Path) -> dict:
 
 # (file name, function, what it is): the shard's main-thread work, by cumulative time in cProfile
 PROFILE_ROWS = [
-    ("service.py", "_read", "receiving pushes: everything the loop does per incoming message"),
-    ("service.py", "_on_push", "  handling one chunk (below, and closing the round after the last push)"),
+    ("intake.py", "read", "receiving pushes: everything the loop does per incoming message"),
+    ("intake.py", "_on_push", "  handling one chunk (below, and closing the round after the last push)"),
     ("wire.py", "from_chunk", "    protobuf bytes to tensors (copies)"),
     ("shard.py", "push_chunk", "    validation, staging, dequantize + fp64 sum"),
-    ("shard.py", "_check_chunk", "      validation"),
+    ("staging.py", "_check", "      validation"),
     ("codecs.py", "decode", "      E3M0 decode (pushes and the update)"),
-    ("service.py", "close_due", "    closing rounds"),
+    ("rounds.py", "close_due", "    closing rounds"),
     ("outer.py", "step", "      outer Nesterov step, E3M0 encode + decode of the update"),
     ("wire.py", "to_chunks", "      update to protobuf chunks"),
     ("service.py", "Session", "sending: the session's writer (queue, ByteSize)"),
