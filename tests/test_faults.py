@@ -307,8 +307,17 @@ def test_a_slow_worker_does_not_hold_the_others_beyond_the_deadline(tmp_path):
     work = [*NANO, "--steps", "18", "--log-every", "6", "--checkpoint-every", "0"]
     with Cluster(tmp_path) as c:
         target, http = c.shard("shard", *flags)
-        c.worker("worker-a", [target], *work, "--rank", "0")
+        # the slow worker first, a member before worker-a starts: else, on a busy machine, worker-a can
+        # finish the run's 18 steps before the slow one has even joined
         c.worker("worker-slow", [target], *work, "--rank", "1", "--step-delay", "0.7")
+
+        def slow_member() -> bool:
+            return any(
+                m["name"] == "worker-slow" and m["state"] == "member" for m in http_json(http)["members"]
+            )
+
+        wait_until("worker-slow to be a member", slow_member, timeout=120)
+        c.worker("worker-a", [target], *work, "--rank", "0")
         assert c.wait("worker-a", timeout=120) == 0, c.log("worker-a")[-4000:]
         a_done = http_json(http, "/api/status?rounds=500")
         assert c.wait("worker-slow", timeout=120) == 0, c.log("worker-slow")[-4000:]
@@ -316,8 +325,9 @@ def test_a_slow_worker_does_not_hold_the_others_beyond_the_deadline(tmp_path):
         status = http_json(http, "/api/status?rounds=500")
     rounds = a_done["recent_rounds"]
     by_deadline = [r for r in rounds if r["why"] == "deadline"]
-    assert by_deadline, rounds  # rounds closed without the slow worker's push ...
-    assert all(r["contributors"] == ["worker-a"] for r in by_deadline)
+    # rounds closed without the slow worker's push (a deadline round just after worker-a joined may lack
+    # worker-a's first push instead: that is the deadline doing its job too) ...
+    assert any(r["contributors"] == ["worker-a"] for r in by_deadline), rounds
     # ... none later than the deadline (plus the shard's 0.2 s tick and some slack for a busy machine)
     assert max(r["seconds"] for r in rounds) < timeout + 0.7
     assert a["blocked_seconds"] < len(rounds) * (timeout + 0.7)
