@@ -1,42 +1,171 @@
-"""Real processes for end-to-end tests: a shard started with `python -m streamdiloco server` on loopback,
-stopped (SIGTERM, then SIGKILL) however the test ends."""
+"""Real processes for end-to-end tests: shards, workers and other `python -m streamdiloco` commands on
+loopback, stopped (SIGTERM, then SIGKILL) however the test ends.
+
+They start through tests/forkserver.py: one interpreter per test process imports torch and the rest once,
+and forks each command from there (a real process that skips the ~4 s of imports). STREAMDILOCO_TEST_FORK=0
+starts every one as a fresh interpreter instead."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# settings that the imports read: a command whose environment differs here gets a fresh interpreter
+IMPORT_ENV = ("PYTHONPATH", "STREAMDILOCO_CODECS_NUMBA", "PYTHONHASHSEED")
+TEST_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class ForkServer:
+    """The client of one tests/forkserver.py process."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            env=env,
+        )
+        self.cond = threading.Condition()
+        self.started: dict[int, int] = {}  # request id -> pid
+        self.exited: dict[int, int] = {}  # pid -> return code
+        self.alive = True
+        self.next_id = 0
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line or "ready" not in json.loads(line):
+            raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()})")
+        threading.Thread(target=self._read, name="forkserver-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            event = json.loads(line)
+            with self.cond:
+                if "started" in event:
+                    self.started[event["started"]] = event["pid"]
+                else:
+                    self.exited[event["exited"]] = event["code"]
+                self.cond.notify_all()
+        with self.cond:
+            self.alive = False
+            self.cond.notify_all()
+
+    def spawn(self, args: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None) -> Forked:
+        with self.cond:
+            rid, self.next_id = self.next_id, self.next_id + 1
+            request = {"id": rid, "args": args, "env": env, "cwd": str(cwd)}
+            request |= {"stdout": str(stdout), "stderr": stderr and str(stderr)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+            if not self.cond.wait_for(lambda: rid in self.started or not self.alive, timeout=60):
+                raise RuntimeError("the fork server did not answer in 60 s")
+            if not self.alive:
+                raise RuntimeError("the fork server is gone")
+            return Forked(self, self.started.pop(rid), args)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]  # it kills what is left of its children
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+
+
+class Forked:
+    """A child of the fork server, as much of subprocess.Popen as the tests use."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]):
+        self.server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+
+    def _done(self) -> bool:
+        return self.pid in self.server.exited or not self.server.alive
+
+    def poll(self) -> int | None:
+        with self.server.cond:
+            if self.returncode is None and self._done():
+                self.returncode = self.server.exited.get(self.pid, -signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self.server.cond:
+            if not self.server.cond.wait_for(self._done, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.poll()  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+_servers: dict[tuple, ForkServer] = {}
+
+
+def start_process(
+    args: list[str], *, stdout: Path, stderr: Path | None = None, env: dict | None = None, cwd: Path = ROOT
+) -> Forked | subprocess.Popen:
+    """`python -m streamdiloco ARGS` with its output appended to `stdout` (and `stderr`, else with it)."""
+    env = {**os.environ, **TEST_ENV} if env is None else env
+    if os.environ.get("STREAMDILOCO_TEST_FORK", "1") == "0":
+        with open(stdout, "a") as out, open(stderr or stdout, "a") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "streamdiloco", *args], stdout=out, stderr=err, cwd=cwd, env=env
+            )
+    key = tuple(env.get(k) for k in IMPORT_ENV)
+    if key not in _servers:
+        if not _servers:
+            atexit.register(lambda: [s.close() for s in _servers.values()])
+        base = {k: v for k, v in {**os.environ, **TEST_ENV}.items() if k not in IMPORT_ENV}
+        _servers[key] = ForkServer({**base, **{k: env[k] for k in IMPORT_ENV if k in env}})
+    return _servers[key].spawn(args, env, cwd, stdout, stderr)
 
 
 def streamdiloco(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "streamdiloco", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    """Run `python -m streamdiloco ARGS` to its end: its exit code, stdout and stderr (as subprocess.run
+    with capture_output and text); killed, and TimeoutExpired, after `timeout` seconds."""
+    with tempfile.TemporaryDirectory(prefix="streamdiloco-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = start_process(list(args), stdout=out, stderr=err, env={**os.environ}, cwd=cwd)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(
+            [sys.executable, "-m", "streamdiloco", *args], code, out.read_text(), err.read_text()
+        )
 
 
 @contextlib.contextmanager
 def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT):
     """Yields (target HOST:PORT, http port, Popen) of a running shard; its output goes to tmp/name.log."""
     ready = tmp / f"{name}.ready"
-    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamdiloco", "server", "--port", "0", "--http-port", "0"]
+    log = tmp / f"{name}.log"
+    log.write_text("")
+    proc = start_process(
+        ["server", "--port", "0", "--http-port", "0"]
         + ["--ready-file", str(ready), "--checkpoint-dir", str(tmp / f"{name}-checkpoint"), *flags],
         stdout=log,
-        stderr=subprocess.STDOUT,
         cwd=cwd,
+        env={**os.environ},
     )
     try:
         deadline = time.monotonic() + 60
@@ -52,10 +181,9 @@ def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT)
         yield f"127.0.0.1:{ports['grpc_port']}", ports["http_port"], proc
     finally:
         stop(proc)
-        log.close()
 
 
-def stop(proc: subprocess.Popen, timeout: float = 10) -> None:
+def stop(proc: Forked | subprocess.Popen, timeout: float = 10) -> None:
     """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -92,7 +220,7 @@ class Cluster:
 
     def __init__(self, tmp: Path, env: dict | None = None):
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Forked | subprocess.Popen] = {}
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
 
     def __enter__(self) -> Cluster:
@@ -110,16 +238,8 @@ class Cluster:
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "a")  # noqa: SIM115 (the child holds it; closed below)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamdiloco", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=self.env,
-        )
-        log.close()
+    def start(self, name: str, *args: str) -> Forked | subprocess.Popen:
+        proc = start_process(list(args), stdout=self.tmp / f"{name}.log", env=self.env)
         self.procs[name] = proc
         return proc
 
@@ -143,7 +263,7 @@ class Cluster:
         ports = wait_until(f"{name} to serve", up, timeout=60)
         return f"127.0.0.1:{ports['grpc_port']}", ports["http_port"]
 
-    def worker(self, name: str, servers: list[str], *flags: str) -> subprocess.Popen:
+    def worker(self, name: str, servers: list[str], *flags: str) -> Forked | subprocess.Popen:
         return self.start(
             name,
             "worker",
