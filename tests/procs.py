@@ -61,7 +61,9 @@ class ForkServer:
             self.alive = False
             self.cond.notify_all()
 
-    def spawn(self, args: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None) -> Forked:
+    def spawn(
+        self, args: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path | None
+    ) -> Forked:
         with self.cond:
             rid, self.next_id = self.next_id, self.next_id + 1
             request = {"id": rid, "args": args, "env": env, "cwd": str(cwd)}

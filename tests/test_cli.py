@@ -218,7 +218,15 @@ def _pid_of(name: str, out_dir) -> int:
     raise AssertionError(f"no process {name} for {out_dir}")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "a-worker-dies"])
+# [sigterm] in `make test`; Ctrl+C and a worker that dies end launch by the same stop, in `make test-slow`
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("ctrl-c", marks=pytest.mark.slow),
+        "sigterm",
+        pytest.param("a-worker-dies", marks=pytest.mark.slow),
+    ],
+)
 def test_launch_stops_every_process_it_started(tmp_path, how):
     """Ctrl+C (SIGINT to the terminal's process group), SIGTERM to launch alone, or one worker killed
     (the other would wait for its pushes for ever): every process launch started is gone."""

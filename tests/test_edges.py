@@ -365,6 +365,9 @@ def test_a_bad_fragments_flag_is_one_line_before_anything_starts(tmp_path):
     )
 
 
+# in `make test-slow`; covered by test_shard_and_worker_cli_train_with_the_users_fragments_and_another_...
+# (the same flags through shard and worker; launch hands them on as it hands on every sync flag)
+@pytest.mark.slow
 def test_launch_gives_the_users_fragments_to_its_shards_and_workers(tmp_path):
     from streamdiloco.common.modelspec import build_model
 

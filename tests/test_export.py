@@ -210,6 +210,10 @@ def test_bad_inputs_give_one_line_errors_and_write_nothing(nano_run, tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(nano_run["tmp"].glob("*.tmp"))
 
 
+# in `make test-slow` (a tiny GPT-2 run, transformers imported twice); the default run covers export's
+# layout (test_export_from_checkpoints_round_trips_...) and a transformers GPT-2's fingerprint
+# (test_settings.py::test_model_config_of_a_transformers_gpt2_keeps_heads_and_drops_dropout)
+@pytest.mark.slow
 def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
     spec = "tests.hf_gpt2:tiny_gpt2"

@@ -276,6 +276,9 @@ def _two_workers_one_stops(tmp, how: str | None) -> tuple[list[torch.Tensor], di
         return torch.load(tmp / "a.pt"), info
 
 
+# in `make test-slow`; covered by test_a_worker_killed_with_sigkill_resumes_from_its_last_checkpoint (the
+# same resume, from a periodic checkpoint) and test_launch_stops_every_process_it_started[sigterm]
+@pytest.mark.slow
 def test_a_worker_stopped_with_sigterm_resumes_and_the_run_ends_as_if_uninterrupted(tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "term").mkdir()

@@ -156,7 +156,10 @@ def test_the_wheel_asks_for_ranges_and_constraints_pin_a_version_inside_each(whe
         name = canonicalize_name(r.name)
         assert name in pins, f"constraints.txt does not pin {name}: `make` would install whatever is newest"
         assert r.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {r}"
-    build = {"setuptools"}  # pyproject.toml's build-system (--build-constraint)
+    build = {
+        "setuptools",
+        "uv",
+    }  # pyproject.toml's build-system (--build-constraint); the Makefile's installer
     named = {canonicalize_name(r.name) for r in every} | build
     assert set(pins) == named, f"constraints.txt pins what nothing requires: {sorted(set(pins) - named)}"
 

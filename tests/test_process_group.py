@@ -56,6 +56,10 @@ def masters_hashes(http: list[int]) -> list[list[str]]:
     return [list(x) for x in zip(*per_shard, strict=True)]
 
 
+# in `make test-slow` (torchrun, two ranks and a one-rank run to compare); covered by
+# test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so (two ranks, one worker) and
+# test_the_ranks_slices_make_the_workers_batch_and_collective_errors_are_told_apart
+@pytest.mark.slow
 def test_a_two_rank_worker_equals_one_rank_with_the_whole_batch_and_its_mirror_equals_the_masters(tmp_path):
     steps = ["--steps", "12", *WORKER]
     results = {}

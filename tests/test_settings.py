@@ -441,6 +441,9 @@ def test_a_config_file_drives_a_real_shard_and_worker_and_a_different_seed_or_n_
         ]
 
 
+# in `make test-slow`; covered by test_launch_print_config_has_what_launch_decides (what launch writes) and
+# test_a_config_file_drives_a_real_shard_and_worker_... (a config file through real processes)
+@pytest.mark.slow
 def test_launch_hands_its_children_run_toml(tmp_path):
     user = _write(tmp_path, "[sync]\nsync_every = 6\nnum_fragments = 3\n[run]\nsteps = 6\n", "user.toml")
     out = tmp_path / "run"

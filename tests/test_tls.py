@@ -309,6 +309,9 @@ def test_credentials_from_the_certs_command_carry_a_real_tls_run(tmp_path):
         assert summary["mirror_hashes"] == masters, name  # every mirror equals the masters, bit for bit
 
 
+# in `make test-slow`; covered by test_credentials_from_the_certs_command_carry_a_real_tls_run (the same
+# credentials through a real shard and worker)
+@pytest.mark.slow
 def test_launch_tls_runs_a_local_cluster_as_on_the_internet(tmp_path):
     out = tmp_path / "run"
     r = streamdiloco(

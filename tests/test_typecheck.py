@@ -82,7 +82,7 @@ def test_wrong_calls_across_modules_fail_the_check_with_the_real_paths(tmp_path)
     assert "build/typecheck" not in r.stdout + r.stderr
 
 
-# `make test` runs this very check (scripts/typecheck.py) before pytest: here it ran it a second time
+# `make test` runs this very check (scripts/typecheck.py) beside pytest: here it ran it a second time
 @pytest.mark.slow
 def test_the_project_passes_the_check():
     r = _typecheck(ROOT)

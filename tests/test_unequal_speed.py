@@ -172,6 +172,9 @@ def test_simulator_refuses_step_times_that_do_not_fit():
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 
 
+# in `make test-slow`; covered by test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_...
+# (the schedule, simulated) and test_each_accepted_push_is_answered_with_the_slowest_members_step_time
+@pytest.mark.slow
 def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
     steps = 45  # emulated steps of 0.2 s and 0.4 s: long beside a loaded machine's scheduling jitter
     work = [*NANO, "--steps", str(steps), "--log-every", "15", "--checkpoint-every", "0", "--eval-every", "0"]
