@@ -117,26 +117,25 @@ class Forked:
         self.send_signal(signal.SIGTERM)
 
 
-_servers: dict[tuple, ForkServer] = {}
+_server: list[ForkServer] = []  # this test process's, started at its first command
 
 
 def start_process(
     args: list[str], *, stdout: Path, stderr: Path | None = None, env: dict | None = None, cwd: Path = ROOT
 ) -> Forked | subprocess.Popen:
-    """`python -m streamdiloco ARGS` with its output appended to `stdout` (and `stderr`, else with it)."""
+    """`python -m streamdiloco ARGS` with its output appended to `stdout` (and `stderr`, else with it): a
+    child of the fork server, or a fresh interpreter where the environment changes what an import reads."""
     env = {**os.environ, **TEST_ENV} if env is None else env
-    if os.environ.get("STREAMDILOCO_TEST_FORK", "1") == "0":
+    fresh = os.environ.get("STREAMDILOCO_TEST_FORK", "1") == "0"
+    if fresh or any(env.get(k) != os.environ.get(k) for k in IMPORT_ENV):
         with open(stdout, "a") as out, open(stderr or stdout, "a") as err:
             return subprocess.Popen(
                 [sys.executable, "-m", "streamdiloco", *args], stdout=out, stderr=err, cwd=cwd, env=env
             )
-    key = tuple(env.get(k) for k in IMPORT_ENV)
-    if key not in _servers:
-        if not _servers:
-            atexit.register(lambda: [s.close() for s in _servers.values()])
-        base = {k: v for k, v in {**os.environ, **TEST_ENV}.items() if k not in IMPORT_ENV}
-        _servers[key] = ForkServer({**base, **{k: env[k] for k in IMPORT_ENV if k in env}})
-    return _servers[key].spawn(args, env, cwd, stdout, stderr)
+    if not _server:
+        _server.append(ForkServer({**os.environ, **TEST_ENV}))
+        atexit.register(_server[0].close)
+    return _server[0].spawn(args, env, cwd, stdout, stderr)
 
 
 def streamdiloco(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
