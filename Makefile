@@ -6,15 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
 
-# The exact, tested versions of constraints.txt (pyproject.toml has only ranges), installed by uv: pip's
-# resolver and byte-compiling took 2.4 minutes of a clean `make test`, uv 35 s. The --find-links folders
+# The exact, tested versions of constraints.txt (pyproject.toml has only ranges), installed by uv: pip took
+# 2.4 minutes of a clean `make test`, uv 45 s. Byte-compiled as pip does: where PYTHONDONTWRITEBYTECODE is
+# set, every process would compile numba's and transformers' sources again (the codec's first call, 2.5 s). The --find-links folders
 # that pip is configured with (a local CPU wheel of torch, say) are passed on to uv; should uv fail, pip runs
 # (--build-constraint: pip >= 25.3).
 FIND_LINKS = $(sort $(PIP_FIND_LINKS) $(shell $(PY) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p"))
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt uv
-	$(BIN)/uv pip install -q --python $(BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d)) \
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d)) \
 		-c constraints.txt --build-constraints constraints.txt -e '.[dev]' \
 	|| { $(BIN)/pip install -q --upgrade pip && \
 	     $(BIN)/pip install -q -c constraints.txt --build-constraint constraints.txt -e '.[dev]'; }

@@ -118,6 +118,7 @@ class Forked:
 
 
 _server: list[ForkServer] = []  # this test process's, started at its first command
+_IMPORTED = {k: os.environ.get(k) for k in IMPORT_ENV}  # as the test process started: its fork server's
 
 
 def start_process(
@@ -127,13 +128,14 @@ def start_process(
     child of the fork server, or a fresh interpreter where the environment changes what an import reads."""
     env = {**os.environ, **TEST_ENV} if env is None else env
     fresh = os.environ.get("STREAMDILOCO_TEST_FORK", "1") == "0"
-    if fresh or any(env.get(k) != os.environ.get(k) for k in IMPORT_ENV):
+    if fresh or any(env.get(k) != _IMPORTED.get(k) for k in IMPORT_ENV):
         with open(stdout, "a") as out, open(stderr or stdout, "a") as err:
             return subprocess.Popen(
                 [sys.executable, "-m", "streamdiloco", *args], stdout=out, stderr=err, cwd=cwd, env=env
             )
     if not _server:
-        _server.append(ForkServer({**os.environ, **TEST_ENV}))
+        base = {k: v for k, v in {**os.environ, **TEST_ENV}.items() if k not in IMPORT_ENV}
+        _server.append(ForkServer({**base, **{k: v for k, v in _IMPORTED.items() if v is not None}}))
         atexit.register(_server[0].close)
     return _server[0].spawn(args, env, cwd, stdout, stderr)
 
