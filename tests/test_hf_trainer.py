@@ -83,3 +83,31 @@ def test_a_trainer_resumed_without_the_engines_state_is_refused(tmp_path):
         cb.on_train_begin(args, state, TrainerControl(), model=object())
     with pytest.raises(ValueError, match="at least 1"):
         StreamingDiLoCoCallback("127.0.0.1:1", total_steps=0)
+
+
+def test_an_accelerate_loop_is_one_worker_and_ends_with_the_masters(tmp_path):
+    from hf_gpt2 import tiny_gpt2
+
+    config = tmp_path / "config"
+    tiny_gpt2().config.save_pretrained(config)
+    summary = tmp_path / "summary.json"
+    with Cluster(tmp_path) as c:
+        target, http = c.shard("shard", "--model", "tests.hf_gpt2:tiny_gpt2", *FLAGS)
+        log = open(tmp_path / "loop.log", "a")  # noqa: SIM115 (the child holds it)
+        proc = subprocess.Popen(
+            [sys.executable, "examples/accelerate_loop.py", "--servers", target, "--name", "acc"]
+            + ["--model-config", str(config), "--steps", "12", "--batch-size", "2", "--grad-accum", "2"]
+            + ["--context", "32", "--summary", str(summary)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**c.env, "HF_HUB_OFFLINE": "1"},
+        )
+        log.close()
+        assert proc.wait(timeout=240) == 0, (tmp_path / "loop.log").read_text()[-4000:]
+        status = http_json(http, "/api/status")
+    got = json.loads(summary.read_text())
+    assert got["step"] == 12
+    assert got["mirror_hashes"] == [[f["master_hash"]] for f in status["fragments"]]
+    # one push per fragment per H=6 steps over 12 steps, the final sync included: every round of the run
+    assert all(f["round"] >= 2 for f in status["fragments"]), status["fragments"]
