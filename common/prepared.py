@@ -444,8 +444,8 @@ class PreparedWriter:
     ) -> dict[str, Any]:
         """Write the rest, the tokenizer and the manifest, check the folder, and rename it to `out`. The
         validation split is the tail: the fewest last documents holding at least max(val_fraction of the
-        tokens, val_min_tokens), leaving the first document to train; none with val_fraction 0 or a single
-        document. Returns the manifest."""
+        tokens, val_min_tokens), that bound capped at half of the tokens (at least the last document, never
+        the first); none with val_fraction 0 or a single document. Returns the manifest."""
         if self._doc_start != self.tokens:
             raise PreparedDataError("finish() in the middle of a document: call end_document() first")
         if self.documents == 0:
@@ -493,7 +493,8 @@ class PreparedWriter:
         """Where the validation tail starts: a document's start (see finish())."""
         if val_fraction == 0 or self.documents < 2:
             return self.tokens
-        want = max(math.ceil(val_fraction * self.tokens), val_min_tokens)
+        # never more than half of the tokens: a small corpus keeps most of itself to train on
+        want = min(max(math.ceil(val_fraction * self.tokens), val_min_tokens), self.tokens // 2)
         starts = np.memmap(self.tmp / DOCUMENTS, dtype=OFFSET_DTYPE, mode="r", shape=(self.documents,))
         # the last start that leaves at least `want` tokens after it, but never the first document
         k = int(np.searchsorted(starts, self.tokens - want, side="right")) - 1
