@@ -61,10 +61,10 @@ __all__ = [
 
 FORMAT = "streamdiloco-tokens/1"
 MANIFEST, TOKENS, DOCUMENTS, TOKENIZER = "manifest.json", "tokens.bin", "documents.bin", "tokenizer.json"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 UINT16_MAX_VOCAB = 65_535  # at most this many ids: uint16
 MAX_VOCAB = 2**32  # ids must fit uint32
-OFFSET_DTYPE = np.dtype("<u8")
+OFFSET_DTYPE: np.dtype = np.dtype("<u8")
 SCAN_TOKENS = 1 << 24  # tokens read at a time by verify (32-64 MB)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # manifest field -> the type it must have (bool is refused where int is asked: json's true is not 1)
@@ -423,14 +423,14 @@ class PreparedWriter:
         self._doc_start = self.tokens
 
     def _flush_tokens(self) -> None:
-        view = memoryview(self._buf[: self._held])
+        view = self._buf[: self._held].data
         self._tok_file.write(view)
         self._sha.update(view)
         self._held = 0
         self.flushes += 1
 
     def _flush_offsets(self) -> None:
-        self._doc_file.write(memoryview(self._offsets[: self._offsets_held]))
+        self._doc_file.write(self._offsets[: self._offsets_held].data)
         self._offsets_held = 0
 
     def finish(
@@ -479,10 +479,10 @@ class PreparedWriter:
             "sources": list(sources),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        with open(self.tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with open(self.tmp / MANIFEST, "w", encoding="utf-8") as mf:
+            mf.write(json.dumps(manifest, indent=1) + "\n")
+            mf.flush()
+            os.fsync(mf.fileno())
         PreparedData.open(self.tmp)  # what we wrote reads back (sizes, index, split)
         fsync_dir(self.tmp)
         self._commit()

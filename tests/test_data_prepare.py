@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -386,3 +388,16 @@ def test_a_damaged_prepared_folder_is_refused(tmp_path, tokenizer_file):
     refused(streamdiloco("data", "check", d), f"past vocab_size {manifest['vocab_size']}")
     refused(streamdiloco("data", "check", str(tmp_path / "a.txt")), "no such folder")
     assert os.listdir(tmp_path / "good") and PreparedData.open(tmp_path / "good", verify=True)
+
+
+def test_without_tokenizers_the_command_says_how_to_install_it(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT_A)
+    code = (
+        "import sys; sys.modules['tokenizers'] = None\n"  # an import of it fails, as if not installed
+        "from streamdiloco.cli import main\n"
+        f"sys.exit(main(['data', 'prepare', {str(tmp_path / 'a.txt')!r}, '--out', {str(tmp_path / 'o')!r}, "
+        "'--train-tokenizer', '300']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    refused(r, "pip install 'streamdiloco[data]'")
+    assert left_in(tmp_path) == ["a.txt"]
