@@ -10,6 +10,7 @@ nothing left behind, by the real command.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -31,7 +32,7 @@ from streamdiloco.common.prepared import (
     dtype_for,
     looks_prepared,
 )
-from streamdiloco.prepare import prepare, train_tokenizer
+from streamdiloco.prepare import Progress, Stats, prepare, train_tokenizer
 
 TEXT_A = "The first document.\nIt has two lines, and some unicode: héllo, 日本語, ∑.\n"
 TEXT_B = "# A markdown file\n\nIn a folder below the folder.\n"
@@ -401,3 +402,20 @@ def test_without_tokenizers_the_command_says_how_to_install_it(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     refused(r, "pip install 'streamdiloco[data]'")
     assert left_in(tmp_path) == ["a.txt"]
+
+
+def test_the_progress_line():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stats = Stats(documents=3, tokens=1234, bytes=2_000_000)
+    line = "preparing: 3 documents, 1,234 tokens, 2.0 MB read ("
+    for stream, starts, ends in ((Terminal(), "\r\x1b[K", ")\n"), (io.StringIO(), "", ")\n")):
+        bar = Progress(stream, stats)
+        bar.tick("preparing")  # not yet: once every 0.5 s on a terminal, 10 s else
+        assert stream.getvalue() == ""
+        bar.tick("preparing", force=True)
+        bar.close()
+        text = stream.getvalue()
+        assert text.startswith(starts + line) and text.endswith(ends) and text.count("\n") == 1, text
