@@ -349,6 +349,8 @@ def prepare(
         raise PreparedDataError(
             f"--train-tokenizer {train_vocab}: the vocabulary needs at least 257 ids (256 bytes and EOS)"
         )
+    if train_vocab is not None and eos not in (None, TRAINED_EOS):
+        raise PreparedDataError(f"--eos: a trained tokenizer's EOS is {TRAINED_EOS}")
     if not 0 <= val_fraction < 0.5:
         raise PreparedDataError(f"--val-fraction must be in [0, 0.5), got {val_fraction}")
     if block_size < 1:
@@ -373,8 +375,6 @@ def prepare(
                     bar.tick("training the tokenizer")
 
             tok = train_tokenizer(texts(), train_vocab)
-            if eos is not None and eos != TRAINED_EOS:
-                raise PreparedDataError(f"--eos: a trained tokenizer's EOS is {TRAINED_EOS}")
             tok_json = tok.to_str().encode("utf-8")
             eos_id, model_vocab = tok.token_to_id(TRAINED_EOS), None
             source = f"trained here: byte-level BPE, vocabulary {train_vocab}, on the inputs"

@@ -281,7 +281,7 @@ class PreparedData:
         """How many pieces of `piece_tokens` tokens the train split makes: ceil(train_tokens / piece_tokens)
         (a ValueError when piece_tokens is not a positive integer)."""
         _check_piece_tokens(piece_tokens)
-        return math.ceil(self.train_tokens / piece_tokens)
+        return -(-self.train_tokens // int(piece_tokens))
 
     def piece(self, i: int, piece_tokens: int) -> tuple[int, int]:
         """Piece `i`'s token range (start, end) in the train split: [i * piece_tokens, ...), the last one
@@ -392,7 +392,7 @@ class PreparedWriter:
     def write(self, ids: Iterable[int] | np.ndarray) -> None:
         """Append token ids to the current document. A ValueError (nothing of it kept) when one is past
         the vocabulary or negative."""
-        a = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
+        a = ids if isinstance(ids, np.ndarray) else np.asarray(ids if isinstance(ids, list) else list(ids))
         if a.size == 0:
             return
         if a.ndim != 1 or a.dtype.kind not in "iu":

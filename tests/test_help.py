@@ -19,7 +19,8 @@ from streamdiloco.cli import build_parser, main
 
 subcommands = sorted(build_parser()._subparsers._group_actions[0].choices)
 assert len(subcommands) >= 9, subcommands
-for argv in [[]] + [[sub] for sub in subcommands]:
+nested = [["data", "prepare"], ["data", "check"]]  # a subcommand's own subcommands
+for argv in [[]] + [[sub] for sub in subcommands] + nested:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
@@ -30,15 +31,7 @@ for argv in [[]] + [[sub] for sub in subcommands]:
             raise AssertionError(f"{argv}: --help did not exit")
     assert out.getvalue().startswith("usage: streamdiloco"), (argv, out.getvalue()[:200])
     assert "torch" not in sys.modules, f"{' '.join(['streamdiloco', *argv, '--help'])} imported torch"
-for argv in (["data", "prepare"], ["data", "check"]):  # a subcommand's own subcommands
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main([*argv, "--help"])
-        except SystemExit as e:
-            assert e.code == 0, (argv, e.code)
-    assert out.getvalue().startswith(f"usage: streamdiloco {' '.join(argv)}"), (argv, out.getvalue()[:200])
-    assert not {"torch", "tokenizers"} & set(sys.modules), f"{argv} --help imported torch or tokenizers"
+    assert "tokenizers" not in sys.modules, f"{' '.join(['streamdiloco', *argv, '--help'])} imported tokenizers"
 print(" ".join(subcommands))
 """
 
