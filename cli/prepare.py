@@ -152,7 +152,7 @@ def jsonl_documents(path: Path, field_name: str, stats: Stats) -> Iterator[str]:
         for number, raw in enumerate(f, 1):
             stats.bytes += len(raw)
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark dropped
             except UnicodeDecodeError:
                 raise PreparedDataError(f"{path} line {number}: not UTF-8: a binary file?") from None
             if not line.strip():

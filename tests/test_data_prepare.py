@@ -45,7 +45,7 @@ def corpus(tmp: Path) -> tuple[list[str], list[str]]:
     (tmp / "a.txt").write_text(TEXT_A)
     lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(RECORDS)]
     lines.insert(3, "")  # blank lines are skipped
-    (tmp / "records.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp / "records.jsonl").write_text("\ufeff" + "\r\n".join(lines) + "\r\n")  # a BOM, CRLF line ends
     folder = tmp / "folder"
     (folder / "sub").mkdir(parents=True)
     (folder / "sub" / "b.md").write_text(TEXT_B)
