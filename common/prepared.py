@@ -54,6 +54,7 @@ __all__ = [
     "PreparedData",
     "PreparedDataError",
     "PreparedWriter",
+    "check_manifest",
     "check_out_dir",
     "dtype_for",
     "looks_prepared",
