@@ -553,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamdiloco.export_flags import add_export_parser
 
     add_export_parser(sub)
+    from streamdiloco.data import add_data_parser
+
+    add_data_parser(sub)
     return p
 
 

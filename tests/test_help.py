@@ -19,7 +19,8 @@ from streamdiloco.cli import build_parser, main
 
 subcommands = sorted(build_parser()._subparsers._group_actions[0].choices)
 assert len(subcommands) >= 9, subcommands
-for argv in [[]] + [[sub] for sub in subcommands]:
+nested = [["data", "prepare"], ["data", "check"]]  # a subcommand's own subcommands
+for argv in [[]] + [[sub] for sub in subcommands] + nested:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
@@ -29,7 +30,8 @@ for argv in [[]] + [[sub] for sub in subcommands]:
         else:
             raise AssertionError(f"{argv}: --help did not exit")
     assert out.getvalue().startswith("usage: streamdiloco"), (argv, out.getvalue()[:200])
-    assert "torch" not in sys.modules, f"{' '.join(['streamdiloco', *argv, '--help'])} imported torch"
+    for heavy in ("torch", "tokenizers"):
+        assert heavy not in sys.modules, f"{' '.join(['streamdiloco', *argv, '--help'])} imported {heavy}"
 print(" ".join(subcommands))
 """
 
@@ -37,7 +39,7 @@ print(" ".join(subcommands))
 def test_every_subcommands_help_answers_without_torch():
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert {"server", "worker", "launch", "simulate", "export", "config"} <= set(r.stdout.split())
+    assert {"server", "worker", "launch", "simulate", "export", "config", "data"} <= set(r.stdout.split())
 
 
 def test_python_m_streamdiloco_server_help_is_quick():
@@ -77,6 +79,9 @@ cases = [
     (["config", "--fragment-update-alpha", "1.5"], "fragment_update_alpha must be in [0, 1]"),
     (["certs", "--out", f"{tmp}/certs", "--workers", "../x"], "worker name '../x'"),
     (["token", "../x", "--out", f"{tmp}/x.token"], "'../x'"),
+    (["data", "prepare", f"{tmp}/none.txt", "--out", f"{tmp}/p", "--train-tokenizer", "300"], "no such file"),
+    (["data", "prepare", tmp, "--out", f"{tmp}/p", "--train-tokenizer", "100"], "at least 257 ids"),
+    (["data", "check", tmp], "no manifest.json"),
 ]
 for argv, expect in cases:
     err = io.StringIO()
