@@ -243,12 +243,14 @@ def build_hf(source: HFSource, block_size: int | None = None) -> nn.Module:
         raise ValueError(f"{where} needs transformers: pip install 'streamdiloco[hf]'") from None
     transformers.utils.logging.disable_progress_bar()  # a bar per load and save: noise in a process's log
     try:
-        config = AutoConfig.from_pretrained(str(source.config_file), local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            str(source.config_file), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # transformers raises many kinds: its first line says what
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ValueError(f"{where}: transformers cannot read {source.config_file} ({first})") from None
     try:
-        base = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        base: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the class (a tuple in some other mappings)
     except KeyError:
         raise ValueError(
             f"{where}: model_type {config.model_type!r} is not a causal language model "
@@ -260,7 +262,7 @@ def build_hf(source: HFSource, block_size: int | None = None) -> nn.Module:
             f"{where}: --block-size {block_size} is longer than the model's {positions} positions: give at "
             f"most {positions}"
         )
-    cls = cli_class(base)
+    cls: Any = cli_class(base[0] if isinstance(base, tuple) else base)
     if source.weights_folder is None:
         model = cls(config)
     else:

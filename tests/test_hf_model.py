@@ -107,6 +107,9 @@ def test_hf_specs_that_do_not_build_are_one_line(tmp_path):
     (vit / "config.json").write_text(json.dumps({"model_type": "vit"}))
     with pytest.raises(ValueError, match="model_type 'vit' is not a causal language model"):
         build_model(f"hf:{vit}")
+    remote = write_config(tmp_path / "remote", model_type="mine", auto_map={"AutoConfig": "conf.Mine"})
+    with pytest.raises(ValueError, match="transformers cannot read .* custom code"):  # never run, no prompt
+        build_model(f"hf:{remote}")
     folder = write_config(tmp_path / "tiny")
     with pytest.raises(ValueError, match="--block-size 64 is longer than the model's 32 positions"):
         build_model(f"hf:{folder}", block_size=64)
