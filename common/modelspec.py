@@ -210,12 +210,20 @@ def cli_class(base: type) -> type:
     `architectures: [base's name]` and transformers treats it as the stock class."""
     if base in _CLI_CLASSES:
         return _CLI_CLASSES[base]
+    import inspect
+
     import torch.nn.functional as F
+
+    takes = inspect.signature(base.forward).parameters.values()
+    # training keeps no key/value cache (memory for nothing), where the class lets us say so
+    no_cache = (
+        {"use_cache": False} if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in takes) else {}
+    )
 
     def forward(self, idx=None, targets=None, **kwargs):
         if idx is None or kwargs:  # transformers' own callers (generate): input_ids=..., attention_mask=...
             return base.forward(self, **({"input_ids": idx} if idx is not None else {}), **kwargs)
-        logits = base.forward(self, input_ids=idx, use_cache=False).logits
+        logits = base.forward(self, input_ids=idx, **no_cache).logits
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

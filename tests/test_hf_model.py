@@ -88,6 +88,18 @@ def test_an_hf_model_builds_from_a_folder_or_a_config_file_with_the_same_seeded_
     assert "resid_pdrop" not in fp["model_config"] and fp["fragments"][0][0] == [0]  # blocks: transformer.h
 
 
+def test_any_causal_lm_class_builds_a_llama_with_its_own_blocks(tmp_path):
+    pytest.importorskip("transformers")
+    llama = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64}
+    llama |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "llama.json").write_text(json.dumps({**llama, "max_position_embeddings": 4096}))
+    model = build_model(f"hf:{tmp_path / 'llama.json'}")
+    assert type(model).__name__ == "LlamaForCausalLM" and build_layout(model, 3).blocks_path == "model.layers"
+    assert model_block_size(model) == 1024  # its positions, at most 1024 unless --block-size says
+    x = torch.randint(0, 256, (4, 8))
+    assert forward_backward(model, x, x, micro_batches=2, precision="bf16") > 0
+
+
 def test_an_hf_folder_with_weights_loads_them_in_fp32(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
