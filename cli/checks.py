@@ -3,9 +3,9 @@ credential files, ports and paths, each with the one-line ValueError that main()
 
 A bad invocation so answers in well under a second, where importing torch alone took seconds. This module
 and what it imports must stay torch-free (tests/test_help.py checks it): the settings' dataclasses, the
-shard's TLS and credential plan (server/auth.py), the model spec's factory, the text file. What needs the
-model or the network (the blocks a fragment count needs, a checkpoint's contents) is checked later, where
-the command runs.
+shard's TLS and credential plan (server/auth.py), the model spec (its factory, or an hf: config file), the
+text file. What needs the model or the network (the blocks a fragment count needs, whether an hf: config
+is a causal LM, a checkpoint's contents) is checked later, where the command runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.modelspec import model_factory
+from streamdiloco.common.modelspec import check_spec
 
 
 def check_sections(args: argparse.Namespace, sections: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -33,8 +33,9 @@ def check_data(path: str | None) -> None:
 
 
 def check_model(args: argparse.Namespace) -> None:
-    """--model: a built-in preset, or a module.path:factory that imports and names a callable."""
-    model_factory(args.model)
+    """--model: a built-in preset, a module.path:factory that imports and names a callable, or hf:PATH whose
+    config reads (common/modelspec.py's check_spec)."""
+    check_spec(args.model)
 
 
 def read_token_file(args: argparse.Namespace) -> str:

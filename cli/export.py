@@ -407,7 +407,7 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
     from streamdiloco.common.tls import client_tls, read_secret
 
     if args.hf_out and not args.model:
-        raise ValueError("--hf-out needs --model (a transformers model's factory, to save_pretrained)")
+        raise ValueError("--hf-out needs --model (hf:PATH, or a transformers model's factory)")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a directory: give the file to write (model.safetensors)")
     model, pretrained = None, None  # pretrained: the model again, once it is known to be a transformers one

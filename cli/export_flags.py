@@ -45,7 +45,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         metavar="SPEC",
-        help="load the tensors into this model (a preset or module.path:factory, as the workers') and write "
+        help="load the tensors into this model (a preset, module.path:factory or hf:PATH, as the workers') "
+        "and write "
         "its whole state_dict: buffers too; checked strictly against the run's parameters",
     )
     g.add_argument("--seed", type=int, default=0, help="the seed --model's factory is built with (buffers)")
@@ -54,7 +55,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "--hf-out",
         default=None,
         metavar="DIR",
-        help="also save_pretrained the --model (a transformers PreTrainedModel) into this folder",
+        help="also save_pretrained the --model (hf:PATH, or a factory of a transformers PreTrainedModel) "
+        "into this folder: AutoModelForCausalLM.from_pretrained(DIR) loads it",
     )
     g = ex.add_argument_group("a live run (--servers): a worker's credentials")
     g.add_argument("--token", default="", help="a worker's token, or the run's shared one")

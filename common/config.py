@@ -28,6 +28,8 @@ from streamdiloco.common.codecspec import CODECS, ROUNDINGS
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
 MERGE_RULES = ("mix", "rebase")
+PRECISIONS = ("fp32", "bf16")
+MAX_GRAD_ACCUM = 1024  # micro-batches per inner step: the step's batch is drawn whole, so it is bounded
 SYNC_SCHEDULES = ("fixed", "adaptive")
 CODEC_NAMES = tuple(CODECS)
 
@@ -44,10 +46,17 @@ class ModelSettings:
 
     model: str = field(
         default="tiny",
-        metadata={"help": "built-in GPT preset (nano, tiny, small, medium, large) or module.path:factory"},
+        metadata={
+            "help": "built-in GPT preset (nano, tiny, small, medium, large), module.path:factory, or hf:PATH "
+            "(a transformers causal LM: a folder with config.json and maybe safetensors weights, or a config "
+            "JSON file; local files only)"
+        },
     )
     block_size: int | None = field(
-        default=None, metadata={"help": "context length in bytes (default: the preset's)"}
+        default=None,
+        metadata={
+            "help": "context length in tokens (default: the preset's; an hf: model's positions, at most 1024)"
+        },
     )
     seed: int = field(
         default=0,
@@ -198,9 +207,33 @@ class WorkerSettings:
             "metavar": "DIR",
         },
     )
+    # bf16: forward and loss under torch.autocast (cpu or cuda); the parameters, their gradients, AdamW and
+    # everything synced stay fp32, so workers of either precision take part in one run
+    precision: str = field(
+        default="fp32",
+        metadata={
+            "choices": PRECISIONS,
+            "help": "fp32, or bf16: forward and loss under bf16 autocast (the parameters, the optimizer and "
+            "the sync stay fp32)",
+        },
+    )
+    # the worker's batch per inner step is grad_accum x batch_size sequences, run as grad_accum forward and
+    # backward passes of batch_size each: a larger batch than the device's memory holds at once
+    grad_accum: int = field(
+        default=1,
+        metadata={
+            "help": "micro-batches of --batch-size per inner step, their gradients summed before the one "
+            "optimizer step (the step's batch: N x --batch-size)",
+            "metavar": "N",
+        },
+    )
 
     def __post_init__(self) -> None:
         _at_least_one(self, "log_every")
+        if not 1 <= self.grad_accum <= MAX_GRAD_ACCUM:
+            raise ValueError(f"--grad-accum must be in [1, {MAX_GRAD_ACCUM}], got {self.grad_accum}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}: choose {' or '.join(PRECISIONS)}")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be 0 (start and end only) or more, got {self.eval_every}")
         if self.checkpoint_every < 0:

@@ -38,7 +38,7 @@ from streamdiloco.common.atomic import atomic_write
 from streamdiloco.common.config import InnerConfig, ModelSettings, RunSettings, SyncConfig, WorkerSettings
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
-from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
@@ -134,13 +134,14 @@ CHECKPOINT_FORMAT = 2  # 2: the engine keeps the rounds its mirror holds (links 
 
 def _checkpoint_key(cfg: WorkerConfig, ranks: int = 1) -> dict:
     """What must be the same for a checkpoint to be resumed by this configuration. The batch is the
-    worker's, all its ranks' together: 2 ranks of --batch-size 8 may resume 1 rank's of 16, and back."""
+    worker's, all its ranks' and micro-batches together: 2 ranks of --batch-size 8 may resume 1 rank's of
+    16, and back, as may --grad-accum 2 of --batch-size 8."""
     return {
         "model": cfg.model.model,
         "block_size": cfg.model.block_size,
         "seed": cfg.model.seed,
         "steps": cfg.run.steps,
-        "batch_size": cfg.run.batch_size * ranks,
+        "batch_size": cfg.run.batch_size * ranks * cfg.worker.grad_accum,
         "data": cfg.run.data,
         "blocks_path": cfg.model.blocks_path,
         "fragments": cfg.model.fragments,
@@ -304,7 +305,7 @@ class Lead:
         self.inner_before = self.stats.get("inner_steps", 0)
         log.info(
             "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
-            "steps %d..%d of %d x %d bytes%s",
+            "steps %d..%d of %s%d x %d tokens%s%s",
             cfg.name,
             f"{sum(p.numel() for p in t.model.parameters()):,}",
             engine.layout.num_fragments,
@@ -316,8 +317,10 @@ class Lead:
             engine.cfg.downlink_codec,
             self.first + 1,
             cfg.run.steps,
+            f"{cfg.worker.grad_accum} x " if cfg.worker.grad_accum > 1 else "",
             cfg.run.batch_size,
             t.stream.block_size,
+            ", bf16 autocast" if cfg.worker.precision == "bf16" else "",
             f" (resumed from {cfg.checkpoint_path})" if self.resume is not None else "",
         )
         if self.resume is None and self.stats["eval_loss_start"] is not None:
@@ -458,9 +461,11 @@ def _run_worker(
     model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size)
     block = model_block_size(model, cfg.model.block_size)
     data = ByteDataset.load(cfg.run.data, block)
+    check_vocab(model, 256, cfg.model.model, "the text (bytes)")  # every byte value is a token
     batch = cfg.run.batch_size * ranks  # the worker's batch, all its ranks' together: each trains its slice
     val = eval_batches(data.val, batch, block, cfg.run.eval_batches)
-    stream = BatchStream(data.train, batch, block, cfg.model.seed, cfg.data_rank)
+    # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward)
+    stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
     if resume is not None:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
@@ -620,7 +625,9 @@ def _train(t: Training) -> bool:
         x, y = t.stream.next()
         xs, ys = batch_slice(x, group), batch_slice(y, group)  # this rank's part of the worker's batch
         with group.guard(f"step {step + 1}") if group is not None else contextlib.nullcontext():
-            loss = forward_backward(trained, xs.to(t.device), ys.to(t.device))
+            loss = forward_backward(
+                trained, xs.to(t.device), ys.to(t.device), cfg.worker.grad_accum, cfg.worker.precision
+            )
             optimizer_step(t.model, t.opt, cfg.inner)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)

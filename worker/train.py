@@ -1,4 +1,5 @@
-"""The inner training loop's pieces: inner optimizer, learning-rate schedule, one step, evaluation.
+"""The inner training loop's pieces: inner optimizer, learning-rate schedule, one step (its micro-batches and
+its autocast), evaluation.
 
 Shared by the in-process simulator, the data-parallel baseline and the worker process, so that every
 method trains with exactly the same code.
@@ -6,6 +7,7 @@ method trains with exactly the same code.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -37,11 +39,32 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
-def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Loss of one batch; gradients accumulate into .grad."""
-    _, loss = model(x, y)
-    loss.backward()
-    return float(loss.detach())
+def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context a forward pass and its loss run in: bf16 autocast on the device's kind (cpu or cuda) for
+    precision "bf16", nothing for "fp32". The parameters stay fp32 either way (autocast casts on the fly)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batches: int = 1, precision: str = "fp32"
+) -> float:
+    """Loss of one batch; gradients accumulate into .grad. With `micro_batches` N > 1 the batch runs as N
+    equal parts, one forward and backward each, every part's loss scaled by 1/N: the gradients and the loss
+    returned (the parts' mean) are the whole batch's, up to float round-off, in 1/N of its activation
+    memory. A DDP model all-reduces at the last part's backward only. `precision`: see autocast()."""
+    if x.shape[0] % micro_batches:
+        raise ValueError(f"a batch of {x.shape[0]} rows does not split into {micro_batches} micro-batches")
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    total = torch.zeros((), device=x.device)
+    parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+    for i, (xm, ym) in enumerate(parts):
+        last = i == len(parts) - 1
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
+            with autocast(precision, x.device):
+                _, loss = model(xm, ym)
+            (loss / micro_batches if micro_batches > 1 else loss).backward()
+        total += loss.detach().float()
+    return float(total) / micro_batches
 
 
 CLI_MODELS = (
