@@ -43,7 +43,7 @@ class LedgerError(ValueError):
 
 @dataclass(frozen=True)
 class Dataset:
-    """The data a ledger cuts into pieces: its train tokens, the tokens per piece and the sha256 that names it."""
+    """The data a ledger cuts into pieces: its train tokens, tokens per piece, the sha256 that names it."""
 
     train_tokens: int
     piece_tokens: int
@@ -58,8 +58,8 @@ class Dataset:
             raise ValueError(f"a dataset's sha256 is 64 lowercase hex digits, got {self.sha256[:80]!r}")
         if self.pieces > MAX_PIECES:
             raise ValueError(
-                f"{self.train_tokens:,} tokens in pieces of {self.piece_tokens:,} make {self.pieces:,} pieces, "
-                f"more than {MAX_PIECES:,}: raise --piece-tokens"
+                f"{self.train_tokens:,} tokens in pieces of {self.piece_tokens:,} make {self.pieces:,} "
+                f"pieces, more than {MAX_PIECES:,}: raise --piece-tokens"
             )
 
     @property
@@ -109,7 +109,8 @@ class Ledger:
         """Take `dataset` as the run's (the first ask), or check that it is the run's; LedgerError if not."""
         if dataset.piece_tokens != self.piece_tokens:
             raise LedgerError(
-                "mismatch", f"the run's pieces are of {self.piece_tokens:,} tokens, not {dataset.piece_tokens:,}"
+                "mismatch",
+                f"the run's pieces are of {self.piece_tokens:,} tokens, not {dataset.piece_tokens:,}",
             )
         if self.dataset is None:
             self.dataset = dataset
@@ -118,8 +119,8 @@ class Ledger:
             d = self.dataset
             raise LedgerError(
                 "mismatch",
-                f"this run trains data {d.sha256[:12]}... ({d.train_tokens:,} train tokens); the worker has "
-                f"{dataset.sha256[:12]}... ({dataset.train_tokens:,}): give every worker the same prepared data",
+                f"this run trains data {d.sha256[:12]}... ({d.train_tokens:,} train tokens); the worker "
+                f"has {dataset.sha256[:12]}... ({dataset.train_tokens:,}): give every worker the same data",
             )
 
     def ask(self, worker: str, done: list[int], held: list[int], want: int, now: float) -> Grant:
@@ -168,7 +169,9 @@ class Ledger:
             if len(set(ids)) != len(ids):
                 raise LedgerError("invalid", f"{name} lists a piece twice")
             if (bad := next((p for p in ids if not 0 <= p < ds.pieces), None)) is not None:
-                raise LedgerError("invalid", f"{name} lists piece {bad}, the data has pieces 0..{ds.pieces - 1}")
+                raise LedgerError(
+                    "invalid", f"{name} lists piece {bad}, the data has pieces 0..{ds.pieces - 1}"
+                )
         if set(done) & set(held):
             raise LedgerError("invalid", "a piece is listed both done and held")
         return ds
@@ -249,7 +252,8 @@ class Ledger:
     ) -> Ledger:
         """A ledger as `to_state` saved it, each field checked; the workers that hold pieces get
         `orphan_seconds` from `now` to come back and claim them. ValueError (one line) when the state is
-        malformed, of other pieces than `piece_tokens`, or breaks a rule (a piece held twice, held and done)."""
+        malformed, of other pieces than `piece_tokens`, or breaks a rule (a piece held twice, or held and
+        done)."""
         led = cls(piece_tokens, max_held, orphan_seconds)
         try:
             led._load(state)
@@ -267,30 +271,41 @@ class Ledger:
             if state["done"] or state["held"] or state["previous"] or state["epoch"]:
                 raise ValueError("the data ledger has pieces but no dataset")
             return
-        if not isinstance(d, dict) or not all(isinstance(d[k], int) for k in ("train_tokens", "piece_tokens")):
+        if not isinstance(d, dict) or not all(
+            isinstance(d[k], int) for k in ("train_tokens", "piece_tokens")
+        ):
             raise ValueError("the data ledger's dataset is malformed")
         if d["piece_tokens"] != self.piece_tokens:
             raise ValueError(
-                f"the data ledger cuts pieces of {d['piece_tokens']:,} tokens, this shard {self.piece_tokens:,}: "
-                "start it with the same --piece-tokens, or --fresh"
+                f"the data ledger cuts pieces of {d['piece_tokens']:,} tokens, this shard "
+                f"{self.piece_tokens:,}: start it with the same --piece-tokens, or --fresh"
             )
         ds = self.dataset = Dataset(d["train_tokens"], d["piece_tokens"], str(d["sha256"]))
         epoch = state["epoch"]
         if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 1 << 53:
             raise ValueError(f"the data ledger's epoch is {epoch!r}")
         self.epoch = epoch
-        self.done, self.previous = (self._pieces_by_worker(state[k], ds.pieces, k) for k in ("done", "previous"))
+        self.done, self.previous = (
+            self._pieces_by_worker(state[k], ds.pieces, k) for k in ("done", "previous")
+        )
         held = state["held"]
         if not isinstance(held, dict):
             raise ValueError("the data ledger's held is not a table")
         for w, ps in held.items():
-            if not isinstance(w, str) or not w or not isinstance(ps, list) or not 0 < len(ps) <= self.max_held:
+            if (
+                not isinstance(w, str)
+                or not w
+                or not isinstance(ps, list)
+                or not 0 < len(ps) <= self.max_held
+            ):
                 raise ValueError(f"the data ledger's held pieces of {str(w)[:80]!r} are malformed")
             for p in ps:
                 if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < ds.pieces:
                     raise ValueError(f"the data ledger's held pieces of {w!r} name piece {p!r}")
                 if p in self.owner:
-                    raise ValueError(f"the data ledger has piece {p} held by both {self.owner[p]!r} and {w!r}")
+                    raise ValueError(
+                        f"the data ledger has piece {p} held by both {self.owner[p]!r} and {w!r}"
+                    )
                 if p in self.done:
                     raise ValueError(f"the data ledger has piece {p} held by {w!r} and done")
                 self.owner[p] = w
@@ -308,7 +323,11 @@ class Ledger:
             raise ValueError(f"the data ledger's {what} is not a table")
         out = {}
         for k, w in table.items():
-            if not (isinstance(k, str) and k.isdigit() and int(k) < pieces) or not isinstance(w, str) or not w:
+            if (
+                not (isinstance(k, str) and k.isdigit() and int(k) < pieces)
+                or not isinstance(w, str)
+                or not w
+            ):
                 raise ValueError(f"the data ledger's {what} has a malformed entry {str(k)[:20]!r}")
             out[int(k)] = w
         return out

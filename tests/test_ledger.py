@@ -109,7 +109,7 @@ def test_malformed_asks_change_nothing():
 
 def test_other_data_is_refused():
     led = ledger()
-    with pytest.raises(LedgerError, match="same prepared data") as e:
+    with pytest.raises(LedgerError, match="same data") as e:
         led.bind(Dataset(1000, 100, "cd" * 32))
     assert e.value.kind == "mismatch"
     with pytest.raises(LedgerError, match="pieces are of 100"):
@@ -134,7 +134,9 @@ def test_random_run_trains_every_piece_once_per_epoch():
             led.release(w)
             del workers[w]
         elif action < 0.08:  # a save and a restart of the shard
-            led = Ledger.from_state(json.loads(json.dumps(led.to_state())), 100, now, max_held=3, orphan_seconds=5)
+            led = Ledger.from_state(
+                json.loads(json.dumps(led.to_state())), 100, now, max_held=3, orphan_seconds=5
+            )
         else:
             mine = workers.get(w, [])
             done = mine[:1] if mine and rng.random() < 0.7 else []
@@ -176,7 +178,10 @@ def test_state_round_trip_and_orphans():
         (lambda s: s["dataset"].update(piece_tokens=50), "--piece-tokens"),
         (lambda s: s["dataset"].update(sha256="zz"), "sha256"),
         (lambda s: s.pop("held"), "malformed"),
-        (lambda s: (s["done"].update({str(p): "a" for p in range(10)}), s["held"].clear()), "every piece done"),
+        (
+            lambda s: (s["done"].update({str(p): "a" for p in range(10)}), s["held"].clear()),
+            "every piece done",
+        ),
     ],
 )
 def test_damaged_state_is_refused(change, match):

@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from streamdiloco.common.atomic import atomic_write
-from streamdiloco.common.config import InnerConfig, ModelSettings, RunSettings, SyncConfig, WorkerSettings
+from streamdiloco.common.config import (
+    InnerConfig,
+    ModelSettings,
+    PieceSettings,
+    RunSettings,
+    SyncConfig,
+    WorkerSettings,
+)
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, model_block_size
@@ -76,6 +83,7 @@ class WorkerConfig:
     sync_set: frozenset[str] | None = None
     inner: InnerConfig = field(default_factory=InnerConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    pieces: PieceSettings = field(default_factory=PieceSettings)  # --data-pieces: shard 0 assigns the data
     name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     rank: int | None = None  # seeds this worker's data stream; default: derived from the name
     token: str = ""
