@@ -265,17 +265,19 @@ class PieceRange(_message.Message):
     def __init__(self, id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class PiecesReply(_message.Message):
-    __slots__ = ("held", "epoch", "pieces_done", "pieces_total", "refused", "piece_tokens")
+    __slots__ = ("held", "epoch", "pieces_done", "pieces_total", "refused", "piece_tokens", "repeated")
     HELD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PIECES_DONE_FIELD_NUMBER: _ClassVar[int]
     PIECES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     PIECE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[PieceRange]
     epoch: int
     pieces_done: int
     pieces_total: int
     refused: _containers.RepeatedScalarFieldContainer[int]
     piece_tokens: int
-    def __init__(self, held: _Optional[_Iterable[_Union[PieceRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., pieces_done: _Optional[int] = ..., pieces_total: _Optional[int] = ..., refused: _Optional[_Iterable[int]] = ..., piece_tokens: _Optional[int] = ...) -> None: ...
+    repeated: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, held: _Optional[_Iterable[_Union[PieceRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., pieces_done: _Optional[int] = ..., pieces_total: _Optional[int] = ..., refused: _Optional[_Iterable[int]] = ..., piece_tokens: _Optional[int] = ..., repeated: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -75,13 +75,15 @@ class Dataset:
 @dataclass
 class Grant:
     """An ask's answer: the pieces the worker holds now, in the order to train them ((id, start, end)),
-    the epoch, pieces done in it of the total, and the done reports refused (pieces it did not hold)."""
+    the epoch, pieces done in it of the total, the done reports refused (pieces it did not hold) and those
+    counted before (a report sent again: after a lost reply, or by a worker resumed from its checkpoint)."""
 
     held: list[tuple[int, int, int]]
     epoch: int
     done: int
     total: int
     refused: list[int] = field(default_factory=list)
+    repeated: list[int] = field(default_factory=list)
 
 
 class Ledger:
@@ -130,14 +132,16 @@ class Ledger:
         applied. LedgerError, nothing changed, when the ask is malformed or no dataset is bound."""
         ds = self._checked(done, held, want)
         self.orphans.pop(worker, None)  # it is back: what it does not claim is given back now
-        refused = []
+        refused, repeated = [], []
         mine = self.held.get(worker, [])
         for p in done:
             if self.owner.get(p) == worker:
                 self.done[p] = worker
                 del self.owner[p]
                 mine.remove(p)
-            elif self.done.get(p) != worker and self.previous.get(p) != worker:
+            elif self.done.get(p) == worker or self.previous.get(p) == worker:
+                repeated.append(p)  # counted already
+            else:
                 refused.append(p)  # not its piece (a lease it lost): not counted
         claimed = set(held)
         for p in [p for p in mine if p not in claimed]:
@@ -155,7 +159,8 @@ class Ledger:
         else:
             self.held.pop(worker, None)
         self.changes += 1
-        return Grant([(p, *ds.bounds(p)) for p in mine], self.epoch, len(self.done), ds.pieces, refused)
+        held = [(p, *ds.bounds(p)) for p in mine]
+        return Grant(held, self.epoch, len(self.done), ds.pieces, refused, repeated)
 
     def _checked(self, done: list[int], held: list[int], want: int) -> Dataset:
         ds = self.dataset

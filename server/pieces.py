@@ -74,6 +74,7 @@ class PieceDesk:
             pieces_done=grant.done,
             pieces_total=grant.total,
             refused=grant.refused,
+            repeated=grant.repeated,
             piece_tokens=self.ledger.piece_tokens,
         )
         reply.held.extend(pb.PieceRange(id=p, start=s, end=e) for p, s, e in grant.held)

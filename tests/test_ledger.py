@@ -50,7 +50,7 @@ def test_ask_is_idempotent():
     g = led.ask("a", [0], [1], 2, 0.0)
     assert ids(g) == [1, 2] and g.done == 1
     again = led.ask("a", [0], [1], 2, 0.0)  # the same report again: acknowledged, not refused
-    assert ids(again) == [1, 2] and again.refused == [] and again.done == 1
+    assert ids(again) == [1, 2] and again.refused == [] and again.repeated == [0] and again.done == 1
     check_rules(led)
 
 
@@ -143,7 +143,7 @@ def test_random_run_trains_every_piece_once_per_epoch():
             epoch = led.epoch
             g = led.ask(w, done, mine[len(done) :], rng.randint(0, 3), now)
             for p in done:
-                if p not in g.refused:
+                if p not in g.refused and p not in g.repeated:
                     trained.setdefault(epoch, []).append(p)
             workers[w] = ids(g)
         led.expire(now)

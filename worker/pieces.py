@@ -4,7 +4,8 @@ this worker numbered pieces of the train split; `PieceStream` trains them in ord
 `PieceStream` has `BatchStream`'s interface (next() -> (x, y), state_dict/load_state_dict) over any 1-D
 integer token array (numpy, a memmap, or torch): batch_size windows of block_size+1 tokens per step, taken
 in order from the pieces it holds (consecutive windows share one token, so every token of a piece but its
-first is a target once; a piece's tail shorter than a window is left out). A piece is reported done once
+first is a target once; a piece's tail shorter than a window is left out); at the end of an epoch, when no
+piece is left to fill a batch, the batch is shorter. A piece is reported done once
 the batch holding its last window was trained (at the next `next()`, or at `finish()`). The calls to shard
 0 (`ShardPieces`, over the link's connection) run on a thread of their own, asking one piece ahead, so the
 training thread waits for a piece only when it has none left: at the start, and when every piece of the
@@ -98,6 +99,7 @@ class PieceStream:
         self._closed = False
         self._error: str | None = None
         self._idle = False  # the last answer gave no piece to go on with: ask again after POLL_SECONDS
+        self._waiting = False  # the training thread has no piece and the ledger none free for it
         self.interrupt: threading.Event | None = None  # set: a wait for a piece ends (StopRequested)
 
     # --- the ledger's side ------------------------------------------------------------------------------
@@ -152,9 +154,12 @@ class PieceStream:
 
     def _apply(self, reply: pb.PiecesReply, done: list[int]) -> None:
         """The ledger's answer, on the current state (the training thread went on meanwhile)."""
-        refused = set(reply.refused)
+        refused, repeated = set(reply.refused), set(reply.repeated)
         for p in done:
-            if p in refused:
+            if p in repeated:  # counted before (this worker resumed from a checkpoint older than that)
+                self._lease_epoch.pop(p, None)
+                log.info("%s: piece %d was counted done before", self.name, p)
+            elif p in refused:
                 self.refused.append(p)
                 log.warning(
                     "%s: piece %d was not ours any more: its done report is not counted", self.name, p
@@ -183,7 +188,8 @@ class PieceStream:
         self.held += new
         self.epoch = reply.epoch
         self._idle = not new and len(self.held) <= AHEAD
-        if reply.pieces_total and not new and not self.held:
+        waiting = not new and not self.held
+        if waiting and not self._waiting:  # once per wait
             log.info(
                 "%s: no piece free (%d of %d done in epoch %d): waiting for the epoch to end",
                 self.name,
@@ -191,6 +197,7 @@ class PieceStream:
                 reply.pieces_total,
                 reply.epoch,
             )
+        self._waiting = waiting
 
     # --- the training thread's side ---------------------------------------------------------------------
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +209,8 @@ class PieceStream:
                 if self._error is not None:
                     raise SyncError(self._error)
                 if not self.held:
+                    if starts and self._idle:  # the epoch's last pieces: a short batch (its pieces are then
+                        break  # reported; the others wait for them to end the epoch)
                     if self.interrupt is not None and self.interrupt.is_set():
                         raise StopRequested()
                     self._cond.wait(0.2)
