@@ -151,16 +151,16 @@ class Ledger:
             self.epoch += 1
             self.previous, self.done = self.done, {}
             self._next, self._returned = 0, []
-        while len(mine) < want and (p := self._take()) is not None:
-            self.owner[p] = worker
-            mine.append(p)
+        while len(mine) < want and (new := self._take()) is not None:
+            self.owner[new] = worker
+            mine.append(new)
         if mine:
             self.held[worker] = mine
         else:
             self.held.pop(worker, None)
         self.changes += 1
-        held = [(p, *ds.bounds(p)) for p in mine]
-        return Grant(held, self.epoch, len(self.done), ds.pieces, refused, repeated)
+        leased = [(q, *ds.bounds(q)) for q in mine]
+        return Grant(leased, self.epoch, len(self.done), ds.pieces, refused, repeated)
 
     def _checked(self, done: list[int], held: list[int], want: int) -> Dataset:
         ds = self.dataset
