@@ -148,7 +148,8 @@ class ShardCheckpoint:
         self.committed = False  # meta.json of this run is on disk: every write updates it
         self._run: dict | None = None  # meta.json less the hashes
         self._lock = threading.Lock()  # close jobs of two fragments write on two threads
-        self.ledger: Callable[[], dict] | None = None  # shard 0: the data ledger's state, saved with the rest
+        # shard 0: the data ledger's state (None until a worker named the data), saved with the rest
+        self.ledger: Callable[[], dict | None] | None = None
         self.ledger_state: object = None  # what load() read of ledger.json (None: none was listed)
 
     def _meta(self, state: ShardState) -> dict:
@@ -408,8 +409,8 @@ class ShardCheckpoint:
                 return self._failed("removing the old meta.json", e)
             self.files, self.incoming = {}, {}
         ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
-        if self.ledger is not None:
-            ok = self.save_ledger(self.ledger()) and ok
+        if self.ledger is not None and (ledger := self.ledger()) is not None:
+            ok = self.save_ledger(ledger) and ok
         if not ok:
             return False
         try:

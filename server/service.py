@@ -130,7 +130,7 @@ class ShardService(pb_grpc.ShardServicer):
             except ValueError as e:
                 raise ValueError(f"checkpoint {ckpt.dir if ckpt else ''}: ledger.json: {e}") from None
         if ckpt is not None:
-            ckpt.ledger = ledger.to_state  # written with the checkpoint's other files
+            ckpt.ledger = lambda: ledger.to_state() if ledger.dataset is not None else None  # with the rest
         return PieceDesk(ledger, self.roster, ckpt.save_ledger if ckpt is not None else None)
 
     @property
