@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.ledger import Dataset, Ledger
+from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.pieces import PieceStream, token_sha256
 
 pytestmark = pytest.mark.timeout(30)
@@ -83,3 +85,39 @@ def test_checkpoint_carries_on_in_the_piece():
     again.start(source)
     x, _ = again.next()
     assert x[:, 0].tolist() == [24, 28]  # windows 6 and 7 of piece 0
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_a_session_being_reopened_is_asked_again_and_other_data_stops_the_worker():
+    tokens = np.arange(100, dtype=np.int64)
+    ledger, stream, source = make(tokens)
+    answers = [Refusal(grpc.StatusCode.FAILED_PRECONDITION, "worker 'a' has no open session with that id")]
+
+    class Flaky:
+        def ask(self, done, held, want):
+            if answers:
+                raise answers.pop(0)
+            return source.ask(done, held, want)
+
+    stream.start(Flaky())
+    x, _ = stream.next()  # asked again after the refusal
+    assert x[:, 0].tolist() == [0, 4]
+    stream.close()
+
+    other = PieceStream(tokens, 2, 4, "b")
+    answers.append(
+        Refusal(grpc.StatusCode.FAILED_PRECONDITION, "this run trains data 0f0f... give every worker")
+    )
+    other.start(Flaky())
+    with pytest.raises(SyncError, match="shard 0 refused to assign data: this run trains data"):
+        other.next()

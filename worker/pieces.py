@@ -39,7 +39,14 @@ MAX_WANT = 8  # the ledger's MAX_HELD
 POLL_SECONDS = 1.0  # between asks while the ledger has no piece for this worker
 RPC_TIMEOUT = 30.0
 # answers that a later call may not get (the shard restarting, a session being reopened): asked again
-_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
+_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_NO_SESSION = "has no open session"  # FAILED_PRECONDITION while the link opens its session again: retried
+
+
+def _retried(e: grpc.RpcError) -> bool:
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else "") or ""
+    return code in _RETRY or (code == grpc.StatusCode.FAILED_PRECONDITION and _NO_SESSION in details)
 
 
 class PieceSource(Protocol):
@@ -128,8 +135,7 @@ class PieceStream:
                 assert self._source is not None
                 reply = self._source.ask(done, claim, want)
             except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                if code in _RETRY and not self._closed:
+                if _retried(e) and not self._closed:
                     log.debug("%s: asking shard 0 for pieces: %s; again", self.name, e)
                     self._sleep(backoff)
                     backoff = min(5.0, backoff * 2)
