@@ -66,8 +66,8 @@ SETUP_LABELS = {
 
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
-LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker")
-WORKER_SECTIONS = ("model", "run", "sync", "inner", "worker")
+LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker", "pieces")
+WORKER_SECTIONS = ("model", "run", "sync", "inner", "worker", "pieces")
 
 # Each section of the config file (cli/settings.py) as a group of flags in --help
 _TITLES = {
@@ -79,6 +79,7 @@ _TITLES = {
     "robust": "defenses against workers' pushes (on by default)",
     "limits": "limits: what clients may make the shard hold",
     "worker": "worker (every worker of a run alike)",
+    "pieces": "run-wide data assignment (shard 0's ledger of pieces)",
 }
 
 
@@ -405,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shard_flags(g)
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
-    _add_settings(sv, ("model", "sync", "server", "robust", "limits"))
+    _add_settings(sv, ("model", "sync", "server", "robust", "limits", "pieces"))
     sv.set_defaults(func=_cmd_server)
 
     wk = sub.add_parser(
@@ -605,6 +606,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             limits=plan.limits,
             blocks_path=blocks_path,
             fragments=fragments,
+            piece_tokens=args.piece_tokens,
         )
 
     asyncio.run(

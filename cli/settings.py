@@ -33,6 +33,7 @@ from typing import Any
 from streamdiloco.common.config import (
     InnerConfig,
     ModelSettings,
+    PieceSettings,
     RunSettings,
     ShardSettings,
     SyncConfig,
@@ -59,6 +60,7 @@ def section_classes() -> dict[str, type]:
         "robust": RobustConfig,
         "limits": Limits,
         "worker": WorkerSettings,
+        "pieces": PieceSettings,
     }
 
 

@@ -2,7 +2,8 @@
 once, at the edge, with a one-line ValueError that says what to change.
 
 The sections are `ModelSettings` [model], `RunSettings` [run], `InnerConfig` [inner], `SyncConfig` [sync],
-`ShardSettings` [server] and `WorkerSettings` [worker] (the shard's `RobustConfig` and `Limits` live beside
+`ShardSettings` [server], `WorkerSettings` [worker] and `PieceSettings` [pieces] (the shard's `RobustConfig`
+and `Limits` live beside
 the code they configure, in server/). Each field's metadata carries its flag's help (and "choices", "flag",
 "metavar"): cli/settings.py makes the flags and the TOML keys from them, so a field, its flag and its key
 cannot drift apart. A process's config is composed of sections, never re-declares their fields
@@ -246,6 +247,28 @@ class WorkerSettings:
             raise ValueError(f"--rank-timeout must be positive seconds, got {self.rank_timeout}")
         if not 0 <= self.step_delay < 3600:
             raise ValueError(f"--step-delay must be in [0, 3600) seconds, got {self.step_delay}")
+
+
+@dataclass(frozen=True)
+class PieceSettings:
+    """Run-wide data assignment: shard 0 cuts the train split into numbered pieces and leases them to the
+    workers (server/ledger.py), so that each piece is trained once per epoch, in order, by whoever is here."""
+
+    piece_tokens: int = field(
+        default=1 << 20,
+        metadata={"help": "tokens per piece of the data that shard 0 assigns (the last piece is shorter)"},
+    )
+    data_pieces: bool = field(
+        default=False,
+        metadata={
+            "help": "train the pieces of the data that shard 0 assigns, each once per epoch, in order, "
+            "instead of random windows of it (every worker of the run must have the same data)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.piece_tokens <= 1 << 40:
+            raise ValueError(f"--piece-tokens must be positive, got {self.piece_tokens}")
 
 
 C = TypeVar("C")

@@ -233,3 +233,51 @@ class MasterChunk(_message.Message):
     shard: int
     num_shards: int
     def __init__(self, fragment: _Optional[int] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., fingerprint_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class PiecesRequest(_message.Message):
+    __slots__ = ("worker", "session", "token", "train_tokens", "data_sha256", "done", "held", "want")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    session: str
+    token: str
+    train_tokens: int
+    data_sha256: str
+    done: _containers.RepeatedScalarFieldContainer[int]
+    held: _containers.RepeatedScalarFieldContainer[int]
+    want: int
+    def __init__(self, worker: _Optional[str] = ..., session: _Optional[str] = ..., token: _Optional[str] = ..., train_tokens: _Optional[int] = ..., data_sha256: _Optional[str] = ..., done: _Optional[_Iterable[int]] = ..., held: _Optional[_Iterable[int]] = ..., want: _Optional[int] = ...) -> None: ...
+
+class PieceRange(_message.Message):
+    __slots__ = ("id", "start", "end")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    start: int
+    end: int
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class PiecesReply(_message.Message):
+    __slots__ = ("held", "epoch", "pieces_done", "pieces_total", "refused", "piece_tokens", "repeated")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PIECES_DONE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PIECE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[PieceRange]
+    epoch: int
+    pieces_done: int
+    pieces_total: int
+    refused: _containers.RepeatedScalarFieldContainer[int]
+    piece_tokens: int
+    repeated: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, held: _Optional[_Iterable[_Union[PieceRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., pieces_done: _Optional[int] = ..., pieces_total: _Optional[int] = ..., refused: _Optional[_Iterable[int]] = ..., piece_tokens: _Optional[int] = ..., repeated: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class ShardStub:
                 request_serializer=streamdiloco__pb2.InitChunk.SerializeToString,
                 response_deserializer=streamdiloco__pb2.InitReply.FromString,
                 _registered_method=True)
+        self.Pieces = channel.unary_unary(
+                '/streamdiloco.v1.Shard/Pieces',
+                request_serializer=streamdiloco__pb2.PiecesRequest.SerializeToString,
+                response_deserializer=streamdiloco__pb2.PiecesReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -83,6 +88,12 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pieces(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Initialize,
                     request_deserializer=streamdiloco__pb2.InitChunk.FromString,
                     response_serializer=streamdiloco__pb2.InitReply.SerializeToString,
+            ),
+            'Pieces': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pieces,
+                    request_deserializer=streamdiloco__pb2.PiecesRequest.FromString,
+                    response_serializer=streamdiloco__pb2.PiecesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Shard:
             '/streamdiloco.v1.Shard/Initialize',
             streamdiloco__pb2.InitChunk.SerializeToString,
             streamdiloco__pb2.InitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pieces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamdiloco.v1.Shard/Pieces',
+            streamdiloco__pb2.PiecesRequest.SerializeToString,
+            streamdiloco__pb2.PiecesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ checkpoint.
                                       downlink's error-feedback residual and the rounding generator
     rounds/fragment-<p>-round-<r>.pt  round r of fragment p's inputs: its pushes, still encoded, and what
                                       else its close used (server.shard.CloseJob.record)
+    ledger.json                       shard 0: the run's data ledger (server/ledger.py's to_state), written
+                                      before each Pieces reply goes out, so a restart loses no assignment
 
 When a round closes, and before its update goes to any worker, the round's log is made durable (write,
 fsync, rename, fsync the directory): 1/20 of the state's size with one worker's E3M0 push (a 25M-value
@@ -60,6 +62,7 @@ log = logging.getLogger("streamdiloco.shard")
 
 FORMAT = 2
 LEGACY_FORMAT = 1  # no hashes: loaded unchecked, with a warning, then written again as FORMAT
+LEDGER = "ledger.json"  # shard 0's data ledger
 FULL_EVERY = 8  # a fragment's whole state every this many of its rounds; the rounds between are logged
 _LOG_NAME = re.compile(r"rounds/fragment-(\d+)-round-(\d+)\.pt")
 _HASH_ASIDE = 1 << 20  # buffers at least this large are hashed on _HASHER while they are written
@@ -145,6 +148,9 @@ class ShardCheckpoint:
         self.committed = False  # meta.json of this run is on disk: every write updates it
         self._run: dict | None = None  # meta.json less the hashes
         self._lock = threading.Lock()  # close jobs of two fragments write on two threads
+        # shard 0: the data ledger's state (None until a worker named the data), saved with the rest
+        self.ledger: Callable[[], dict | None] | None = None
+        self.ledger_state: object = None  # what load() read of ledger.json (None: none was listed)
 
     def _meta(self, state: ShardState) -> dict:
         return {
@@ -236,6 +242,8 @@ class ShardCheckpoint:
                 m = _LOG_NAME.fullmatch(listed)
                 if m and int(m[1]) == f and int(m[2]) > r:
                     raise ValueError(f"{where} is incomplete: meta.json lists {listed} but not {name}")
+        if not legacy and LEDGER in meta["files"]:
+            self.ledger_state, files[LEDGER] = self._read_json(LEDGER, meta["files"][LEDGER])
         self.files, self.incoming, self.committed = files, {}, True
         self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
         self._run["fingerprint"] = self.fingerprint
@@ -267,6 +275,41 @@ class ShardCheckpoint:
         if (bad := _nonfinite(obj)) is not None:
             raise ValueError(f"{where}: {name} is damaged: {bad}; use --fresh or restore it from a copy")
         return obj, sha
+
+    def _read_json(self, name: str, want: str) -> tuple[object, str]:
+        """A JSON file of the checkpoint and its sha256; ValueError (one line) when it is missing, damaged or
+        its hash is not `want`."""
+        where = f"checkpoint {self.dir}"
+        try:
+            data = (self.dir / name).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read {name} ({_first_line(e)}); use --fresh") from None
+        sha = hashlib.sha256(data).hexdigest()
+        if sha != want:
+            raise ValueError(
+                f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists {want[:16]}...; "
+                "restore the directory from a copy or use --fresh"
+            )
+        try:
+            return json.loads(data), sha
+        except ValueError as e:
+            raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
+
+    def save_ledger(self, state: dict) -> bool:
+        """Write the data ledger (shard 0) and list it in meta.json; False (and an error in the log) if it
+        could not. Small (a few bytes per piece), written whole."""
+        data = json.dumps(state, separators=(",", ":")).encode()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            sha = _write_hashed(self.dir / LEDGER, lambda f: f.write(data))
+            with self._lock:
+                self.files[LEDGER] = sha
+                if self.committed:
+                    self._write_meta()
+                self.writes += 1
+            return True
+        except OSError as e:
+            return self._failed("the data ledger", e)
 
     def _log_path(self, fragment: int, round: int) -> Path:
         return self.dir / "rounds" / f"fragment-{fragment}-round-{round}.pt"
@@ -366,6 +409,8 @@ class ShardCheckpoint:
                 return self._failed("removing the old meta.json", e)
             self.files, self.incoming = {}, {}
         ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
+        if self.ledger is not None and (ledger := self.ledger()) is not None:
+            ok = self.save_ledger(ledger) and ok
         if not ok:
             return False
         try:

@@ -209,6 +209,9 @@ class PendingShard(pb_grpc.ShardServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
         yield
 
+    async def Pieces(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, WAITING)
+
     async def Initialize(
         self, request_iterator: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
     ) -> pb.InitReply:

@@ -82,6 +82,7 @@ def build_service(
     limits: Limits | None = None,
     blocks_path: str | None = None,
     fragments: Sequence[Sequence[str]] | None = None,
+    piece_tokens: int = 1 << 20,
 ) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
@@ -91,7 +92,8 @@ def build_service(
     values from the first worker's upload (server/initialize.py); or, when `checkpoint_dir` holds a
     checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against workers'
     pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as the
-    workers give it to connect() (--blocks-path, --fragments)."""
+    workers give it to connect() (--blocks-path, --fragments). `piece_tokens`: the pieces of shard 0's data
+    ledger (--piece-tokens)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
@@ -129,6 +131,7 @@ def build_service(
             auth=auth,
             workers_file=workers_file,
             limits=limits,
+            piece_tokens=piece_tokens,
         )
 
     saved = Path(checkpoint_dir or "") / "meta.json"

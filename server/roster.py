@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from streamdiloco.common.pace import pace_seconds
 from streamdiloco.server.auth import Auth, Identity
 from streamdiloco.server.dashboard import Report
+from streamdiloco.server.ledger import Ledger
 from streamdiloco.server.membership import PENDING_SECONDS, Sessions
 from streamdiloco.server.shard import ShardState
 
@@ -29,6 +30,7 @@ class Member:
     name: str
     queue: asyncio.Queue
     joined_at: float
+    session: str = ""  # the id its Join gave (what a Pieces call presents)
     pushes: int = 0
     refused: int = 0
     last_loss: float | None = None
@@ -59,6 +61,7 @@ class Roster:
         self.state = state
         self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
         self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
+        self.ledger: Ledger | None = None  # shard 0's data ledger: a member that goes gives its pieces back
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
@@ -69,6 +72,7 @@ class Roster:
         """Open `member`'s session with the id its Join gave (passive until `activate`); Refused, nothing
         changed, unless the id is good for this name and identity."""
         self.joins.hello(session, member.name, identity, now, self.open)
+        member.session = session
         self.open[member.name] = member
 
     def activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
@@ -84,6 +88,7 @@ class Roster:
         else:
             member.overflowed = True
         self.state.remove_member(member.name)  # rounds stop waiting for it
+        self._release(member.name)
 
     def revoke(self, names: Iterable[str]) -> list[Member]:
         """Forget the Joins of `names` and drop their members; returns the sessions to end."""
@@ -99,6 +104,12 @@ class Roster:
             del self.open[member.name]
         if not stopping:
             self.state.remove_member(member.name)
+            self._release(member.name)
+
+    def _release(self, name: str) -> None:
+        """The worker is no member from now on: its pieces of the data go back to the pool (shard 0)."""
+        if self.ledger is not None:
+            self.ledger.release(name)
 
     # --- who is here ---------------------------------------------------------------------------------------
     def sessions(self) -> list[Member]:

@@ -50,8 +50,10 @@ from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import DashboardData
 from streamdiloco.server.intake import Counters, Intake
+from streamdiloco.server.ledger import Ledger
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.outbox import Outbox
+from streamdiloco.server.pieces import PieceDesk, not_here
 from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import ShardState
@@ -79,6 +81,7 @@ class ShardService(pb_grpc.ShardServicer):
         auth: Auth | None = None,
         workers_file: WorkersFile | None = None,
         limits: Limits | None = None,
+        piece_tokens: int = 1 << 20,
     ) -> None:
         self.state, self.fingerprint, self.clock = state, fingerprint, clock
         self.auth = auth if auth is not None else Auth(token=token)
@@ -110,7 +113,25 @@ class ShardService(pb_grpc.ShardServicer):
         self.intake = Intake(
             state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock
         )
+        self.pieces = self._piece_desk(piece_tokens) if state.shard == 0 else None  # the data ledger
         self.sample()
+
+    def _piece_desk(self, piece_tokens: int) -> PieceDesk:
+        """Shard 0's data ledger, as its checkpoint saved it (else a new one), and its Pieces calls."""
+        ckpt = self.checkpoint
+        saved = ckpt.ledger_state if ckpt is not None else None
+        if saved is None:
+            ledger = Ledger(piece_tokens)
+        else:
+            try:
+                ledger = Ledger.from_state(
+                    saved, piece_tokens, self.clock(), orphan_seconds=self.state.round_timeout
+                )
+            except ValueError as e:
+                raise ValueError(f"checkpoint {ckpt.dir if ckpt else ''}: ledger.json: {e}") from None
+        if ckpt is not None:
+            ckpt.ledger = lambda: ledger.to_state() if ledger.dataset is not None else None  # with the rest
+        return PieceDesk(ledger, self.roster, ckpt.save_ledger if ckpt is not None else None)
 
     @property
     def ready(self) -> bool:
@@ -300,6 +321,8 @@ class ShardService(pb_grpc.ShardServicer):
     def _each_second(self) -> None:
         self.sample()
         self.reload_credentials()
+        if self.pieces is not None:
+            self.pieces.tick(self.clock())
 
     def close_due(self) -> None:
         self.rounds.close_due()
@@ -354,6 +377,22 @@ class ShardService(pb_grpc.ShardServicer):
                 self.counters.fetch_out += msg.ByteSize()
                 yield msg
 
+    # --- Pieces ----------------------------------------------------------------------------------------
+    async def Pieces(self, request: pb.PiecesRequest, context: grpc.aio.ServicerContext) -> pb.PiecesReply:
+        """Shard 0's data ledger (server/pieces.py): authenticated as Fetch is, bound to the caller's
+        session."""
+        if isinstance(request, Undecodable):
+            await self._undecodable(request, context)
+        if self.pieces is None:
+            await abort(context, not_here(self.state.shard, self.state.num_shards))
+        if self.rounds.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
+        await authenticate(self.auth, context, request.token, request.worker)
+        try:
+            return self.pieces.answer(request, self.clock())
+        except Refusal as r:
+            await abort(context, r)
+
     # --- status ----------------------------------------------------------------------------------------
     def status(self, rounds: int = 20, hashes: bool = True) -> dict:
         """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too."""
@@ -402,9 +441,9 @@ def _serialize(msg: pb.ShardMessage | bytes) -> bytes:
 
 
 def rpc_handlers(service: pb_grpc.ShardServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """A servicer's Join, Session and Fetch as the generated add_ShardServicer_to_server registers them,
-    except that a Session reply may also be bytes already serialized (an update's chunks: serialized once
-    per round, the same bytes written to every member). The one table: the pending shard of `--init
+    """A servicer's Join, Session, Fetch and Pieces as the generated add_ShardServicer_to_server registers
+    them, except that a Session reply may also be bytes already serialized (an update's chunks: serialized
+    once per round, the same bytes written to every member). The one table: the pending shard of `--init
     from-worker` (server/initialize.py) takes it for its own methods and adds Initialize."""
     return {
         "Join": grpc.unary_unary_rpc_method_handler(
@@ -419,6 +458,11 @@ def rpc_handlers(service: pb_grpc.ShardServicer) -> dict[str, grpc.RpcMethodHand
             service.Fetch,
             request_deserializer=parse(pb.FetchRequest),
             response_serializer=pb.MasterChunk.SerializeToString,
+        ),
+        "Pieces": grpc.unary_unary_rpc_method_handler(
+            service.Pieces,
+            request_deserializer=parse(pb.PiecesRequest),
+            response_serializer=pb.PiecesReply.SerializeToString,
         ),
     }
 

@@ -72,6 +72,7 @@ class ShardStatus:
             "returning": sorted(st.returning),  # after a restart: members not back yet, still waited for
             "round_timeout": st.round_timeout,
             "pace_seconds": self.svc.roster.pace(),  # the slowest member's step time (sync_schedule adaptive)
+            "data": self.data(),  # shard 0: progress through the dataset (its ledger of pieces); else None
             "members": [
                 {
                     "name": m.name,
@@ -139,6 +140,19 @@ class ShardStatus:
             "round_seconds": self.dashboard.round_seconds(),
             "recent_rounds": self.dashboard.recent_rounds(rounds),
         }
+
+    def data(self) -> dict | None:
+        """Shard 0's ledger (server/ledger.py's status) and the epoch's ETA: the tokens of the pieces not
+        done, at the members' summed tokens/s (None until they tell)."""
+        if self.svc.pieces is None:
+            return None
+        led = self.svc.pieces.ledger
+        data = led.status()
+        rates = [self.dashboard.rates(m.name)["tokens_per_second"] for m in self.svc.roster.members()]
+        speed = sum(r for r in rates if r)
+        left = max(0, data["train_tokens"] - data["pieces_done"] * led.piece_tokens)
+        data["eta_seconds"] = left / speed if speed and data["bound"] else None
+        return data
 
     def reported(self, m: Member) -> dict:
         """A member's latest report beyond step and blocked time, its pace and its ETA, for the page."""

@@ -20,8 +20,8 @@ from streamdiloco.settings import _default, _kind, dump_toml, read_config, resol
 from streamdiloco.worker.model import build_gpt
 
 COMMANDS = {  # each command and the config file's sections it reads
-    "server": ("model", "sync", "server", "robust", "limits"),
-    "worker": ("model", "run", "sync", "inner", "worker"),
+    "server": ("model", "sync", "server", "robust", "limits", "pieces"),
+    "worker": ("model", "run", "sync", "inner", "worker", "pieces"),
     "launch": LAUNCH_SECTIONS,
     "simulate": ("model", "run", "sync", "inner", "robust"),
     "compare": ("model", "run", "sync", "inner", "robust"),

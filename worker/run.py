@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from streamdiloco.common.atomic import atomic_write
-from streamdiloco.common.config import InnerConfig, ModelSettings, RunSettings, SyncConfig, WorkerSettings
+from streamdiloco.common.config import (
+    InnerConfig,
+    ModelSettings,
+    PieceSettings,
+    RunSettings,
+    SyncConfig,
+    WorkerSettings,
+)
 from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
@@ -46,6 +53,7 @@ from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
+from streamdiloco.worker.pieces import PieceStream, ShardPieces, token_sha256
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
 from streamdiloco.worker.train import (
     check_model_output,
@@ -76,6 +84,7 @@ class WorkerConfig:
     sync_set: frozenset[str] | None = None
     inner: InnerConfig = field(default_factory=InnerConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    pieces: PieceSettings = field(default_factory=PieceSettings)  # --data-pieces: shard 0 assigns the data
     name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     rank: int | None = None  # seeds this worker's data stream; default: derived from the name
     token: str = ""
@@ -423,7 +432,7 @@ class Training:
     cfg: WorkerConfig
     model: torch.nn.Module
     opt: torch.optim.Optimizer
-    stream: BatchStream
+    stream: BatchStream | PieceStream
     device: torch.device
     stop: StopFlag
     group: RankGroup | None
@@ -465,7 +474,13 @@ def _run_worker(
     batch = cfg.run.batch_size * ranks  # the worker's batch, all its ranks' together: each trains its slice
     val = eval_batches(data.val, batch, block, cfg.run.eval_batches)
     # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward)
-    stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
+    stream: BatchStream | PieceStream
+    if cfg.pieces.data_pieces:  # shard 0 assigns the pieces of the train split (worker/pieces.py)
+        if group is not None:
+            raise ValueError("--data-pieces: a worker of several ranks (torchrun) does not take pieces yet")
+        stream = PieceStream(data.train, batch * cfg.worker.grad_accum, block, cfg.name)
+    else:
+        stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
     if resume is not None:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
@@ -584,6 +599,11 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
         if lead is None:  # rank 0 loaded its own before joining
             t.stream.load_state_dict(start["data"])
     t.trained = _ddp(t.model, group, t.device) if group is not None else t.model
+    if isinstance(t.stream, PieceStream) and lead is not None:  # shard 0's ledger, over the link to it
+        train = t.stream.data
+        t.stream.start(
+            ShardPieces(lead.transport.links[0].conn, len(train), token_sha256(train)), t.stop.event
+        )
     return True
 
 
@@ -622,7 +642,11 @@ def _train(t: Training) -> bool:
             break
         t0 = time.perf_counter()
         set_lr(t.opt, lr_at(step, cfg.run.steps, cfg.inner))
-        x, y = t.stream.next()
+        try:
+            x, y = t.stream.next()
+        except StopRequested:  # waiting for a piece of the data (--data-pieces)
+            stopped = True
+            break
         xs, ys = batch_slice(x, group), batch_slice(y, group)  # this rank's part of the worker's batch
         with group.guard(f"step {step + 1}") if group is not None else contextlib.nullcontext():
             loss = forward_backward(
@@ -701,6 +725,11 @@ def _finish(t: Training, stopped: bool) -> dict:
     engine, transport, stats = lead.engine, lead.transport, lead.stats
     train_seconds = lead.elapsed()
     path = cfg.checkpoint_path
+    pieces = t.stream if isinstance(t.stream, PieceStream) else None
+    if pieces is not None:  # the last batch was trained: its finished pieces are reported (not if stopped)
+        if not stopped and not pieces.finish():
+            log.warning("%s: shard 0 did not answer the last pieces' done report", cfg.name)
+        pieces.close()
     if stopped:
         lead.metrics.phase = "stopped"
         answered = transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
@@ -777,6 +806,8 @@ def _finish(t: Training, stopped: bool) -> dict:
         "group_broadcast_bytes": ge.broadcast_bytes if ge is not None else 0,  # merged parameters, in-site
         "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
     }
+    if pieces is not None:  # --data-pieces: the pieces it trained to the end, as shard 0's ledger took them
+        summary["data"] = pieces.summary()
     log.info(
         "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
         "compute %.0f%% of %.0fs",

@@ -274,6 +274,14 @@
         : ["checkpoints", "off"],
       ["bad messages", fmtInt(s.bad_messages), s.bad_messages > 0],
     ];
+    const d = s.data; // shard 0: the run's data ledger
+    if (d && d.bound) {
+      cards.unshift([
+        `data: pieces done, epoch ${fmtInt(d.epoch)}` +
+          (d.eta_seconds == null ? "" : `, epoch ends in ${fmtDuration(d.eta_seconds)}`),
+        `${fmtInt(d.pieces_done)} / ${fmtInt(d.pieces_total)}`,
+      ]);
+    }
     byId("stats").replaceChildren(...cards.map(([label, value, bad]) => card(label, value, bad)));
   }
 
