@@ -1,0 +1,237 @@
+"""Logs for runs across sites (common/logs.py) and the experiment trackers (worker/report.py).
+
+Every line of a shard and a worker is dated in ISO 8601 with milliseconds and the machine's zone; with
+`--log-format json` every line a collector sees is one JSON object (time, level, logger, message and the
+record's fields); `--log-level warning` leaves the info lines out; a bad value is one line. The W&B logger
+is tested for real in W&B's offline mode: a worker process against a shard process writes an offline run
+whose history is read back with wandb's own reader.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import sys
+import types
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from streamdiloco.launch import echo_line
+from streamdiloco.common.logs import JsonFormatter, TextFormatter, asked_format, iso_time, setup_logging
+from streamdiloco.worker.report import TrackedScalars, WandbLogger
+from procs import ROOT, Cluster, streamdiloco
+
+
+# 2026-11-26T15:31:02.123+00:00 (any zone: the machine's own)
+ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
+TEXT_LINE = re.compile(rf"^{ISO} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+KEYS = {"time", "level", "logger", "message"}
+NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--batch-size", "2"]
+WORK = [*NANO, "--steps", "12", "--log-every", "4", "--eval-every", "0", "--eval-batches", "1"]
+
+
+def _record(fmt: logging.Formatter, msg: str, *args, exc=None, **extra) -> str:
+    record = logging.LogRecord("streamdiloco.worker", logging.INFO, __file__, 1, msg, args, exc)
+    record.__dict__.update(extra)
+    return fmt.format(record)
+
+
+# --- the formats --------------------------------------------------------------------------------------
+def test_iso_time_has_milliseconds_and_the_zone_and_is_the_moment_it_says():
+    text = iso_time(1_800_000_000.1234)
+    assert re.fullmatch(ISO, text), text
+    assert datetime.fromisoformat(text).timestamp() == pytest.approx(1_800_000_000.123, abs=1e-6)
+
+
+def test_the_text_format_dates_each_line():
+    line = _record(TextFormatter(), "w step %d", 4)
+    assert TEXT_LINE.match(line) and line.endswith(" INFO streamdiloco.worker: w step 4"), line
+
+
+def test_a_json_record_is_one_line_with_its_fields_and_the_exception_as_a_string():
+    try:
+        raise RuntimeError("boom\nsecond line")
+    except RuntimeError:
+        exc = sys.exc_info()
+    line = _record(JsonFormatter(), "w step %d", 4, exc=exc, step=4, loss=float("nan"), hashes=[["ab"]])
+    assert "\n" not in line
+    got = json.loads(line)
+    assert got["message"] == "w step 4" and got["level"] == "INFO" and got["logger"] == "streamdiloco.worker"
+    assert re.fullmatch(ISO, got["time"]) and got["step"] == 4 and got["loss"] == "nan"
+    assert got["hashes"] == [["ab"]]
+    assert "Traceback" in got["exception"] and "boom\nsecond line" in got["exception"]
+
+
+def test_setup_logging_routes_warnings_and_library_loggers_through_the_format(monkeypatch):
+    out = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("info", "json", stream=out)
+        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+        logging.getLogger("grpc.aio._server").warning("a failed call")
+        logging.getLogger("streamdiloco.shard").debug("not at info")
+        logging.getLogger("streamdiloco.shard").info("round %d closed", 3, extra={"round": 3})
+        import warnings
+
+        warnings.warn("a library's warning", UserWarning, stacklevel=1)
+    finally:
+        setup_logging("info", "text")
+        root.handlers, _ = saved
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["logger"] for r in records] == ["uvicorn.error", "grpc.aio._server", "streamdiloco.shard", "py.warnings"]
+    assert records[2]["round"] == 3 and all(KEYS <= set(r) for r in records)
+
+
+def test_bad_values_are_one_line_and_asked_format_reads_an_unparsed_command_line():
+    with pytest.raises(ValueError, match=r"^--log-level must be one of debug, info, warning, error, got 'loud'$"):
+        setup_logging("loud")
+    with pytest.raises(ValueError, match=r"^--log-format must be one of text, json, got 'xml'$"):
+        setup_logging("info", "xml")
+    assert asked_format(["worker", "--log-format", "json"]) == "json"
+    assert asked_format(["worker", "--log-format=text"]) == "text"
+    assert asked_format(["worker"]) is None
+
+
+def test_launch_shows_a_childs_json_record_with_its_name_and_wraps_a_line_that_is_none():
+    rec = json.loads(echo_line("shard0", '{"time": "t", "level": "INFO", "logger": "x", "message": "m"}\n', True))
+    assert rec["process"] == "shard0" and rec["message"] == "m"
+    wrapped = json.loads(echo_line("worker-1", "Segmentation fault\n", True))
+    assert wrapped["process"] == "worker-1" and wrapped["message"] == "Segmentation fault" and KEYS <= set(wrapped)
+    assert echo_line("worker-1", "a line\n", False) == "[worker-1] a line\n"
+
+
+# --- real processes -------------------------------------------------------------------------------------
+def test_a_shard_and_a_workers_text_lines_are_dated_in_iso_with_the_zone(tmp_path):
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("shard", *NANO)
+        c.worker("w", [target], *WORK)
+        assert c.wait("w") == 0, c.log("w")[-3000:]
+    for name in ("shard", "w"):
+        lines = [x for x in c.log(name).splitlines() if x.strip()]
+        assert lines and all(TEXT_LINE.match(x) for x in lines if not x.startswith(" ")), c.log(name)[-3000:]
+    assert re.search(rf"^{ISO} INFO streamdiloco.worker: w step 12/12 ", c.log("w"), re.M)
+
+
+def test_json_lines_of_a_shard_and_a_worker_parse_one_by_one_and_warning_hides_info(tmp_path):
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("shard", *NANO, "--log-format", "json")
+        c.worker("w", [target], *WORK, "--log-format", "json")
+        assert c.wait("w") == 0, c.log("w")[-3000:]
+        # --log-level warning: a worker that cannot join says only its warnings and its error
+        c.worker("quiet", ["127.0.0.1:1"], *NANO, "--join-timeout", "0.5", "--log-level", "warning")
+        assert c.wait("quiet") != 0
+    records = {}
+    for name in ("shard", "w"):
+        records[name] = [json.loads(line) for line in c.log(name).splitlines()]  # every line parses
+        assert records[name] and all(KEYS <= set(r) for r in records[name])
+        assert all(re.fullmatch(ISO, r["time"]) for r in records[name])
+    assert any(r["logger"] == "streamdiloco.shard" and r["level"] == "INFO" for r in records["shard"])
+    progress = [r for r in records["w"] if "step" in r and "loss" in r]
+    assert [r["step"] for r in progress] == [4, 8, 12] and all(r["steps"] == 12 for r in progress)
+    quiet = c.log("quiet")
+    assert quiet.strip() and " INFO " not in quiet and "joining" not in quiet, quiet
+
+
+def test_a_bad_log_flag_is_one_line_and_json_makes_argparse_errors_records_too():
+    r = streamdiloco("server", "--log-level", "loud", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and lines == [
+        "streamdiloco: error: --log-level must be one of debug, info, warning, error, got 'loud'"
+    ], r.stderr
+    r = streamdiloco("worker", "--log-format", "json", "--no-such-flag", timeout=60)
+    records = [json.loads(line) for line in r.stderr.strip().splitlines()]
+    assert r.returncode == 2 and len(records) == 1 and records[0]["level"] == "ERROR", r.stderr
+    assert "--no-such-flag" in records[0]["message"]
+    r = streamdiloco("worker", "--servers", "localhost", "--log-format", "json", timeout=60)
+    records = [json.loads(line) for line in r.stderr.strip().splitlines()]
+    assert r.returncode == 2 and "is not HOST:PORT" in records[-1]["message"], r.stderr
+
+
+# --- the trackers -------------------------------------------------------------------------------------
+class Recording:
+    def __init__(self):
+        self.got: list = []
+
+    def log_scalars(self, step, scalars):
+        self.got.append((step, dict(scalars)))
+
+    def close(self):
+        self.got.append("closed")
+
+
+def test_tracked_scalars_log_every_n_steps_and_the_last_and_close_once():
+    rec = Recording()
+    t = TrackedScalars([rec], every=2)
+    for step in range(1, 6):
+        t.count(10, float(step))
+        t.stepped(step, 5, {"sync/bytes_sent": step * 100})
+    t.log(5, {"eval/loss": 2.5})
+    t.close()
+    t.close()
+    steps = [(s, x["train/loss"], x["sync/bytes_sent"]) for s, x in rec.got[:-2]]
+    assert steps == [(2, 1.5, 200), (4, 3.5, 400), (5, 5.0, 500)]  # each the mean since the last
+    assert all(x["perf/tokens_per_second"] > 0 for _, x in rec.got[:-2])
+    assert rec.got[-2:] == [(5, {"eval/loss": 2.5}), "closed"]
+
+
+def test_without_wandb_its_flag_is_one_line_saying_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as when not installed
+    with pytest.raises(ValueError) as e:
+        WandbLogger("my-run")
+    assert str(e.value).startswith("--wandb-project needs the wandb package: pip install wandb")
+    assert "\n" not in str(e.value)
+
+
+def test_the_manuals_connect_snippet_hands_its_loggers_to_the_engine(monkeypatch):
+    """docs/monitoring.md's snippet for your own loop, against a stand-in connect that records its options."""
+    import streamdiloco.worker.join as join
+
+    text = (ROOT / "docs" / "monitoring.md").read_text()
+    code = re.search(r"```py\n(from streamdiloco.worker.report import WandbLogger\n.*?)```", text, re.S).group(1)
+    got: dict = {}
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **init: got.setdefault("init", init) and types.SimpleNamespace()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setattr(join, "connect", lambda model, servers, *a, **kw: got.setdefault("connect", kw))
+    exec(compile(code.split("# your loop")[0], "docs/monitoring.md", "exec"), {"model": object()})
+    assert got["init"]["project"] == "my-run"
+    assert isinstance(got["connect"]["loggers"][0], WandbLogger) and got["connect"]["log_every"] == 20
+
+
+def test_a_worker_process_writes_a_wandb_offline_run_with_its_training_loss(tmp_path):
+    wandb = pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    with Cluster(tmp_path, env=env) as c:
+        target, _ = c.shard("shard", *NANO)
+        c.worker("w", [target], *WORK, "--wandb-project", "streamdiloco-test", "--wandb-run-name", "site-a")
+        assert c.wait("w") == 0, c.log("w")[-3000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list(tmp_path.rglob("*"))
+    history = _wandb_history(wandb, runs[0])
+    losses = [(row["_step"], row["train/loss"]) for row in history if "train/loss" in row]
+    assert [s for s, _ in losses] == [4, 8, 12] and all(0 < x < 10 for _, x in losses)
+    assert any("eval/loss" in row for row in history)
+    assert {"sync/bytes_sent", "perf/tokens_per_second"} <= {k for row in history for k in row}
+
+
+def _wandb_history(wandb, path: Path) -> list[dict]:
+    """The history rows of an offline run's .wandb file, read with wandb's own reader of it."""
+    from wandb.proto import wandb_internal_pb2
+    from wandb.sdk.internal import datastore
+
+    store = datastore.DataStore()
+    store.open_for_scan(str(path))
+    rows = []
+    while (data := store.scan_data()) is not None:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
