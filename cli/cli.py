@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from streamdiloco import __version__
 
@@ -582,7 +583,7 @@ def _error(message: str) -> None:
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose own errors (a mistyped flag) are a log record with --log-format json."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         from streamdiloco.common.logs import json_logs
 
         if not json_logs():

@@ -74,9 +74,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from streamdiloco.export import export
-
     import logging
+
+    from streamdiloco.export import export
 
     # progress through the log: dated, and a record with --log-format json
     return export(args, progress=logging.getLogger("streamdiloco.export").info)

@@ -21,7 +21,6 @@ from pathlib import Path
 from streamdiloco.common.logs import iso_time, json_logs, log_flags, setup_logging
 from streamdiloco.settings import Settings
 
-
 log = logging.getLogger("streamdiloco.launch")
 
 
@@ -44,7 +43,12 @@ def echo_line(name: str, line: str, json_format: bool) -> str:
     except ValueError:
         record = None
     if not isinstance(record, dict):
-        record = {"time": iso_time(time.time()), "level": "INFO", "logger": "streamdiloco.launch", "message": text}
+        record = {
+            "time": iso_time(time.time()),
+            "level": "INFO",
+            "logger": "streamdiloco.launch",
+            "message": text,
+        }
     return json.dumps({**record, "process": name}, ensure_ascii=False) + "\n"
 
 
@@ -264,7 +268,7 @@ def run_launch(args: argparse.Namespace) -> int:
                 raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     # launch's own lines on stdout with its children's, in their format; the children log as launch does
-    setup_logging(args.log_level, args.log_format, stream=sys.stdout)
+    setup_logging(args.log_level, args.log_format, stream="stdout")
     logs = log_flags(args.log_level, args.log_format)
     creds = Credentials(out / "certs", args.workers) if args.tls else None
     scheme = "https" if creds else "http"

@@ -83,7 +83,18 @@ class JsonFormatter(logging.Formatter):
 
 
 class _Handler(logging.StreamHandler):
-    """A stream handler that stays quiet when its stream has gone away (`launch | head`)."""
+    """The process's handler: writes to sys.stderr or sys.stdout as they are at each record (a stream
+    swapped later, as tests do, is followed), and stays quiet when its stream has gone away
+    (`launch | head`)."""
+
+    def __init__(self, stream: str | TextIO) -> None:
+        self.follow = stream if isinstance(stream, str) else None
+        super().__init__(getattr(sys, stream) if isinstance(stream, str) else stream)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.follow is not None:
+            self.stream = getattr(sys, self.follow)
+        super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         if isinstance(sys.exc_info()[1], OSError):
@@ -91,31 +102,37 @@ class _Handler(logging.StreamHandler):
         super().handleError(record)
 
 
-_state = {"format": "text"}
+_state: dict[str, Any] = {"format": "text", "hooks": None}
 
 
-def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None = None) -> None:
-    """Send every log record of this process to `stream` (default stderr) in format `fmt` (text or json),
-    at `level` and above (debug, info, warning, error). Replaces any handler the root logger had. Other
-    libraries' debug lines stay out at --log-level debug (only streamdiloco's come down to debug);
-    uvicorn's HTTP lines stay at warning and above. ValueError (one line) for an unknown level or format."""
+def setup_logging(level: str = "info", fmt: str = "text", stream: str | TextIO = "stderr") -> None:
+    """Send every log record of this process to `stream` ("stderr", "stdout", or a file object) in format
+    `fmt` (text or json), at `level` and above (debug, info, warning, error). The handler goes on the root
+    logger, in place of the one an earlier call put there (others are left alone). Other libraries' debug
+    lines stay out at --log-level debug (only streamdiloco's come down to debug); uvicorn's HTTP lines stay
+    at warning and above. ValueError (one line) for an unknown level or format."""
     if level not in LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, got {level!r}")
     if fmt not in FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    handler = _Handler(stream if stream is not None else sys.stderr)
+    handler = _Handler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     number = getattr(logging, level.upper())
-    logging.basicConfig(handlers=[handler], level=max(number, logging.INFO), force=True)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(max(number, logging.INFO))
     logging.getLogger("streamdiloco").setLevel(number)
     logging.getLogger("uvicorn").setLevel(max(number, logging.WARNING))
     logging.captureWarnings(True)  # warnings.warn: a record too, in the same format
     _state["format"] = fmt
-    if fmt == "json":  # a crash's traceback: one record, not lines a collector cannot parse
-        sys.excepthook = _log_uncaught
-        threading.excepthook = _log_thread_uncaught
-    else:
-        sys.excepthook, threading.excepthook = sys.__excepthook__, threading.__excepthook__
+    if fmt == "json" and _state["hooks"] is None:  # a crash's traceback: one record, not many lines
+        _state["hooks"] = (sys.excepthook, threading.excepthook)
+        sys.excepthook, threading.excepthook = _log_uncaught, _log_thread_uncaught
+    elif fmt == "text" and _state["hooks"] is not None:
+        sys.excepthook, threading.excepthook = _state["hooks"]
+        _state["hooks"] = None
 
 
 def json_logs() -> bool:
@@ -127,7 +144,9 @@ def _log_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> N
     if issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, value, tb)
         return
-    logging.getLogger("streamdiloco").critical("uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb))
+    logging.getLogger("streamdiloco").critical(
+        "uncaught %s: %s", kind.__name__, value, exc_info=(kind, value, tb)
+    )
 
 
 def _log_thread_uncaught(args: threading.ExceptHookArgs) -> None:

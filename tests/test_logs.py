@@ -19,19 +19,30 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
-from streamdiloco.launch import echo_line
-from streamdiloco.common.logs import JsonFormatter, TextFormatter, asked_format, iso_time, setup_logging
-from streamdiloco.worker.report import TrackedScalars, WandbLogger
 from procs import ROOT, Cluster, streamdiloco
 
+from streamdiloco.common.logs import JsonFormatter, TextFormatter, asked_format, iso_time, setup_logging
+from streamdiloco.launch import echo_line
+from streamdiloco.worker.report import TrackedScalars, WandbLogger
 
 # 2026-11-26T15:31:02.123+00:00 (any zone: the machine's own)
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
 TEXT_LINE = re.compile(rf"^{ISO} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
 KEYS = {"time", "level", "logger", "message"}
-NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--batch-size", "2"]
-WORK = [*NANO, "--steps", "12", "--log-every", "4", "--eval-every", "0", "--eval-batches", "1"]
+NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
+WORK = [
+    *NANO,
+    "--steps",
+    "12",
+    "--batch-size",
+    "2",
+    "--log-every",
+    "4",
+    "--eval-every",
+    "0",
+    "--eval-batches",
+    "1",
+]
 
 
 def _record(fmt: logging.Formatter, msg: str, *args, exc=None, **extra) -> str:
@@ -69,7 +80,7 @@ def test_a_json_record_is_one_line_with_its_fields_and_the_exception_as_a_string
 def test_setup_logging_routes_warnings_and_library_loggers_through_the_format(monkeypatch):
     out = io.StringIO()
     root = logging.getLogger()
-    saved = root.handlers[:], root.level
+    before = root.handlers[:], root.level
     try:
         setup_logging("info", "json", stream=out)
         logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
@@ -80,17 +91,26 @@ def test_setup_logging_routes_warnings_and_library_loggers_through_the_format(mo
 
         warnings.warn("a library's warning", UserWarning, stacklevel=1)
     finally:
-        setup_logging("info", "text")
-        root.handlers, _ = saved
-        root.setLevel(saved[1])
+        setup_logging("info", "text")  # the hooks back as they were
+        for handler in root.handlers[:]:
+            if handler not in before[0]:
+                root.removeHandler(handler)
+        root.setLevel(before[1])
         logging.captureWarnings(False)
     records = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert [r["logger"] for r in records] == ["uvicorn.error", "grpc.aio._server", "streamdiloco.shard", "py.warnings"]
+    assert [r["logger"] for r in records] == [
+        "uvicorn.error",
+        "grpc.aio._server",
+        "streamdiloco.shard",
+        "py.warnings",
+    ]
     assert records[2]["round"] == 3 and all(KEYS <= set(r) for r in records)
 
 
 def test_bad_values_are_one_line_and_asked_format_reads_an_unparsed_command_line():
-    with pytest.raises(ValueError, match=r"^--log-level must be one of debug, info, warning, error, got 'loud'$"):
+    with pytest.raises(
+        ValueError, match=r"^--log-level must be one of debug, info, warning, error, got 'loud'$"
+    ):
         setup_logging("loud")
     with pytest.raises(ValueError, match=r"^--log-format must be one of text, json, got 'xml'$"):
         setup_logging("info", "xml")
@@ -100,10 +120,16 @@ def test_bad_values_are_one_line_and_asked_format_reads_an_unparsed_command_line
 
 
 def test_launch_shows_a_childs_json_record_with_its_name_and_wraps_a_line_that_is_none():
-    rec = json.loads(echo_line("shard0", '{"time": "t", "level": "INFO", "logger": "x", "message": "m"}\n', True))
+    rec = json.loads(
+        echo_line("shard0", '{"time": "t", "level": "INFO", "logger": "x", "message": "m"}\n', True)
+    )
     assert rec["process"] == "shard0" and rec["message"] == "m"
     wrapped = json.loads(echo_line("worker-1", "Segmentation fault\n", True))
-    assert wrapped["process"] == "worker-1" and wrapped["message"] == "Segmentation fault" and KEYS <= set(wrapped)
+    assert (
+        wrapped["process"] == "worker-1"
+        and wrapped["message"] == "Segmentation fault"
+        and KEYS <= set(wrapped)
+    )
     assert echo_line("worker-1", "a line\n", False) == "[worker-1] a line\n"
 
 
@@ -145,7 +171,9 @@ def test_a_bad_log_flag_is_one_line_and_json_makes_argparse_errors_records_too()
     assert r.returncode == 2 and lines == [
         "streamdiloco: error: --log-level must be one of debug, info, warning, error, got 'loud'"
     ], r.stderr
-    r = streamdiloco("worker", "--log-format", "json", "--no-such-flag", timeout=60)
+    r = streamdiloco(
+        "worker", "--servers", "127.0.0.1:1", "--log-format", "json", "--no-such-flag", timeout=60
+    )
     records = [json.loads(line) for line in r.stderr.strip().splitlines()]
     assert r.returncode == 2 and len(records) == 1 and records[0]["level"] == "ERROR", r.stderr
     assert "--no-such-flag" in records[0]["message"]
@@ -194,7 +222,9 @@ def test_the_manuals_connect_snippet_hands_its_loggers_to_the_engine(monkeypatch
     import streamdiloco.worker.join as join
 
     text = (ROOT / "docs" / "monitoring.md").read_text()
-    code = re.search(r"```py\n(from streamdiloco.worker.report import WandbLogger\n.*?)```", text, re.S).group(1)
+    code = re.search(
+        r"```py\n(from streamdiloco.worker.report import WandbLogger\n.*?)```", text, re.S
+    ).group(1)
     got: dict = {}
     wandb = types.ModuleType("wandb")
     wandb.init = lambda **init: got.setdefault("init", init) and types.SimpleNamespace()  # type: ignore[attr-defined]
@@ -233,5 +263,10 @@ def _wandb_history(wandb, path: Path) -> list[dict]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
     return rows

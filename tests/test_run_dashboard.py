@@ -7,16 +7,12 @@ reads back; the README's W&B logger fits the worker's loggers hook."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
-import re
 import socket
 import sys
 import time
-import types
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +21,6 @@ from procs import shard_process, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 from test_tls import READ, https, server_tls
 
-import streamdiloco.worker.run as worker_run
 from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout

@@ -5,6 +5,7 @@ parameters). `ScalarLogger` is the hook for experiment trackers: the sync engine
 `streamdiloco worker` command and for `connect(model, servers, loggers=[...])` alike. Two are built in:
 `TensorBoardLogger` (`--tensorboard DIR`) and `WandbLogger` (`--wandb-project NAME`), each importing its
 package only when made. Nothing here talks to a shard.
+"""
 
 from __future__ import annotations
 

@@ -226,9 +226,9 @@ class StopFlag:
 
 def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     """Train as `cfg` says and return the summary (also written to cfg.summary); `loggers` get the worker's
-    scalars too (with --tensorboard a TensorBoardLogger is added, with --wandb-project a WandbLogger). Started by torchrun (WORLD_SIZE > 1),
-    the ranks are one worker (worker/group.py): rank 0 joins, syncs, logs and checkpoints; each rank trains
-    on its slice of the worker's batch (size x --batch-size)."""
+    scalars too (with --tensorboard a TensorBoardLogger is added, with --wandb-project a WandbLogger).
+    Started by torchrun (WORLD_SIZE > 1), the ranks are one worker (worker/group.py): rank 0 joins, syncs,
+    logs and checkpoints; each rank trains on its slice of the worker's batch (size x --batch-size)."""
     t_start = time.perf_counter()
     group, device_name = group_from_env(cfg.run.device, cfg.worker.rank_timeout)
     try:
@@ -475,7 +475,9 @@ def _run_worker(
         if cfg.worker.tensorboard:
             loggers.append(TensorBoardLogger(cfg.worker.tensorboard))
         if cfg.worker.wandb_project:
-            loggers.append(WandbLogger(cfg.worker.wandb_project, cfg.wandb_run_name or cfg.name, _tracked(cfg)))
+            loggers.append(
+                WandbLogger(cfg.worker.wandb_project, cfg.wandb_run_name or cfg.name, _tracked(cfg))
+            )
         lead = Lead(
             cfg,
             val,
