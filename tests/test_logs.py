@@ -16,6 +16,7 @@ import re
 import struct
 import sys
 import types
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -78,34 +79,31 @@ def test_a_json_record_is_one_line_with_its_fields_and_the_exception_as_a_string
     assert "Traceback" in got["exception"] and "boom\nsecond line" in got["exception"]
 
 
-def test_setup_logging_routes_warnings_and_library_loggers_through_the_format(monkeypatch):
+def test_setup_logging_routes_warnings_and_library_loggers_through_the_format():
     out = io.StringIO()
     root = logging.getLogger()
     before = root.handlers[:], root.level
-    try:
-        setup_logging("info", "json", stream=out)
-        logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
-        logging.getLogger("grpc.aio._server").warning("a failed call")
-        logging.getLogger("streamdiloco.shard").debug("not at info")
-        logging.getLogger("streamdiloco.shard").info("round %d closed", 3, extra={"round": 3})
-        import warnings
-
-        warnings.warn("a library's warning", UserWarning, stacklevel=1)
-    finally:
-        setup_logging("info", "text")  # the hooks back as they were
-        for handler in root.handlers[:]:
-            if handler not in before[0]:
-                root.removeHandler(handler)
-        root.setLevel(before[1])
-        logging.captureWarnings(False)
-    records = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert [r["logger"] for r in records] == [
-        "uvicorn.error",
-        "grpc.aio._server",
-        "streamdiloco.shard",
-        "py.warnings",
-    ]
-    assert records[2]["round"] == 3 and all(KEYS <= set(r) for r in records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        try:
+            setup_logging("info", "json", stream=out)
+            logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+            logging.getLogger("grpc.aio._server").warning("a failed call")
+            logging.getLogger("streamdiloco.shard").debug("not at info")
+            logging.getLogger("streamdiloco.shard").info("round %d closed", 3, extra={"round": 3})
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+        finally:
+            setup_logging("info", "text")  # the hooks back as they were
+            logging.captureWarnings(False)
+            for handler in root.handlers[:]:
+                if handler not in before[0]:
+                    root.removeHandler(handler)
+            root.setLevel(before[1])
+    records = [json.loads(line) for line in out.getvalue().splitlines()]  # every line parses
+    ours = ("uvicorn.error", "grpc.aio._server", "streamdiloco.shard", "py.warnings")
+    assert [r["logger"] for r in records if r["logger"] in ours] == list(ours), records
+    assert all(KEYS <= set(r) for r in records) and "not at info" not in out.getvalue()
+    assert next(r for r in records if r["logger"] == "streamdiloco.shard")["round"] == 3
 
 
 def test_bad_values_are_one_line_and_asked_format_reads_an_unparsed_command_line():
