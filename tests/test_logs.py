@@ -9,6 +9,7 @@ whose history is read back with wandb's own reader.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -133,15 +134,32 @@ def test_launch_shows_a_childs_json_record_with_its_name_and_wraps_a_line_that_i
 
 
 # --- real processes -------------------------------------------------------------------------------------
-def test_a_shard_and_a_workers_text_lines_are_dated_in_iso_with_the_zone(tmp_path):
-    with Cluster(tmp_path) as c:
+def test_text_lines_of_a_shard_and_a_worker_are_dated_and_the_worker_writes_a_wandb_offline_run(tmp_path):
+    """One run for both (real processes are the slow part): the text format's ISO dates on a shard's and a
+    worker's lines, and W&B in its offline mode: the worker's run, read back from the files W&B writes,
+    has the training loss at every --log-every step and the eval losses."""
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    tracked = ["--wandb-project", "streamdiloco-test", "--wandb-run-name", "site-a"] if has_wandb else []
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    with Cluster(tmp_path, env=env) as c:
         target, _ = c.shard("shard", *NANO)
-        c.worker("w", [target], *WORK)
+        c.worker("w", [target], *WORK, *tracked)
         assert c.wait("w") == 0, c.log("w")[-3000:]
     for name in ("shard", "w"):
         lines = [x for x in c.log(name).splitlines() if x.strip()]
-        assert lines and all(TEXT_LINE.match(x) for x in lines if not x.startswith(" ")), c.log(name)[-3000:]
+        assert lines and all(TEXT_LINE.match(x) for x in lines), c.log(name)[-3000:]
     assert re.search(rf"^{ISO} INFO streamdiloco.worker: w step 12/12 ", c.log("w"), re.M)
+    if not has_wandb:
+        pytest.skip(
+            "wandb is not installed (pip install 'streamdiloco[wandb]'): its offline run is not checked"
+        )
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list(tmp_path.rglob("*"))
+    history = _wandb_history(runs[0])
+    losses = [(row["_step"], row["train/loss"]) for row in history if "train/loss" in row]
+    assert [s for s, _ in losses] == [4, 8, 12] and all(0 < x < 10 for _, x in losses)
+    assert [row["_step"] for row in history if "eval/loss" in row] == [0, 12]  # at the start and the end
+    assert {"sync/bytes_sent", "perf/tokens_per_second"} <= {k for row in history for k in row}
 
 
 def test_json_lines_of_a_shard_and_a_worker_parse_one_by_one_and_warning_hides_info(tmp_path):
@@ -233,20 +251,20 @@ def test_the_manuals_connect_snippet_hands_its_loggers_to_the_engine(monkeypatch
     assert isinstance(got["connect"]["loggers"][0], WandbLogger) and got["connect"]["log_every"] == 20
 
 
-def test_a_worker_process_writes_a_wandb_offline_run_with_its_training_loss(tmp_path):
-    pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    with Cluster(tmp_path, env=env) as c:
-        target, _ = c.shard("shard", *NANO)
-        c.worker("w", [target], *WORK, "--wandb-project", "streamdiloco-test", "--wandb-run-name", "site-a")
-        assert c.wait("w") == 0, c.log("w")[-3000:]
-    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, list(tmp_path.rglob("*"))
-    history = _wandb_history(runs[0])
-    losses = [(row["_step"], row["train/loss"]) for row in history if "train/loss" in row]
-    assert [s for s, _ in losses] == [4, 8, 12] and all(0 < x < 10 for _, x in losses)
-    assert any("eval/loss" in row for row in history)
-    assert {"sync/bytes_sent", "perf/tokens_per_second"} <= {k for row in history for k in row}
+@pytest.mark.slow  # in `make test-slow`; the shard's and worker's own flags are tested above
+def test_launch_hands_its_log_flags_to_its_children_and_its_json_lines_parse(tmp_path):
+    out = tmp_path / "run"
+    r = streamdiloco(
+        "launch",
+        *("--shards", "1", "--workers", "1", "--out", str(out), "--log-format", "json"),
+        *(*WORK, "--log-every", "6"),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = [json.loads(line) for line in r.stdout.splitlines()]  # every line parses
+    assert {r.get("process") for r in records} >= {"shard0", "worker-0", None}
+    assert any(r["logger"] == "streamdiloco.launch" and "summary" in r for r in records)
+    for name in ("shard0", "worker-0"):  # each child logged in JSON itself
+        assert all(KEYS <= set(json.loads(x)) for x in (out / f"{name}.log").read_text().splitlines())
 
 
 def _wandb_history(path: Path) -> list[dict]:
