@@ -225,6 +225,32 @@ def test_tracked_scalars_log_every_n_steps_and_the_last_and_close_once():
     assert rec.got[-2:] == [(5, {"eval/loss": 2.5}), "closed"]
 
 
+class NoWire:
+    num_shards, pace_seconds = 1, 0.0
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_engine_feeds_its_loggers_every_log_every_steps_each_eval_loss_and_closes_them():
+    """What connect(loggers=..., log_every=...) hands the engine, with no shard: steps 1..4 send nothing."""
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.worker.engine import SyncEngine
+    from streamdiloco.worker.model import build_gpt
+
+    model, rec = build_gpt("nano"), Recording()
+    layout = build_layout(model, 3, "strided")
+    engine = SyncEngine(model, layout, SyncConfig(num_fragments=3), NoWire(), 90, loggers=[rec], log_every=2)
+    for loss in (4.0, 3.0, 2.0, 1.0):
+        engine.step(512, loss)
+    engine.report(eval_loss=2.5, compute_utilization=0.5)
+    engine.close()
+    assert [(s, x["train/loss"]) for s, x in rec.got[:2]] == [(2, 3.5), (4, 1.5)]
+    assert {"sync/blocked_seconds", "sync/bytes_sent", "sync/bytes_received"} <= set(rec.got[0][1])
+    assert rec.got[2:] == [(4, {"eval/loss": 2.5}), "closed"]
+
+
 def test_without_wandb_its_flag_is_one_line_saying_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails as when not installed
     with pytest.raises(ValueError) as e:
