@@ -311,11 +311,12 @@ class SyncEngine:
         self.deferred = []
         self.step_count += 1
         self.finish_step()
-        sync = {"sync/blocked_seconds": self.blocked_seconds, "sync/bytes_sent": self.bytes_sent}
-        sync["sync/bytes_received"] = self.bytes_received
-        if self.compute_utilization is not None:
-            sync["perf/compute_utilization"] = self.compute_utilization
-        self.scalars.stepped(self.step_count, self.total_steps, sync)
+        if self.scalars.loggers:
+            sync = {"sync/blocked_seconds": self.blocked_seconds, "sync/bytes_sent": self.bytes_sent}
+            sync["sync/bytes_received"] = self.bytes_received
+            if self.compute_utilization is not None:
+                sync["perf/compute_utilization"] = self.compute_utilization
+            self.scalars.stepped(self.step_count, self.total_steps, sync)
         return evs
 
     def finish_step(self) -> None:
