@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from streamdiloco import __version__
 
@@ -312,7 +311,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    from streamdiloco.common.logs import ArgumentParser
+
+    p = ArgumentParser(
         prog="streamdiloco",
         description="Streaming DiLoCo: train one model on GPUs joined only by the internet.",
     )
@@ -567,31 +568,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _error(message: str) -> None:
-    """A one-line error for the user: `streamdiloco: error: ...` on stderr, or a record with --log-format
-    json (a log collector parses every line)."""
-    from streamdiloco.common.logs import json_logs
-
-    if json_logs():
-        import logging
-
-        logging.getLogger("streamdiloco").error(message)
-    else:
-        print(f"streamdiloco: error: {message}", file=sys.stderr)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose own errors (a mistyped flag) are a log record with --log-format json."""
-
-    def error(self, message: str) -> NoReturn:
-        from streamdiloco.common.logs import json_logs
-
-        if not json_logs():
-            super().error(message)
-        _error(f"{self.prog}: {message}")
-        sys.exit(2)
-
-
 def _cmd_server(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_server
 
@@ -688,6 +664,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_worker, read_token_file
+    from streamdiloco.common.logs import error_line
 
     servers = check_worker(args)  # one-line errors before torch is imported
 
@@ -723,7 +700,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     try:
         run_worker(cfg)
     except (SyncError, GroupError) as e:
-        _error(str(e))
+        error_line(str(e))
         return 1
     return 0
 
@@ -742,7 +719,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from streamdiloco.common.logs import asked_format, json_logs, setup_logging
+    from streamdiloco.common.logs import asked_format, error_line, json_logs, setup_logging
 
     if asked_format(sys.argv[1:] if argv is None else argv) == "json":
         setup_logging("info", "json")  # before parsing: argparse's errors are records too
@@ -758,10 +735,10 @@ def main(argv: list[str] | None = None) -> int:
             args.settings = resolve(args, args.sections, args.config)
         return args.func(args)
     except ValueError as e:
-        _error(str(e))
+        error_line(str(e))
         return 2
     except OSError as e:  # a port in use, an unreadable file, ...
-        _error(str(e))
+        error_line(str(e))
         return 1
     except KeyboardInterrupt:
         if json_logs():

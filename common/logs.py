@@ -8,6 +8,8 @@ out in that one format: streamdiloco's own loggers, uvicorn's and gRPC's (they p
 Python's warnings, and in JSON an exception that nothing caught. A JSON line has `time`, `level`,
 `logger`, `message`, every field given with `extra=` (`log.info("...", extra={"step": 3})`), and
 `exception` (the traceback, as one string) when there is one: a record is never more than one line.
+`error_line(message)` is the CLI's one-line error in the same spirit (text: `streamdiloco: error: ...`;
+json: an ERROR record), and `ArgumentParser` makes argparse's own errors follow it.
 
 This module imports nothing of the project and not torch (`--help` must stay quick); it configures logging
 and writes nothing else.
@@ -22,7 +24,7 @@ import math
 import sys
 import threading
 from datetime import datetime
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -138,6 +140,26 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: str | TextIO =
 def json_logs() -> bool:
     """Whether setup_logging chose JSON: a line for the user (an error) must then be a record too."""
     return _state["format"] == "json"
+
+
+def error_line(message: str) -> None:
+    """A one-line error for the user: `streamdiloco: error: MESSAGE` on stderr, or with --log-format json an
+    ERROR record (a log collector parses every line)."""
+    if json_logs():
+        logging.getLogger("streamdiloco").error(message)
+    else:
+        print(f"streamdiloco: error: {message}", file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose own errors (a mistyped flag) are an ERROR record with --log-format json
+    (its subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        if not json_logs():
+            super().error(message)
+        error_line(f"{self.prog}: {message}")
+        sys.exit(2)
 
 
 def _log_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
