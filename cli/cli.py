@@ -312,7 +312,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from streamdiloco.common.logs import ArgumentParser
+
+    p = ArgumentParser(
         prog="streamdiloco",
         description="Streaming DiLoCo: train one model on GPUs joined only by the internet.",
     )
@@ -449,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
     )
+    g.add_argument(
+        "--wandb-run-name",
+        default=None,
+        metavar="NAME",
+        help="with --wandb-project: this worker's W&B run name (default: its --name)",
+    )
     _add_settings(wk, WORKER_SECTIONS)
     wk.set_defaults(func=_cmd_worker)
 
@@ -557,24 +565,17 @@ def build_parser() -> argparse.ArgumentParser:
     from streamdiloco.data import add_data_parser
 
     add_data_parser(sub)
+
+    from streamdiloco.common.logs import add_log_flags
+
+    for command in sub.choices.values():  # every command logs alike (each process its own way)
+        add_log_flags(command)
     return p
-
-
-def _setup_logging() -> None:
-    import logging
-
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    logging.getLogger("uvicorn").setLevel(logging.WARNING)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_server
 
-    _setup_logging()
     plan = check_server(args)  # one-line errors before torch is imported and anything listens
     blocks_path, fragments = _layout(args)
 
@@ -669,8 +670,8 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_worker, read_token_file
+    from streamdiloco.common.logs import error_line
 
-    _setup_logging()
     servers = check_worker(args)  # one-line errors before torch is imported
 
     from streamdiloco.worker.connection import SyncError
@@ -705,7 +706,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     try:
         run_worker(cfg)
     except (SyncError, GroupError) as e:
-        print(f"streamdiloco: error: {e}", file=sys.stderr)
+        error_line(str(e))
         return 1
     return 0
 
@@ -724,24 +725,34 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from streamdiloco.common.logs import asked_format, error_line, json_logs, setup_logging
+
+    if asked_format(sys.argv[1:] if argv is None else argv) == "json":
+        setup_logging("info", "json")  # before parsing: argparse's errors are records too
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "workers_list", "unset") is None:
         args.workers_list = str(args.workers)
     try:
+        setup_logging(args.log_level, args.log_format)
         if getattr(args, "sections", None):
             from streamdiloco.settings import resolve
 
             args.settings = resolve(args, args.sections, args.config)
         return args.func(args)
     except ValueError as e:
-        print(f"streamdiloco: error: {e}", file=sys.stderr)
+        error_line(str(e))
         return 2
     except OSError as e:  # a port in use, an unreadable file, ...
-        print(f"streamdiloco: error: {e}", file=sys.stderr)
+        error_line(str(e))
         return 1
     except KeyboardInterrupt:
-        print("streamdiloco: interrupted", file=sys.stderr)
+        if json_logs():
+            import logging
+
+            logging.getLogger("streamdiloco").warning("interrupted")
+        else:
+            print("streamdiloco: interrupted", file=sys.stderr)
         return 130
 
 

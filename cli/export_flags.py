@@ -5,7 +5,6 @@ Nothing here but argparse declarations and the hand-off."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +76,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    import logging
+
     from streamdiloco.export import export
 
-    return export(args, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    # progress through the log: dated, and a record with --log-format json
+    return export(args, progress=logging.getLogger("streamdiloco.export").info)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -17,7 +18,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from streamdiloco.common.logs import iso_time, json_logs, log_flags, setup_logging
 from streamdiloco.settings import Settings
+
+log = logging.getLogger("streamdiloco.launch")
 
 
 def say(text: str) -> None:
@@ -28,11 +32,31 @@ def say(text: str) -> None:
         pass
 
 
+def echo_line(name: str, line: str, json_format: bool) -> str:
+    """A child's line as launch shows it: `[name] line`, or with --log-format json the child's record with
+    `"process": name` added (a line that is not a record, say a crash's, becomes one)."""
+    if not json_format:
+        return f"[{name}] {line}"
+    text = line.rstrip("\n")
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        record = {
+            "time": iso_time(time.time()),
+            "level": "INFO",
+            "logger": "streamdiloco.launch",
+            "message": text,
+        }
+    return json.dumps({**record, "process": name}, ensure_ascii=False) + "\n"
+
+
 class Cluster:
     """Child processes with prefixed output; stop() ends them all (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, json_format: bool = False):
+        self.out, self.json_format = out, json_format
         self.procs: dict[str, subprocess.Popen] = {}
         self.threads: list[threading.Thread] = []
 
@@ -58,7 +82,7 @@ class Cluster:
                     log.flush()
                     if echo:
                         try:
-                            print(f"[{name}] {line}", end="", flush=True)
+                            print(echo_line(name, line, self.json_format), end="", flush=True)
                         except (
                             OSError
                         ):  # our stdout went away (`launch | head`): keep the log, drain the pipe
@@ -243,9 +267,12 @@ def run_launch(args: argparse.Namespace) -> int:
             if (taken := probe("127.0.0.1", port)) is not None:
                 raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    # launch's own lines on stdout with its children's, in their format; the children log as launch does
+    setup_logging(args.log_level, args.log_format, stream="stdout")
+    logs = log_flags(args.log_level, args.log_format)
     creds = Credentials(out / "certs", args.workers) if args.tls else None
     scheme = "https" if creds else "http"
-    cluster = Cluster(out)
+    cluster = Cluster(out, json_format=args.log_format == "json")
     t0 = time.monotonic()
 
     def on_term(signum, frame) -> None:  # `kill` or a closed terminal: stop the children as Ctrl+C does
@@ -265,7 +292,7 @@ def run_launch(args: argparse.Namespace) -> int:
                 f"shard{s}",
                 ["server", "--config", str(run_toml), "--shard", str(s), "--num-shards", str(args.shards)]
                 + ["--host", "127.0.0.1", "--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
-                + ["--ready-file", str(ready[s])]
+                + ["--ready-file", str(ready[s]), *logs]
                 + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
                 + (creds.shard_flags() if creds else []),
                 threads=1,  # a shard's arithmetic is small next to a worker's
@@ -273,14 +300,14 @@ def run_launch(args: argparse.Namespace) -> int:
         try:
             ports = _wait_ready(cluster, ready)
         except RuntimeError as e:
-            say(f"[launch] {e}; stopping everything; see {out}/*.log")
+            log.error("%s; stopping everything; see %s/*.log", e, out)
             return 1
         targets = [f"127.0.0.1:{p['grpc_port']}" for p in ports]
         metrics_ports = free_ports(args.workers)
         write_targets(out / "prometheus-targets.json", [p["http_port"] for p in ports], metrics_ports)
         page = f"/?token={creds.read_token}" if creds else "/"
-        say(
-            f"[launch] {args.shards} shards up at {', '.join(targets)}"
+        log.info(
+            f"{args.shards} shards up at {', '.join(targets)}"
             + (f" (mutual TLS, credentials in {creds.folder})" if creds else "")
             + "; dashboards: "
             + ", ".join(f"{scheme}://127.0.0.1:{p['http_port']}{page}" for p in ports)
@@ -289,7 +316,7 @@ def run_launch(args: argparse.Namespace) -> int:
         workers = []
         for m in range(args.workers):
             argv = ["worker", "--config", str(run_toml), "--servers", ",".join(targets)]
-            argv += ["--name", f"worker-{m}", "--rank", str(m)]
+            argv += ["--name", f"worker-{m}", "--rank", str(m), *logs]
             argv += ["--metrics-port", str(metrics_ports[m])]
             argv += ["--summary", str(out / f"worker-{m}.json")]
             argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
@@ -304,12 +331,12 @@ def run_launch(args: argparse.Namespace) -> int:
                 name for name, p in cluster.procs.items() if name.startswith("shard") and p.poll() is not None
             ]
             if failed:  # the others would wait for it for ever (rounds need every worker)
-                say(f"[launch] {', '.join(failed)} stopped; stopping everything; see {out}/*.log")
+                log.error("%s stopped; stopping everything; see %s/*.log", ", ".join(failed), out)
                 return 1
             time.sleep(0.2)
         codes = [w.returncode for w in workers]
         if any(codes):
-            say(f"[launch] a worker failed (exit statuses {codes}); see {out}/*.log")
+            log.error("a worker failed (exit statuses %s); see %s/*.log", codes, out)
             return 1
         statuses = [
             http_json(
@@ -339,11 +366,14 @@ def run_launch(args: argparse.Namespace) -> int:
             time.monotonic() - t0,
         )
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        say(format_summary(summary))
-        say(f"[launch] wrote {out / 'summary.json'} and the processes' logs in {out}")
+        if json_logs():  # one record: a collector parses it; the table is for people
+            log.info("summary", extra={"summary": summary})
+        else:
+            say(format_summary(summary))
+        log.info("wrote %s and the processes' logs in %s", out / "summary.json", out)
         return 0 if summary["mirrors_match_masters"] else 1
     except KeyboardInterrupt:
-        say("\n[launch] interrupted: stopping every process")
+        log.warning("interrupted: stopping every process")
         return 130
     finally:
         cluster.stop()

@@ -228,6 +228,15 @@ class WorkerSettings:
             "metavar": "N",
         },
     )
+    wandb_project: str | None = field(
+        default=None,
+        metadata={
+            "help": "log the same scalars to this Weights & Biases project, one W&B run per worker (named "
+            "by --wandb-run-name, default the worker's name; WANDB_MODE=offline writes it locally); needs "
+            "pip install wandb",
+            "metavar": "NAME",
+        },
+    )
 
     def __post_init__(self) -> None:
         _at_least_one(self, "log_every")

@@ -51,13 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     engine = connect(model, args.servers, total_steps=args.steps, name=args.name, token=args.token)
     tokens = ByteDataset.load(None, args.context).train
     windows = tokens[: (len(tokens) - 1) // args.context * args.context].long().view(-1, args.context)
-    loader = torch.utils.data.DataLoader(windows, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    dataset = torch.utils.data.TensorDataset(windows)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
     try:
         while engine.step_count < args.steps:
-            for batch in loader:
+            for (batch,) in loader:
                 with accelerator.accumulate(model):
                     loss = model(input_ids=batch, labels=batch).loss
                     accelerator.backward(loss)

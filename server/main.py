@@ -405,6 +405,7 @@ async def serve(
         config = uvicorn.Config(
             make_app(holder, auth, peers),
             log_level="warning",
+            log_config=None,  # uvicorn's lines go through the process's logging (dated, text or JSON)
             lifespan="off",
             http=BoundedH11,
             ssl_certfile=tls.cert if tls else None,

@@ -53,7 +53,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
@@ -67,7 +67,7 @@ from streamdiloco.common.fragments import FragmentLayout, fragment_params
 from streamdiloco.common.pace import MAX_STEP_SECONDS, TickClock, steps_per_tick
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.fragment import FragmentSync, Placement, global_state_dict
-from streamdiloco.worker.report import Progress
+from streamdiloco.worker.report import Progress, ScalarLogger, TrackedScalars
 
 log = logging.getLogger("streamdiloco.worker")
 
@@ -218,6 +218,8 @@ class SyncEngine:
         start_step: int = 0,
         background: bool = True,
         interrupt: threading.Event | None = None,
+        loggers: Sequence[ScalarLogger] = (),
+        log_every: int = 20,
     ):
         if layout.num_fragments != cfg.num_scheduled_fragments:
             raise ValueError(
@@ -257,6 +259,7 @@ class SyncEngine:
         self.compute_utilization: float | None = None
         self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
         self.on_merged: Callable[[int], None] | None = None  # gets each merged fragment (worker/group.py)
+        self.scalars = TrackedScalars(loggers, log_every)  # experiment trackers (worker/report.py)
         self._jobs = SyncThread(background)
         self._stopping = False
 
@@ -287,6 +290,7 @@ class SyncEngine:
         the inner step's duration, for a driver that emulates it (the simulator); else it is measured."""
         self.inner_steps += 1
         self.tokens += tokens
+        self.scalars.count(tokens, loss)
         for frag in self.fragments:
             frag.count(tokens, loss)
         if self.cfg.sync_schedule != "adaptive":
@@ -307,6 +311,12 @@ class SyncEngine:
         self.deferred = []
         self.step_count += 1
         self.finish_step()
+        if self.scalars.loggers:
+            sync = {"sync/blocked_seconds": self.blocked_seconds, "sync/bytes_sent": self.bytes_sent}
+            sync["sync/bytes_received"] = self.bytes_received
+            if self.compute_utilization is not None:
+                sync["perf/compute_utilization"] = self.compute_utilization
+            self.scalars.stepped(self.step_count, self.total_steps, sync)
         return evs
 
     def finish_step(self) -> None:
@@ -459,9 +469,10 @@ class SyncEngine:
                 fut.cancel()
 
     def close(self) -> None:
-        """End the sync thread and the transport's sessions."""
+        """End the sync thread and the transport's sessions, and close the loggers."""
         self._jobs.close()
         self.transport.close()
+        self.scalars.close()
 
     # --- the global model, checkpoints ---------------------------------------------------------------
     def global_state_dict(self) -> dict[str, torch.Tensor]:
@@ -483,13 +494,15 @@ class SyncEngine:
     # --- what the dashboards show --------------------------------------------------------------------
     def report(self, eval_loss: float | None = None, compute_utilization: float | None = None) -> None:
         """Tell the shards (with the next pushes; their dashboards show it) the eval loss of the global
-        parameters measured now, and the fraction of the training time spent computing (0..1). An eval loss
+        parameters measured now (the engine's loggers get it at once, as eval/loss), and the fraction of the
+        training time spent computing (0..1). An eval loss
         the shards would refuse (not a cross-entropy in [0, 1e4]: they refuse the push that carries it) is
         left out, with a warning."""
         if eval_loss is not None and not 0.0 <= eval_loss <= MAX_REPORTED_LOSS:  # NaN too
             log.warning("eval loss %s is not reported to the shards: not a loss in [0, 1e4]", eval_loss)
         elif eval_loss is not None:
             self.eval_loss, self.eval_step = float(eval_loss), self.step_count
+            self.scalars.log(self.step_count, {"eval/loss": self.eval_loss})
         if compute_utilization is not None:
             self.compute_utilization = min(1.0, max(0.0, float(compute_utilization)))
 

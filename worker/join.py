@@ -32,6 +32,7 @@ from streamdiloco.common.tls import ClientTLS
 from streamdiloco.worker.bootstrap import ShardInfo, initialize_shard, probe_shard, wait_initialized
 from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.engine import SyncEngine
+from streamdiloco.worker.report import ScalarLogger
 from streamdiloco.worker.transport import GrpcTransport
 
 __all__ = ["JoinOptions", "SyncError", "chosen_sync_fields", "connect"]
@@ -71,6 +72,10 @@ class JoinOptions:
     blocks_path: str | None = None  # the nn.ModuleList of the model's blocks (default: its largest)
     fragments: Sequence[Sequence[str]] | None = None  # parameter groups, one fragment each
     sync_set: frozenset[str] | None = None  # the SyncConfig fields this worker sets (see connect())
+    # experiment trackers (worker/report.py: WandbLogger, TensorBoardLogger or your own ScalarLogger): the
+    # engine gives them its scalars every `log_every` schedule steps and each eval loss, and closes them
+    loggers: Sequence[ScalarLogger] = ()
+    log_every: int = 20
 
 
 def chosen_sync_fields(sync: SyncConfig | None, sync_set: frozenset[str] | None) -> frozenset[str]:
@@ -117,7 +122,11 @@ def connect(
     for this worker (say, to evaluate them): slow work there does not hold up the others. `tls`: connect
     over TLS (the run's CA; for mutual TLS this worker's certificate), see common/tls.py. `join_timeout`:
     seconds to wait for each shard to answer (the worker CLI's --join-timeout); while none does, a line says
-    so every few seconds.
+    so every few seconds. `loggers=[WandbLogger("my-project")]` (streamdiloco.worker.report; any object with
+    `log_scalars(step, scalars)` and `close()`): the engine gives them train/loss, perf/tokens_per_second,
+    sync/blocked_seconds, sync/bytes_sent, sync/bytes_received (and perf/compute_utilization once reported)
+    every `log_every` schedule steps, eval/loss whenever `engine.report(eval_loss=...)` is called, and
+    closes them in `engine.close()`: the same hook as `streamdiloco worker --wandb-project`'s.
 
     The fragments: by default the model's largest nn.ModuleList holds its blocks, split into P-1 fragments,
     and every other parameter makes the last one. `blocks_path="encoder.layers"` names the ModuleList (for a
@@ -236,6 +245,8 @@ def _start(
         rank=o.rank,
         start_step=start,
         interrupt=o.interrupt,
+        loggers=o.loggers,
+        log_every=o.log_every,
     )
     if o.resume is not None:
         engine.load_state_dict(o.resume["engine"])

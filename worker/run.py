@@ -5,7 +5,8 @@ one the sync engine's hook, which pushes fragments in the background and merges 
 later. Progress every --log-every steps; every --eval-every steps the eval loss of the global parameters
 (the mirror), reported to the shards with the next pushes (their dashboards plot it); at the end the eval
 loss once more, the mirror's hashes (compare them with the shards' /api/status) and a JSON summary.
-Scalars also go to `ScalarLogger`s (worker/report.py): TensorBoard with --tensorboard DIR, or your own.
+Scalars also go to `ScalarLogger`s (worker/report.py), through the engine as for connect()'s users:
+TensorBoard with --tensorboard DIR, W&B with --wandb-project NAME, or your own.
 
 Read it top to bottom as nanoGPT's train.py: `run_worker` makes the context (`_run_worker`: the checkpoint
 to resume, the model, the data, the optimizer, and a `Training` that holds them), joins (`_join`), runs the
@@ -54,7 +55,7 @@ from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, conne
 from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
 from streamdiloco.worker.pieces import PieceStream, ShardPieces, token_sha256
-from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger
+from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger, WandbLogger
 from streamdiloco.worker.train import (
     check_model_output,
     evaluate,
@@ -98,6 +99,7 @@ class WorkerConfig:
     tls_ca: str | None = None  # TLS to the shards, trusting this CA (PEM); None: plaintext (loopback)
     tls_cert: str | None = None  # mutual TLS: this worker's certificate and key (PEM)
     tls_key: str | None = None
+    wandb_run_name: str | None = None  # with --wandb-project: this worker's run's name (default: its name)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -234,9 +236,9 @@ class StopFlag:
 
 def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     """Train as `cfg` says and return the summary (also written to cfg.summary); `loggers` get the worker's
-    scalars too (with --tensorboard, a TensorBoardLogger is added). Started by torchrun (WORLD_SIZE > 1),
-    the ranks are one worker (worker/group.py): rank 0 joins, syncs, logs and checkpoints; each rank trains
-    on its slice of the worker's batch (size x --batch-size)."""
+    scalars too (with --tensorboard a TensorBoardLogger is added, with --wandb-project a WandbLogger).
+    Started by torchrun (WORLD_SIZE > 1), the ranks are one worker (worker/group.py): rank 0 joins, syncs,
+    logs and checkpoints; each rank trains on its slice of the worker's batch (size x --batch-size)."""
     t_start = time.perf_counter()
     group, device_name = group_from_env(cfg.run.device, cfg.worker.rank_timeout)
     try:
@@ -332,18 +334,12 @@ class Lead:
             ", bf16 autocast" if cfg.worker.precision == "bf16" else "",
             f" (resumed from {cfg.checkpoint_path})" if self.resume is not None else "",
         )
-        if self.resume is None and self.stats["eval_loss_start"] is not None:
-            self.log_scalars({"eval/loss": self.stats["eval_loss_start"]})
         self.t_train0 = time.perf_counter() - self.stats["train_seconds"]
         self.metrics.stats, self.metrics.step, self.metrics.phase = self.stats, self.first, "training"
         self.metrics.mark(self.stats["compute_seconds"])
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_train0
-
-    def log_scalars(self, scalars: dict[str, float]) -> None:
-        for logger in self.loggers:
-            logger.log_scalars(self.engine.step_count, scalars)
 
     def eval_global(self, t: Training, step: int) -> float:
         """The eval loss of the global parameters (the mirror, as of now), in a second model: the local
@@ -365,23 +361,23 @@ class Lead:
             cfg.run.steps,
             loss,
             seconds,
+            extra={"step": step, "steps": cfg.run.steps, "eval_loss": loss},
         )
-        self.log_scalars({"eval/loss": loss})
         return loss
 
     def progress(self, step: int) -> None:
-        """The progress line and the loggers' scalars, every --log-every steps."""
+        """The progress line, every --log-every steps (the loggers get the engine's scalars: TrackedScalars);
+        with --log-format json its figures are the record's fields too."""
         engine, el, loss = self.engine, self.elapsed(), sum(self.recent) / len(self.recent)
-        self.log_scalars(
-            {
-                "train/loss": loss,
-                "perf/tokens_per_second": self.stats["tokens"] / el,
-                "perf/compute_utilization": self.stats["compute_seconds"] / el,
-                "sync/blocked_seconds": engine.blocked_seconds,
-                "sync/bytes_sent": engine.bytes_sent,
-                "sync/bytes_received": engine.bytes_received,
-            }
-        )
+        fields = {
+            "step": step,
+            "steps": self.cfg.run.steps,
+            "loss": loss,
+            "tokens_per_second": self.stats["tokens"] / el,
+            "blocked_seconds": engine.blocked_seconds,
+            "bytes_sent": engine.bytes_sent,
+            "bytes_received": engine.bytes_received,
+        }
         log.info(
             "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
             "sent %s B  received %s B",
@@ -395,6 +391,7 @@ class Lead:
             engine.merges,
             f"{engine.bytes_sent:,}",
             f"{engine.bytes_received:,}",
+            extra=fields,
         )
         self.recent.clear()
 
@@ -419,8 +416,9 @@ class Lead:
 
     def close(self) -> None:
         self.metrics.close()
-        for logger in self.loggers:
-            logger.close()
+        if self._engine is None:  # never joined: the engine that would close them was not made
+            for logger in self.loggers:
+                logger.close()
 
 
 @dataclass
@@ -496,6 +494,10 @@ def _run_worker(
         loggers = list(loggers)
         if cfg.worker.tensorboard:
             loggers.append(TensorBoardLogger(cfg.worker.tensorboard))
+        if cfg.worker.wandb_project:
+            loggers.append(
+                WandbLogger(cfg.worker.wandb_project, cfg.wandb_run_name or cfg.name, _tracked(cfg))
+            )
         lead = Lead(
             cfg,
             val,
@@ -521,6 +523,12 @@ def _run_worker(
         stopped = _train(t)
         return _finish(t, stopped)
     raise AssertionError("unreachable")  # for mypy: the with block returns
+
+
+def _tracked(cfg: WorkerConfig) -> dict:
+    """The settings an experiment tracker records with the run (no token, no paths of this machine)."""
+    sections = {s: dataclasses.asdict(getattr(cfg, s)) for s in ("model", "run", "sync", "inner")}
+    return {"worker": cfg.name, "servers": list(cfg.servers), **sections}
 
 
 def _rank_of(t: Training) -> dict:
@@ -579,6 +587,8 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
                 blocks_path=cfg.model.blocks_path,
                 fragments=cfg.model.fragment_groups,
                 sync_set=cfg.sync_set,
+                loggers=lead.loggers,  # the engine feeds them (worker/report.py TrackedScalars)
+                log_every=cfg.worker.log_every,
             )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         if lead is not None:
@@ -757,7 +767,7 @@ def _finish(t: Training, stopped: bool) -> dict:
         unflatten_into(vec, fragment_params(eval_model, frag))
     eval_loss = evaluate(eval_model, lead.val, t.device)
     lead.metrics.eval_loss, lead.metrics.phase = eval_loss, "finished"
-    lead.log_scalars({"eval/loss": eval_loss})
+    engine.report(eval_loss=eval_loss)  # to the loggers (no push carries it any more)
     digests = mirror_digests(engine)
     for f, hs in enumerate(digests):
         log.info(
