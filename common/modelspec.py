@@ -127,7 +127,7 @@ def check_vocab(model: nn.Module, vocab_size: int, spec: str, data: str = "the d
 
 def _positions(config: object) -> int | None:
     for key in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(config, key, None) if not isinstance(config, dict) else config.get(key)
+        value = getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -199,10 +199,10 @@ def hf_source(spec: str) -> HFSource | None:
     return HFSource(spec, config_file, config, weights)
 
 
-_CLI_CLASSES: dict[type, type] = {}  # one subclass per transformers class, shared by every build
+_CLI_CLASSES: dict[Any, type] = {}  # one subclass per transformers class, shared by every build
 
 
-def cli_class(base: type) -> type:
+def cli_class(base: Any) -> type:
     """A subclass of the transformers causal LM class `base` whose forward is the worker loop's: `forward(
     idx, targets=None) -> (logits, loss)`, the mean cross-entropy over every position (the data's targets are
     the next tokens already). Called as transformers calls its models (input_ids=..., as generate() does),
