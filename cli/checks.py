@@ -25,11 +25,21 @@ def check_sections(args: argparse.Namespace, sections: tuple[str, ...] | None = 
 
 
 def check_data(path: str | None) -> None:
-    """--data: a missing or empty file is a one-line error."""
-    if path is not None:
-        from streamdiloco.worker.text import load_text
+    """--data: a missing or empty file, or a prepared folder whose manifest or files do not hold, is a
+    one-line error (a prepared folder's hash is checked by `streamdiloco data check`, not at every start)."""
+    if path is None:
+        return
+    from streamdiloco.common.prepared import PreparedData, PreparedDataError, looks_prepared
 
-        load_text(path)
+    if looks_prepared(path):
+        try:
+            PreparedData.open(path)
+        except PreparedDataError as e:
+            raise ValueError(f"--data {path}: {e}") from None
+        return
+    from streamdiloco.worker.text import load_text
+
+    load_text(path)
 
 
 def check_model(args: argparse.Namespace) -> None:

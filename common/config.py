@@ -105,7 +105,12 @@ class RunSettings:
     batch_size: int = field(default=16, metadata={"help": "sequences per worker per step"})
     data: str | None = field(
         default=None,
-        metadata={"help": "a text file to train on (default: the built-in plays)", "metavar": "PATH"},
+        metadata={
+            "help": "a text file to train on (its bytes), or a folder that `streamdiloco data prepare` wrote "
+            "(its tokens; with --data-pieces shard 0 hands its pieces out run-wide); default: the built-in "
+            "plays",
+            "metavar": "PATH",
+        },
     )
     eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
     device: str = field(default="cpu", metadata={"help": "torch device for training: cpu, cuda, cuda:1 ..."})

