@@ -14,6 +14,8 @@ def nano_model():
 # `-n 2 --dist loadfile`, xdist hands out files in collection order: these go first, so that the run does
 # not end with one process on a long file while the other has nothing left.
 LONG_FIRST = (
+    "test_quickstart.py",
+    "test_hf_trainer.py",
     "test_cli.py",
     "test_export.py",
     "test_edges.py",
@@ -26,6 +28,9 @@ LONG_FIRST = (
     "test_fuzz.py",
     "test_dashboard.py",
     "test_packaging.py",
+    "test_hf_model.py",
+    "test_logs.py",
+    "test_data_prepare.py",
 )
 
 
