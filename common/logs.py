@@ -127,7 +127,11 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: str | TextIO =
     root.setLevel(max(number, logging.INFO))
     logging.getLogger("streamdiloco").setLevel(number)
     logging.getLogger("uvicorn").setLevel(max(number, logging.WARNING))
-    logging.captureWarnings(True)  # warnings.warn: a record too, in the same format
+    # warnings.warn: a record too, in the same format. Off first: captureWarnings(True) does nothing while
+    # logging thinks it still captures, though warnings.showwarning may have been put back since (by a
+    # warnings.catch_warnings block around an earlier setup_logging call)
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     _state["format"] = fmt
     if fmt == "json" and _state["hooks"] is None:  # a crash's traceback: one record, not many lines
         _state["hooks"] = (sys.excepthook, threading.excepthook)

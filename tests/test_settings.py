@@ -170,7 +170,7 @@ def test_a_process_config_is_composed_of_the_sections_and_declares_none_of_their
 
     classes = section_classes()
     for cls, sections in (
-        (WorkerConfig, ("model", "run", "sync", "inner", "worker")),
+        (WorkerConfig, ("model", "run", "sync", "inner", "worker", "pieces")),
         (SimConfig, ("model", "run", "sync", "inner", "robust")),
     ):
         # the settings of the sections it holds (the simulator's own --eval-every, default 100, is not
