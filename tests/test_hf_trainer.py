@@ -85,6 +85,9 @@ def test_a_trainer_resumed_without_the_engines_state_is_refused(tmp_path):
         StreamingDiLoCoCallback("127.0.0.1:1", total_steps=0)
 
 
+# in `make test-slow`; covered by test_a_trainer_is_one_worker_resumes_... (a transformers loop joined with
+# the same connect() and hook) and tests/test_example.py (your own loop through a shard)
+@pytest.mark.slow
 def test_an_accelerate_loop_is_one_worker_and_ends_with_the_masters(tmp_path):
     from hf_gpt2 import tiny_gpt2
 
