@@ -88,6 +88,9 @@ def test_simulate_writes_json(tmp_path):
     assert res["mirrors_match_masters"] is True
 
 
+# in `make test-slow`; covered by test_simulate_writes_json (the same simulator through the CLI) and
+# tests/test_sim.py::test_data_parallel_equals_one_model_on_the_joined_batch (the DP side)
+@pytest.mark.slow
 def test_compare_prints_table_and_saves_plot(tmp_path):
     r = run(
         "compare",
@@ -273,6 +276,9 @@ def test_launch_stops_every_process_it_started(tmp_path, how):
             pass
 
 
+# in `make test-slow`; covered by test_checkpoint_checks.py::test_a_shard_restarted_on_its_checkpoint_...
+# (a real shard resumes its checkpoint) and test_export.py::test_bad_inputs_... (another run's is named)
+@pytest.mark.slow
 def test_a_shard_resumes_only_a_checkpoint_of_the_same_run_and_fresh_starts_over(tmp_path):
     from procs import http_json, shard_process
 

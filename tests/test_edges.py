@@ -110,6 +110,9 @@ def test_a_worker_started_before_its_shard_joins_once_the_shard_is_up(tmp_path):
     assert c.summary("w0")["steps"] == 4
 
 
+# in `make test-slow`; covered by tests/test_admission.py (the same refusal, at Join and at the pending
+# shard) and test_a_worker_without_the_shards_token_is_told_to_give_one (a token refusal, end to end)
+@pytest.mark.slow
 def test_a_token_a_shard_does_not_check_is_refused_by_name_and_logged_once_per_worker(tmp_path):
     with Cluster(tmp_path) as c:
         target, _ = c.shard("shard", "--model", "nano")  # no --token: loopback, checks nothing

@@ -259,6 +259,9 @@ def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_
     assert all(torch.equal(p, want[name]) for name, p in plain.named_parameters())
 
 
+# in `make test-slow`; covered by test_export_from_checkpoints_round_trips_into_a_fresh_model_bit_for_bit
+# (the same file, from the shards) and tests/test_cli.py::test_launch_stops_every_process_it_started[sigterm]
+@pytest.mark.slow
 def test_launch_save_global_writes_the_global_model_as_safetensors(tmp_path):
     out = tmp_path / "run"
     r = streamdiloco(
