@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-wan protos clean
+.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-memory bench-wan protos clean
 
 # The exact, tested versions of constraints.txt (pyproject.toml has only ranges), installed by uv: pip took
 # 2.4 minutes of a clean `make test`, uv 45 s. Byte-compiled as pip does: where PYTHONDONTWRITEBYTECODE is
@@ -71,6 +71,10 @@ bench-monitoring: $(STAMP)
 # Issue 11: a GPU worker's compute utilization against real shards (emulated GPU steps), 1M-300M parameters.
 bench-sync-cost: $(STAMP)
 	$(BIN)/python -m benchmarks.sync_cost
+
+# Issue 25: what a worker holds in memory beside its model (RSS at connect and 2H steps; the engine's tensors)
+bench-memory: $(STAMP)
+	$(BIN)/python -m benchmarks.worker_memory
 
 # Streaming DiLoCo against DDP over emulated WAN links (network namespaces, tbf, a delaying proxy): a sweep of
 # bandwidth x delay, hours long; needs root. Writes benchmarks/results/wan/. A small grid (minutes):
