@@ -751,9 +751,12 @@ def test_dockerfile():
         copied.update(line.split()[:-1])
     missing = {f for f in folders | {"pyproject.toml", "README.md", "constraints.txt"} if f not in copied}
     assert not missing, f"docker/Dockerfile does not COPY {sorted(missing)}"
-    # the tested versions, as `make` installs them (pyproject.toml has ranges)
+    # the tested versions, as `make` installs them (pyproject.toml has ranges), with the extras that
+    # `data prepare` and `--model hf:PATH` need
     assert re.search(
-        r"^RUN pip install -c constraints\.txt --build-constraint constraints\.txt \. ", text, re.M
+        r'^RUN pip install -c constraints\.txt --build-constraint constraints\.txt "\.\[data,hf\]" ',
+        text,
+        re.M,
     )
     # torch from the index of the build arg, at constraints.txt's pin (else `pip install` pulls another torch)
     pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
