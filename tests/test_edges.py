@@ -95,6 +95,9 @@ def test_no_shard_at_the_address_says_so_while_it_waits_then_names_the_flag(tmp_
     )
 
 
+# in `make test-slow`; covered by test_no_shard_at_the_address_says_so_while_it_waits_then_names_the_flag
+# (the worker's wait for a shard) and test_e2e.py's joins
+@pytest.mark.slow
 def test_a_worker_started_before_its_shard_joins_once_the_shard_is_up(tmp_path):
     port = free_port()
     with Cluster(tmp_path) as c:

@@ -92,6 +92,9 @@ def _train_and_check(model: nn.Module, target: str, http: int, steps: int = 12) 
     assert sum(f["round"] for f in status["fragments"]) == status["rounds_closed"] >= 6
 
 
+# in `make test-slow`; covered by test_a_shard_started_from_an_exported_safetensors_file_takes_the_blocks_...
+# (the same --init FILE path without model code, from the other file format)
+@pytest.mark.slow
 def test_a_shard_started_from_a_torch_state_dict_needs_no_model_code(tmp_path):
     torch.manual_seed(1)
     model = UserLM()

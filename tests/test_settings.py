@@ -409,6 +409,10 @@ def test_fingerprint_diff_names_the_seed_and_the_model_config_key():
 # --- real processes ---
 
 
+# in `make test-slow`; covered by test_command_line_over_config_file_over_default (the file's settings
+# reach the dataclasses), test_noinit.py::test_a_worker_takes_the_settings_it_did_not_set_from_the_shard
+# (real processes agree on the run's settings) and test_fingerprint_diff_names_the_seed_and_the_model_...
+@pytest.mark.slow
 def test_a_config_file_drives_a_real_shard_and_worker_and_a_different_seed_or_n_head_is_refused(tmp_path):
     path = _write(
         tmp_path,
