@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-memory bench-wan protos clean
+.PHONY: demo compare test test-slow typecheck system-deps lint bench-quality bench-quality-long bench-wire bench-elastic bench-monitoring bench-sync-cost bench-memory bench-real bench-wan protos clean
 
 # The exact, tested versions of constraints.txt (pyproject.toml has only ranges), installed by uv: pip took
 # 2.4 minutes of a clean `make test`, uv 45 s. Byte-compiled as pip does: where PYTHONDONTWRITEBYTECODE is
@@ -77,6 +77,13 @@ bench-memory: $(STAMP)
 	$(BIN)/python -m benchmarks.worker_memory
 
 # Streaming DiLoCo against DDP over emulated WAN links (network namespaces, tbf, a delaying proxy): a sweep of
+# The 10M GPT-2 (examples/gpt2-10m) on Debian's fortunes and the plays, prepared with a trained BPE: 1 shard and
+# 2 worker processes through the CLI against DDP on the same pieces; exported, loaded with from_pretrained,
+# sampled. About 40 minutes on 2 cores; writes benchmarks/results/real/.
+bench-real: $(STAMP)
+	bash scripts/system-deps.sh real
+	$(BIN)/python -m benchmarks.real $(REAL_FLAGS)
+
 # bandwidth x delay, hours long; needs root. Writes benchmarks/results/wan/. A small grid (minutes):
 # make bench-wan WAN_FLAGS=--quick
 bench-wan: $(STAMP)

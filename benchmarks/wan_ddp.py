@@ -1,10 +1,14 @@
-"""The WAN testbed's data-parallel baseline (benchmarks/wan.py starts it): one rank of DDP over gloo.
+"""The benchmarks' data-parallel baseline (benchmarks/wan.py and benchmarks/real.py start it): one rank of DDP
+over gloo.
 
 It trains what `streamdiloco worker --rank R` trains, with the same pieces (worker/train.py, worker/data.py):
-the model from `build_model(model, seed, block_size)`, the data stream `BatchStream(train, batch, block,
-seed, rank)`, AdamW from `make_inner_optimizer`, `lr_at`'s warm-up and cosine, `forward_backward` and
-`optimizer_step` (gradient clip); DDP averages the gradients of the ranks (its default buckets) inside the
-backward pass. At the end it scores the model on the same validation batches as worker/run.py.
+the model from `build_model(model, seed, block_size)`, the data from `load_tokens` (a text file or a
+prepared folder), the data stream `BatchStream(train, batch, block, seed, rank)` or, with `--piece-tokens`,
+a `PieceStream` over the run-wide pieces dealt round-robin (rank r of W trains pieces r, r+W, r+2W, ... in
+order: the pieces and windows a ledger hands out, without a shard), AdamW from `make_inner_optimizer`,
+`lr_at`'s warm-up and cosine, `forward_backward` and `optimizer_step` (gradient clip); DDP averages the
+gradients of the ranks (its default buckets) inside the backward pass. At the end it scores the model on the
+same validation batches as worker/run.py; rank 0 writes it with `save_pretrained` to `--save-hf DIR`.
 
 `--no-comm` runs the same loop without a process group or DDP: the reference step time of compute
 utilization. wan.py starts one per worker namespace at once, so both compete for the CPU as in a real run;
@@ -34,8 +38,10 @@ from pathlib import Path
 import torch
 
 from streamdiloco.common.atomic import atomic_write_text
-from streamdiloco.common.modelspec import build_model, model_block_size
-from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
+from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.worker.data import BatchStream, eval_batches, load_tokens
+from streamdiloco.worker.pieces import PieceStream
 from streamdiloco.worker.train import (
     InnerConfig,
     evaluate,
@@ -45,6 +51,36 @@ from streamdiloco.worker.train import (
     optimizer_step,
     set_lr,
 )
+
+
+class DealtPieces:
+    """The pieces of a prepared train split dealt round-robin: rank r of W holds r, r+W, r+2W, ... in
+    order, epoch after epoch (a PieceSource for PieceStream, in place of shard 0's ledger: no leases)."""
+
+    def __init__(self, rank: int, world: int, train_tokens: int, piece_tokens: int):
+        self.piece_tokens, self.train_tokens = piece_tokens, train_tokens
+        self.total = -(-train_tokens // piece_tokens)
+        self.next, self.world, self.done = rank, world, 0
+
+    def ask(self, done: list[int], held: list[int], want: int) -> pb.PiecesReply:
+        self.done += len(done)
+        held = [p for p in held if p not in done]
+        while len(held) < want:
+            held.append(self.next % self.total)
+            self.next += self.world
+        ranges = [
+            pb.PieceRange(
+                id=p, start=p * self.piece_tokens, end=min(self.train_tokens, (p + 1) * self.piece_tokens)
+            )
+            for p in held
+        ]
+        return pb.PiecesReply(
+            held=ranges,
+            epoch=self.next // self.total,
+            pieces_done=self.done % self.total,
+            pieces_total=self.total,
+            piece_tokens=self.piece_tokens,
+        )
 
 
 def iface_bytes(iface: str | None) -> dict | None:
@@ -88,7 +124,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--model", default="tiny", help="built-in preset or module.path:factory (default tiny)")
     r.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
     r.add_argument("--seed", type=int, default=0, help="seed for init and data streams (default 0)")
-    r.add_argument("--data", default=None, metavar="PATH", help="a text file (default: built-in plays)")
+    r.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="a text file or a prepared folder (default: built-in plays)",
+    )
+    r.add_argument(
+        "--piece-tokens",
+        type=int,
+        default=0,
+        help="train the run-wide pieces of this many tokens in order, dealt round-robin to the ranks "
+        "(default 0: random windows, as a worker without --data-pieces)",
+    )
+    r.add_argument("--save-hf", default=None, metavar="DIR", help="rank 0: save_pretrained the model here")
     r.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end (default 8)")
     # the inner optimizer's flags, one per InnerConfig field, with its default: they cannot drift apart
     i = p.add_argument_group("inner optimizer (AdamW; InnerConfig's fields)")
@@ -103,9 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     inner = InnerConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(InnerConfig)})
     model = build_model(a.model, a.seed, a.block_size)
     block = model_block_size(model, a.block_size)
-    data = ByteDataset.load(a.data, block)
+    data = load_tokens(a.data, block)
+    check_vocab(model, data.vocab_size, a.model, data.what)
     val = eval_batches(data.val, a.batch_size, block, a.eval_batches)
-    stream = BatchStream(data.train, a.batch_size, block, a.seed, a.rank)
+    stream: BatchStream | PieceStream
+    if a.piece_tokens:
+        stream = PieceStream(data.train, a.batch_size, block, name=f"rank{a.rank}")
+        stream.start(DealtPieces(a.rank, a.world_size, len(data.train), a.piece_tokens))
+    else:
+        stream = BatchStream(data.train, a.batch_size, block, a.seed, a.rank)
     net = model
     if not a.no_comm:
         import torch.distributed as dist
@@ -173,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         else {k: bytes1[k] - bytes0[k] for k in bytes0},
         finished=True,
     )
+    if isinstance(stream, PieceStream):
+        stream.finish(timeout=5.0)
+        summary["pieces_done"] = stream.summary()["pieces_done"]
+    if a.save_hf and a.rank == 0:
+        model.save_pretrained(a.save_hf)  # type: ignore[operator]
     write_json(summary_path, summary)
     if not a.no_comm:
         import torch.distributed as dist

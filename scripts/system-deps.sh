@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Debian packages that the tests (default, or `tests`) or the WAN testbed (`wan`) need, installed when
-# missing where it can (root with apt-get); otherwise it says what to install.
+# Debian packages that the tests (default, or `tests`), the real-corpus benchmark (`real`) or the WAN testbed
+# (`wan`) need, installed when missing where it can (root with apt-get); otherwise it says what to install.
 #   tests: prometheus (prometheus, promtool) for the scrape test and the config and metrics checks, chromium
 #          for the dashboard's browser test, tcpdump for the capture that shows TLS hides the token.
 #          `make test` and `.ci/run` run it.
+#   real:  fortunes (Debian's quotations: the corpus of benchmarks/real.py). `make bench-real` runs it.
 #   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
 #          connections to its delaying proxy) for benchmarks/wan.py. `make bench-wan` runs it.
 set -euo pipefail
@@ -15,12 +16,15 @@ tests)
     command -v chromium >/dev/null || missing+=(chromium)
     command -v tcpdump >/dev/null || missing+=(tcpdump)
     ;;
+real)
+    [ -d /usr/share/games/fortunes ] || missing+=(fortunes)
+    ;;
 wan)
     command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
     command -v nft >/dev/null || missing+=(nftables)
     ;;
 *)
-    echo "usage: $0 [tests|wan]" >&2
+    echo "usage: $0 [tests|real|wan]" >&2
     exit 2
     ;;
 esac
