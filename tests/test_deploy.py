@@ -856,3 +856,32 @@ def test_own_model_override_mounts_the_package_everywhere(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run_compose("-f", str(DOCKER / "own-model.yml"), "config", "--quiet")
     assert r.returncode != 0 and "set STREAMDILOCO_MODEL_DIR" in r.stderr, r.stderr
+
+
+def test_hf_data_override_mounts_the_model_and_the_prepared_data_and_trains_pieces_run_wide(tmp_path):
+    """docker/hf-data.yml, merged over the stack: every shard and worker mounts the hf: model's folder at
+    /models/hf, every worker the prepared data at /data, and a replica's command line trains the pieces
+    run-wide (--data /data --data-pieces) under its own name and checkpoint, with the stack's flags kept."""
+    model, data = tmp_path / "gpt2", tmp_path / "prepared"
+    env = {**ENV, "STREAMDILOCO_HF_DIR": str(model), "STREAMDILOCO_DATA_DIR": str(data)}
+    env["STREAMDILOCO_MODEL"] = "hf:/models/hf"
+    r = run_compose("-f", str(DOCKER / "hf-data.yml"), "config", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    services = json.loads(r.stdout)["services"]
+    for name in SHARDS + WORKERS:
+        s = services[name]
+        mounts = {v["target"]: (v["type"], v["source"], v.get("read_only")) for v in s["volumes"]}
+        assert mounts["/models/hf"] == ("bind", str(model), True), name
+        assert "/checkpoints" in mounts, f"{name} lost its checkpoint volume"
+        command = s["command"] if name in SHARDS else entrypoint_argv(s, HOSTNAME)
+        assert command[command.index("--model") + 1] == "hf:/models/hf", name
+    worker = services["worker"]
+    assert {v["target"]: v["source"] for v in worker["volumes"]}["/data"] == str(data)
+    argv = entrypoint_argv(worker, HOSTNAME)
+    assert argv[argv.index("--data") + 1] == "/data" and "--data-pieces" in argv
+    assert argv[argv.index("--name") + 1] == HOSTNAME
+    assert "--auto-resume" in argv and "--token-file" in argv, "the stack's worker flags were lost"
+    for missing in ("STREAMDILOCO_HF_DIR", "STREAMDILOCO_DATA_DIR"):
+        rest = {k: v for k, v in env.items() if k != missing}
+        r = run_compose("-f", str(DOCKER / "hf-data.yml"), "config", "--quiet", env=rest)
+        assert r.returncode != 0 and f"set {missing}" in r.stderr, r.stderr
