@@ -23,9 +23,10 @@ from streamdiloco.common.config import InnerConfig, RunSettings, SyncConfig, Wor
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
+from streamdiloco.worker.checkpoint import checkpoint_key
 from streamdiloco.worker.data import BatchStream, ByteDataset
 from streamdiloco.worker.model import build_gpt
-from streamdiloco.worker.run import WorkerConfig, _checkpoint_key
+from streamdiloco.worker.run import WorkerConfig
 from streamdiloco.worker.train import autocast, forward_backward, make_inner_optimizer, optimizer_step
 
 # a tiny GPT-2 on bytes: the built-in text trains it (vocabulary 256)
@@ -251,7 +252,7 @@ def test_grad_accum_of_n_micro_batches_equals_one_batch_of_n_times_the_rows(one_
     # so a worker of --batch-size 8 --grad-accum 2 and one of --batch-size 16 resume each other's checkpoint
     # (the same windows from the same stream), and one of --batch-size 8 alone does not
     key = [
-        _checkpoint_key(
+        checkpoint_key(
             WorkerConfig(("127.0.0.1:1",), run=RunSettings(batch_size=b), worker=WorkerSettings(**w))
         )
         for b, w in ((8, {"grad_accum": 2}), (16, {}), (8, {}))
