@@ -55,12 +55,12 @@ from streamdiloco.worker.checkpoint import (
     resume_from,
     save_checkpoint,
 )
-from streamdiloco.worker.data import BatchStream, eval_batches, load_tokens
+from streamdiloco.worker.data import eval_batches, load_tokens
 from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
-from streamdiloco.worker.pieces import PieceStream, ShardPieces, token_sha256
+from streamdiloco.worker.pieces import PieceStream, ShardPieces, TokenStream, make_stream, token_sha256
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger, WandbLogger
 from streamdiloco.worker.train import (
     check_model_output,
@@ -347,7 +347,7 @@ class Training:
     cfg: WorkerConfig
     model: torch.nn.Module
     opt: torch.optim.Optimizer
-    stream: BatchStream | PieceStream
+    stream: TokenStream
     device: torch.device
     stop: StopFlag
     group: RankGroup | None
@@ -388,14 +388,18 @@ def _run_worker(
     check_vocab(model, data.vocab_size, cfg.model.model, data.what)  # every id of the data is a token
     batch = cfg.run.batch_size * ranks  # the worker's batch, all its ranks' together: each trains its slice
     val = eval_batches(data.val, batch, block, cfg.run.eval_batches)
-    # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward)
-    stream: BatchStream | PieceStream
-    if cfg.pieces.data_pieces:  # shard 0 assigns the pieces of the train split (worker/pieces.py)
-        if group is not None:
-            raise ValueError("--data-pieces: a worker of several ranks (torchrun) does not take pieces yet")
-        stream = PieceStream(data.train, batch * cfg.worker.grad_accum, block, cfg.name, data.sha256)
-    else:
-        stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
+    # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward);
+    # with --data-pieces shard 0 assigns the pieces of the train split (worker/pieces.py)
+    stream = make_stream(
+        data,
+        batch * cfg.worker.grad_accum,
+        block,
+        name=cfg.name,
+        seed=cfg.model.seed,
+        rank=cfg.data_rank,
+        pieces=cfg.pieces.data_pieces,
+        ranks=ranks,
+    )
     if resume is not None:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
