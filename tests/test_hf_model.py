@@ -29,27 +29,20 @@ from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import WorkerConfig
 from streamdiloco.worker.train import autocast, forward_backward, make_inner_optimizer, optimizer_step
 
-# a tiny GPT-2 on bytes: the built-in text trains it (vocabulary 256)
-TINY = {
-    "model_type": "gpt2",
-    "vocab_size": 256,
-    "n_positions": 32,
-    "n_embd": 32,
-    "n_layer": 2,
-    "n_head": 2,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
 TOKEN = "hf-test-token"
 RUN = ["--sync-every", "6", "--num-fragments", "3", "--token", TOKEN]
 
 
+def tiny(**changes) -> dict:
+    """A tiny GPT-2 on bytes: the built-in text trains it (vocabulary 256, 32 positions)."""
+    from hf_gpt2 import tiny_config  # imports transformers: only the tests that have it get here
+
+    return {**tiny_config(vocab=256, positions=32), **changes}
+
+
 def write_config(folder: Path, **changes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**TINY, **changes}))
+    (folder / "config.json").write_text(json.dumps(tiny(**changes)))
     return folder
 
 
@@ -71,7 +64,7 @@ def test_an_hf_model_builds_from_a_folder_or_a_config_file_with_the_same_seeded_
     assert not same(params(model), params(build_model(f"hf:{folder}", seed=4)))
     # the model's own class and names (export --hf-out and from_pretrained rely on them), fp32, training
     assert isinstance(model, transformers.GPT2LMHeadModel) and type(model).__name__ == "GPT2LMHeadModel"
-    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY))
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny()))
     assert list(params(model)) == list(params(plain))
     assert all(p.dtype == torch.float32 for p in model.parameters()) and model.training
     assert model_block_size(model) == 32 and model_block_size(model, 16) == 16
@@ -105,7 +98,7 @@ def test_any_causal_lm_class_builds_a_llama_with_its_own_blocks(tmp_path):
 def test_an_hf_folder_with_weights_loads_them_in_fp32(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    saved = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY))
+    saved = transformers.GPT2LMHeadModel(transformers.GPT2Config(**tiny()))
     saved.to(torch.bfloat16).save_pretrained(tmp_path / "trained")  # weights in bf16: loaded as fp32
     model = build_model(f"hf:{tmp_path / 'trained'}", seed=99)  # the seed does not matter: the weights do
     assert all(p.dtype == torch.float32 for p in model.parameters())

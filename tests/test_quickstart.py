@@ -18,19 +18,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed here")
 
 VOCAB = 384
-MODEL = {
-    "model_type": "gpt2",
-    "vocab_size": VOCAB,
-    "n_positions": 64,
-    "n_embd": 32,
-    "n_layer": 2,
-    "n_head": 2,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
 SYNC = ["--sync-every", "6", "--num-fragments", "3"]
 
 
@@ -54,7 +41,9 @@ def test_a_new_user_prepares_trains_an_hf_model_run_wide_kills_a_worker_exports_
     r = streamdiloco("data", "prepare", str(src), "--out", str(data), "--train-tokenizer", str(VOCAB))
     assert r.returncode == 0, r.stderr[-3000:]
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL))
+    from hf_gpt2 import tiny_config  # after the skips above: it imports transformers
+
+    (model / "config.json").write_text(json.dumps(tiny_config(vocab=VOCAB, positions=64)))
     spec = f"hf:{model}"
     work = [
         *("--model", spec, *SYNC, "--data", str(data), "--data-pieces", "--block-size", "32"),
