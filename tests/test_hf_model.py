@@ -171,6 +171,54 @@ def test_bad_hf_specs_and_step_settings_are_refused_in_one_line_without_torch(tm
         WorkerSettings(grad_accum=2000)
 
 
+# --- export --hf-out --tokenizer ----------------------------------------------------------------------------
+def test_export_tokenizer_is_checked_before_anything_is_fetched_or_written(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from streamdiloco.export import read_tokenizer
+    from streamdiloco.prepare import train_tokenizer
+    from streamdiloco.worker.text import load_text
+
+    folder = write_config(tmp_path / "tiny", vocab_size=300)
+    text = load_text(None).decode("utf-8", errors="ignore")[:40_000]
+    small, large = train_tokenizer(iter([text]), 257), train_tokenizer(iter([text]), 384)
+    small.save(str(tmp_path / "small.json"))
+    large.save(str(tmp_path / "large.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "no-tokenizer").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text("[1]")  # a prepared folder's manifest, not one
+    hf, out = tmp_path / "hf", tmp_path / "m.safetensors"
+    # nothing listens at 127.0.0.1:1: a tokenizer that passed would fail on the fetch instead
+    argv = ["export", "--servers", "127.0.0.1:1", "--timeout", "1", "--model", f"hf:{folder}"]
+    argv += ["--out", str(out)]
+    cases = [
+        ([], str(tmp_path / "small.json"), "--tokenizer needs --hf-out"),
+        (["--hf-out", str(hf)], str(tmp_path / "none.json"), "no such file"),
+        (["--hf-out", str(hf)], str(tmp_path / "no-tokenizer"), "no tokenizer.json in that folder"),
+        (["--hf-out", str(hf)], str(tmp_path / "bad.json"), "not a tokenizers JSON file"),
+        (["--hf-out", str(hf)], str(tmp_path / "broken"), f"--tokenizer {tmp_path / 'broken'}: "),
+        (["--hf-out", str(hf)], str(tmp_path / "large.json"), "its vocab_size is 300, but the tokenizer"),
+    ]
+    for extra, tokenizer, expect in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main([*argv, *extra, "--tokenizer", tokenizer])
+        lines = err.getvalue().strip().splitlines()
+        assert rc == 2 and len(lines) == 1, (tokenizer, err.getvalue()[-2000:])
+        assert lines[0].startswith("streamdiloco: error: ") and expect in lines[0], (tokenizer, lines[0])
+        assert not hf.exists() and not out.exists()
+    # a bare tokenizer.json: its <|endoftext|> is taken for EOS, and AutoTokenizer loads what is written
+    model = build_model(f"hf:{folder}")
+    tok = read_tokenizer(str(tmp_path / "small.json"), model, f"hf:{folder}")
+    model.save_pretrained(hf)
+    tok.write(hf, model)
+    loaded = transformers.AutoTokenizer.from_pretrained(hf)
+    assert loaded.eos_token == loaded.bos_token == "<|endoftext|>" and loaded.eos_token_id == 0
+    assert loaded.model_max_length == 32
+    assert loaded("to be or not").input_ids == small.encode("to be or not").ids
+
+
 # --- the inner step: bf16 autocast and gradient accumulation -----------------------------------------------
 @pytest.fixture
 def one_thread():
