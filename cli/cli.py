@@ -685,7 +685,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     }
     if top.get("name") is None:
         if args.resume or (args.auto_resume and Path(args.checkpoint).exists()):
-            from streamdiloco.worker.run import checkpoint_name
+            from streamdiloco.worker.checkpoint import checkpoint_name
 
             flag = "--resume" if args.resume else "--auto-resume"
             top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under

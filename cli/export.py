@@ -14,10 +14,13 @@ safetensors refuses two names for one storage), and metadata a shard can start f
 With `--model SPEC` the tensors are loaded into that model (strictly: names, shapes and dtypes must be the
 run's), and the file holds its whole state_dict: the buffers too (they are not synced: the model's own),
 tied names once (`safetensors.torch.load_model` fills the others); a `transformers` model is also written
-as a `save_pretrained` folder (`--hf-out`). In the library, a worker has `engine.global_state_dict()`.
+as a `save_pretrained` folder (`--hf-out`), with its tokenizer (`--tokenizer`: a tokenizer.json, or the
+prepared data's) as tokenizer.json and tokenizer_config.json, so that `AutoTokenizer.from_pretrained` loads
+it too. In the library, a worker has `engine.global_state_dict()`.
 
 Nothing is written unless everything checks: a missing shard, checkpoints of two runs, a damaged file (its
-hash, as the shard's own loading checks it) or a refused Fetch is a one-line error.
+hash, as the shard's own loading checks it), a refused Fetch or a tokenizer that is not one (or has more ids
+than the model) is a one-line error.
 """
 
 from __future__ import annotations
@@ -402,15 +405,82 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metada
     atomic_save(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
+# --- the tokenizer, beside the model (--tokenizer with --hf-out) -------------------------------------------
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # any tokenizers JSON, whatever the model's type
+
+
+@dataclass(frozen=True)
+class ExportTokenizer:
+    """--tokenizer, read and checked: its tokenizers JSON as it is, and its end-of-text token (also BOS and
+    UNK, as GPT-2's <|endoftext|> is) when known: the prepared data's EOS, else a usual name it has."""
+
+    json_bytes: bytes
+    eos: str | None
+
+    def write(self, folder: str | Path, model: torch.nn.Module) -> None:
+        """tokenizer.json and a tokenizer_config.json in `folder`, for AutoTokenizer.from_pretrained."""
+        from streamdiloco.common.atomic import atomic_write_bytes, atomic_write_text
+
+        config: dict[str, object] = {"tokenizer_class": TOKENIZER_CLASS}
+        if self.eos is not None:
+            config |= {"bos_token": self.eos, "eos_token": self.eos, "unk_token": self.eos}
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(positions, int) and not isinstance(positions, bool):
+            config["model_max_length"] = positions
+        atomic_write_bytes(Path(folder) / "tokenizer.json", self.json_bytes)
+        atomic_write_text(Path(folder) / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+
+def read_tokenizer(path: str, model: torch.nn.Module, spec: str) -> ExportTokenizer:
+    """--tokenizer PATH: a tokenizer.json, a prepared data folder (its tokenizer, EOS from its manifest) or a
+    folder holding a tokenizer.json; ValueError (one line) unless it parses and the model takes every id."""
+    from streamdiloco.common.modelspec import check_vocab
+    from streamdiloco.common.prepared import PreparedData, PreparedDataError, looks_prepared
+    from streamdiloco.prepare import EOS_CANDIDATES, tokenizer_vocab_size
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--tokenizer needs tokenizers: pip install 'streamdiloco[data]'") from None
+    where, eos_id = Path(path), None
+    if looks_prepared(where):
+        try:
+            prepared = PreparedData.open(where)
+        except PreparedDataError as e:
+            raise ValueError(f"--tokenizer {path}: {e}") from None
+        file, eos_id = prepared.tokenizer_path, prepared.eos_id
+    else:
+        file = where / "tokenizer.json" if where.is_dir() else where
+    if not file.is_file():
+        what = "no tokenizer.json in that folder" if where.is_dir() else "no such file"
+        raise ValueError(f"--tokenizer {path}: {what}: give a tokenizer.json or the prepared data folder")
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises plain Exception for a malformed file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"--tokenizer {file}: not a tokenizers JSON file ({first})") from None
+    check_vocab(model, tokenizer_vocab_size(tok), spec, f"the tokenizer {file}")
+    if eos_id is not None:
+        eos = tok.id_to_token(eos_id)
+        if eos is None:
+            raise ValueError(f"--tokenizer {path}: the manifest's EOS id {eos_id} is not a token of {file}")
+    else:
+        eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+    return ExportTokenizer(file.read_bytes(), eos)
+
+
 def export(args: argparse.Namespace, progress: Progress = print) -> int:
     """The command: gather, check, then write (nothing is written before everything has checked)."""
     from streamdiloco.common.tls import client_tls, read_secret
 
     if args.hf_out and not args.model:
         raise ValueError("--hf-out needs --model (hf:PATH, or a transformers model's factory)")
+    if args.tokenizer and not args.hf_out:
+        raise ValueError("--tokenizer needs --hf-out: the folder it is written into, beside the model")
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a directory: give the file to write (model.safetensors)")
     model, pretrained = None, None  # pretrained: the model again, once it is known to be a transformers one
+    tokenizer: ExportTokenizer | None = None
     if args.model:  # built first: a wrong spec fails before a long fetch
         from streamdiloco.common.modelspec import build_model
 
@@ -426,6 +496,8 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
                     f"a {type(model).__name__}"
                 )
             pretrained = model
+            if args.tokenizer:  # checked now: nothing is fetched or written for a wrong one
+                tokenizer = read_tokenizer(args.tokenizer, model, args.model)
     if args.checkpoints:
         dirs = [d.strip() for d in args.checkpoints.split(",") if d.strip()]
         gm = from_checkpoints(dirs, args.mixed_rounds, progress)
@@ -454,5 +526,8 @@ def export(args: argparse.Namespace, progress: Progress = print) -> int:
     progress(f"wrote {args.out} (rounds {gm.rounds})")
     if pretrained is not None:
         pretrained.save_pretrained(args.hf_out)
-        progress(f"wrote {args.hf_out} (save_pretrained: load it with from_pretrained)")
+        if tokenizer is not None:
+            tokenizer.write(args.hf_out, pretrained)
+        with_tokenizer = " and AutoTokenizer.from_pretrained" if tokenizer is not None else ""
+        progress(f"wrote {args.hf_out} (save_pretrained: load it with from_pretrained{with_tokenizer})")
     return 0

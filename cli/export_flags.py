@@ -57,6 +57,15 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="also save_pretrained the --model (hf:PATH, or a factory of a transformers PreTrainedModel) "
         "into this folder: AutoModelForCausalLM.from_pretrained(DIR) loads it",
     )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="with --hf-out: write this tokenizer into DIR too (tokenizer.json, tokenizer_config.json), so "
+        "that AutoTokenizer.from_pretrained(DIR) loads it: a tokenizer.json, or the prepared data folder "
+        "(its tokenizer, its EOS as eos/bos/unk); checked first: it must parse and the model must take "
+        "every id",
+    )
     g = ex.add_argument_group("a live run (--servers): a worker's credentials")
     g.add_argument("--token", default="", help="a worker's token, or the run's shared one")
     from streamdiloco.cli import _add_worker_security_flags

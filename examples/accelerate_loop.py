@@ -22,9 +22,9 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from streamdiloco.worker.checkpoint import mirror_digests
 from streamdiloco.worker.data import ByteDataset
 from streamdiloco.worker.join import connect
-from streamdiloco.worker.run import mirror_digests
 
 
 def main(argv: list[str] | None = None) -> None:

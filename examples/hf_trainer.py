@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
 
+from streamdiloco.worker.checkpoint import mirror_digests
 from streamdiloco.worker.data import ByteDataset
 from streamdiloco.worker.hf_trainer import StreamingDiLoCoCallback
-from streamdiloco.worker.run import mirror_digests
 
 
 class Windows(torch.utils.data.Dataset):

@@ -1,12 +1,31 @@
 """A tiny random-init HuggingFace GPT-2 for the export tests, as the worker CLI trains a model:
 `forward(idx, targets) -> (logits, loss)` on bytes (vocabulary 256). A subclass of GPT2LMHeadModel, so that
 its parameters keep GPT-2's names and `save_pretrained` / `GPT2LMHeadModel.from_pretrained` work as for
-the plain model. Used as `--model hf_gpt2:tiny_gpt2` from the tests' folder."""
+the plain model. Used as `--model hf_gpt2:tiny_gpt2` from the tests' folder. And `tiny_config`: the config
+of a tiny GPT-2 that the tests write as a `--model hf:PATH` folder's config.json."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def tiny_config(vocab: int = 256, positions: int = 32) -> dict:
+    """A GPT-2 of 2 layers of width 32 over `vocab` token ids and `positions` positions, without dropout (its
+    steps are deterministic), its BOS and EOS id 0."""
+    return {
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_positions": positions,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
 
 
 class ByteGPT2(GPT2LMHeadModel):

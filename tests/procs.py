@@ -157,6 +157,34 @@ def streamdiloco(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subproce
         )
 
 
+# a fresh interpreter: each argv through the command line's main(), refused in one line without torch
+_REFUSALS = r"""
+import contextlib, io, json, sys
+
+from streamdiloco.cli import main
+
+cases, heavy = json.loads(sys.argv[1])
+for argv, expect in cases:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert rc == 2 and len(lines) == 1, (argv, rc, err.getvalue()[-2000:])
+    assert lines[0].startswith("streamdiloco: error: ") and expect in lines[0], (argv, lines[0])
+    for module in heavy:
+        assert module not in sys.modules, f"{' '.join(['streamdiloco', *argv])} imported {module}"
+"""
+
+
+def refused_in_one_line(cases: list[tuple[list[str], str]], heavy: tuple[str, ...] = ("torch",)) -> None:
+    """Run every `streamdiloco ARGV` of `cases` ((argv, expected text) pairs) in one fresh interpreter, one
+    after the other: each must exit 2 with one line, `streamdiloco: error: ...` holding its expected text,
+    and none may have imported a module of `heavy` (torch: a mistyped flag answers at once)."""
+    probe = [sys.executable, "-c", _REFUSALS, json.dumps([cases, list(heavy)])]
+    r = subprocess.run(probe, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @contextlib.contextmanager
 def shard_process(tmp: Path, *flags: str, name: str = "shard", cwd: Path = ROOT):
     """Yields (target HOST:PORT, http port, Popen) of a running shard; its output goes to tmp/name.log."""

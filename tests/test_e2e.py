@@ -124,7 +124,7 @@ def test_status_reports_members_rounds_and_master_hashes(tmp_path):
                 status = json.loads(resp.read())
             assert [m["name"] for m in status["members"]] == ["w-status"]
             assert [f["round"] for f in status["fragments"]] == [0, 0, 0]
-            from streamdiloco.worker.run import mirror_digests
+            from streamdiloco.worker.checkpoint import mirror_digests
 
             hashes = mirror_digests(engine)
             assert [[f["master_hash"]] for f in status["fragments"]] == hashes

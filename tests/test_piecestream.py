@@ -14,7 +14,8 @@ import torch
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.ledger import Dataset, Ledger
 from streamdiloco.worker.connection import SyncError
-from streamdiloco.worker.pieces import PieceStream, token_sha256
+from streamdiloco.worker.data import BatchStream, TokenData
+from streamdiloco.worker.pieces import PieceStream, make_stream, token_sha256
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -121,3 +122,17 @@ def test_a_session_being_reopened_is_asked_again_and_other_data_stops_the_worker
     other.start(Flaky())
     with pytest.raises(SyncError, match="shard 0 refused to assign data: this run trains data"):
         other.next()
+
+
+def test_make_stream_chooses_pieces_only_with_data_pieces_and_one_rank():
+    text = torch.arange(120, dtype=torch.uint8)
+    data = TokenData(text[:100], text[100:], 256, None, "the text (bytes)")
+    kw = {"name": "a", "seed": 1, "rank": 3}
+    windows = make_stream(data, 4, 8, **kw)
+    assert isinstance(windows, BatchStream) and windows.batch_size == 4 and windows.block_size == 8
+    x, y = windows.next()
+    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    pieces = make_stream(data, 4, 8, pieces=True, **kw)
+    assert isinstance(pieces, PieceStream) and pieces.data is data.train and pieces.name == "a"
+    with pytest.raises(ValueError, match="a worker of several ranks"):
+        make_stream(data, 4, 8, pieces=True, ranks=2, **kw)

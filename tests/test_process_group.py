@@ -258,7 +258,7 @@ def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tm
                     engine.step(tokens=x.numel(), loss=loss.item())
                 engine.drain()
                 assert engine.engine.pushes == 8 // 2 + 1  # a fragment every 2 steps, and the final sync
-                from streamdiloco.worker.run import mirror_digests
+                from streamdiloco.worker.checkpoint import mirror_digests
 
                 assert mirror_digests(engine.engine) == masters_hashes([http])
             finally:

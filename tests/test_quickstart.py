@@ -1,9 +1,9 @@
 """The README's quick start, as a new user runs it (small sizes): prepare a corpus with a tokenizer trained on
 it, start one shard and two workers of a Hugging Face model (`--model hf:DIR`) on the prepared data with
-run-wide pieces, kill one worker mid-run and start it again, export with `--hf-out`, load the result with
-`AutoModelForCausalLM.from_pretrained` and generate text with the prepared tokenizer. Every piece of the
-epoch is trained exactly once (the shard's ledger and the workers' logs agree), and both mirrors equal
-the masters."""
+run-wide pieces, kill one worker mid-run and start it again, export with `--hf-out` and the prepared
+tokenizer (`--tokenizer`), load both with `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` and
+generate text. Every piece of the epoch is trained exactly once (the shard's ledger and the workers' logs
+agree), and both mirrors equal the masters."""
 
 from __future__ import annotations
 
@@ -18,19 +18,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed here")
 
 VOCAB = 384
-MODEL = {
-    "model_type": "gpt2",
-    "vocab_size": VOCAB,
-    "n_positions": 64,
-    "n_embd": 32,
-    "n_layer": 2,
-    "n_head": 2,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-}
 SYNC = ["--sync-every", "6", "--num-fragments", "3"]
 
 
@@ -54,7 +41,9 @@ def test_a_new_user_prepares_trains_an_hf_model_run_wide_kills_a_worker_exports_
     r = streamdiloco("data", "prepare", str(src), "--out", str(data), "--train-tokenizer", str(VOCAB))
     assert r.returncode == 0, r.stderr[-3000:]
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(MODEL))
+    from hf_gpt2 import tiny_config  # after the skips above: it imports transformers
+
+    (model / "config.json").write_text(json.dumps(tiny_config(vocab=VOCAB, positions=64)))
     spec = f"hf:{model}"
     work = [
         *("--model", spec, *SYNC, "--data", str(data), "--data-pieces", "--block-size", "32"),
@@ -73,6 +62,7 @@ def test_a_new_user_prepares_trains_an_hf_model_run_wide_kills_a_worker_exports_
             assert c.wait(name, timeout=300) == 0, c.log(name)[-3000:]
         status = http_json(http)
         out = ["--out", str(tmp_path / "m.safetensors"), "--hf-out", str(tmp_path / "hf")]
+        out += ["--tokenizer", str(data)]
         r = streamdiloco("export", "--servers", target, "--model", spec, *out)
         assert r.returncode == 0, r.stderr[-3000:]
         summaries = [c.summary(n) for n in ("w0", "w1")]
@@ -86,12 +76,14 @@ def test_a_new_user_prepares_trains_an_hf_model_run_wide_kills_a_worker_exports_
     ledger = status["data"]
     assert ledger["pieces_done"] + ledger["pieces_total"] * ledger["epoch"] == len(pieces)
     assert {w for w, _, _ in done} == {"w0", "w1"}
-    # the exported model, as anyone loads it, generates text with the prepared tokenizer
+    # the exported model and the prepared tokenizer beside it, as anyone loads them, generate text
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tok = tokenizers.Tokenizer.from_file(str(data / "tokenizer.json"))
-    import torch
-
-    prompt = torch.tensor([tok.encode("KING").ids])
-    out = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prepared = tokenizers.Tokenizer.from_file(str(data / "tokenizer.json"))
+    eos_id = json.loads((data / "manifest.json").read_text())["eos_id"]
+    assert tok.eos_token_id == tok.bos_token_id == eos_id
+    assert tok("KING lear").input_ids == prepared.encode("KING lear").ids  # the tokenizer the data was cut by
+    prompt = tok("KING", return_tensors="pt").input_ids
+    out = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
     assert out.shape[1] > prompt.shape[1]
-    assert isinstance(tok.decode(out[0].tolist()), str)
+    assert isinstance(tok.decode(out[0]), str)

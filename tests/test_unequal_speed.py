@@ -26,8 +26,9 @@ from streamdiloco.server.main import build_service
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
+from streamdiloco.worker.checkpoint import CHECKPOINT_FORMAT, checkpoint_key, load_checkpoint
 from streamdiloco.worker.model import build_gpt
-from streamdiloco.worker.run import CHECKPOINT_FORMAT, WorkerConfig, _checkpoint_key, load_checkpoint
+from streamdiloco.worker.run import WorkerConfig
 
 ADAPTIVE = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
 
@@ -225,7 +226,7 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
 
 def test_a_worker_checkpoint_from_before_the_schedule_setting_still_resumes(tmp_path):
     cfg = WorkerConfig(servers=("127.0.0.1:1",), name="w", checkpoint=str(tmp_path / "w.pt"), resume=True)
-    key = _checkpoint_key(cfg)
+    key = checkpoint_key(cfg)
     key["sync"] = {k: v for k, v in key["sync"].items() if k not in ("sync_schedule", "max_steps_per_tick")}
     torch.save({"format": CHECKPOINT_FORMAT, "name": "w", "key": key}, tmp_path / "w.pt")
     assert load_checkpoint(cfg)["name"] == "w"  # the fields it lacks had their defaults

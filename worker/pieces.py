@@ -14,7 +14,9 @@ ends the run). The reply is the truth: a piece the ledger no longer gives this w
 it was away) is dropped from the stream, not trained further.
 
 The worker's checkpoint keeps the held pieces, the window reached in the current one and the done reports
-not yet answered, so a resumed worker claims its pieces again and carries on in its piece. What this module
+not yet answered, so a resumed worker claims its pieces again and carries on in its piece. `make_stream`
+is the worker's one choice of stream: these pieces with --data-pieces, else its own seeded random windows
+(worker/data.py's BatchStream), over the text's bytes or a prepared dataset's tokens alike. What this module
 must not do: decide which piece is whose (the ledger does) or talk to any shard but 0.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.worker.connection import ShardConnection, SyncError
+from streamdiloco.worker.data import BatchStream, TokenData
 from streamdiloco.worker.engine import StopRequested
 
 log = logging.getLogger("streamdiloco.worker")
@@ -296,3 +299,28 @@ class PieceStream:
             self.accepted = [(int(e), int(p)) for e, p in s["accepted"]]
             self._lease_epoch = {int(k): int(v) for k, v in s["lease_epoch"].items()}
             self.position = int(state.get("position", 0))
+
+
+TokenStream = BatchStream | PieceStream  # what the worker's loop draws its batches from
+
+
+def make_stream(
+    data: TokenData,
+    batch_size: int,
+    block_size: int,
+    *,
+    name: str,
+    seed: int,
+    rank: int,
+    pieces: bool = False,
+    ranks: int = 1,
+) -> TokenStream:
+    """The worker's stream over `data`'s train split (the text's bytes or a prepared dataset's tokens):
+    with `pieces` (--data-pieces) the pieces shard 0 leases it, in order (start it with `PieceStream.start`
+    once joined), else random windows of its own generator, seeded from (seed, rank). `batch_size`: the
+    worker's rows per inner step, all its `ranks`' and micro-batches together."""
+    if not pieces:
+        return BatchStream(data.train, batch_size, block_size, seed, rank)
+    if ranks > 1:
+        raise ValueError("--data-pieces: a worker of several ranks (torchrun) does not take pieces yet")
+    return PieceStream(data.train, batch_size, block_size, name, data.sha256)

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from streamdiloco.common.atomic import atomic_write
 from streamdiloco.common.config import (
     InnerConfig,
     ModelSettings,
@@ -44,17 +43,24 @@ from streamdiloco.common.config import (
     SyncConfig,
     WorkerSettings,
 )
-from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import fragment_params, unflatten_into
 from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
-from streamdiloco.worker.data import BatchStream, eval_batches, load_tokens
+from streamdiloco.worker.checkpoint import (
+    checkpoint_state,
+    mirror_digests,
+    optimizer_digest,
+    params_digest,
+    resume_from,
+    save_checkpoint,
+)
+from streamdiloco.worker.data import eval_batches, load_tokens
 from streamdiloco.worker.engine import StopRequested, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
-from streamdiloco.worker.pieces import PieceStream, ShardPieces, token_sha256
+from streamdiloco.worker.pieces import PieceStream, ShardPieces, TokenStream, make_stream, token_sha256
 from streamdiloco.worker.report import ScalarLogger, TensorBoardLogger, WandbLogger
 from streamdiloco.worker.train import (
     check_model_output,
@@ -117,90 +123,6 @@ class WorkerConfig:
     @property
     def data_rank(self) -> int:
         return self.rank if self.rank is not None else zlib.crc32(self.name.encode()) % 100_000
-
-
-def mirror_digests(engine: SyncEngine) -> list[list[str]]:
-    """Hash of each (fragment, shard slice) of the mirror: equal to the shards' master_hash when in sync."""
-    return [
-        [tensor_digest(engine.mirrors[f][lo:hi]) for lo, hi in engine.ranges[f]]
-        for f in range(engine.layout.num_fragments)
-    ]
-
-
-def params_digest(model: torch.nn.Module) -> str:
-    """Hash of the model's (local) parameters, all of them in order: equal on every rank of a group worker."""
-    return tensor_digest(torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()]))
-
-
-def optimizer_digest(opt: torch.optim.Optimizer) -> str:
-    """Hash of the inner optimizer's state tensors (AdamW's moments): equal on a group worker's ranks only
-    if every step's averaged gradients were (no broadcast ever makes them equal)."""
-    tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    flat = [t.detach().reshape(-1).float().cpu() for t in tensors]
-    return tensor_digest(torch.cat(flat) if flat else torch.zeros(0))
-
-
-CHECKPOINT_FORMAT = 2  # 2: the engine keeps the rounds its mirror holds (links no longer do)
-
-
-def _checkpoint_key(cfg: WorkerConfig, ranks: int = 1) -> dict:
-    """What must be the same for a checkpoint to be resumed by this configuration. The batch is the
-    worker's, all its ranks' and micro-batches together: 2 ranks of --batch-size 8 may resume 1 rank's of
-    16, and back, as may --grad-accum 2 of --batch-size 8."""
-    return {
-        "model": cfg.model.model,
-        "block_size": cfg.model.block_size,
-        "seed": cfg.model.seed,
-        "steps": cfg.run.steps,
-        "batch_size": cfg.run.batch_size * ranks * cfg.worker.grad_accum,
-        "data": cfg.run.data,
-        "blocks_path": cfg.model.blocks_path,
-        "fragments": cfg.model.fragments,
-        "sync": cfg.sync.to_dict(),
-    }
-
-
-def _read_checkpoint(path: Path, flag: str = "--resume") -> dict:
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(
-            f"{flag}: no checkpoint at {path} (give the --name the worker had, or --checkpoint PATH)"
-        ) from None
-    except Exception as e:  # torch raises many kinds for damaged files
-        raise ValueError(f"{flag}: {path} is not a worker checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{flag}: {path} is not a worker checkpoint of format {CHECKPOINT_FORMAT}")
-    return ck
-
-
-def checkpoint_name(path: str, flag: str = "--resume") -> str:
-    """The worker name a checkpoint was written under."""
-    return str(_read_checkpoint(Path(path), flag)["name"])
-
-
-def load_checkpoint(cfg: WorkerConfig, ranks: int = 1) -> dict:
-    """Read and check this worker's checkpoint; ValueError (one line) if it cannot be resumed."""
-    path = cfg.checkpoint_path
-    flag = "--resume" if cfg.resume else "--auto-resume"
-    ck = _read_checkpoint(path, flag)
-    want = _checkpoint_key(cfg, ranks)
-    key = dict(ck["key"])
-    if isinstance(key.get("sync"), dict):  # written before a sync field existed: it had its default then
-        key["sync"] = {**SyncConfig().to_dict(), **key["sync"]}
-    changed = sorted(k for k in want if key.get(k) != want[k])
-    if changed:
-        raise ValueError(
-            f"{flag}: {path} was written with other settings ({', '.join(changed)}): "
-            "resume with the same flags, or remove the checkpoint to start this worker anew"
-        )
-    return ck
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    """torch.save, atomically: a crash while writing leaves the previous checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(state, f))
 
 
 class StopFlag:
@@ -397,21 +319,16 @@ class Lead:
 
     def checkpoint(self, t: Training, train_seconds: float | None = None) -> None:
         cfg = self.cfg
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "name": cfg.name,
-            "rank": cfg.data_rank,
-            "key": _checkpoint_key(cfg, t.group.size if t.group is not None else 1),
-            "params": t.model.state_dict(),
-            "optimizer": t.opt.state_dict(),
-            "data": t.stream.state_dict(),
-            "engine": self.engine.state_dict(),
-            "links": self.transport.state_dict(),
-            "stats": {
-                **self.stats,
-                "train_seconds": self.elapsed() if train_seconds is None else train_seconds,
-            },
-        }
+        state = checkpoint_state(
+            cfg,
+            t.group.size if t.group is not None else 1,
+            {**self.stats, "train_seconds": self.elapsed() if train_seconds is None else train_seconds},
+            params=t.model.state_dict(),
+            optimizer=t.opt.state_dict(),
+            data=t.stream.state_dict(),
+            engine=self.engine.state_dict(),
+            links=self.transport.state_dict(),
+        )
         save_checkpoint(cfg.checkpoint_path, state)
 
     def close(self) -> None:
@@ -430,7 +347,7 @@ class Training:
     cfg: WorkerConfig
     model: torch.nn.Module
     opt: torch.optim.Optimizer
-    stream: BatchStream | PieceStream
+    stream: TokenStream
     device: torch.device
     stop: StopFlag
     group: RankGroup | None
@@ -464,21 +381,25 @@ def _run_worker(
             logging.getLogger("streamdiloco").setLevel(logging.WARNING)  # rank 0 speaks for the worker
     device = torch.device(cfg.run.device)
     ranks = group.size if group is not None else 1
-    resume = _resume_from(cfg, group)
+    resume = resume_from(cfg, group)
     model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size)
     block = model_block_size(model, cfg.model.block_size)
     data = load_tokens(cfg.run.data, block)
     check_vocab(model, data.vocab_size, cfg.model.model, data.what)  # every id of the data is a token
     batch = cfg.run.batch_size * ranks  # the worker's batch, all its ranks' together: each trains its slice
     val = eval_batches(data.val, batch, block, cfg.run.eval_batches)
-    # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward)
-    stream: BatchStream | PieceStream
-    if cfg.pieces.data_pieces:  # shard 0 assigns the pieces of the train split (worker/pieces.py)
-        if group is not None:
-            raise ValueError("--data-pieces: a worker of several ranks (torchrun) does not take pieces yet")
-        stream = PieceStream(data.train, batch * cfg.worker.grad_accum, block, cfg.name, data.sha256)
-    else:
-        stream = BatchStream(data.train, batch * cfg.worker.grad_accum, block, cfg.model.seed, cfg.data_rank)
+    # an inner step's batch: --grad-accum micro-batches of that (worker/train.py's forward_backward);
+    # with --data-pieces shard 0 assigns the pieces of the train split (worker/pieces.py)
+    stream = make_stream(
+        data,
+        batch * cfg.worker.grad_accum,
+        block,
+        name=cfg.name,
+        seed=cfg.model.seed,
+        rank=cfg.data_rank,
+        pieces=cfg.pieces.data_pieces,
+        ranks=ranks,
+    )
     if resume is not None:
         model.load_state_dict(resume["params"])
         stream.load_state_dict(resume["data"])
@@ -533,27 +454,6 @@ def _tracked(cfg: WorkerConfig) -> dict:
 
 def _rank_of(t: Training) -> dict:
     return {"group_rank": t.group.rank} if t.group is not None and t.lead is None else {}
-
-
-def _resume_from(cfg: WorkerConfig, group: RankGroup | None) -> dict | None:
-    """The checkpoint to resume from (rank 0's: other nodes may not see its file), or None: a new worker."""
-    resuming = cfg.resume or (cfg.auto_resume and cfg.checkpoint_path.exists())
-    if group is not None:
-        resuming = group.share(resuming)
-    if cfg.auto_resume and not cfg.resume:
-        where = cfg.checkpoint_path
-        log.info(
-            "%s: %s", cfg.name, f"resuming from {where}" if resuming else f"no checkpoint at {where} yet"
-        )
-    if not resuming or (group is not None and not group.leads):
-        return None
-    resume = load_checkpoint(cfg, group.size if group is not None else 1)
-    if resume["name"] != cfg.name:
-        raise ValueError(
-            f"{'--resume' if cfg.resume else '--auto-resume'}: {cfg.checkpoint_path} belongs to worker "
-            f"{resume['name']!r}, not {cfg.name!r}"
-        )
-    return resume
 
 
 def _join(t: Training, resume: dict | None, val: list) -> bool:
