@@ -231,6 +231,8 @@ class PendingShard(pb_grpc.ShardServicer):
             admit(self.auth, credentials(context, first.token), first.worker, None)
         except Refusal as r:
             await abort(context, r)
+        if self.service is not None:  # taken while this call waited for its first message: the first stays
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         if self.uploader is not None:
             await context.abort(
                 grpc.StatusCode.ABORTED,
