@@ -394,6 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
         "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
     )
     g.add_argument(
+        "--init-expect",
+        default=None,
+        metavar="SHA256",
+        help="with --init from-worker: take only an upload of these starting parameters, named by their init "
+        "hash (64 hex digits: `streamdiloco init-hash` prints it for a model and seed); any other is refused",
+    )
+    g.add_argument(
+        "--init-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --init from-worker: an upload that sends no values for this long is refused and frees "
+        "the only upload slot (default %(default)s)",
+    )
+    g.add_argument(
         "--checkpoint-dir",
         default=None,
         metavar="DIR",
@@ -559,6 +574,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tk.set_defaults(func=_cmd_token)
 
+    ih = sub.add_parser(
+        "init-hash",
+        help="print the init hash of a model's starting parameters (for server --init-expect)",
+        description="Build the model as a worker does (--model, --seed, --block-size, the fragment layout "
+        "from the [sync] and [model] settings) and print the init hash of its starting parameters on "
+        "--num-shards shards: what a worker with that model uploads to shards started with `--init "
+        "from-worker`. Give it to every shard as --init-expect HASH, and they take no other start.",
+    )
+    ih.add_argument("--num-shards", type=int, default=1, help="S, the run's number of shards (default 1)")
+    _add_settings(ih, ("model", "sync"))
+    ih.set_defaults(func=_cmd_init_hash)
+
     from streamdiloco.export_flags import add_export_parser
 
     add_export_parser(sub)
@@ -608,6 +635,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             blocks_path=blocks_path,
             fragments=fragments,
             piece_tokens=args.piece_tokens,
+            init_expect=args.init_expect,
+            init_timeout=args.init_timeout,
         )
 
     asyncio.run(
@@ -624,6 +653,23 @@ def _cmd_server(args: argparse.Namespace) -> int:
             peers=plan.peers,
         )
     )
+    return 0
+
+
+def _cmd_init_hash(args: argparse.Namespace) -> int:
+    from streamdiloco.checks import check_model, check_sections
+
+    sections = check_sections(args, ("model", "sync"))  # one-line errors before torch is imported
+    check_model(args)
+    if args.num_shards < 1:
+        raise ValueError(f"--num-shards must be at least 1, got {args.num_shards}")
+    blocks_path, fragments = _layout(args)
+    from streamdiloco.common.inithash import model_init_hash
+    from streamdiloco.common.modelspec import build_model
+
+    m = sections["model"]
+    model = build_model(m.model, m.seed, m.block_size)
+    print(model_init_hash(model, sections["sync"], args.num_shards, blocks_path, fragments))
     return 0
 
 
