@@ -28,8 +28,8 @@ from streamdiloco.common.atomic import atomic_write_text
 from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.inithash import parse_init_hash
 from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
+from streamdiloco.common.inithash import parse_init_hash
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.statefile import read_init_file
@@ -188,9 +188,10 @@ def build_service(
 
         service = finish(layout, [torch.zeros(f.numel) for f in layout.fragments], fingerprint)
         if init_expect is not None and service.init_hash != parse_init_hash(init_expect):
+            held = service.init_hash[:16] or "unknown"
             raise ValueError(
-                f"checkpoint {checkpoint_dir} started from init hash {service.init_hash[:16] or 'unknown'}..., "
-                f"not the --init-expect {init_expect[:16]}...: start again with --fresh, or without --init-expect"
+                f"checkpoint {checkpoint_dir} started from init hash {held}..., not the --init-expect "
+                f"{init_expect[:16]}...: start again with --fresh, or without --init-expect"
             )
         return service
     if model_spec is None:
