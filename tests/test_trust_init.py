@@ -25,7 +25,6 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.initialize import PendingShard
 from streamdiloco.server.main import build_service
-from streamdiloco.worker.bootstrap import initialize_shard, probe_shard
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 
@@ -243,10 +242,7 @@ def test_an_uploader_that_dies_between_shards_leaves_a_run_that_a_worker_with_it
         layout = build_layout(model, CFG.num_fragments)
         fp, values = _values(model)
         # the first worker's upload reached shard 0; it died before shard 1 (and mid-upload on shard 1)
-        info = probe_shard(targets[0], "first")
-        assert initialize_shard(
-            targets[0], "first", json.loads(fp), values, info, init_hash(layout, values, 2)
-        )
+        shards[0][1].stub.Initialize(_chunks(fp, values, "first", shard=(0, 2)), timeout=30)
         dying = shards[1][1].stub.Initialize.future(_chunks(fp, values, shard=(1, 2), gaps=gaps), timeout=30)
         shards[1][1].wait_for(lambda: shards[1][0].uploader is not None, "the upload to shard 1 to begin")
         dying.cancel()
