@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from inthread import InThreadShard
-from procs import streamdiloco
+from procs import Cluster, streamdiloco
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
@@ -271,3 +271,35 @@ def test_an_uploader_that_dies_between_shards_leaves_a_run_that_a_worker_with_it
         gaps.set()
         for _, s, _ in shards:
             s.shutdown()
+
+
+def test_the_init_flags_are_one_line_errors_before_anything_starts():
+    r = streamdiloco("server", "--init", "from-worker", "--init-expect", "abc", "--port", "0", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "64 hex digits" in lines[0], r.stderr
+    r = streamdiloco("server", "--model", "nano", "--init-expect", "a" * 64, "--port", "0", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "goes with --init from-worker" in lines[0], r.stderr
+    r = streamdiloco("server", "--init", "from-worker", "--init-timeout", "0", "--port", "0", timeout=60)
+    assert r.returncode == 2 and "--init-timeout must be a positive" in r.stderr, r.stderr
+
+
+# in `make test-slow`; covered by test_a_pinned_shard_takes_the_pinned_values_alone_and_no_other_layout
+# (the same checks, on an in-thread shard) and test_init_hash_prints_what_a_worker_with_that_model_and_seed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pinned_shard_process_takes_the_worker_cli_of_the_pinned_seed_alone(tmp_path):
+    sync = ["--sync-every", "6", "--num-fragments", "3"]
+    r = streamdiloco("init-hash", "--model", "nano", "--seed", "0", *sync, timeout=120)
+    pin = r.stdout.strip().splitlines()[-1]
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("s", "--init", "from-worker", "--init-expect", pin, "--init-timeout", "5", *sync)
+        worker = ["--model", "nano", "--steps", "6", "--batch-size", "2", "--eval-batches", "1"]
+        c.worker("other", [target], *worker, "--seed", "1")
+        assert c.procs["other"].wait(180) == 1, c.log("other")[-3000:]
+        assert "FAILED_PRECONDITION" in c.log("other") and "--init-expect" in c.log("other")
+        assert not (tmp_path / "s-checkpoint" / "meta.json").exists()
+        c.worker("pinned", [target], *worker)
+        assert c.procs["pinned"].wait(180) == 0, c.log("pinned")[-3000:]
+        assert f"init hash {pin}" in c.log("s")
+        assert json.loads((tmp_path / "s-checkpoint" / "meta.json").read_text())["init_hash"] == pin
