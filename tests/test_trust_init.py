@@ -23,6 +23,7 @@ from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.bounds import Limits
 from streamdiloco.server.initialize import PendingShard
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.join import SyncError, connect
@@ -99,7 +100,8 @@ def _pending(
 
 
 def test_a_second_upload_opened_before_the_first_ended_gets_already_exists_and_changes_nothing(tmp_path):
-    pending, shard, made = _pending(tmp_path)
+    # the late call waits for its first message while the honest upload runs: time enough on a busy machine
+    pending, shard, made = _pending(tmp_path, limits=Limits(hello_timeout=60))
     try:
         fp, honest = _values(_model(1))
         _, other = _values(_model(2))

@@ -165,7 +165,9 @@ def give_parameters(
     run = check_one_start(targets, infos)
     init = init_hash(layout, vectors, infos[0].num_shards)
     log.info("%s: the init hash of its starting parameters is %s", worker, init[0])
-    for t, info in zip(targets, infos, strict=True):
+    # in the shards' order, whatever the order of --servers: every uploader tries shard 0 first, so that
+    # two at once do not each take one shard
+    for t, info in sorted(zip(targets, infos, strict=True), key=lambda pair: pair[1].shard):
         if not info.uninitialized:
             continue
         if run is not None and run != init[0]:  # another worker's start: its uploader's to complete
