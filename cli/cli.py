@@ -574,17 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tk.set_defaults(func=_cmd_token)
 
-    ih = sub.add_parser(
-        "init-hash",
-        help="print the init hash of a model's starting parameters (for server --init-expect)",
-        description="Build the model as a worker does (--model, --seed, --block-size, the fragment layout "
-        "from the [sync] and [model] settings) and print the init hash of its starting parameters on "
-        "--num-shards shards: what a worker with that model uploads to shards started with `--init "
-        "from-worker`. Give it to every shard as --init-expect HASH, and they take no other start.",
-    )
-    ih.add_argument("--num-shards", type=int, default=1, help="S, the run's number of shards (default 1)")
-    _add_settings(ih, ("model", "sync"))
-    ih.set_defaults(func=_cmd_init_hash)
+    from streamdiloco.init_hash import add_init_hash_parser
+
+    add_init_hash_parser(sub, _add_settings)
 
     from streamdiloco.export_flags import add_export_parser
 
@@ -653,23 +645,6 @@ def _cmd_server(args: argparse.Namespace) -> int:
             peers=plan.peers,
         )
     )
-    return 0
-
-
-def _cmd_init_hash(args: argparse.Namespace) -> int:
-    from streamdiloco.checks import check_model, check_sections
-
-    sections = check_sections(args, ("model", "sync"))  # one-line errors before torch is imported
-    check_model(args)
-    if args.num_shards < 1:
-        raise ValueError(f"--num-shards must be at least 1, got {args.num_shards}")
-    blocks_path, fragments = _layout(args)
-    from streamdiloco.common.inithash import model_init_hash
-    from streamdiloco.common.modelspec import build_model
-
-    m = sections["model"]
-    model = build_model(m.model, m.seed, m.block_size)
-    print(model_init_hash(model, sections["sync"], args.num_shards, blocks_path, fragments))
     return 0
 
 
