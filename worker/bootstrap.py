@@ -61,6 +61,7 @@ def probe_shard(
 
 
 INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
+UPLOAD_RATE = 1 << 18  # bytes a second an upload may take at the slowest (2 Mbit/s) before it gives up
 
 
 def initialize_shard(
@@ -87,10 +88,11 @@ def initialize_shard(
         "slice_hashes": init[1],
     }
 
+    slices = [slice_ranges(vec.numel(), info.num_shards)[info.shard] for vec in vectors]
+
     def chunks():
         head = first
-        for f, vec in enumerate(vectors):
-            lo, hi = slice_ranges(vec.numel(), info.num_shards)[info.shard]
+        for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
             for a in range(lo, hi, INIT_CHUNK_VALUES):
                 b = min(hi, a + INIT_CHUNK_VALUES)
                 yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
@@ -98,9 +100,12 @@ def initialize_shard(
         yield pb.InitChunk(**head, last=True)
 
     give_up = time.monotonic() + timeout
+    # `timeout`, and time to send the values at UPLOAD_RATE at least: a large model's upload is no Join
+    deadline = timeout + 4 * sum(hi - lo for lo, hi in slices) / UPLOAD_RATE
     with make_channel(parse_target(target), tls) as channel:
         try:
-            pb_grpc.ShardStub(channel).Initialize(chunks(), metadata=auth_metadata(token), timeout=timeout)
+            stub = pb_grpc.ShardStub(channel)
+            stub.Initialize(chunks(), metadata=auth_metadata(token), timeout=deadline)
             log.info("%s: sent its starting parameters to the shard at %s, which had none", worker, target)
             return True
         except grpc.RpcError as e:
