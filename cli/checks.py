@@ -11,6 +11,7 @@ is a causal LM, a checkpoint's contents) is checked later, where the command run
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,12 +86,27 @@ def check_server(args: argparse.Namespace) -> ServerPlan:
             raise ValueError(f"{flag} must be 0..65535, got {port}")
     if "model" in args.settings.given["model"] or not args.init:  # the shard builds the model
         check_model(args)
+    check_init_flags(args)
     args.token = read_token_file(args)
     tls, auth, workers_file, http_host = server_security(args)
     peers = _peers(args, auth)
     return ServerPlan(
         sections["sync"], sections["robust"], sections["limits"], tls, auth, workers_file, http_host, peers
     )
+
+
+def check_init_flags(args: argparse.Namespace) -> None:
+    """--init-expect (an init hash: 64 hex digits) and --init-timeout go with --init from-worker."""
+    if args.init_expect is not None:
+        if args.init != "from-worker":
+            raise ValueError("--init-expect pins the first worker's upload: it goes with --init from-worker")
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", args.init_expect.strip()):
+            raise ValueError(
+                "--init-expect takes an init hash, 64 hex digits (`streamdiloco init-hash` prints it), "
+                f"got {args.init_expect[:80]!r}"
+            )
+    if not 0 < args.init_timeout < float("inf"):
+        raise ValueError(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
 
 
 def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:

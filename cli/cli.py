@@ -394,6 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
         "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
     )
     g.add_argument(
+        "--init-expect",
+        default=None,
+        metavar="SHA256",
+        help="with --init from-worker: take only an upload of these starting parameters, named by their init "
+        "hash (64 hex digits: `streamdiloco init-hash` prints it for a model and seed); any other is refused",
+    )
+    g.add_argument(
+        "--init-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --init from-worker: an upload that sends no values for this long is refused and frees "
+        "the only upload slot (default %(default)s)",
+    )
+    g.add_argument(
         "--checkpoint-dir",
         default=None,
         metavar="DIR",
@@ -559,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tk.set_defaults(func=_cmd_token)
 
+    from streamdiloco.init_hash import add_init_hash_parser
+
+    add_init_hash_parser(sub, _add_settings)
+
     from streamdiloco.export_flags import add_export_parser
 
     add_export_parser(sub)
@@ -608,6 +627,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             blocks_path=blocks_path,
             fragments=fragments,
             piece_tokens=args.piece_tokens,
+            init_expect=args.init_expect,
+            init_timeout=args.init_timeout,
         )
 
     asyncio.run(

@@ -29,7 +29,7 @@ class SliceRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("config_json", "shard", "num_shards", "slices", "rounds", "session", "chunk_values", "uninitialized")
+    __slots__ = ("config_json", "shard", "num_shards", "slices", "rounds", "session", "chunk_values", "uninitialized", "init_hash")
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class JoinReply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_VALUES_FIELD_NUMBER: _ClassVar[int]
     UNINITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    INIT_HASH_FIELD_NUMBER: _ClassVar[int]
     config_json: str
     shard: int
     num_shards: int
@@ -46,10 +47,11 @@ class JoinReply(_message.Message):
     session: str
     chunk_values: int
     uninitialized: bool
-    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceRange, _Mapping]]] = ..., rounds: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., chunk_values: _Optional[int] = ..., uninitialized: _Optional[bool] = ...) -> None: ...
+    init_hash: str
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[SliceRange, _Mapping]]] = ..., rounds: _Optional[_Iterable[int]] = ..., session: _Optional[str] = ..., chunk_values: _Optional[int] = ..., uninitialized: _Optional[bool] = ..., init_hash: _Optional[str] = ...) -> None: ...
 
 class InitChunk(_message.Message):
-    __slots__ = ("worker", "token", "fingerprint_json", "fragment", "offset", "values", "last")
+    __slots__ = ("worker", "token", "fingerprint_json", "fragment", "offset", "values", "last", "init_hash", "slice_hashes")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,8 @@ class InitChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    INIT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SLICE_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker: str
     token: str
     fingerprint_json: str
@@ -64,7 +68,9 @@ class InitChunk(_message.Message):
     offset: int
     values: bytes
     last: bool
-    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    init_hash: str
+    slice_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker: _Optional[str] = ..., token: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., fragment: _Optional[int] = ..., offset: _Optional[int] = ..., values: _Optional[bytes] = ..., last: _Optional[bool] = ..., init_hash: _Optional[str] = ..., slice_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class InitReply(_message.Message):
     __slots__ = ()

@@ -151,6 +151,7 @@ class ShardCheckpoint:
         # shard 0: the data ledger's state (None until a worker named the data), saved with the rest
         self.ledger: Callable[[], dict | None] | None = None
         self.ledger_state: object = None  # what load() read of ledger.json (None: none was listed)
+        self.init_hash = ""  # --init from-worker: the upload's init hash (common/inithash.py), in meta.json
 
     def _meta(self, state: ShardState) -> dict:
         return {
@@ -159,6 +160,7 @@ class ShardCheckpoint:
             "num_shards": state.num_shards,
             "config": state.cfg.to_dict(),
             "fingerprint": self.fingerprint,
+            **({"init_hash": self.init_hash} if self.init_hash else {}),
         }
 
     def exists(self) -> bool:
@@ -247,6 +249,8 @@ class ShardCheckpoint:
         self.files, self.incoming, self.committed = files, {}, True
         self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
         self._run["fingerprint"] = self.fingerprint
+        if isinstance(h := meta.get("init_hash"), str) and h:
+            self.init_hash = self._run["init_hash"] = h[:64]
         if legacy:
             self.pending_initial = True  # written again, with hashes, before the shard serves
 

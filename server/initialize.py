@@ -7,8 +7,17 @@ say, becomes part of the shard's fingerprint, so every later worker is checked a
 worker's fp32 values of this shard's slice of every fragment, in order. Everything is checked as it comes:
 order, sizes against the fingerprint, finite values; the values are kept apart until the last chunk, so
 that a refused or broken upload changes nothing, and what an upload holds grows only with what it sent.
-Then the shard's state is built and written to its checkpoint (whose meta.json keeps the fingerprint)
-before the worker hears back: a restart takes the layout and the values from there, without the uploader.
+Then the shard's state is built and written to its checkpoint (whose meta.json keeps the fingerprint and
+the init hash) before the worker hears back: a restart takes the layout and the values from there, without
+the uploader. Once that is done, every later upload gets ALREADY_EXISTS, whenever it was opened: one
+ShardService, ever.
+
+The first message also names the upload's init hash and every slice's hash (common/inithash.py): the shard
+checks that they make the init hash and, with `--init-expect`, that it is the pinned one, before it takes a
+value (so a pinned shard takes only the pinned layout, and no more values than it has); then that each of
+its slices hashes to what was said. The shard reports the init hash at every Join, so that a worker sees two
+shards that took two different uploads. The only upload slot has a deadline: `--init-timeout` seconds
+without a message that carries values (empty ones do not count) and the upload is refused, the slot free.
 
 `PendingShard.dispatch` is the gRPC server's handler: it routes calls to the pending shard until the upload
 is in, then to the real ShardService, so the port stays the same and nobody reconnects.
@@ -17,6 +26,7 @@ is in, then to the real ShardService, so the port stays the same and nobody reco
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +42,7 @@ from streamdiloco.common.fingerprint import (
     parse_fingerprint,
 )
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
+from streamdiloco.common.inithash import HASH_CHARS, combine, parse_init_hash
 from streamdiloco.common.statefile import opaque_keys
 from streamdiloco.common.wire import bytes_to_values
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -45,6 +56,7 @@ log = logging.getLogger("streamdiloco.shard")
 
 MAX_INIT_VALUES = 1 << 34  # values in one shard's slices that an upload may declare (64 GiB of fp32)
 MAX_INIT_CHUNK = 4 << 20  # bytes of values in one InitChunk (workers send about 1 MiB)
+INIT_TIMEOUT = 30.0  # --init-timeout: seconds an upload may go without sending values before it is refused
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 WAITING = "the shard is waiting for its first worker's parameters (server --init from-worker)"
@@ -78,8 +90,11 @@ def shard_fingerprint(theirs: dict, cfg: SyncConfig) -> tuple[FragmentLayout, di
 class Upload:
     """One worker's upload of this shard's slices, checked chunk by chunk (pure: no gRPC, no I/O)."""
 
-    def __init__(self, layout: FragmentLayout, shard: int, num_shards: int):
-        self.layout = layout
+    def __init__(
+        self, layout: FragmentLayout, shard: int, num_shards: int, digests: list[bytes] | None = None
+    ):
+        """`digests`: what each of this shard's slices must hash to (common/inithash.py); None: unchecked."""
+        self.layout, self.digests = layout, digests
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
         total = sum(hi - lo for lo, hi in self.ranges)
         if total > MAX_INIT_VALUES:
@@ -90,6 +105,7 @@ class Upload:
             )
         self.parts: list[list[torch.Tensor]] = [[] for _ in layout.fragments]
         self.fragment, self.received, self.done = 0, 0, False
+        self.hasher = hashlib.sha256()
         self._skip_empty()
 
     def _want(self) -> int:
@@ -97,8 +113,16 @@ class Upload:
         return hi - lo
 
     def _skip_empty(self) -> None:
+        """On to the next fragment once this one's slice is complete (and hashes to what was said)."""
         while self.fragment < len(self.ranges) and self.received == self._want():
+            if self.digests is not None and self.hasher.digest() != self.digests[self.fragment]:
+                raise InitRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"fragment {self.fragment}: this shard's slice does not hash to what the upload's first "
+                    "message said: the values are not those of its init hash",
+                )
             self.fragment, self.received = self.fragment + 1, 0
+            self.hasher = hashlib.sha256()
 
     def add(self, fragment: int, offset: int, values: bytes, last: bool) -> None:
         if self.done:
@@ -132,6 +156,7 @@ class Upload:
                     f"fragment {fragment} at offset {offset}: values that are not finite",
                 )
             self.parts[fragment].append(x)
+            self.hasher.update(values)
             self.received += x.numel()
             self._skip_empty()
         if last:
@@ -155,10 +180,11 @@ class Upload:
 
 
 class PendingShard(pb_grpc.ShardServicer):
-    """The shard before its first worker's upload; `make(layout, initial, fingerprint)` builds the real
-    service (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
+    """The shard before its first worker's upload; `make(layout, initial, fingerprint, init_hash)` builds the
+    real service (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
     with Initialize added; its Join admits as the real one does (server/admission.py), less the
-    fingerprint, which the upload brings."""
+    fingerprint, which the upload brings. `init_expect`: the init hash an upload must have (--init-expect;
+    None: any); `init_timeout`: seconds an upload may go without sending values (--init-timeout)."""
 
     def __init__(
         self,
@@ -167,10 +193,16 @@ class PendingShard(pb_grpc.ShardServicer):
         num_shards: int,
         auth: Auth,
         limits: Limits,
-        make: Callable[[FragmentLayout, list[torch.Tensor], dict], ShardService],
+        make: Callable[[FragmentLayout, list[torch.Tensor], dict, str], ShardService],
+        init_expect: str | None = None,
+        init_timeout: float = INIT_TIMEOUT,
     ):
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.auth, self.limits, self.make = auth, limits, make
+        self.init_expect = None if init_expect is None else parse_init_hash(init_expect)
+        if not 0 < init_timeout < float("inf"):
+            raise ValueError(f"--init-timeout must be a positive number of seconds, got {init_timeout}")
+        self.init_timeout = init_timeout
         self.uploader: str | None = None  # the worker whose upload is in progress
         self.service: ShardService | None = None
         self.ready: asyncio.Future | None = None  # the service, once built and checkpointed (set by serve)
@@ -231,6 +263,8 @@ class PendingShard(pb_grpc.ShardServicer):
             admit(self.auth, credentials(context, first.token), first.worker, None)
         except Refusal as r:
             await abort(context, r)
+        if self.service is not None:  # taken while this call waited for its first message: the first stays
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         if self.uploader is not None:
             await context.abort(
                 grpc.StatusCode.ABORTED,
@@ -254,24 +288,37 @@ class PendingShard(pb_grpc.ShardServicer):
         except ValueError as e:
             raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         layout, fingerprint = shard_fingerprint(theirs, self.cfg)
-        upload = Upload(layout, self.shard, self.num_shards)
+        Upload(layout, self.shard, self.num_shards)  # not more than the shard takes, first
+        init_hash, digests = self._claimed(first, layout)
+        upload = Upload(layout, self.shard, self.num_shards, digests)
+        loop = asyncio.get_running_loop()
+        progress = loop.time()  # of the last message that carried values: only values hold the slot
         msg = first
         while True:
             upload.add(msg.fragment, msg.offset, msg.values, msg.last)
             if upload.done:
                 break
+            if msg.values:
+                progress = loop.time()
             try:
-                msg = await asyncio.wait_for(it.__anext__(), self.limits.hello_timeout * 10)
+                left = max(0.0, progress + self.init_timeout - loop.time())
+                msg = await asyncio.wait_for(it.__anext__(), left)
             except StopAsyncIteration:
                 raise InitRefused(
                     grpc.StatusCode.INVALID_ARGUMENT, "the upload ended before its last chunk"
                 ) from None
             except asyncio.TimeoutError:
-                raise InitRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "the upload stalled") from None
+                raise InitRefused(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the upload sent no values for {self.init_timeout:g} s (--init-timeout): the slot is "
+                    "free for another",
+                ) from None
             if isinstance(msg, Undecodable):
                 raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} does not parse")
+        if self.service is not None:  # not reached (one upload at a time); never a second service
+            raise InitRefused(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         try:  # the state, then its checkpoint, before the worker hears back
-            service = await asyncio.to_thread(self.make, layout, upload.initial(), fingerprint)
+            service = await asyncio.to_thread(self.make, layout, upload.initial(), fingerprint, init_hash)
         except (OSError, ValueError) as e:
             raise InitRefused(
                 grpc.StatusCode.INTERNAL, f"the shard could not take the parameters: {e}"
@@ -279,16 +326,45 @@ class PendingShard(pb_grpc.ShardServicer):
         self.service = service
         log.info(
             "shard %d: took the layout (%d fragments, %s values in this shard's slices) and the starting "
-            "parameters from %s",
+            "parameters from %s (init hash %s)",
             self.shard,
             layout.num_fragments,
             f"{sum(hi - lo for lo, hi in upload.ranges):,}",
-            first.worker,
+            short(first.worker, 60),
+            init_hash,
         )
         self.dispatch.to(service)
         if self.ready is not None and not self.ready.done():
             self.ready.set_result(service)
         return pb.InitReply()
+
+    def _claimed(self, first: pb.InitChunk, layout: FragmentLayout) -> tuple[str, list[bytes]]:
+        """The upload's init hash and what this shard's slices must hash to, from its first message: the
+        slices' hashes must make the init hash, and that must be the pinned one (--init-expect)."""
+        if not first.init_hash:
+            raise InitRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the upload names no init hash (a worker of this version sends it): upgrade the worker",
+            )
+        try:
+            claimed = parse_init_hash(first.init_hash[: HASH_CHARS * 2], "the upload's init_hash")
+            made = combine(layout, self.num_shards, list(first.slice_hashes))
+        except ValueError as e:
+            raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if made != claimed:
+            raise InitRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the upload's slice hashes make init hash {made[:16]}..., not the {claimed[:16]}... "
+                "it names",
+            )
+        if self.init_expect is not None and claimed != self.init_expect:
+            raise InitRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the upload's init hash is {claimed[:16]}..., not the {self.init_expect[:16]}... this shard "
+                "was told to take (--init-expect): start the worker with the pinned model and seed",
+            )
+        n = self.num_shards
+        return claimed, [first.slice_hashes[f * n + self.shard] for f in range(layout.num_fragments)]
 
 
 class _Dispatch(grpc.GenericRpcHandler):

@@ -29,6 +29,7 @@ from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
+from streamdiloco.common.inithash import parse_init_hash
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.statefile import read_init_file
@@ -46,7 +47,7 @@ from streamdiloco.server.bounds import (
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.dashboard import HISTORY
-from streamdiloco.server.initialize import InitRefused, PendingShard, shard_fingerprint
+from streamdiloco.server.initialize import INIT_TIMEOUT, InitRefused, PendingShard, shard_fingerprint
 from streamdiloco.server.metrics import loading_metrics
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.run_view import Peers, RunView
@@ -83,6 +84,8 @@ def build_service(
     blocks_path: str | None = None,
     fragments: Sequence[Sequence[str]] | None = None,
     piece_tokens: int = 1 << 20,
+    init_expect: str | None = None,
+    init_timeout: float = INIT_TIMEOUT,
 ) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
@@ -93,20 +96,28 @@ def build_service(
     checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against workers'
     pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as the
     workers give it to connect() (--blocks-path, --fragments). `piece_tokens`: the pieces of shard 0's data
-    ledger (--piece-tokens)."""
+    ledger (--piece-tokens). `init_expect`, `init_timeout`: the pending shard's pinned init hash and its
+    upload's deadline (--init-expect, --init-timeout: server/initialize.py)."""
     if not 0 < chunk_bytes <= 16 << 20:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
         raise ValueError(f"--round-timeout must be a finite number of seconds, got {round_timeout}")
+    if init_expect is not None and init != FROM_WORKER:
+        raise ValueError("--init-expect pins the first worker's upload: it goes with --init from-worker")
     if checkpoint_dir and not fresh and (Path(checkpoint_dir) / "meta.json").exists():
         # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
         ShardCheckpoint(checkpoint_dir, {}).check_meta(shard, num_shards, cfg)
 
-    def finish(layout: FragmentLayout, initial: list, fingerprint: dict, first: bool = False) -> ShardService:
-        """The service from a layout and its starting values; `first`: the first worker's upload, written to
-        the checkpoint at once (a restart then needs the uploader no more)."""
+    def finish(
+        layout: FragmentLayout, initial: list, fingerprint: dict, first: bool = False, init_hash: str = ""
+    ) -> ShardService:
+        """The service from a layout and its starting values; `first`: the first worker's upload (whose init
+        hash is `init_hash`), written to the checkpoint at once (a restart then needs the uploader no
+        more)."""
         state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
         checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
+        if checkpoint is not None and first:
+            checkpoint.init_hash = init_hash
         if checkpoint is not None and checkpoint.exists() and not fresh and not first:
             checkpoint.load(state)
             log.info(
@@ -122,7 +133,7 @@ def build_service(
                     raise OSError(f"cannot write the checkpoint to {checkpoint.dir}: {checkpoint.last_error}")
                 checkpoint.pending_initial = False
         warm_up(tuple({cfg.uplink_codec, cfg.downlink_codec}), cfg.codec_block_size)  # not in round 1
-        return ShardService(
+        service = ShardService(
             state,
             fingerprint,
             token=token,
@@ -133,6 +144,9 @@ def build_service(
             limits=limits,
             piece_tokens=piece_tokens,
         )
+        # --init from-worker: the run's init hash, reported at Join (a restart: as the checkpoint keeps it)
+        service.init_hash = init_hash or (checkpoint.init_hash if checkpoint is not None else "") or ""
+        return service
 
     saved = Path(checkpoint_dir or "") / "meta.json"
     resuming = bool(checkpoint_dir) and not fresh and saved.exists()
@@ -158,7 +172,9 @@ def build_service(
                 num_shards,
                 auth if auth is not None else Auth(token=token),
                 limits or Limits(),
-                lambda layout, initial, fp: finish(layout, initial, fp, first=True),
+                lambda layout, initial, fp, init_hash: finish(layout, initial, fp, True, init_hash),
+                init_expect,
+                init_timeout,
             )
         try:  # restarted: the layout the first worker gave, as the checkpoint keeps it
             layout, fingerprint = shard_fingerprint(
@@ -170,7 +186,14 @@ def build_service(
             ) from None
         import torch
 
-        return finish(layout, [torch.zeros(f.numel) for f in layout.fragments], fingerprint)
+        service = finish(layout, [torch.zeros(f.numel) for f in layout.fragments], fingerprint)
+        if init_expect is not None and service.init_hash != parse_init_hash(init_expect):
+            held = service.init_hash[:16] or "unknown"
+            raise ValueError(
+                f"checkpoint {checkpoint_dir} started from init hash {held}..., not the --init-expect "
+                f"{init_expect[:16]}...: start again with --fresh, or without --init-expect"
+            )
+        return service
     if model_spec is None:
         if not init:
             raise ValueError("give the model (--model), its parameters (--init FILE) or --init from-worker")

@@ -114,6 +114,7 @@ class ShardService(pb_grpc.ShardServicer):
             state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock
         )
         self.pieces = self._piece_desk(piece_tokens) if state.shard == 0 else None  # the data ledger
+        self.init_hash = ""  # --init from-worker: the upload's init hash, said at Join (server/initialize.py)
         self.sample()
 
     def _piece_desk(self, piece_tokens: int) -> PieceDesk:
@@ -157,12 +158,12 @@ class ShardService(pb_grpc.ShardServicer):
             self._refused_join(request.worker, r)
             await abort(context, r)
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
-            return join_reply(self.state)
+            return join_reply(self.state, init_hash=self.init_hash)
         try:
             session = self.roster.join(request.worker, identity, self.clock())
         except Refused as r:
             await abort(context, r)
-        return join_reply(self.state, session, self.up_chunk)
+        return join_reply(self.state, session, self.up_chunk, self.init_hash)
 
     def _refused_join(self, worker: str, refusal: Refusal) -> None:
         """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
@@ -406,11 +407,19 @@ class ShardService(pb_grpc.ShardServicer):
         await self.view.hash_masters()
 
 
-def join_reply(state: ShardState, session: str | None = None, chunk_values: int = 0) -> pb.JoinReply:
-    """Join's reply: the run's settings and this shard's place in it; with a session (not for a Join that
-    asks for the settings alone), the shard's slices, the open rounds and the values per push chunk too."""
+def join_reply(
+    state: ShardState, session: str | None = None, chunk_values: int = 0, init_hash: str = ""
+) -> pb.JoinReply:
+    """Join's reply: the run's settings and this shard's place in it (and the run's init hash, if the shard
+    took a worker's upload); with a session (not for a Join that asks for the settings alone), the shard's
+    slices, the open rounds and the values per push chunk too."""
     st = state
-    reply = pb.JoinReply(config_json=json.dumps(st.cfg.to_dict()), shard=st.shard, num_shards=st.num_shards)
+    reply = pb.JoinReply(
+        config_json=json.dumps(st.cfg.to_dict()),
+        shard=st.shard,
+        num_shards=st.num_shards,
+        init_hash=init_hash,
+    )
     if session is not None:
         reply.slices.extend(pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in st.ranges)
         reply.rounds.extend(st.round_of(f) for f in range(st.layout.num_fragments))

@@ -13,6 +13,7 @@ from inthread import InThreadShard
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.admission import Credentials, Refusal, admit
@@ -79,8 +80,12 @@ def test_the_pending_shard_refuses_a_token_it_would_not_check_before_any_upload(
             shard.stub.Join(pb.JoinRequest(worker="w0", token="t", protocol=PROTOCOL), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "checks none" in e.value.details()
 
+        h, digests = init_hash(layout, vectors, 1)
+
         def upload(token: str):
-            yield pb.InitChunk(worker="w0", token=token, fingerprint_json=fp)
+            yield pb.InitChunk(
+                worker="w0", token=token, fingerprint_json=fp, init_hash=h, slice_hashes=digests
+            )
             for f, vec in enumerate(vectors):
                 for a in range(0, vec.numel(), 100_000):
                     yield pb.InitChunk(fragment=f, offset=a, values=values_to_bytes(vec[a : a + 100_000]))

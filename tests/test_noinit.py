@@ -17,8 +17,9 @@ from procs import Cluster, http_json, shard_process, streamdiloco, wait_until
 from safetensors.torch import save_file
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.statefile import FINGERPRINT_KEY, ParamSpec, layout_from_description
 from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.export import fetch_masters
@@ -293,10 +294,23 @@ def test_a_shard_without_parameters_takes_the_first_workers_and_a_restart_needs_
         assert c.log("s").count("took the layout") == 1  # the first start only
 
 
+def _claim(fp: dict, vectors) -> dict:
+    """The init hash and slice hashes of these values on one shard, as a worker sends them (none for a
+    fingerprint that lists no layout of them)."""
+    try:
+        layout = layout_from_fingerprint(fp)
+    except ValueError:
+        return {}
+    if len(vectors) != layout.num_fragments:
+        return {}
+    h, digests = init_hash(layout, vectors, 1)
+    return {"init_hash": h, "slice_hashes": digests}
+
+
 def _chunks(fp: dict, vectors, token: str = "", worker: str = "up", hold=None, last: bool = True):
-    """An Initialize stream: the fingerprint, each fragment's values in 1000-value pieces, the last mark;
-    `hold` (an Event) is waited on after the first message."""
-    head = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fp)}
+    """An Initialize stream: the fingerprint (and the values' init hash), each fragment's values in
+    1000-value pieces, the last mark; `hold` (an Event) is waited on after the first message."""
+    head = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fp), **_claim(fp, vectors)}
     yield pb.InitChunk(**head)
     if hold is not None:
         hold.wait(60)

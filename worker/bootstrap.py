@@ -2,6 +2,13 @@
 starting parameters to a shard started without any (server --init from-worker), or the wait for another
 worker's.
 
+One start in every shard: the shards say the run's init hash at Join (common/inithash.py). A worker uploads
+only to shards without parameters, and only while no shard holds another start than its own values'
+(`give_parameters`); so a worker with the same model and seed completes an upload that another began and
+left (it died between shards), and one with other values never uploads: it waits, then says whose start
+the run needs, and takes the run's values by Fetch as any joining worker. Shards that say two init hashes
+hold a mix: `check_one_start` refuses to join them, in one line.
+
 These are one-shot calls, each on a channel of its own; they must not keep a session or any state (joining
 is worker/join.py's, the session worker/link.py's).
 """
@@ -17,7 +24,8 @@ import grpc
 import torch
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import slice_ranges
+from streamdiloco.common.fragments import FragmentLayout, slice_ranges
+from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import auth_metadata, make_channel, parse_target, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -36,6 +44,7 @@ class ShardInfo:
     shard: int
     num_shards: int
     uninitialized: bool
+    init_hash: str = ""  # the run's init hash, if the shard took a worker's upload
 
 
 def probe_shard(
@@ -52,6 +61,7 @@ def probe_shard(
 
 
 INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
+UPLOAD_RATE = 1 << 18  # bytes a second an upload may take at the slowest (2 Mbit/s) before it gives up
 
 
 def initialize_shard(
@@ -60,20 +70,29 @@ def initialize_shard(
     fingerprint: dict,
     vectors: list[torch.Tensor],
     info: ShardInfo,
+    init: tuple[str, list[bytes]],
     token: str = "",
     timeout: float = 60.0,
     tls: ClientTLS | None = None,
 ) -> bool:
     """Send this worker's starting parameters (`vectors`: its fragments, flat) to a shard that has none: its
-    slice of each fragment, after the fingerprint. True once the shard has them (and has written them to its
-    checkpoint); False when another worker's upload got there first (this one then joins as any worker and
-    is checked against that worker's fingerprint). SyncError when the shard refuses them."""
-    first = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fingerprint)}
+    slice of each fragment, after the fingerprint and `init` (their init hash and every slice's hash:
+    common/inithash.py). True once the shard has them (and has written them to its checkpoint); False when
+    another worker's upload got there first (this one then joins as any worker and is checked against that
+    worker's fingerprint). SyncError when the shard refuses them."""
+    first = {
+        "worker": worker,
+        "token": token,
+        "fingerprint_json": json.dumps(fingerprint),
+        "init_hash": init[0],
+        "slice_hashes": init[1],
+    }
+
+    slices = [slice_ranges(vec.numel(), info.num_shards)[info.shard] for vec in vectors]
 
     def chunks():
         head = first
-        for f, vec in enumerate(vectors):
-            lo, hi = slice_ranges(vec.numel(), info.num_shards)[info.shard]
+        for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
             for a in range(lo, hi, INIT_CHUNK_VALUES):
                 b = min(hi, a + INIT_CHUNK_VALUES)
                 yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
@@ -81,9 +100,12 @@ def initialize_shard(
         yield pb.InitChunk(**head, last=True)
 
     give_up = time.monotonic() + timeout
+    # `timeout`, and time to send the values at UPLOAD_RATE at least: a large model's upload is no Join
+    deadline = timeout + 4 * sum(hi - lo for lo, hi in slices) / UPLOAD_RATE
     with make_channel(parse_target(target), tls) as channel:
         try:
-            pb_grpc.ShardStub(channel).Initialize(chunks(), metadata=auth_metadata(token), timeout=timeout)
+            stub = pb_grpc.ShardStub(channel)
+            stub.Initialize(chunks(), metadata=auth_metadata(token), timeout=deadline)
             log.info("%s: sent its starting parameters to the shard at %s, which had none", worker, target)
             return True
         except grpc.RpcError as e:
@@ -99,15 +121,69 @@ def initialize_shard(
 
 
 def wait_initialized(
-    target: str, worker: str, token: str = "", timeout: float = 60.0, tls: ClientTLS | None = None
-) -> None:
-    """Wait until another worker's upload has given the shard its parameters; SyncError after `timeout`."""
+    target: str,
+    worker: str,
+    token: str = "",
+    timeout: float = 60.0,
+    tls: ClientTLS | None = None,
+    fix: str = "if the worker that was sending them stopped, start it again (same model and seed)",
+) -> ShardInfo:
+    """Wait until another worker's upload has given the shard its parameters (its ShardInfo then); SyncError
+    after `timeout`, saying `fix`."""
     give_up = time.monotonic() + timeout
     while time.monotonic() < give_up:
-        if not probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls).uninitialized:
-            return
+        info = probe_shard(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
+        if not info.uninitialized:
+            return info
         time.sleep(0.2)
-    raise SyncError(
-        f"the shard at {target} still has no parameters after {timeout:g} s: if the worker that was sending "
-        "them stopped, start every shard again with --fresh"
-    )
+    raise SyncError(f"the shard at {target} still has no parameters after {timeout:g} s: {fix}")
+
+
+def check_one_start(targets: list[str], infos: list[ShardInfo]) -> str | None:
+    """The run's init hash (None: no shard took a worker's upload); SyncError when two shards say two: they
+    started from two workers' values, a mix that no worker may train."""
+    said = {(t, i.init_hash) for t, i in zip(targets, infos, strict=True) if i.init_hash}
+    hashes = sorted({h for _, h in said})
+    if len(hashes) > 1:
+        where = ", ".join(f"{t} {h[:16]}..." for t, h in sorted(said))
+        raise SyncError(
+            f"the shards started from different parameters (init hashes {where}): two workers' uploads; "
+            "start every shard again with --fresh (and --init-expect to pin one)"
+        )
+    return hashes[0] if hashes else None
+
+
+def give_parameters(
+    targets: list[str],
+    infos: list[ShardInfo],
+    worker: str,
+    layout: FragmentLayout,
+    fingerprint: dict,
+    vectors: list[torch.Tensor],
+    token: str = "",
+    timeout: float = 60.0,
+    tls: ClientTLS | None = None,
+) -> None:
+    """Shards without parameters get this worker's (`vectors`, its fragments flat), while they are the
+    run's start: no shard holds another init hash. Others' shards are waited for. SyncError when the
+    shards hold (or would hold) two starts, or one stays without parameters past `timeout`."""
+    run = check_one_start(targets, infos)
+    init = init_hash(layout, vectors, infos[0].num_shards)
+    log.info("%s: the init hash of its starting parameters is %s", worker, init[0])
+    # in the shards' order, whatever the order of --servers: every uploader tries shard 0 first, so that
+    # two at once do not each take one shard
+    for t, info in sorted(zip(targets, infos, strict=True), key=lambda pair: pair[1].shard):
+        if not info.uninitialized:
+            continue
+        if run is not None and run != init[0]:  # another worker's start: its uploader's to complete
+            fix = (
+                f"the run started from init hash {run[:16]}..., and this worker's values are not those "
+                f"({init[0][:16]}...): start a worker with the run's model and seed, which completes the "
+                "upload, or every shard again with --fresh"
+            )
+            wait_initialized(t, worker, token, timeout, tls, fix)
+        elif initialize_shard(t, worker, fingerprint, vectors, info, init, token, timeout, tls):
+            run = init[0]
+        elif run is None:  # another worker's upload got there first: its start is the run's
+            run = probe_shard(t, worker, token, timeout, tls).init_hash or None
+    check_one_start(targets, [probe_shard(t, worker, token, timeout, tls) for t in targets])

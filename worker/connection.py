@@ -113,8 +113,8 @@ class ShardConnection:
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before the link starts, then only the link's thread)
         self.config: SyncConfig | None = None
-        self.probed: tuple[int, int, bool] | None = (
-            None  # a config_only Join's shard, num_shards, uninitialized
+        self.probed: tuple[int, int, bool, str] | None = (
+            None  # a config_only Join's shard, num_shards, uninitialized, init hash
         )
         self.shard = self.num_shards = self.chunk_values = 0
         self.slices: list[tuple[int, int]] = []
@@ -182,7 +182,7 @@ class ShardConnection:
         except (ValueError, TypeError) as e:
             raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
         if config_only:
-            self.probed = (reply.shard, reply.num_shards, reply.uninitialized)
+            self.probed = (reply.shard, reply.num_shards, reply.uninitialized, reply.init_hash)
             return config
         if reply.uninitialized:
             raise SyncError(

@@ -29,7 +29,7 @@ from streamdiloco.common.fragments import (
     unflatten_into,
 )
 from streamdiloco.common.tls import ClientTLS
-from streamdiloco.worker.bootstrap import ShardInfo, initialize_shard, probe_shard, wait_initialized
+from streamdiloco.worker.bootstrap import ShardInfo, check_one_start, give_parameters, probe_shard
 from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.report import ScalarLogger
@@ -151,7 +151,10 @@ def connect(
     layout = build_layout(model, sync.num_fragments, sync.fragment_pattern, o.blocks_path, o.fragments)
     fingerprint = model_fingerprint(layout, sync, o.seed)
     if any(info.uninitialized for info in infos):  # server --init from-worker: ours, if we are the first
-        _give_parameters(model, layout, fingerprint, targets, infos, name, o)
+        vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
+        give_parameters(targets, infos, name, layout, fingerprint, vectors, o.token, o.join_timeout, o.tls)
+    else:
+        check_one_start(targets, infos)  # shards that took two workers' uploads: no run to join
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
     transport = GrpcTransport.open(
         targets,
@@ -185,27 +188,6 @@ def _settings(
         said = ", ".join(f"{f}={getattr(sync, f)}" for f in taken)
         log.info("%s: from the shard at %s: %s", name, target, said)
     return sync
-
-
-def _give_parameters(
-    model: torch.nn.Module,
-    layout: FragmentLayout,
-    fingerprint: dict,
-    targets: list[str],
-    infos: list[ShardInfo],
-    name: str,
-    o: JoinOptions,
-) -> None:
-    """Shards without parameters get this worker's. One worker's values in every shard: only a worker that
-    found no shard initialized and got its upload into the first sends to the others; the rest wait (the
-    shards hold no mix of two workers')."""
-    vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    ours = all(info.uninitialized for info in infos)
-    for t, info in zip(targets, infos, strict=True):
-        if info.uninitialized and ours:
-            ours = initialize_shard(t, name, fingerprint, vectors, info, o.token, o.join_timeout, o.tls)
-        elif info.uninitialized:
-            wait_initialized(t, name, o.token, o.join_timeout, o.tls)
 
 
 def _start(

@@ -1,0 +1,307 @@
+"""The bootstrap of a shard started with `--init from-worker`, as an attacker would use it (issue 26, items
+1 and 2): a second upload after the first, an operator-pinned init hash, two shards from two uploaders, an
+upload that holds the only slot, and an uploader that dies between shards. In-thread shards
+(tests/inthread.py) on loopback, workers through connect() and the upload's own function."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from inthread import InThreadShard
+from procs import Cluster, streamdiloco
+
+from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params, slice_ranges
+from streamdiloco.common.inithash import init_hash
+from streamdiloco.common.wire import values_to_bytes
+from streamdiloco.export import fetch_masters
+from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.bounds import Limits
+from streamdiloco.server.initialize import PendingShard
+from streamdiloco.server.main import build_service
+from streamdiloco.worker.join import SyncError, connect
+from streamdiloco.worker.model import build_gpt
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = SyncConfig(sync_every=6, num_fragments=3)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_gpt("nano")
+
+
+def _values(model: torch.nn.Module) -> tuple[str, list[torch.Tensor]]:
+    """The model's fingerprint (JSON) and its fragments' flat vectors."""
+    layout = build_layout(model, CFG.num_fragments)
+    vectors = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    return json.dumps(model_fingerprint(layout, CFG)), vectors
+
+
+def _claim(fp: str, vectors, num_shards: int = 1) -> dict:
+    """What a worker's first message says of its values: their init hash and every slice's hash."""
+    h, digests = init_hash(layout_from_fingerprint(json.loads(fp)), vectors, num_shards)
+    return {"init_hash": h, "slice_hashes": digests}
+
+
+def _chunks(
+    fp: str,
+    vectors,
+    worker: str = "up",
+    start: threading.Event | None = None,
+    claim: dict | None = None,
+    shard: tuple[int, int] = (0, 1),
+    gaps: threading.Event | None = None,
+):
+    """An Initialize stream: the fingerprint and the claim (default: the values' own), shard s of S's slice
+    of every fragment in pieces of 10,000, the last mark; with `start`, nothing is sent until it is set;
+    with `gaps`, an empty message every 0.1 s after the first until it is set."""
+    if start is not None:
+        start.wait(30)
+    s, n = shard
+    yield pb.InitChunk(worker=worker, fingerprint_json=fp, **(claim or _claim(fp, vectors, n)))
+    while gaps is not None and not gaps.wait(0.1):
+        yield pb.InitChunk()
+    for f, vec in enumerate(vectors):
+        lo, hi = slice_ranges(vec.numel(), n)[s]
+        for a in range(lo, hi, 10_000):
+            yield pb.InitChunk(
+                fragment=f, offset=a - lo, values=values_to_bytes(vec[a : min(hi, a + 10_000)])
+            )
+    yield pb.InitChunk(last=True)
+
+
+def _pending(
+    tmp_path: Path, name: str = "s", shard: tuple[int, int] = (0, 1), **kw
+) -> tuple[PendingShard, InThreadShard, list]:
+    """A pending shard (shard s of S) with a checkpoint directory, serving in a thread; `made` lists every
+    ShardService it builds."""
+    where = str(tmp_path / name)
+    pending = build_service(CFG, None, *shard, init="from-worker", checkpoint_dir=where, **kw)
+    assert isinstance(pending, PendingShard)
+    made: list = []
+    make = pending.make
+
+    def counted(*args):
+        service = make(*args)
+        made.append(service)
+        return service
+
+    pending.make = counted
+    return pending, InThreadShard(pending, tmp_path, ""), made  # type: ignore[arg-type]
+
+
+def test_a_second_upload_opened_before_the_first_ended_gets_already_exists_and_changes_nothing(tmp_path):
+    # the late call waits for its first message while the honest upload runs: time enough on a busy machine
+    pending, shard, made = _pending(tmp_path, limits=Limits(hello_timeout=60))
+    try:
+        fp, honest = _values(_model(1))
+        _, other = _values(_model(2))
+        go = threading.Event()
+        # opened now (the shard runs its handler), its first message only once the honest upload is in
+        late = shard.stub.Initialize.future(_chunks(fp, other, worker="late", start=go), timeout=30)
+        with grpc.insecure_channel(shard.target) as channel:  # its own channel: the late one's waits
+            pb_grpc.ShardStub(channel).Initialize(_chunks(fp, honest, worker="honest"), timeout=30)
+        meta = (tmp_path / "s" / "meta.json").read_bytes()
+        go.set()
+        with pytest.raises(grpc.RpcError) as e:
+            late.result(30)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+        # and one opened after: the same
+        with pytest.raises(grpc.RpcError) as e:
+            shard.stub.Initialize(_chunks(fp, other, worker="later"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+        assert len(made) == 1  # one ShardService, ever
+        assert (tmp_path / "s" / "meta.json").read_bytes() == meta
+        got = fetch_masters([shard.target])
+        assert all(torch.equal(a, b) for a, b in zip(got, honest, strict=True))
+    finally:
+        shard.shutdown()
+
+
+def _refused(stub, chunks, timeout: float = 30) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Initialize(chunks, timeout=timeout)
+    return e.value
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_pinned_shard_takes_the_pinned_values_alone_and_no_other_layout(tmp_path):
+    fp, honest = _values(_model(1))
+    pin = _claim(fp, honest)["init_hash"]
+    pending, shard, made = _pending(tmp_path, init_expect=pin.upper())  # either case, as pasted
+    try:
+        stub = shard.stub
+        _, other = _values(_model(2))
+        # other values, their own hash said truthfully: refused at the first message
+        e = _refused(stub, _chunks(fp, other))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "--init-expect" in e.details(), e.details()
+        # other values that claim the pinned hashes: refused at the first slice that is not what it claims
+        e = _refused(stub, _chunks(fp, other, claim=_claim(fp, honest)))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not hash" in e.details(), e.details()
+        # the pinned hash named, with slice hashes that do not make it
+        claim = _claim(fp, other)
+        e = _refused(stub, _chunks(fp, other, claim={**claim, "init_hash": pin}))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "make init hash" in e.details(), e.details()
+        # a bigger model (another layout): refused before any value, whatever it sends; so a pinned shard
+        # holds no more values than the pinned model's
+        torch.manual_seed(1)
+        big = build_gpt("nano", n_embd=256)
+        big_fp, big_values = _values(big)
+        e = _refused(stub, _chunks(big_fp, big_values))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "--init-expect" in e.details(), e.details()
+        # no init hash at all (an older worker)
+        e = _refused(stub, _chunks(fp, honest, claim={"init_hash": ""}))
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "no init hash" in e.details(), e.details()
+        assert not made and not (tmp_path / "s" / "meta.json").exists()  # nothing changed
+        stub.Initialize(_chunks(fp, honest), timeout=30)
+        assert len(made) == 1 and _same(fetch_masters([shard.target]), honest)
+        assert json.loads((tmp_path / "s" / "meta.json").read_text())["init_hash"] == pin
+        assert shard.join("w", fp).init_hash == pin  # said at Join, for workers to compare
+    finally:
+        shard.shutdown()
+    # restarted from its checkpoint: the same init hash at Join
+    again = build_service(CFG, None, 0, 1, init="from-worker", checkpoint_dir=str(tmp_path / "s"))
+    shard = InThreadShard(again, tmp_path, fp)  # type: ignore[arg-type]
+    try:
+        assert shard.join("w").init_hash == pin
+    finally:
+        shard.shutdown()
+
+
+def test_init_hash_prints_what_a_worker_with_that_model_and_seed_uploads():
+    fp, values = _values(_model(1))
+    r = streamdiloco(
+        "init-hash",
+        "--model",
+        "nano",
+        "--seed",
+        "1",
+        "--sync-every",
+        "6",
+        "--num-fragments",
+        "3",
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == _claim(fp, values)["init_hash"]
+    r = streamdiloco("init-hash", "--model", "nano", "--num-fragments", "3", "--num-shards", "2", timeout=120)
+    assert (
+        r.stdout.strip().splitlines()[-1]
+        == _claim(_values(_model(0))[0], _values(_model(0))[1], 2)["init_hash"]
+    )
+
+
+def test_two_shards_started_from_two_uploads_are_refused_by_every_worker(tmp_path):
+    shards = [_pending(tmp_path, f"s{i}", (i, 2)) for i in range(2)]
+    try:
+        fp, a = _values(_model(1))
+        _, b = _values(_model(2))
+        shards[0][1].stub.Initialize(_chunks(fp, a, shard=(0, 2)), timeout=30)
+        shards[1][1].stub.Initialize(_chunks(fp, b, shard=(1, 2)), timeout=30)
+        targets = [s.target for _, s, _ in shards]
+        for seed in (1, 2, 3):  # either uploader's values, or others
+            with pytest.raises(SyncError, match="the shards started from different parameters") as e:
+                connect(_model(seed), targets, CFG, name=f"w{seed}", join_timeout=10)
+            assert "\n" not in str(e.value) and "--fresh" in str(e.value)
+    finally:
+        for _, s, _ in shards:
+            s.shutdown()
+
+
+def test_an_upload_that_sends_no_values_loses_the_slot_at_its_deadline(tmp_path):
+    pending, shard, made = _pending(tmp_path, init_timeout=0.5)
+    fp, values = _values(_model(1))
+    gaps = threading.Event()
+    try:
+        e = _refused(shard.stub, _chunks(fp, values, gaps=gaps), timeout=15)  # an empty message every 0.1 s
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--init-timeout" in e.details(), e.details()
+        assert not made
+        shard.stub.Initialize(_chunks(fp, values), timeout=30)  # the slot is free
+        assert len(made) == 1
+    finally:
+        gaps.set()
+        shard.shutdown()
+
+
+def test_an_uploader_that_dies_between_shards_leaves_a_run_that_a_worker_with_its_seed_completes(tmp_path):
+    shards = [_pending(tmp_path, f"s{i}", (i, 2)) for i in range(2)]
+    targets = [s.target for _, s, _ in shards]
+    gaps = threading.Event()
+    try:
+        model = _model(1)
+        layout = build_layout(model, CFG.num_fragments)
+        fp, values = _values(model)
+        # the first worker's upload reached shard 0; it died before shard 1 (and mid-upload on shard 1)
+        shards[0][1].stub.Initialize(_chunks(fp, values, "first", shard=(0, 2)), timeout=30)
+        dying = shards[1][1].stub.Initialize.future(_chunks(fp, values, shard=(1, 2), gaps=gaps), timeout=30)
+        shards[1][1].wait_for(lambda: shards[1][0].uploader is not None, "the upload to shard 1 to begin")
+        dying.cancel()
+        shards[1][1].wait_for(lambda: shards[1][0].uploader is None, "the broken upload to end")
+        # a worker with other values never uploads: it waits, then says whose start the run needs
+        with pytest.raises(SyncError, match="start a worker with the run's model and seed") as e:
+            connect(_model(2), targets, CFG, name="other", join_timeout=1.5)
+        assert "\n" not in str(e.value)
+        assert not shards[1][2]
+        # one with the first worker's model and seed completes shard 1, and the run starts from its values
+        engine = connect(_model(1), targets, CFG, name="same", join_timeout=10)
+        try:
+            assert _same(engine.mirrors, values)
+        finally:
+            engine.close()
+        assert len(shards[1][2]) == 1 and len(shards[0][2]) == 1
+        run = init_hash(layout, values, 2)[0]
+        assert [s.join("w", fp).init_hash for _, s, _ in shards] == [run, run]
+        # and a worker with other values joins it, taking the run's values
+        engine = connect(_model(3), targets, CFG, name="later", join_timeout=10)
+        try:
+            assert _same(engine.mirrors, values)
+        finally:
+            engine.close()
+    finally:
+        gaps.set()
+        for _, s, _ in shards:
+            s.shutdown()
+
+
+def test_the_init_flags_are_one_line_errors_before_anything_starts():
+    r = streamdiloco("server", "--init", "from-worker", "--init-expect", "abc", "--port", "0", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "64 hex digits" in lines[0], r.stderr
+    r = streamdiloco("server", "--model", "nano", "--init-expect", "a" * 64, "--port", "0", timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "goes with --init from-worker" in lines[0], r.stderr
+    r = streamdiloco("server", "--init", "from-worker", "--init-timeout", "0", "--port", "0", timeout=60)
+    assert r.returncode == 2 and "--init-timeout must be a positive" in r.stderr, r.stderr
+
+
+# in `make test-slow`; covered by test_a_pinned_shard_takes_the_pinned_values_alone_and_no_other_layout
+# (the same checks, on an in-thread shard) and test_init_hash_prints_what_a_worker_with_that_model_and_seed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pinned_shard_process_takes_the_worker_cli_of_the_pinned_seed_alone(tmp_path):
+    sync = ["--sync-every", "6", "--num-fragments", "3"]
+    r = streamdiloco("init-hash", "--model", "nano", "--seed", "0", *sync, timeout=120)
+    pin = r.stdout.strip().splitlines()[-1]
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("s", "--init", "from-worker", "--init-expect", pin, "--init-timeout", "5", *sync)
+        worker = ["--model", "nano", "--steps", "6", "--batch-size", "2", "--eval-batches", "1"]
+        c.worker("other", [target], *worker, "--seed", "1")
+        assert c.procs["other"].wait(180) == 1, c.log("other")[-3000:]
+        assert "FAILED_PRECONDITION" in c.log("other") and "--init-expect" in c.log("other")
+        assert not (tmp_path / "s-checkpoint" / "meta.json").exists()
+        c.worker("pinned", [target], *worker)
+        assert c.procs["pinned"].wait(180) == 0, c.log("pinned")[-3000:]
+        assert f"init hash {pin}" in c.log("s")
+        assert json.loads((tmp_path / "s-checkpoint" / "meta.json").read_text())["init_hash"] == pin
