@@ -599,12 +599,15 @@ async def _serve_grpc(
     )
     log.info(
         "open-file limit %d: at most %d gRPC and %d HTTP connections, %d sessions (%d per address), Hello "
-        "within %g s",
+        "within %g s, %d calls waiting for their request (%d per address) within %g s",
         resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         *connections,
         limits.max_sessions,
         limits.max_sessions_per_peer,
         limits.hello_timeout,
+        limits.max_waiting_calls,
+        limits.max_waiting_calls_per_peer,
+        limits.request_timeout,
     )
     _write_ready(ready_file, bound, http_bound, st.shard)
     try:
