@@ -21,6 +21,7 @@ in. Session is not here: its Hello has its own deadline and its streams their ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -118,8 +119,9 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
 
             async def unary_stream(requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext):
                 request, _ = await first(requests, context)
-                async for reply in h.unary_stream(request, context):
-                    yield reply
+                async with contextlib.aclosing(h.unary_stream(request, context)) as replies:
+                    async for reply in replies:  # closed with the call: the handler's finally runs now
+                        yield reply
 
             return grpc.stream_stream_rpc_method_handler(unary_stream, response_serializer=ser)
 
@@ -136,8 +138,10 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=ser)
 
         async def stream_stream(requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext):
-            async for reply in h.stream_stream(rest(*await first(requests, context)), context):
-                yield reply
+            replies = h.stream_stream(rest(*await first(requests, context)), context)
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    yield reply
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=ser)
 
@@ -155,6 +159,9 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
             done, _ = await asyncio.wait(
                 {recv, waiter.evicted}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
             )
+        except BaseException:  # the call was cancelled
+            recv.cancel()
+            raise
         finally:
             self._release(waiter)
         if recv not in done:
