@@ -3,10 +3,13 @@
 Keepalive: a worker may sit between syncs for minutes on an idle WAN link, where NATs and firewalls drop
 silent TCP connections. Clients ping every 30 s even without calls in flight; servers accept such pings
 (down to every 10 s) instead of answering them with GOAWAY. Messages are about 1 MiB (chunks); the limits
-leave room for a bigger `--chunk-bytes`.
+leave room for a bigger `--chunk-bytes`. A shard receives at most what its largest legitimate message needs
+(server/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -49,12 +52,18 @@ SERVER_OPTIONS = _COMMON + [
 
 
 def make_server(
-    options: list[tuple[str, int]] | None = None, maximum_concurrent_rpcs: int | None = None
+    options: list[tuple[str, int]] | None = None,
+    maximum_concurrent_rpcs: int | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
     """An asyncio gRPC server with the run's message limits and keepalive, and the shard's `options`
-    (its bounds on connections: server/bounds.py)."""
+    (its bounds on connections and messages: server/bounds.py), which replace the defaults of the same
+    name; `interceptors`: its bounds on calls (server/slots.py)."""
+    mine = {name for name, _ in options or []}
     return grpc.aio.server(
-        options=SERVER_OPTIONS + (options or []), maximum_concurrent_rpcs=maximum_concurrent_rpcs
+        options=[o for o in SERVER_OPTIONS if o[0] not in mine] + (options or []),
+        maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        interceptors=list(interceptors) or None,
     )
 
 

@@ -1,11 +1,15 @@
 """Bounds on what a client can make a shard hold: time before it says who it is, connections and sessions
-(per peer address and in total), bytes queued for sessions that do not read, log lines, file descriptors.
+(per peer address and in total), calls waiting for their request, bytes queued for sessions that do not
+read, bytes of pushes still arriving, log lines, file descriptors.
 
 Shards face the internet, and a client that has no token can still open connections and streams. Every
 such resource gets a limit here, and a client over it gets a clear refusal (RESOURCE_EXHAUSTED, a closed
 connection) instead of the shard running short. Running short of file descriptors must never stop a shard
 (its next checkpoint write would fail): the connection caps are derived from the open-file limit, leaving
 RESERVE_FDS for the shard's own files.
+
+Addresses are counted by `address_group`: an IPv4 address alone, an IPv6 one by its /64 (what one
+subscriber is given: counted per /128, one /64 had 2^64 times every per-address cap).
 
 The pure parts (Limits, PeerCounts, UnreadBudget, Throttled) hold no sockets; HttpListener is the one piece
 of I/O: the HTTP port's accept loop, in place of asyncio's (see its docstring).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -37,6 +42,8 @@ MAX_DEFAULT_CONNECTIONS = 1024  # gRPC connections when --max-connections is 0 a
 MAX_STREAMS_PER_CONNECTION = 100  # HTTP/2 streams one gRPC connection may open at once (RFC 9113's minimum)
 FETCHES_PER_PEER = 4  # Fetch calls at once from one address (a worker makes one per shard)
 MIN_UNREAD_BYTES = 256 << 20  # the default unread budget is at least this much
+MIN_STAGED_BYTES = 256 << 20  # the default budget of pushes arriving is at least this much
+IPV6_GROUP = 64  # IPv6 addresses are counted together by this prefix (one subscriber's usual allocation)
 ACCEPT_BATCH = 32  # HTTP connections accepted per wake-up of the loop, so that a flood cannot hog it
 ACCEPT_PAUSE = 1.0  # seconds the HTTP port stops accepting after the process ran out of descriptors
 LOG_PERIOD = 10.0  # seconds over which the lines of one kind of warning are counted, after the first few
@@ -56,7 +63,17 @@ class Limits:
     )
     header_timeout: float = field(
         default=10.0,
-        metadata={"help": "seconds an HTTP connection has to send a request's headers; then it is closed"},
+        metadata={
+            "help": "seconds an HTTP connection has to send a whole request (its headers, and a body if it "
+            "announces one); then it is closed"
+        },
+    )
+    request_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds a Join, Fetch, Pieces or Initialize call has to send its request (Initialize: "
+            "its first message) once it starts; then it is ended (a worker sends it at once)"
+        },
     )
     idle_timeout: float = field(
         default=60.0,
@@ -89,12 +106,34 @@ class Limits:
             "for a site that runs more)"
         },
     )
+    max_waiting_calls: int = field(
+        default=64,
+        metadata={
+            "help": "Join, Fetch, Pieces and Initialize calls at once that have not sent their request yet; "
+            "past it the one that has waited longest is ended"
+        },
+    )
+    max_waiting_calls_per_peer: int = field(
+        default=8,
+        metadata={
+            "help": "such calls at once from one address (an IPv6 /64); more are refused (a worker has one "
+            "or two, for a round trip)"
+        },
+    )
     max_unread_bytes: int = field(
         default=0,
         metadata={
             "help": "bytes of messages waiting, over all sessions, for workers to read them; past it the "
             "session with the most unread is ended (default 0: four rounds of every fragment's update, at "
             "least 256 MiB)"
+        },
+    )
+    max_staged_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "bytes of pushes whose chunks are still arriving, over all sessions; a chunk past it is "
+            "refused with its push (default 0: every one of --max-sessions staging one push of the "
+            "largest fragment, at least 256 MiB; a worker stages at most that one push's bytes)"
         },
     )
 
@@ -105,7 +144,7 @@ class Limits:
             if f.name.endswith("timeout"):
                 if not 0 < v <= 3600:  # also refuses NaN
                     raise ValueError(f"{flag} must be a number of seconds in (0, 3600], got {v}")
-            elif f.name in ("max_connections", "max_unread_bytes"):
+            elif f.name in ("max_connections", "max_unread_bytes", "max_staged_bytes"):
                 if v < 0:
                     raise ValueError(f"{flag} must be 0 (derived) or positive, got {v}")
             elif v < 1:
@@ -114,6 +153,8 @@ class Limits:
             raise ValueError("--max-http-connections-per-peer cannot be above --max-http-connections")
         if self.max_sessions_per_peer > self.max_sessions:
             raise ValueError("--max-sessions-per-peer cannot be above --max-sessions")
+        if self.max_waiting_calls_per_peer > self.max_waiting_calls:
+            raise ValueError("--max-waiting-calls-per-peer cannot be above --max-waiting-calls")
 
 
 def open_fds() -> int:
@@ -166,11 +207,12 @@ def connection_caps(limits: Limits) -> tuple[int, int]:
     return min(room, MAX_DEFAULT_CONNECTIONS), http
 
 
-def grpc_options(limits: Limits, max_connections: int) -> list[tuple[str, int]]:
+def grpc_options(limits: Limits, max_connections: int, max_receive: int) -> list[tuple[str, int]]:
     """gRPC's own bounds on connections: how many, how long one may take to finish its HTTP/2 handshake
     (a silent TCP connection is closed then), how long one may sit without a call, and streams at once
-    on one connection."""
+    on one connection; and the largest message it takes (`max_receive` bytes)."""
     return [
+        ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", round(limits.hello_timeout * 1000)),
         ("grpc.max_connection_idle_ms", round(limits.idle_timeout * 1000)),
@@ -189,27 +231,44 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+def address_group(host: str) -> str:
+    """What connections from `host` (an address without its port, as peer_host gives it) count under: an
+    IPv4 address as it is, an IPv6 address by its /64 ("2001:db8:1:2::/64"), an IPv4-mapped IPv6 address
+    as its IPv4 one; anything else (a unix socket) as it is."""
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])  # less a zone (fe80::1%eth0)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_GROUP), strict=False))
+    return str(ip)
+
+
 class PeerCounts:
     """Things held at once (sessions, connections), at most `total` and at most `per_peer` from one
-    address."""
+    address (an IPv6 /64: address_group)."""
 
     def __init__(self, what: str, total: int, per_peer: int):
         self.what, self.total, self.per_peer = what, total, per_peer
         self.held = 0
-        self.by_peer: dict[str, int] = {}
+        self.by_peer: dict[str, int] = {}  # address_group -> held
 
     def acquire(self, peer: str) -> str | None:
         """Takes one for `peer`; or returns why not (and takes nothing)."""
-        n = self.by_peer.get(peer, 0)
+        group = address_group(peer)
+        n = self.by_peer.get(group, 0)
         if n >= self.per_peer:
-            return f"{self.what} from {peer} are at their limit of {self.per_peer} per address"
+            return f"{self.what} from {group} are at their limit of {self.per_peer} per address"
         if self.held >= self.total:
             return f"the shard holds its limit of {self.total} {self.what}"
-        self.by_peer[peer] = n + 1
+        self.by_peer[group] = n + 1
         self.held += 1
         return None
 
     def release(self, peer: str) -> None:
+        peer = address_group(peer)
         n = self.by_peer[peer] - 1
         if n:
             self.by_peer[peer] = n
@@ -312,9 +371,11 @@ def throttle_library_logs() -> None:
 
 
 class BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers: uvicorn has none, so a connection
-    that sends nothing, or a header a byte a minute, was held for ever. The deadline runs from the
-    connection (or the end of the previous response) until the request's headers are whole."""
+    """uvicorn's h11 protocol with a deadline for each request: uvicorn has none, so a connection that sends
+    nothing, or a header a byte a minute, was held for ever; and so was one whose request announced a body
+    that never ended (a GET with a Content-Length, trickled: each byte also stopped uvicorn's keep-alive
+    timer). The deadline runs from the connection (or the end of the previous response) until the request
+    is whole, headers and body."""
 
     header_timeout = 10.0
     on_lost: Callable[[], None] = staticmethod(lambda: None)
@@ -334,7 +395,8 @@ class BoundedH11(H11Protocol):
         self._timer = self.loop.call_later(self.header_timeout, self._headers_due)
 
     def _headers_due(self) -> None:
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole request yet
+        # no whole request yet: its headers, or a body announced that has not ended
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -136,6 +136,12 @@ class Intake:
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
                 self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
             return
+        # before its bytes are copied: a new push must fit in what staging may hold (server/staging.py)
+        why = self.state.staging.admit(self.state.open, member.name, c.fragment, c.round, c.seq)
+        if why is not None:
+            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "staging_full"):
+                self._refuse(member, c.fragment, c.round, "staging_full", f"round {c.round}: {why}")
+            return
         try:
             part = from_chunk(c)
         except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole

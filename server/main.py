@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamdiloco.common.atomic import atomic_write_text
-from streamdiloco.common.codecs import warm_up
+from streamdiloco.common.codecs import get_codec, warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
@@ -53,6 +53,7 @@ from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.run_view import Peers, RunView
 from streamdiloco.server.service import ShardService, add_to_server
 from streamdiloco.server.shard import ShardState
+from streamdiloco.server.slots import WaitingCalls, receive_limit
 
 if TYPE_CHECKING:
     from torch import nn
@@ -61,6 +62,7 @@ log = logging.getLogger("streamdiloco.shard")
 
 
 FROM_WORKER = "from-worker"  # --init from-worker: the first worker's layout and parameters
+MAX_CHUNK_BYTES = 16 << 20  # --chunk-bytes at most
 
 
 def build_service(
@@ -98,7 +100,7 @@ def build_service(
     workers give it to connect() (--blocks-path, --fragments). `piece_tokens`: the pieces of shard 0's data
     ledger (--piece-tokens). `init_expect`, `init_timeout`: the pending shard's pinned init hash and its
     upload's deadline (--init-expect, --init-timeout: server/initialize.py)."""
-    if not 0 < chunk_bytes <= 16 << 20:
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):
         raise ValueError(f"--round-timeout must be a finite number of seconds, got {round_timeout}")
@@ -527,9 +529,21 @@ async def _serve_grpc(
     http_base: str,
 ) -> None:
     limits = service.limits
-    # Sessions and Fetches are counted (and refused) by the service; past this many calls at once, Joins
-    # included, gRPC takes no more until one ends (they wait in its own bounded queue)
-    server = make_server(grpc_options(limits, connections[0]), 2 * limits.max_sessions + 64)
+    # Sessions and Fetches are counted (and refused) by the service, calls waiting for their request by
+    # `waiting`; past this many calls at once (room for all of those and 64 Joins or Pieces being answered)
+    # gRPC refuses more
+    waiting = WaitingCalls(limits, service.refused if isinstance(service, ShardService) else None)
+    if isinstance(service, ShardService):
+        service.waiting_calls = waiting
+        up = get_codec(service.state.cfg.uplink_codec)
+        push_bytes = up.encoded_nbytes(service.up_chunk, service.state.cfg.codec_block_size)
+    else:  # the pending shard's service is not built yet: the largest chunk a --chunk-bytes may give
+        push_bytes = 2 * MAX_CHUNK_BYTES
+    server = make_server(
+        grpc_options(limits, connections[0], receive_limit(push_bytes)),
+        2 * limits.max_sessions + limits.max_waiting_calls + 64,
+        [waiting],
+    )
     pending = service if isinstance(service, PendingShard) else None
     if isinstance(service, PendingShard):  # the pending shard's methods, then the service's
         server.add_generic_rpc_handlers((service.dispatch,))
@@ -576,6 +590,9 @@ async def _serve_grpc(
         service = holder.service
         ready_file = None  # written already
     assert isinstance(service, ShardService)
+    if service.waiting_calls is None:  # built from the first worker's upload: it counts from now on
+        service.refused.update(waiting.refused)
+        waiting.refused, service.waiting_calls = service.refused, waiting
     service.serving = True
     holder.phase = "serving"
     tick = asyncio.create_task(service.tick())
@@ -605,12 +622,15 @@ async def _serve_grpc(
     )
     log.info(
         "open-file limit %d: at most %d gRPC and %d HTTP connections, %d sessions (%d per address), Hello "
-        "within %g s",
+        "within %g s, %d calls waiting for their request (%d per address) within %g s",
         resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         *connections,
         limits.max_sessions,
         limits.max_sessions_per_peer,
         limits.hello_timeout,
+        limits.max_waiting_calls,
+        limits.max_waiting_calls_per_peer,
+        limits.request_timeout,
     )
     _write_ready(ready_file, bound, http_bound, st.shard)
     try:

@@ -58,10 +58,12 @@ from streamdiloco.server.roster import Member, Roster
 from streamdiloco.server.rounds import RoundRunner
 from streamdiloco.server.shard import ShardState
 from streamdiloco.server.status import ShardStatus
-from streamdiloco.server.wiring import chunk_sizes, peer_counts, unread_budget
+from streamdiloco.server.wiring import chunk_sizes, peer_counts, staged_budget, unread_budget
 
 if TYPE_CHECKING:
     import torch
+
+    from streamdiloco.server.slots import WaitingCalls
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -92,8 +94,10 @@ class ShardService(pb_grpc.ShardServicer):
             state.expect_back(clock() + state.round_timeout)
         self.up_chunk, self.down_chunk, self.fetch_chunk = chunk_sizes(state.cfg, chunk_bytes)
         self.unread = unread_budget(state.cfg, state.ranges, limits)  # what waits for members to read it
+        state.staging.limit = staged_budget(state.staging, limits)  # what pushes arriving may hold
         self.peer_sessions, self.fetches = peer_counts(limits)
         self.refused: dict[str, int] = {}  # calls refused by a bound, by kind
+        self.waiting_calls: WaitingCalls | None = None  # calls before their request (serve() sets it)
         self.throttled = Throttled(log)  # warnings a client can cause: a few lines per kind per period
         self._told_unchecked: set[str] = set()  # workers told that this shard checks no token (logged once)
         # Joins, sessions and members, one truth; Joins never followed by a Session are bounded

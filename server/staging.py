@@ -4,6 +4,12 @@ before their last chunk (whose later chunks are dropped without a word). A refus
 
 Split from server/shard.py (ShardState, which takes a push into its round once its last chunk is in) by
 job. Pure: no networking, no clocks; what it must not do: touch a round (it only reads the open one).
+
+What staging holds is bounded (`admit`, asked before a push's first chunk is even decoded): a worker
+stages one push at a time (a worker sends its pushes one after the other, so only a client that is not a
+worker has two under way), and every staged push reserves its whole size (this shard's slice of its
+fragment, in the uplink codec) from one budget over all sessions (`limit`, --max-staged-bytes): a push that
+does not fit is refused before its first chunk is copied, and one that fits can always finish.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamdiloco.common.chunks import Assembly, ChunkError
-from streamdiloco.common.codecs import Encoded, sumsq
+from streamdiloco.common.codecs import Encoded, get_codec, sumsq
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.server.defenses import Defenses
 from streamdiloco.server.robust import MAX_LOSS, MIN_WEIGHT
@@ -50,9 +56,11 @@ class Chunk:
 class Staging:
     """The pushes of one shard whose chunks are arriving, keyed by (worker, fragment)."""
 
-    def __init__(self, shard: int, ranges: list[tuple[int, int]], cfg: SyncConfig):
+    def __init__(self, shard: int, ranges: list[tuple[int, int]], cfg: SyncConfig, limit: int | None = None):
         self.shard, self.ranges, self.cfg = shard, ranges, cfg
+        self.limit = limit  # bytes the staged pushes may reserve in all (None: no bound)
         self.staged: dict[tuple[str, int], Staged] = {}
+        self.staged_bytes = 0  # reserved by the staged pushes: each its whole size (push_bytes)
         # (worker, fragment or -1) -> (fragment, round) of a push refused before its last chunk
         self.discarding: dict[tuple[str, int], tuple[int, int]] = {}
         self.pushes_refused: dict[str, int] = {}  # reason -> count
@@ -63,6 +71,33 @@ class Staging:
         return Assembly(
             hi - lo, self.cfg.uplink_codec, self.cfg.codec_block_size, where=f"slice {self.shard}"
         )
+
+    def push_bytes(self, fragment: int) -> int:
+        """Codec bytes (payload and scales) of a whole push to this shard's slice of the fragment."""
+        lo, hi = self.ranges[fragment]
+        return get_codec(self.cfg.uplink_codec).encoded_nbytes(hi - lo, self.cfg.codec_block_size)
+
+    def admit(self, open: list[OpenRound], worker: str, fragment: int, round: int, seq: int) -> str | None:
+        """Why a chunk may not be staged (None: it may): asked before its bytes are copied. Only a push's
+        first chunk can be turned away: a worker's second push while its first is arriving, or a push whose
+        whole size does not fit in the budget; a push once staged can always finish."""
+        if seq != 0 or not 0 <= fragment < len(self.ranges) or (worker, fragment) in self.staged:
+            return None  # not a new push (or one that _check refuses for what it says)
+        if round != open[fragment].number or worker in open[fragment].contributors:
+            return None  # late, ahead or a duplicate: _check says so, and stages nothing
+        other = next((f for w, f in self.staged if w == worker), None)
+        if other is not None:
+            return (
+                f"fragment {fragment}: {worker} has a push to fragment {other} still arriving; a worker "
+                "sends one push at a time"
+            )
+        need = self.push_bytes(fragment)
+        if self.limit is not None and self.staged_bytes + need > self.limit:
+            return (
+                f"fragment {fragment}: the shard's budget of {self.limit:,} bytes for pushes arriving "
+                f"(--max-staged-bytes) holds {self.staged_bytes:,}, and this push needs {need:,}"
+            )
+        return None
 
     def chunk(self, open: list[OpenRound], defenses: Defenses, c: Chunk) -> Staged | None:
         """Take one chunk of a push (`open`: the open rounds). The push, once its last chunk is in (no longer
@@ -84,14 +119,17 @@ class Staging:
         self.discarding.pop(key, None)
         if st is None:
             assert c.weight is not None
-            st = self.staged[key] = Staged(c.round, defenses.reported(c.weight), c.loss, asm)
+            st = Staged(c.round, defenses.reported(c.weight), c.loss, asm)
+            if not c.last:
+                self.staged[key] = st
+                self.staged_bytes += self.push_bytes(c.fragment)
         if defenses.measures_norms:
             st.sumsq += sumsq(
                 c.part
             )  # the push's size, as it arrives (the chunk was checked: values bounded)
         if not c.last:
             return None
-        del self.staged[key]
+        self._unstage(key)
         return st
 
     def refuse(self, worker: str, fragment: int, round: int, seq: int, last: bool, reason: str) -> bool:
@@ -105,14 +143,18 @@ class Staging:
     def forget_worker(self, worker: str) -> None:
         """The worker left: any push it had half-sent is dropped."""
         for key in [k for k in self.staged if k[0] == worker]:
-            del self.staged[key]
+            self._unstage(key)
         for key in [k for k in self.discarding if k[0] == worker]:
             del self.discarding[key]
 
     def forget_fragment(self, fragment: int) -> None:
         """The fragment's round closed: the pushes still arriving for it are dropped (they are `late`)."""
         for key in [k for k in self.staged if k[1] == fragment]:
-            del self.staged[key]
+            self._unstage(key)
+
+    def _unstage(self, key: tuple[str, int]) -> None:
+        if self.staged.pop(key, None) is not None:
+            self.staged_bytes -= self.push_bytes(key[1])
 
     def arriving(self, fragment: int) -> bool:
         """Whether a push to the fragment has chunks in but not its last."""
@@ -132,7 +174,7 @@ class Staging:
         return False
 
     def drop(self, key: tuple[str, int], round: int, last: bool, reason: str) -> None:
-        self.staged.pop(key, None)
+        self._unstage(key)
         if not last:  # the push's later chunks are dropped without a word
             self.discarding[self._discard_key(*key)] = (key[1], round)
         self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1

@@ -126,7 +126,10 @@ class ShardStatus:
                 "fetches": self.svc.fetches.held,
                 "unread_bytes": self.svc.unread.held,
                 "unread_limit": self.svc.unread.limit,
+                "staged_bytes": st.staging.staged_bytes,  # reserved by pushes whose chunks are arriving
+                "staged_limit": st.staging.limit,
                 "pending_joins": len(self.svc.roster.joins.pending),
+                "waiting_calls": w.held if (w := self.svc.waiting_calls) is not None else 0,
                 "refused": dict(self.svc.refused),
             },
             "bytes": {

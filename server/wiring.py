@@ -1,5 +1,6 @@
 """How a shard's servicer sizes its traffic from the run's settings and its limits: the values per chunk in
-each direction, the budget of bytes queued for members and not read yet, and the counts of calls per peer.
+each direction, the budget of bytes queued for members and not read yet, the budget of pushes arriving, and
+the counts of calls per peer.
 The servicer (server/service.py) builds its parts from these; what this module must not do: hold state of
 its own, or serve a call.
 """
@@ -8,7 +9,15 @@ from __future__ import annotations
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.bounds import FETCHES_PER_PEER, MIN_UNREAD_BYTES, Limits, PeerCounts, UnreadBudget
+from streamdiloco.server.bounds import (
+    FETCHES_PER_PEER,
+    MIN_STAGED_BYTES,
+    MIN_UNREAD_BYTES,
+    Limits,
+    PeerCounts,
+    UnreadBudget,
+)
+from streamdiloco.server.staging import Staging
 
 
 def chunk_sizes(cfg: SyncConfig, chunk_bytes: int) -> tuple[int, int, int]:
@@ -27,6 +36,14 @@ def unread_budget(cfg: SyncConfig, ranges: list[tuple[int, int]], limits: Limits
     down = get_codec(cfg.downlink_codec)
     update_bytes = sum(down.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in ranges)
     return UnreadBudget(limits.max_unread_bytes or max(MIN_UNREAD_BYTES, 4 * update_bytes))
+
+
+def staged_budget(staging: Staging, limits: Limits) -> int:
+    """What the pushes whose chunks are arriving may reserve, over all sessions: --max-staged-bytes, or one
+    push of the largest fragment for every one of --max-sessions (a worker stages one push at a time), and
+    at least MIN_STAGED_BYTES."""
+    largest = max(staging.push_bytes(f) for f in range(len(staging.ranges)))
+    return limits.max_staged_bytes or max(MIN_STAGED_BYTES, limits.max_sessions * largest)
 
 
 def peer_counts(limits: Limits) -> tuple[PeerCounts, PeerCounts]:

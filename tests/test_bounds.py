@@ -5,7 +5,7 @@ streams that never send Hello and 600 silent TCP connections to the gRPC and HTT
 their deadlines while a worker keeps training, rounds keep closing and checkpoints keep being written; the
 shard never stops and its log stays small. Sessions that do not read share one unread budget. In-process
 (tests/inthread.py's shard): the caps per address and in total refuse with a clear status, Fetch refuses
-repeated fragments and oversized requests, a 40 MiB codec name is not echoed, undecodable messages get a
+repeated fragments and oversized requests, a 4 MiB codec name is not echoed, undecodable messages get a
 throttled line each and no traceback, weights below one token are refused. The pure pieces of
 server/bounds.py are pinned on their own. Attackers connect from other loopback addresses (127.0.0.2, ...)
 than the worker and the test's own status reads (127.0.0.1), as they would from other machines.
@@ -600,11 +600,12 @@ def test_fetch_refuses_repeated_fragments_and_more_fragments_than_the_run_has(ma
     assert s.service.fetches.held == 0
 
 
-def test_a_40_mib_codec_name_is_not_echoed_into_the_reply_or_the_log(make_shard, caplog):
+def test_a_4_mib_codec_name_is_not_echoed_into_the_reply_or_the_log(make_shard, caplog):
     s = make_shard()
     a = s.worker("a")
     msgs = push_messages(encode(_delta(s), "e3m0", 128))
-    msgs[0].push.chunk.codec = "x" * (40 << 20)
+    # 4 MiB: a 40 MiB message is over what the shard receives at all (tests/test_trust_slots.py)
+    msgs[0].push.chunk.codec = "x" * (4 << 20)
     with caplog.at_level(logging.INFO, logger="streamdiloco"):
         a.push(msgs[:1])
         r = a.session.result()
