@@ -49,6 +49,18 @@ class ChunkError(ValueError):
         self.reason = reason
 
 
+def out_of_bounds(values: torch.Tensor, max_abs: float = MAX_ABS_VALUE) -> str | None:
+    """What is wrong with fp32 parameter values from the wire (a Fetch's master, an Initialize upload), in
+    words ("non-finite values", "values above 1e+30 in magnitude"); None when every one is finite and at most
+    `max_abs` in magnitude: parameters are far below the bound that updates keep to."""
+    top = float(values.abs().amax()) if values.numel() else 0.0  # NaN and inf survive abs, amax
+    if not math.isfinite(top):
+        return "non-finite values"
+    if top > max_abs:
+        return f"values above {max_abs:g} in magnitude"
+    return None
+
+
 def _shown(text: str, limit: int = 40) -> str:
     """Text a client sent, as a message quotes it: its first `limit` characters."""
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
@@ -273,11 +285,8 @@ class MasterAssembly:
             raise ChunkError("bad_length", f"values [{offset}, {end}) do not fit a {total}-value slice")
         if last != (end == total):
             raise ChunkError("bad_length", f"chunk ends at {end} of {total} but last is {str(last).lower()}")
-        top = float(values.abs().amax()) if values.numel() else 0.0  # NaN and inf survive abs, amax
-        if not math.isfinite(top):
-            raise ChunkError("bad_value", "the chunk holds non-finite values")
-        if top > self.max_abs:  # a master's values are parameters: far below the bound updates keep to
-            raise ChunkError("bad_value", f"the chunk holds values above {self.max_abs:g} in magnitude")
+        if (bad := out_of_bounds(values, self.max_abs)) is not None:
+            raise ChunkError("bad_value", f"the chunk holds {bad}")
 
     def add(self, round: int, offset: int, total: int, values: torch.Tensor, last: bool) -> bool:
         """Copy the next chunk's values into place (ChunkError, with nothing changed, if it does not fit).

@@ -41,7 +41,7 @@ import pytest
 import torch
 from inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
 
-from streamdiloco.common.chunks import MAX_ABS_VALUE
+from streamdiloco.common.chunks import MAX_ABS_VALUE, out_of_bounds
 from streamdiloco.common.codecs import add_into, concat, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fetch import FetchError, fetch_slices
@@ -911,9 +911,7 @@ class InitFuzzer:
             assert want.numel() == hi - lo and torch.equal(got, want), (
                 f"fragment {f} is not what was sent {case}"
             )
-            assert torch.equal(got, _INITIAL[f][lo:hi]), (
-                f"the shard took values that were not the upload's {case}"
-            )
+            assert out_of_bounds(got) is None, f"the shard took masters no worker can fetch {case}"
         if fresh:
             self.shard.shutdown()
             self.shard = pending_shard(self.tmp_path)

@@ -381,3 +381,23 @@ def test_export_fetch_masters_takes_an_honest_stream():
         assert torch.equal(got, torch.randn(got.numel(), generator=torch.Generator().manual_seed(0)))
     finally:
         server.stop(None)
+
+
+def test_a_shard_refuses_starting_values_no_worker_could_fetch():
+    """Initialize keeps to the bound a worker's Fetch holds masters to (common/chunks.py out_of_bounds):
+    else the shard would take a model that every worker then refuses."""
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.common.wire import values_to_bytes
+    from streamdiloco.server.initialize import InitRefused, Upload
+
+    layout = build_layout(torch.nn.Linear(4, 4), 1)
+    for value, words in (
+        (3e38, "values above 1e+30 in magnitude"),
+        (float("nan"), "values that are not finite"),
+    ):
+        upload = Upload(layout, 0, 1)
+        x = torch.zeros(20)
+        x[7] = value
+        with pytest.raises(InitRefused, match=f"fragment 0 at offset 0: {words}".replace("+", r"\+")):
+            upload.add(0, 0, values_to_bytes(x), True)
+        assert not upload.done and upload.received == 0
