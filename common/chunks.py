@@ -8,7 +8,7 @@ repeated, at the wrong offset, of another length, codec or block size, misaligne
 do not match its codec, or whose values are not finite or could overflow a sum. It keeps the chunks as they
 came (encoded: a 4-bit push stays 4-bit) and decodes them straight into place, or adds them, weighted, into
 an accumulator, without concatenating them first. `MasterAssembly` does the same for the fp32 chunks of a
-Fetch, which can be resumed from where a broken stream stopped.
+Fetch, which can be resumed from where a broken stream stopped; its values keep to the same bound.
 
 Pure: no networking, no threads, no clocks. Messages name the problem; callers prefix where it happened
 ("fragment 3 round 7 chunk 2: ...") and map `reason` to their own errors.
@@ -31,8 +31,9 @@ from streamdiloco.common.codecs import (
     get_codec,
 )
 
-# No value a chunk stands for may exceed this in magnitude, so that no weighted sum of accepted chunks, mean
-# or outer step can overflow: outer gradients and updates are parameter differences, far below 1e30.
+# No value a chunk stands for may exceed this in magnitude (a push on the shard; an update or a fetched master
+# on the worker), so that no weighted sum of accepted chunks, mean, outer step or mirror can overflow: outer
+# gradients and updates are parameter differences, and parameters, far below 1e30.
 MAX_ABS_VALUE = 1e30
 # The largest level of each scaled codec, relative to its block's scale (int8: 127 steps, e3m0: 2^0).
 _TOP_LEVEL = {"int8": 127.0, "e3m0": 1.0}
@@ -46,6 +47,18 @@ class ChunkError(ValueError):
         # short machine-readable cause, as the shard's PushResult carries it: bad_chunk (order), bad_offset,
         # bad_length (sizes, alignment, last), bad_codec (codec, block size), bad_scale, bad_value, bad_round
         self.reason = reason
+
+
+def out_of_bounds(values: torch.Tensor, max_abs: float = MAX_ABS_VALUE) -> str | None:
+    """What is wrong with fp32 parameter values from the wire (a Fetch's master, an Initialize upload), in
+    words ("non-finite values", "values above 1e+30 in magnitude"); None when every one is finite and at most
+    `max_abs` in magnitude: parameters are far below the bound that updates keep to."""
+    top = float(values.abs().amax()) if values.numel() else 0.0  # NaN and inf survive abs, amax
+    if not math.isfinite(top):
+        return "non-finite values"
+    if top > max_abs:
+        return f"values above {max_abs:g} in magnitude"
+    return None
 
 
 def _shown(text: str, limit: int = 40) -> str:
@@ -229,13 +242,22 @@ class Assembly:
 
 class MasterAssembly:
     """One fragment slice's fp32 master arriving as the chunks of a Fetch stream, written straight into
-    `out` (allocated if not given). The stream may break and be resumed at `received`; if the shard's round
-    changes between chunks, `add` refuses with reason "round_changed" and the caller starts over (`reset`)."""
+    `out` (allocated if not given), every value finite and at most `max_abs` in magnitude (so that a mirror
+    set from it, plus the updates that follow, stays finite). The stream may break and be resumed at
+    `received`; if the shard's round changes between chunks, `add` refuses with reason "round_changed" and
+    the caller starts over (`reset`)."""
 
-    def __init__(self, total: int, out: torch.Tensor | None = None, *, where: str = "the slice"):
+    def __init__(
+        self,
+        total: int,
+        out: torch.Tensor | None = None,
+        *,
+        where: str = "the slice",
+        max_abs: float = MAX_ABS_VALUE,
+    ):
         if out is not None and (out.dtype != torch.float32 or out.numel() != total):
             raise ValueError(f"out must hold {total} fp32 values")
-        self.total, self.where = total, where
+        self.total, self.where, self.max_abs = total, where, max_abs
         self.values = out if out is not None else torch.empty(total, dtype=torch.float32)
         self.round: int | None = None  # the round of the master, from its first chunk
         self.received = 0
@@ -263,8 +285,8 @@ class MasterAssembly:
             raise ChunkError("bad_length", f"values [{offset}, {end}) do not fit a {total}-value slice")
         if last != (end == total):
             raise ChunkError("bad_length", f"chunk ends at {end} of {total} but last is {str(last).lower()}")
-        if values.numel() and not bool(torch.isfinite(values).all()):
-            raise ChunkError("bad_value", "the chunk holds non-finite values")
+        if (bad := out_of_bounds(values, self.max_abs)) is not None:
+            raise ChunkError("bad_value", f"the chunk holds {bad}")
 
     def add(self, round: int, offset: int, total: int, values: torch.Tensor, last: bool) -> bool:
         """Copy the next chunk's values into place (ChunkError, with nothing changed, if it does not fit).

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import torch
 
+from streamdiloco.common.chunks import out_of_bounds
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import (
     fingerprint_diff,
@@ -150,10 +151,10 @@ class Upload:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"fragment {fragment}: more than the {self._want():,} values of this shard's slice",
                 )
-            if not bool(torch.isfinite(x).all()):
+            if (bad := out_of_bounds(x)) is not None:  # what every worker's Fetch would refuse
+                bad = "values that are not finite" if bad.startswith("non-finite") else bad
                 raise InitRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"fragment {fragment} at offset {offset}: values that are not finite",
+                    grpc.StatusCode.INVALID_ARGUMENT, f"fragment {fragment} at offset {offset}: {bad}"
                 )
             self.parts[fragment].append(x)
             self.hasher.update(values)

@@ -14,6 +14,11 @@ Invariants, checked after every case:
 And every 100 cases and at the end, the honest workers close a round of each fragment, which must give
 exactly the update and master that the pure ShardState gives from the fragment's state before the round.
 
+Two more targets, further down: Initialize uploads to a `--init from-worker` shard (refused cleanly, the
+shard still waiting, unless the upload was a valid one), and the worker's side facing a hostile shard (Join
+replies, Welcomes, update chunks and Fetch streams through the worker's own readers: the clear error or a
+sane acceptance, mirrors finite, buffers bounded).
+
 Failures name the seed and the case; `FUZZ_SEED=N pytest tests/test_fuzz.py` reruns a seed (cases depend
 only on the seed and on what the shard answered before).
 """
@@ -36,14 +41,17 @@ import pytest
 import torch
 from inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
 
-from streamdiloco.common.codecs import concat, encode
+from streamdiloco.common.chunks import MAX_ABS_VALUE, out_of_bounds
+from streamdiloco.common.codecs import add_into, concat, encode
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.fetch import FetchError, fetch_slices
 from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
 from streamdiloco.server.shard import ShardState
+from streamdiloco.worker.connection import MAX_UPDATES_UNDER_WAY, ShardConnection, SyncError, Updates
 from streamdiloco.worker.model import build_gpt
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)
@@ -270,6 +278,29 @@ def mutate_header(rng: random.Random, h: pb.PushHeader, case: Case) -> None:
     case.say(f"header.{name} = {getattr(h, name)}")
 
 
+def mangled_fingerprint(rng: random.Random, case: Case) -> str:
+    """The honest fingerprint's JSON bent one way (truncated, deep, fields of other types, long)."""
+    fp = fingerprint()
+    kind = rng.randrange(7)
+    case.say(f"fingerprint mangle {kind}")
+    if kind == 0:
+        return GOOD_FP[: rng.randrange(len(GOOD_FP))]  # truncated JSON
+    if kind == 1:
+        return "[" * rng.choice([10, 1000, 100_000])
+    if kind == 2:  # a field of another type
+        fp[rng.choice(list(fp))] = rng.choice([None, 0, -1, 2**70, "x" * 1000, [], {}, [[1]], 1e308])
+    elif kind == 3:  # a parameter entry bent out of shape
+        p = fp["params"][rng.randrange(len(fp["params"]))]
+        p[rng.randrange(3)] = rng.choice([None, 0, "x" * 5000, [[]], {"a": 1}, [2**64]])
+    elif kind == 4:  # an extra parameter with a long name
+        fp["params"].append(["z" * rng.choice([10, 5000, 100_000]), [1], "torch.float32"])
+    elif kind == 5:  # a number with many digits
+        return GOOD_FP.replace('"sync_every": 6', '"sync_every": ' + "9" * 5000)
+    else:
+        fp["fragments"] = rng.choice([[], [[]], [[[0]] * 3], "fragments"])
+    return json.dumps(fp)
+
+
 class Fuzzer:
     def __init__(self, shard: InThreadShard, honest: list, seed: int):
         self.shard, self.honest, self.seed = shard, honest, seed
@@ -373,25 +404,7 @@ class Fuzzer:
         assert list(reply.rounds) == self.rounds() and reply.session, str(case)
 
     def mangled_fingerprint(self, case: Case) -> str:
-        rng, fp = self.rng, fingerprint()
-        kind = rng.randrange(7)
-        case.say(f"fingerprint mangle {kind}")
-        if kind == 0:
-            return GOOD_FP[: rng.randrange(len(GOOD_FP))]  # truncated JSON
-        if kind == 1:
-            return "[" * rng.choice([10, 1000, 100_000])
-        if kind == 2:  # a field of another type
-            fp[rng.choice(list(fp))] = rng.choice([None, 0, -1, 2**70, "x" * 1000, [], {}, [[1]], 1e308])
-        elif kind == 3:  # a parameter entry bent out of shape
-            p = fp["params"][rng.randrange(len(fp["params"]))]
-            p[rng.randrange(3)] = rng.choice([None, 0, "x" * 5000, [[]], {"a": 1}, [2**64]])
-        elif kind == 4:  # an extra parameter with a long name
-            fp["params"].append(["z" * rng.choice([10, 5000, 100_000]), [1], "torch.float32"])
-        elif kind == 5:  # a number with many digits
-            return GOOD_FP.replace('"sync_every": 6', '"sync_every": ' + "9" * 5000)
-        else:
-            fp["fragments"] = rng.choice([[], [[]], [[[0]] * 3], "fragments"])
-        return json.dumps(fp)
+        return mangled_fingerprint(self.rng, case)
 
     # --- Fetch ---
     def case_fetch(self, case: Case, name: str) -> None:
@@ -756,3 +769,388 @@ def test_a_codec_string_is_quoted_by_its_first_characters_only(shard):
     r = w.session.result()
     assert (r.accepted, r.reason) == (False, "bad_codec")
     assert r.message.endswith(f"got {'y' * 40!r}... ({HUGE} characters)") and len(r.message) < 200, r.message
+
+
+# --- Initialize: the upload to a `--init from-worker` shard ------------------------------------------------
+# Random and mutated fingerprints and chunk sequences (fields, order, drops, repeats, values that are not
+# finite, raw bytes that do not parse) against a real pending shard. Invariants: every call ends with a
+# clear status (a known code, one bounded line), never a traceback; a refused upload leaves the shard
+# without parameters (Join still says `uninitialized`); an upload the shard takes was a valid one: its
+# masters are exactly the values sent. After the cases an honest upload is taken, whole.
+INIT_CASES = 24  # `make test`; test-slow runs 3 seeds of INIT_SLOW_CASES
+INIT_SLOW_CASES = 1000
+INIT_CHUNK = 4096  # values per honest InitChunk
+INIT_CODES = REFUSAL_CODES | {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+_RANGES = pure_state().ranges  # shard 0 of 2: its slice of each fragment
+
+
+def pending_shard(tmp_path) -> InThreadShard:
+    service = build_service(
+        CFG, None, 0, 2, min_workers=1, round_timeout=3600.0, token=TOKEN, chunk_bytes=256, init="from-worker"
+    )
+    return InThreadShard(service, tmp_path, GOOD_FP, token=TOKEN)
+
+
+def honest_upload(name: str = "up") -> list[pb.InitChunk]:
+    """What worker/bootstrap.py sends: the fingerprint, then this shard's slice of each fragment in order."""
+    out = []
+    for f, (lo, hi) in enumerate(_RANGES):
+        for a in range(lo, hi, INIT_CHUNK):
+            b = min(hi, a + INIT_CHUNK)
+            out.append(pb.InitChunk(fragment=f, offset=a - lo, values=_INITIAL[f][a:b].numpy().tobytes()))
+    out.append(pb.InitChunk(last=True))
+    out[0].worker, out[0].token, out[0].fingerprint_json = name, TOKEN, GOOD_FP
+    return out
+
+
+def float_bytes(rng: random.Random, right: int) -> bytes:
+    """fp32 values of the right length with one absurd value, or bytes of another length."""
+    if rng.random() < 0.3 or right < 4:
+        return some_bytes(rng, right)
+    data = bytearray(b"\0" * right)
+    at = 4 * rng.randrange(right // 4)
+    data[at : at + 4] = struct.pack("<f", rng.choice([math.nan, math.inf, -math.inf, 3e38, 1e31, -1e35]))
+    return bytes(data)
+
+
+def mutate_list(rng: random.Random, items: list, case: Case) -> None:
+    """Drop, repeat, swap or cut the messages of a stream."""
+    op = rng.choice(["drop", "repeat", "swap", "cut", "reverse"])
+    i, j = rng.randrange(len(items)), rng.randrange(len(items))
+    if op == "drop" and len(items) > 1:
+        del items[i]
+    elif op == "repeat":
+        items.insert(i, type(items[i]).FromString(items[i].SerializeToString()))
+    elif op == "swap":
+        items[i], items[j] = items[j], items[i]
+    elif op == "cut":
+        del items[max(1, i) :]
+    else:
+        items.reverse()
+    case.say(f"{op} {i} {j}")
+
+
+class InitFuzzer:
+    def __init__(self, tmp_path, seed: int):
+        self.tmp_path, self.seed = tmp_path, seed
+        self.rng = random.Random(seed)
+        self.stats: dict[str, int] = {}
+        self.shard = pending_shard(tmp_path)
+
+    def count(self, key: str) -> None:
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    def mutated(self, case: Case) -> list[pb.InitChunk]:
+        rng, msgs = self.rng, honest_upload(f"fz{case.index}")
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            what = rng.choice(
+                ["fingerprint", "worker", "token", "fragment", "offset", "values", "last", "list"]
+            )
+            c = msgs[rng.randrange(len(msgs))]
+            if what == "fingerprint":
+                msgs[0].fingerprint_json = rng.choice([mangled_fingerprint(rng, case), some_string(rng)])
+            elif what in ("worker", "token"):
+                setattr(msgs[0], what, some_string(rng))
+            elif what == "fragment":
+                c.fragment = rng.choice(U32 + [c.fragment + 1, max(c.fragment - 1, 0)])
+            elif what == "offset":
+                c.offset = min(
+                    rng.choice(U64 + [c.offset + 1, c.offset + INIT_CHUNK, max(c.offset - 1, 0)]), 2**64 - 1
+                )
+            elif what == "values":
+                c.values = float_bytes(rng, len(c.values))
+            elif what == "last":
+                c.last = not c.last
+            else:
+                mutate_list(rng, msgs, case)
+            case.say(what)
+        return msgs
+
+    def run_case(self, i: int) -> None:
+        case = Case(self.seed, i)
+        raw = self.rng.random() < 0.1
+        msgs = self.mutated(case)
+        data = [m.SerializeToString() for m in msgs]
+        if raw:  # bytes that may not parse as an InitChunk
+            case.undecodable = True
+            k = self.rng.randrange(len(data))
+            data[k] = self.rng.choice(
+                [data[k][: max(0, len(data[k]) - 3)], self.rng.randbytes(64), b"\xff" * 9]
+            )
+            case.say(f"raw {k}")
+        call = self.shard.channel.stream_unary(
+            SERVICE + "Initialize", request_serializer=None, response_deserializer=None
+        )
+        try:
+            call(iter(data), timeout=RPC_TIMEOUT, metadata=auth_metadata(TOKEN))
+        except grpc.RpcError as e:
+            self.refused(case, e)
+            return
+        self.accepted(case, msgs)
+
+    def refused(self, case: Case, e: grpc.RpcError) -> None:
+        details, code = e.details() or "", e.code()
+        allowed = UNDECODABLE_CODES | INIT_CODES if case.undecodable else INIT_CODES
+        assert code in allowed, f"refused with {code}: {details[:300]!r} {case}"
+        assert one_bounded_line(details), f"not one bounded line: {details[:300]!r} {case}"
+        self.count(code.name)
+        reply = self.shard.join("probe", fp="")
+        assert reply.uninitialized, f"a refused upload gave the shard its parameters {case}"
+
+    def accepted(self, case: Case, msgs: list[pb.InitChunk], fresh: bool = True) -> None:
+        """The shard took the upload: it must have been a valid one, and the masters are what it sent (then
+        the cases go on with a `fresh` shard)."""
+        self.count("accepted")
+        sent: list[list[torch.Tensor]] = [[] for _ in _RANGES]
+        for m in msgs:
+            if m.values:
+                sent[m.fragment].append(bytes_to_values(m.values))
+        for f, (lo, hi) in enumerate(_RANGES):
+            want = torch.cat(sent[f]) if sent[f] else torch.zeros(0)
+            got = torch.cat([bytes_to_values(c.values) for c in self.shard.fetch([f], token=TOKEN)])
+            assert want.numel() == hi - lo and torch.equal(got, want), (
+                f"fragment {f} is not what was sent {case}"
+            )
+            assert out_of_bounds(got) is None, f"the shard took masters no worker can fetch {case}"
+        if fresh:
+            self.shard.shutdown()
+            self.shard = pending_shard(self.tmp_path)
+
+    def honest(self) -> None:
+        self.shard.stub.Initialize(iter(honest_upload()), timeout=RPC_TIMEOUT, metadata=auth_metadata(TOKEN))
+        with pytest.raises(grpc.RpcError) as e:  # once taken, an upload is refused
+            self.shard.stub.Initialize(
+                iter(honest_upload()), timeout=RPC_TIMEOUT, metadata=auth_metadata(TOKEN)
+            )
+        assert e.value.code() in INIT_CODES and one_bounded_line(e.value.details() or "")
+        self.accepted(Case(self.seed, -1, ["honest upload"]), honest_upload(), fresh=False)
+
+
+def run_init_fuzz(tmp_path, seed: int, cases: int) -> dict:
+    fuzzer = InitFuzzer(tmp_path, seed)
+    try:
+        for i in range(cases):
+            fuzzer.run_case(i)
+        fuzzer.honest()
+        return fuzzer.stats
+    finally:
+        fuzzer.shard.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_fuzzed_uploads_are_refused_cleanly_and_leave_the_shard_waiting(tmp_path):
+    stats = run_init_fuzz(tmp_path, SEED, INIT_CASES)
+    assert stats.get("INVALID_ARGUMENT", 0) > INIT_CASES // 4, stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("seed", [SEED + 1, SEED + 2, SEED + 3])
+def test_fuzzed_uploads_many_more_cases(tmp_path, seed):
+    run_init_fuzz(tmp_path, seed, INIT_SLOW_CASES)
+
+
+# --- the worker's side: what a hostile shard sends ---------------------------------------------------------
+# Join replies, the session's Welcome and update chunks, and Fetch streams, mutated, through the worker's own
+# readers (worker/connection.py's take_reply and Updates, common/fetch.py's fetch_slices): each either
+# raises the project's clear error (SyncError, FetchError: one bounded line) or accepts, never anything
+# else; what is accepted is sane (a Join's shard index and chunk size, an update's or a master's values
+# finite and within MAX_ABS_VALUE), and a mirror that takes every accepted update stays finite. The buffers
+# of updates under way stay within their bound. No network: the readers are fed directly.
+WORKER_CASES = 300  # `make test`; test-slow runs 3 seeds of WORKER_SLOW_CASES
+WORKER_SLOW_CASES = 10_000
+
+
+class _Stub:
+    """A Fetch that answers call i with streams[i] (the last one again after that)."""
+
+    def __init__(self, streams: list[list[pb.MasterChunk]]):
+        self.streams, self.calls = streams, 0
+
+    def Fetch(self, request, metadata=None, timeout=None):
+        self.calls += 1
+        return iter(self.streams[min(self.calls, len(self.streams)) - 1])
+
+
+def honest_reply() -> pb.JoinReply:
+    return pb.JoinReply(
+        config_json=json.dumps(CFG.to_dict()),
+        shard=0,
+        num_shards=2,
+        slices=[pb.SliceRange(offset=lo, length=hi - lo) for lo, hi in _RANGES],
+        rounds=[0, 0, 0],
+        session="s",
+        chunk_values=512,
+    )
+
+
+def honest_masters(rng: random.Random, fragments: list[int]) -> list[pb.MasterChunk]:
+    out, per = [], rng.choice([128, 1000, 4096])
+    for f in fragments:
+        n = SLICE_LEN[f]
+        x = _INITIAL[f][_RANGES[f][0] : _RANGES[f][1]]
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            out.append(
+                pb.MasterChunk(
+                    fragment=f, round=3, offset=lo, total=n, values=x[lo:hi].numpy().tobytes(), last=hi == n
+                )
+            )
+    return out
+
+
+class WorkerFuzzer:
+    def __init__(self, seed: int):
+        self.seed, self.rng = seed, random.Random(seed)
+        self.stats: dict[str, int] = {}
+
+    def count(self, key: str) -> None:
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    def run_case(self, i: int) -> None:
+        case = Case(self.seed, i)
+        kind = self.rng.choice(["join", "updates", "updates", "fetch"])
+        case.say(kind)
+        self.count(kind)
+        getattr(self, f"case_{kind}")(case)
+
+    def refused(self, case: Case, e: Exception) -> None:
+        assert isinstance(e, SyncError | FetchError), f"{type(e).__name__}: {e} {case}"
+        assert one_bounded_line(str(e)), f"not one bounded line: {str(e)[:300]!r} {case}"
+        self.count("refused")
+
+    # --- Join ---
+    def case_join(self, case: Case) -> None:
+        rng, reply = self.rng, honest_reply()
+        for _ in range(rng.choice([1, 2])):
+            what = rng.choice(["config", "shard", "num_shards", "slices", "chunk_values", "uninitialized"])
+            if what == "config":
+                cfg = CFG.to_dict()
+                key = rng.choice(list(cfg))
+                cfg[key] = rng.choice([None, 0, -1, 2**70, "x" * 1000, [], {}, 1e308, math.nan, True, "e3m0"])
+                reply.config_json = rng.choice(
+                    [
+                        json.dumps(cfg),
+                        reply.config_json[: rng.randrange(len(reply.config_json))],
+                        "[1]",
+                        "1",
+                        "null",
+                        "{" * 100_000,
+                        some_string(rng),
+                    ]  # fmt: skip
+                )
+            elif what in ("shard", "num_shards", "chunk_values"):
+                setattr(reply, what, rng.choice(U32))
+            elif what == "slices":
+                del reply.slices[rng.randrange(3) :]
+                for _ in range(rng.choice([0, 1, 5])):
+                    reply.slices.append(pb.SliceRange(offset=rng.choice(U64), length=rng.choice(U64)))
+            else:
+                reply.uninitialized = not reply.uninitialized
+            case.say(what)
+        conn = ShardConnection("127.0.0.1:9", "fz", {})  # never connected: its checks only
+        try:
+            config = conn.take_reply(reply, config_only=rng.random() < 0.2)
+        except Exception as e:  # noqa: BLE001 - the fuzzer's point: which ones
+            self.refused(case, e)
+            return
+        finally:
+            conn.close()
+        assert isinstance(config, SyncConfig), str(case)
+        if conn.config is not None:
+            assert 0 <= conn.shard < conn.num_shards and conn.chunk_values > 0, str(case)
+
+    # --- a session: its Welcome and update chunks ---
+    def case_updates(self, case: Case) -> None:
+        rng = self.rng
+        slices = [(lo, hi - lo) for lo, hi in _RANGES]
+        welcome = pb.Welcome(
+            rounds=[rng.choice([0, 0, 5, 2**64 - 1]) for _ in range(rng.choice([3, 3, 0, 4]))]
+        )
+        updates = Updates(0, slices, CFG, welcome, "shard 0 at fz")
+        rounds = [min(r, 2**40) for r in updates.rounds]
+        chunks: list[pb.Chunk] = []
+        for _ in range(rng.choice([1, 2, 4])):
+            f = rng.randrange(3)
+            delta = torch.randn(SLICE_LEN[f], generator=torch.Generator().manual_seed(rng.randrange(1000)))
+            enc = encode(delta * rng.choice([1e-3, 1.0, 1e29]), CFG.downlink_codec, CFG.codec_block_size)
+            chunks += to_chunks(enc, f, rounds[f], rng.choice([128, 512, 4096]))
+            rounds[f] += 1
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            if rng.random() < 0.3:
+                mutate_list(rng, chunks, case)
+            else:
+                mutate_chunk(rng, chunks[rng.randrange(len(chunks))], case)
+        mirrors = [_INITIAL[f][lo:hi].clone() for f, (lo, hi) in enumerate(_RANGES)]
+        for c in chunks:
+            try:
+                done = updates.take(c)
+            except Exception as e:  # noqa: BLE001
+                self.refused(case, e)
+                break
+            assert len(updates.partial) <= MAX_UPDATES_UNDER_WAY * 3, str(case)
+            if done is not None:
+                f, _, parts = done
+                assert sum(p.numel for _, p in parts) == SLICE_LEN[f], str(case)
+                for off, p in parts:  # as the engine adds an update into its mirror (worker/fragment.py)
+                    add_into(p, mirrors[f][off : off + p.numel])
+                self.count("update taken")
+        for m in mirrors:
+            top = float(m.abs().amax())
+            assert math.isfinite(top), f"a mirror is not finite {case}"
+
+    # --- Fetch ---
+    def case_fetch(self, case: Case) -> None:
+        rng = self.rng
+        fragments = rng.sample([0, 1, 2], rng.choice([1, 2, 3]))
+        streams = [honest_masters(rng, fragments) for _ in range(rng.choice([1, 2]))]
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            stream = streams[rng.randrange(len(streams))]
+            if rng.random() < 0.3:
+                mutate_list(rng, stream, case)
+                continue
+            c = stream[rng.randrange(len(stream))]
+            what = rng.choice(["fragment", "round", "offset", "total", "values", "last"])
+            if what == "fragment":
+                c.fragment = rng.choice(U32 + [(c.fragment + 1) % 3])
+            elif what in ("round", "offset", "total"):
+                here = getattr(c, what)
+                setattr(c, what, min(rng.choice(U64 + [max(here - 1, 0), here + 1, here + 128]), 2**64 - 1))
+            elif what == "values":
+                c.values = float_bytes(rng, len(c.values))
+            else:
+                c.last = not c.last
+            case.say(what)
+        try:
+            got = fetch_slices(_Stub(streams), {f: SLICE_LEN[f] for f in fragments}, where="shard 0 at fz")
+        except Exception as e:  # noqa: BLE001
+            self.refused(case, e)
+            return
+        self.count("fetch taken")
+        assert sorted(got.slices) == sorted(fragments), str(case)
+        for f, x in got.slices.items():
+            top = float(x.abs().amax()) if x.numel() else 0.0
+            assert x.numel() == SLICE_LEN[f] and math.isfinite(top) and top <= MAX_ABS_VALUE, str(case)
+
+
+def run_worker_fuzz(seed: int, cases: int) -> dict:
+    fuzzer = WorkerFuzzer(seed)
+    for i in range(cases):
+        fuzzer.run_case(i)
+    return fuzzer.stats
+
+
+@pytest.mark.timeout(120)
+def test_what_a_hostile_shard_sends_is_refused_cleanly_by_the_worker():
+    stats = run_worker_fuzz(SEED, WORKER_CASES)
+    # every reader was reached, with both outcomes
+    assert all(
+        stats.get(k, 0) > 0 for k in ("join", "updates", "fetch", "refused", "update taken", "fetch taken")
+    ), stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("seed", [SEED + 1, SEED + 2, SEED + 3])
+def test_what_a_hostile_shard_sends_many_more_cases(seed):
+    run_worker_fuzz(seed, WORKER_SLOW_CASES)

@@ -5,6 +5,13 @@ A ShardConnection holds what Join said (the run's config, this shard's index and
 session's outbox; it decides nothing about rounds or pushes (the link and worker/linkstate.py do) and
 changes no state of the link: its reader thread only tells the link what came (`open_session`'s `tell`).
 `reconnect` is the backoff loop that joins again and opens a new session until one holds.
+
+The shard is not trusted with the worker's memory or its values: a Join reply is checked before anything
+of it is taken (`take_reply`), update chunks are checked and bounded (`Updates`: rounds the shard can have
+closed, a few under way per fragment, values finite and within common/chunks.py's MAX_ABS_VALUE, the bound
+the shard holds pushes to), Fetch masters are checked by common/fetch.py, and the reader waits while the
+link has MAX_UNHANDLED of its messages still to handle. A shard that breaks these rules ends the session
+with one line naming it and the fault (SyncError).
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ log = logging.getLogger("streamdiloco.worker")
 
 MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
 JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
+# What a shard can make a worker hold (a compromised shard, or a man in the middle on an --insecure link):
+MAX_UPDATES_UNDER_WAY = 2  # updates of one fragment whose chunks arrive at once (an honest shard: one)
+ROUNDS_AHEAD = 2  # an update's round past the fragment's open round as the session knows it (honest: 0)
+MAX_UNHANDLED = 16  # messages the reader has told the link and the link has not handled yet: then it waits
 
 
 class SyncError(RuntimeError):
@@ -60,19 +71,60 @@ RETRYABLE = JOIN_RETRYABLE | {
 
 class Updates:
     """A session's updates in the making: the chunks of each (fragment, round) assembled and checked
-    (common/chunks.py) until the update is whole."""
+    (common/chunks.py: order, sizes, codec, values finite and within MAX_ABS_VALUE) until the update is whole.
 
-    def __init__(self, shard: int, slices: list[tuple[int, int]], config: SyncConfig):
+    What a shard can make it hold is bounded: an update is taken only for a round the shard can have closed
+    (up to ROUNDS_AHEAD past the fragment's open round, as the session's Welcome said and the updates since
+    moved it on), and at most MAX_UPDATES_UNDER_WAY of one fragment are under way at once; anything else is
+    the shard's fault (SyncError, one line naming the shard), not something to keep."""
+
+    def __init__(
+        self,
+        shard: int,
+        slices: list[tuple[int, int]],
+        config: SyncConfig,
+        welcome: pb.Welcome | None = None,
+        where: str = "",
+    ):
         self.shard, self.slices, self.config = shard, slices, config
+        self.where = where or f"shard {shard}"
+        self.rounds = [0] * len(slices)  # per fragment: the open round, as far as this session knows
         self.partial: dict[tuple[int, int], Assembly] = {}
+        if welcome is not None:
+            self.welcome(welcome)
+
+    def welcome(self, w: pb.Welcome) -> None:
+        """A Welcome: the shard's open rounds (one of another length is the link's to refuse)."""
+        if len(w.rounds) == len(self.rounds):
+            self.rounds = [max(a, int(b)) for a, b in zip(self.rounds, w.rounds, strict=True)]
+
+    def _admit(self, fragment: int, round: int) -> None:
+        """SyncError unless an update of `round` may start now (see the class's docstring)."""
+        if round > self.rounds[fragment] + ROUNDS_AHEAD:
+            raise SyncError(
+                f"{self.where} sent an update for round {round} of fragment {fragment}, whose open round is "
+                f"{self.rounds[fragment]}: a shard sends the updates of the rounds it closes, in order"
+            )
+        under_way = sum(1 for f, _ in self.partial if f == fragment)
+        if under_way >= MAX_UPDATES_UNDER_WAY:
+            raise SyncError(
+                f"{self.where} sent {under_way + 1} updates of fragment {fragment} under way at once "
+                f"(at most {MAX_UPDATES_UNDER_WAY}): a shard sends one update's chunks at a time"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        """Codec bytes held by the updates under way."""
+        return sum(a.nbytes for a in self.partial.values())
 
     def take(self, c: pb.Chunk) -> tuple[int, int, list] | None:
         """One update chunk; (fragment, round, parts) once the update is whole; SyncError if it is bad."""
         if not 0 <= c.fragment < len(self.slices):
-            raise SyncError(f"shard {self.shard} sent an update for unknown fragment {c.fragment}")
+            raise SyncError(f"{self.where} sent an update for unknown fragment {c.fragment}")
         key = (c.fragment, c.round)
         asm = self.partial.get(key)
         if asm is None:
+            self._admit(c.fragment, c.round)
             asm = self.partial[key] = Assembly(
                 self.slices[c.fragment][1],
                 self.config.downlink_codec,
@@ -86,10 +138,10 @@ class Updates:
                 return None
         except (ChunkError, ValueError) as e:
             raise SyncError(
-                f"shard {self.shard} sent a malformed update chunk for fragment {c.fragment} round "
-                f"{c.round}: {e}"
+                f"{self.where} sent a malformed update chunk for fragment {c.fragment} round {c.round}: {e}"
             ) from None
         del self.partial[key]
+        self.rounds[c.fragment] = max(self.rounds[c.fragment], c.round + 1)
         return c.fragment, c.round, asm.parts
 
 
@@ -125,6 +177,10 @@ class ShardConnection:
         self._bytes = {"out": 0, "in": 0}
         self._bytes_lock = threading.Lock()
         self.closed = threading.Event()  # set by close(): waits end, retries stop
+        self.updates: Updates | None = None  # the current session's updates under way (its reader's)
+        # messages told and not handled yet (the link calls handled()): a reader that is this far ahead of
+        # the link waits, so that a shard cannot fill the link's queue while the link is busy (a Fetch)
+        self._unhandled = threading.Semaphore(MAX_UNHANDLED)
 
     @property
     def msg_out(self) -> int:
@@ -177,10 +233,20 @@ class ShardConnection:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise SyncError(self._no_answer(timeout)) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None
+        return self.take_reply(reply, config_only)
+
+    def take_reply(self, reply: pb.JoinReply, config_only: bool = False) -> SyncConfig:
+        """Check a Join's reply and take what it says (the run's config, this shard's index, slices and
+        chunk size); SyncError, with nothing taken, when it is unusable or (on a rejoin) another run's."""
         try:
-            config = SyncConfig.from_dict(json.loads(reply.config_json))
-        except (ValueError, TypeError) as e:
-            raise SyncError(f"shard at {self.target} sent a config this worker cannot read: {e}") from None
+            raw = json.loads(reply.config_json)
+            if not isinstance(raw, dict):
+                raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+            config = SyncConfig.from_dict(raw)
+        except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as e:
+            raise SyncError(
+                f"shard at {self.target} sent a config this worker cannot read: {str(e)[:200]}"
+            ) from None
         if config_only:
             self.probed = (reply.shard, reply.num_shards, reply.uninitialized, reply.init_hash)
             return config
@@ -279,9 +345,20 @@ class ShardConnection:
         self.call = call
         self.session += 1
         threading.Thread(
-            target=self._read, args=(self.session, call, tell), name=f"shard{self.shard}-rx", daemon=True
+            target=self._read, args=(self.session, call, tell, w), name=f"shard{self.shard}-rx", daemon=True
         ).start()
         return w
+
+    def handled(self) -> None:
+        """The link has handled one message its reader told (an update, a result or a Welcome)."""
+        self._unhandled.release()
+
+    def _room(self, session: int) -> bool:
+        """Wait until the link has handled enough of what was told; False once this session is over."""
+        while not self._unhandled.acquire(timeout=0.5):
+            if self.closed.is_set() or session != self.session:
+                return False
+        return True
 
     def send(self, msg: pb.WorkerMessage) -> None:
         """Queue a message on the current session (sent in order; lost if the session breaks)."""
@@ -298,23 +375,30 @@ class ShardConnection:
             self.count("out", msg.ByteSize())
             yield msg
 
-    def _read(self, session: int, call: Any, tell: Callable[..., None]) -> None:
+    def _read(self, session: int, call: Any, tell: Callable[..., None], welcome: pb.Welcome) -> None:
         """A session's reader: assembles update chunks and tells what it reads (see open_session)."""
         assert self.config is not None
-        updates = Updates(self.shard, self.slices, self.config)
-        why = f"shard {self.shard} at {self.target} ended the session"
+        where = f"shard {self.shard} at {self.target}"
+        updates = self.updates = Updates(self.shard, self.slices, self.config, welcome, where)
+        why = f"{where} ended the session"
         try:
             for msg in call:
                 self.count("in", msg.ByteSize())
                 kind = msg.WhichOneof("kind")
+                told: tuple = ()
                 if kind == "update":
                     done = updates.take(msg.update)
                     if done is not None:
-                        tell("update", session, *done)
+                        told = ("update", session, *done)
                 elif kind == "result":
-                    tell("result", session, msg.result)
+                    told = ("result", session, msg.result)
                 elif kind == "welcome":
-                    tell("welcome", session, msg.welcome)
+                    updates.welcome(msg.welcome)
+                    told = ("welcome", session, msg.welcome)
+                if told:
+                    if not self._room(session):
+                        return
+                    tell(*told)
         except grpc.RpcError as e:
             why = f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
             if e.code() not in RETRYABLE and not self.closed.is_set():

@@ -5,6 +5,9 @@ the pushes not yet answered, where the shard is) and is the only one that change
 work to it (`_post`) or asks it and gets a future (`_ask`). It sends pushes, hands updates over as they
 arrive (one future per (fragment, round) that the engine waits on), and reconnects when a session breaks.
 The session's reader (worker/connection.py) assembles update chunks and tells the link's thread what came.
+Whole updates that nobody has taken yet are bounded: past `max_waiting` (MAX_WAITING_UPDATES) of one
+fragment, the fragment's master is fetched in their place; a shard whose master does not hold them fails the
+link, in one line naming the shard.
 This module must not decide what LinkState decides (what is held, what to resend, where the shard is) nor
 talk gRPC itself: the connection does.
 """
@@ -36,6 +39,10 @@ from streamdiloco.worker.report import Progress
 log = logging.getLogger("streamdiloco.worker")
 
 _STOP = object()  # ends the link's thread
+# Whole updates of one fragment that may wait untaken (a worker far behind, a passive link, or a shard that
+# floods it): past this, the fragment's master is fetched in their place, as after a reconnect.
+MAX_WAITING_UPDATES = 16
+WARN_EVERY = 60.0  # seconds between warnings that updates were replaced by a master (debug lines between)
 
 
 def push_header(push: Kept, p: Progress) -> pb.PushHeader:
@@ -200,12 +207,14 @@ class ShardLink(Actor):
         join_timeout: float = 60.0,
         reconnect_timeout: float = 600.0,
         tls: ClientTLS | None = None,
+        max_waiting: int = MAX_WAITING_UPDATES,
     ):
         super().__init__()
         self.conn = ShardConnection(
             target, worker, fingerprint, token=token, join_timeout=join_timeout, tls=tls
         )
-        self.reconnect_timeout = reconnect_timeout
+        self.reconnect_timeout, self.max_waiting = reconnect_timeout, max_waiting
+        self._warned = -WARN_EVERY  # when updates were last replaced by a master with a warning
         self.state: LinkState | None = None  # made at the first Join (its number of fragments)
         # what only the link's thread touches
         self._connected = False  # a session is open and this worker is a member on it
@@ -267,11 +276,17 @@ class ShardLink(Actor):
 
     # --- on the link's thread: what the shard says -----------------------------------------------------
     def _on_message(self, kind: str, session: int, *args: Any) -> None:
-        if session != self.conn.session or (kind == "ended" and (self._closing or self.error)):
+        if kind in ("update", "result", "welcome"):
+            self.conn.handled()  # the reader may tell the next one
+        if session != self.conn.session or (kind == "ended" and self._closing):
             return  # from a session that is over, or the end of one we are leaving
+        if self.error and kind in ("update", "ended"):
+            return  # the link failed for good: nothing more is kept, nobody reconnects
         assert self.state is not None
-        if kind == "update" and self.state.on_update(*args):
-            self._hand_over()
+        if kind == "update":
+            if self.state.on_update(*args):
+                self._hand_over()
+                self._bound_waiting(args[0])
         elif kind == "welcome":
             self._on_welcome(*args)
         elif kind == "result":
@@ -320,6 +335,33 @@ class ShardLink(Actor):
     def _hand_over(self) -> None:
         assert self.state is not None
         self._waiters.hand_over(self.state)
+
+    def _bound_waiting(self, fragment: int) -> None:
+        """Past `max_waiting` untaken updates of a fragment, fetch its master in their place (the engine
+        takes it instead, as after a reconnect); SyncError if the shard's master does not hold them."""
+        assert self.state is not None
+        waiting = [r for f, r in self.state.arrived if f == fragment]
+        if len(waiting) <= self.max_waiting:
+            return
+        now = time.monotonic()
+        (log.warning if now - self._warned > WARN_EVERY else log.debug)(
+            "shard %d: %d updates of fragment %d wait untaken (at most %d): fetching its master instead",
+            self.shard,
+            len(waiting),
+            fragment,
+            self.max_waiting,
+        )
+        self._warned = now if now - self._warned > WARN_EVERY else self._warned
+        values, rnd = self.conn.fetch([fragment])[fragment]
+        self.state.on_fetched(fragment, values, rnd)
+        left = [r for f, r in self.state.arrived if f == fragment]
+        if len(left) > self.max_waiting:
+            raise SyncError(
+                f"shard {self.shard} at {self.target} sent updates of rounds {min(left)} to {max(left)} of "
+                f"fragment {fragment}, but its master of round {rnd} does not hold them: more than "
+                f"{self.max_waiting} updates waiting is the shard's fault"
+            )
+        self._hand_over()
 
     # --- reconnecting ----------------------------------------------------------------------------------
     def _reconnect(self) -> None:
