@@ -47,6 +47,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fetch import FetchError, fetch_slices
 from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
@@ -800,6 +801,8 @@ def honest_upload(name: str = "up") -> list[pb.InitChunk]:
             out.append(pb.InitChunk(fragment=f, offset=a - lo, values=_INITIAL[f][a:b].numpy().tobytes()))
     out.append(pb.InitChunk(last=True))
     out[0].worker, out[0].token, out[0].fingerprint_json = name, TOKEN, GOOD_FP
+    out[0].init_hash, digests = init_hash(_LAYOUT, _INITIAL, 2)  # and every slice's digest, as workers do
+    out[0].slice_hashes.extend(digests)
     return out
 
 
@@ -844,7 +847,7 @@ class InitFuzzer:
         rng, msgs = self.rng, honest_upload(f"fz{case.index}")
         for _ in range(rng.choice([1, 1, 2, 3])):
             what = rng.choice(
-                ["fingerprint", "worker", "token", "fragment", "offset", "values", "last", "list"]
+                ["fingerprint", "worker", "token", "fragment", "offset", "values", "last", "list", "hash"]
             )
             c = msgs[rng.randrange(len(msgs))]
             if what == "fingerprint":
@@ -861,6 +864,12 @@ class InitFuzzer:
                 c.values = float_bytes(rng, len(c.values))
             elif what == "last":
                 c.last = not c.last
+            elif what == "hash":  # the claimed init hash, or one slice's digest, wrong or missing
+                if rng.random() < 0.5:
+                    msgs[0].init_hash = rng.choice(["", some_string(rng), "0" * 64])
+                elif msgs[0].slice_hashes:
+                    k = rng.randrange(len(msgs[0].slice_hashes))
+                    msgs[0].slice_hashes[k] = rng.choice([b"", rng.randbytes(32), b"\0" * 31])
             else:
                 mutate_list(rng, msgs, case)
             case.say(what)
