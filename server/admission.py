@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from streamdiloco.common.fingerprint import fingerprint_diff, parse_fingerprint
+from streamdiloco.common.logs import escaped
 from streamdiloco.common.wire import PROTOCOL
 from streamdiloco.server.auth import Auth, Identity, Refused
 
@@ -47,7 +48,10 @@ class Refusal(Exception):
 
 
 def short(text: str, limit: int = 300) -> str:
-    """Client-supplied text as it goes back into messages and logs: bounded."""
+    """Client-supplied text as it goes back into messages and logs: its control characters escaped
+    (common/logs.py's `escaped`: it cannot forge a log line), and bounded. Every log line of the shard's
+    that carries a string a client sent passes it through here."""
+    text = escaped(text)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 

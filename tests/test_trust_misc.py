@@ -1,0 +1,69 @@
+"""Trust, round two (issue 26), the smaller items, each against a real server: one name per run token
+(Sybils), the lock on a shard's checkpoint directory (two real shard processes), the run view's fetch of
+its peers (no redirect carries the read token elsewhere; no read token in clear), client strings in log
+lines (control characters escaped), the dashboard's `?token=` (gone from the address bar) and a worker's
+`--metrics-host` (loopback unless `--insecure`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+from inthread import InThreadShard
+from procs import wait_until
+from test_service import CFG, CHUNK_BYTES, GOOD_FP
+
+from streamdiloco.server.admission import short
+from streamdiloco.server.auth import Auth
+from streamdiloco.server.main import build_service
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = "the-run-token-of-this-test"
+READ = "the-read-token-of-this-test"
+
+
+def shard_with(tmp: Path, auth: Auth, http: bool = False) -> InThreadShard:
+    service = build_service(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
+    return InThreadShard(service, tmp, GOOD_FP, token=auth.token, http=http)
+
+
+def refused(fn, *args, **kw) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*args, **kw)
+    return e.value
+
+
+def one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
+    return lines[0]
+
+
+# --- item 10: client strings in log lines ---------------------------------------------------------------
+def test_escaped_writes_control_characters_as_escapes():
+    from streamdiloco.common.logs import escaped
+
+    assert escaped("plain text, [64] ünïcode") == "plain text, [64] ünïcode"
+    assert escaped("[64]\nFORGED\r\x1b[31m\x00\u2028\t") == "[64]\\nFORGED\\r\\x1b[31m\\x00\\u2028\\t"
+    assert short("a\nb") == "a\\nb" and "\n" not in short("x\n" * 500)
+
+
+def test_a_fingerprint_cannot_forge_a_log_line(tmp_path, caplog):
+    fp = json.loads(GOOD_FP)
+    fp["params"][0][1] = "[64]\nFORGED everything is fine"
+    s = shard_with(tmp_path, Auth())
+    try:
+        with caplog.at_level(logging.INFO):
+            e = refused(s.join, "w0", fp=json.dumps(fp))
+            assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "\n" not in e.details(), e.details()
+            assert "[64]\\nFORGED" in e.details()
+            wait_until("the refusal's log line", lambda: "refused w0 at Join" in caplog.text, timeout=10)
+    finally:
+        s.shutdown()
+    lines = [line for r in caplog.records for line in r.getMessage().splitlines()]
+    assert not [line for line in lines if line.startswith("FORGED")], lines
