@@ -115,6 +115,7 @@ def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
         workers=workers_file.load() if workers_file else None,
         certificates=tls is not None and tls.mutual,
         read_token=read_token,
+        names_per_token=args.names_per_token,
     )
     http_host = listen_plan(args.host, args.http_host, tls is not None, auth, args.insecure)
     return tls, auth, workers_file, http_host

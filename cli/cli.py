@@ -160,6 +160,15 @@ def _add_shard_flags(g) -> None:
         metavar="PATH",
         help="--token, read from this file: not on the command line, where ps shows it",
     )
+    g.add_argument(
+        "--names-per-token",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker names the run token (--token) may hold sessions for at once on this shard (default "
+        "1): the robust averaging counts names, so one token holder must not make up many; give N for N "
+        "workers that share the token. Per-worker tokens and certificates bind one name each",
+    )
 
 
 def _add_server_security_flags(g) -> None:

@@ -30,6 +30,7 @@ _STATUS = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -17,8 +17,9 @@ from inthread import InThreadShard
 from procs import wait_until
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
+from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.admission import short
-from streamdiloco.server.auth import Auth
+from streamdiloco.server.auth import Auth, token_hash
 from streamdiloco.server.main import build_service
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +43,56 @@ def one_line(r) -> str:
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-3000:])
     return lines[0]
+
+
+# --- item 3: names per run token -------------------------------------------------------------------------
+def test_the_run_token_holds_one_name_per_shard_at_a_time(tmp_path):
+    s = shard_with(tmp_path, Auth(token=RUN))
+    try:
+        a = s.worker("a")
+        e = refused(s.join, "b")  # a second name on the same run token: a Sybil, or a second worker
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        assert "--names-per-token" in e.details() and "'a'" in e.details(), e.details()
+        # the same name again while its session is open (a dropped link not yet noticed): waits, as before
+        assert refused(s.join, "a").code() == grpc.StatusCode.ALREADY_EXISTS
+        a.session.close()
+        s.wait_for(lambda: not s.service.roster.open, "a's session to end")
+        a = s.worker("a")  # the same name comes back (a restarted worker)
+        # two Joins before either Hello: the second name's Hello is refused once the first holds a session
+        a.session.close()
+        s.wait_for(lambda: not s.service.roster.open, "a's session to end")
+        first, second = s.join("b"), s.join("c")
+        s.open_session(pb.WorkerMessage(hello=pb.Hello(worker="b", session=first.session))).next_message(
+            "welcome"
+        )
+        err = s.open_session(pb.WorkerMessage(hello=pb.Hello(worker="c", session=second.session))).error()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--names-per-token" in err.details()
+        assert s.on_loop(lambda: sorted(s.service.roster.open)) == ["b"]
+    finally:
+        s.shutdown()
+
+
+def test_names_per_token_admits_that_many_names(tmp_path):
+    s = shard_with(tmp_path, Auth(token=RUN, names_per_token=2))
+    try:
+        s.worker("a")
+        s.worker("b")
+        e = refused(s.join, "c")
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2 worker names" in e.details()
+    finally:
+        s.shutdown()
+    with pytest.raises(ValueError, match="--names-per-token"):
+        Auth(token=RUN, names_per_token=0)
+
+
+def test_per_worker_tokens_admit_many_names(tmp_path):
+    tokens = {f"w{i}": f"the-token-of-worker-{i}" for i in range(3)}
+    s = shard_with(tmp_path, Auth(workers={name: token_hash(t) for name, t in tokens.items()}))
+    try:
+        for name, token in tokens.items():
+            assert s.worker(name, token=token).welcome is not None
+    finally:
+        s.shutdown()
 
 
 # --- item 10: client strings in log lines ---------------------------------------------------------------
