@@ -587,6 +587,15 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     plan = check_server(args)  # one-line errors before torch is imported and anything listens
     blocks_path, fragments = _layout(args)
+    checkpoint_dir = (
+        None
+        if args.no_checkpoint
+        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}"
+    )
+    from streamdiloco.server.dirlock import lock_directory
+
+    # held until this process ends: a second shard on the directory (--fresh or not) refuses, naming this one
+    lock = lock_directory(checkpoint_dir) if checkpoint_dir else None
 
     import asyncio
 
@@ -606,9 +615,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             token=args.token,
             chunk_bytes=args.chunk_bytes,
             init=args.init,
-            checkpoint_dir=None
-            if args.no_checkpoint
-            else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
+            checkpoint_dir=checkpoint_dir,
             fresh=args.fresh,
             robust=plan.robust,
             auth=plan.auth,
@@ -633,6 +640,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             peers=plan.peers,
         )
     )
+    if lock is not None:
+        lock.release()
     return 0
 
 

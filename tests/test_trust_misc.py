@@ -14,12 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 from inthread import InThreadShard
-from procs import wait_until
+from procs import Cluster, streamdiloco, wait_until
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.admission import short
 from streamdiloco.server.auth import Auth, token_hash
+from streamdiloco.server.dirlock import LOCK_NAME, lock_directory
 from streamdiloco.server.main import build_service
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,6 +94,49 @@ def test_per_worker_tokens_admit_many_names(tmp_path):
             assert s.worker(name, token=token).welcome is not None
     finally:
         s.shutdown()
+
+
+# --- item 6: the checkpoint directory's lock ---------------------------------------------------------------
+def _refused_while_first_runs(c: Cluster, directory: Path):
+    """Start shard "first" on `directory`; a second shard on it, with --fresh or without, refuses in one line
+    that names the first one. Returns the first's process."""
+    c.shard("first", "--model", "nano", "--checkpoint-dir", str(directory))
+    first = c.procs["first"]
+    for extra in ((), ("--fresh",)):
+        r = streamdiloco(
+            "server",
+            *("--model", "nano", "--port", "0", "--http-port", "0", "--checkpoint-dir", str(directory)),
+            *extra,
+            timeout=60,
+        )
+        line = one_line(r)
+        assert f"pid {first.pid}" in line and str(directory) in line and "started" in line, line
+    assert first.poll() is None  # the first one is unharmed
+    return first
+
+
+def test_a_second_shard_on_a_live_checkpoint_directory_refuses_naming_the_holder(tmp_path):
+    directory = tmp_path / "checkpoint"
+    with Cluster(tmp_path) as c:
+        first = _refused_while_first_runs(c, directory)
+        first.kill()
+        first.wait()
+    # its lock file stays behind, but the kernel let go of its lock: the next shard takes it (the slow test
+    # below starts that shard)
+    assert (directory / LOCK_NAME).exists()
+    lock_directory(directory).release()
+
+
+# in `make test-slow`; covered by the test above (the same lock, taken by the test after the kill)
+@pytest.mark.slow
+def test_a_killed_shards_lock_file_blocks_no_restart(tmp_path):
+    directory = tmp_path / "checkpoint"
+    with Cluster(tmp_path) as c:
+        first = _refused_while_first_runs(c, directory)
+        first.kill()
+        first.wait()
+        c.shard("second", "--model", "nano", "--checkpoint-dir", str(directory))
+        assert "resumed from checkpoint" in c.log("second")
 
 
 # --- item 10: client strings in log lines ---------------------------------------------------------------
