@@ -124,12 +124,14 @@ def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
 def _peers(args: argparse.Namespace, auth: Any) -> Any:
     """The run's shards for the dashboard's run view (--peers), read with this shard's read token."""
     from streamdiloco.common.tls import read_pem
-    from streamdiloco.server.run_view import Peers, parse_peers
+    from streamdiloco.server.run_view import Peers, check_peers, parse_peers
 
     ca = args.peers_ca or args.tls_client_ca
     if args.peers_ca:
         read_pem(args.peers_ca, "--peers-ca", "certificate")
-    return Peers(parse_peers(args.peers), auth.read_token, ca)
+    urls = parse_peers(args.peers)
+    check_peers(urls, auth.read_token, args.insecure)
+    return Peers(urls, auth.read_token, ca)
 
 
 def check_worker(args: argparse.Namespace) -> tuple[str, ...]:

@@ -7,8 +7,10 @@ lines (control characters escaped), the dashboard's `?token=` (gone from the add
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
+import threading
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,7 @@ from streamdiloco.server.admission import short
 from streamdiloco.server.auth import Auth, token_hash
 from streamdiloco.server.dirlock import LOCK_NAME, lock_directory
 from streamdiloco.server.main import build_service
+from streamdiloco.server.run_view import Peers, RunView
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,6 +140,68 @@ def test_a_killed_shards_lock_file_blocks_no_restart(tmp_path):
         first.wait()
         c.shard("second", "--model", "nano", "--checkpoint-dir", str(directory))
         assert "resumed from checkpoint" in c.log("second")
+
+
+# --- item 7: the run view's fetch ------------------------------------------------------------------------
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers 302 to `location` if it has one, else 200 with `{}`; keeps every request's headers."""
+
+    location: str | None = None
+    seen: list[dict] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.seen.append(dict(self.headers))
+        if self.location:
+            self.send_response(302)
+            self.send_header("Location", self.location)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _serve(handler: type) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_peer_that_redirects_never_passes_the_read_token_on():
+    elsewhere = _serve(type("Elsewhere", (_Recorder,), {"seen": []}))
+    target = f"http://127.0.0.1:{elsewhere.server_address[1]}/api/status"
+    peer = _serve(type("Redirecting", (_Recorder,), {"seen": [], "location": target}))
+    try:
+        url = f"http://127.0.0.1:{peer.server_address[1]}"
+        got = RunView(Peers((url,), READ), lambda: None).fetch(url)
+        assert got["up"] is False and got["error"] == "HTTP 302", got
+        assert [h.get("Authorization") for h in peer.RequestHandlerClass.seen] == [f"Bearer {READ}"]
+        assert not any("Authorization" in h for h in elsewhere.RequestHandlerClass.seen)
+        assert elsewhere.RequestHandlerClass.seen == []  # not followed at all
+    finally:
+        peer.shutdown()
+        elsewhere.shutdown()
+
+
+def test_http_peers_are_refused_with_a_read_token():
+    from streamdiloco.server.run_view import check_peers
+
+    with pytest.raises(ValueError, match=r"^--peers: http://10\.1\.2\.3:8080 .*https"):
+        check_peers(("http://10.1.2.3:8080",), READ)
+    check_peers(("http://10.1.2.3:8080",), "")  # no token to leak
+    check_peers(("https://10.1.2.3:8080", "http://127.0.0.1:8080", "http://[::1]:8080"), READ)  # loopback
+    check_peers(("http://10.1.2.3:8080",), READ, insecure=True)
+    r = streamdiloco(
+        "server", "--model", "nano", "--no-checkpoint", "--read-token", READ,
+        "--peers", "http://10.1.2.3:8080,http://10.1.2.4:8080", timeout=60,
+    )  # fmt: skip
+    assert one_line(r).startswith("streamdiloco: error: --peers: http://10.1.2.3:8080 "), r.stderr
 
 
 # --- item 10: client strings in log lines ---------------------------------------------------------------
