@@ -134,6 +134,18 @@ def _peers(args: argparse.Namespace, auth: Any) -> Any:
     return Peers(urls, auth.read_token, ca)
 
 
+def check_metrics_host(host: str, insecure: bool) -> None:
+    """A worker's metrics serve plain HTTP without a token: beyond loopback only when the user says
+    --insecure (a private network, or a container network that Prometheus scrapes), as a shard's HTTP."""
+    from streamdiloco.common.tls import is_loopback
+
+    if not is_loopback(host) and not insecure:
+        raise ValueError(
+            f"refusing to serve metrics on --metrics-host {host}: a worker's /metrics has neither TLS nor a "
+            "token; keep it on 127.0.0.1 (scrape through a tunnel), or say --insecure on a private network"
+        )
+
+
 def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
     """A worker's flags and settings (but [sync], which the shard completes at Join), checked: the shards'
     addresses (returned), the settings sections, --model, the TLS files, the token, what --resume needs,
@@ -150,6 +162,8 @@ def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
     check_model(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.metrics_port is not None:
+        check_metrics_host(args.metrics_host, args.insecure)
     client_tls(args.tls_ca, args.tls_cert, args.tls_key)
     if args.token_file:
         read_token_file(args)

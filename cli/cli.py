@@ -458,7 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port at /metrics (default: none; 0 picks a free port)",
     )
     g.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for --metrics-port (0.0.0.0: every interface, with --insecure: the metrics are served "
+        "without TLS or a token)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow --metrics-host beyond loopback: plain HTTP, no token (a private network only)",
     )
     g.add_argument(
         "--wandb-run-name",

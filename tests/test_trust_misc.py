@@ -11,6 +11,7 @@ import http.server
 import json
 import logging
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -227,3 +228,56 @@ def test_a_fingerprint_cannot_forge_a_log_line(tmp_path, caplog):
         s.shutdown()
     lines = [line for r in caplog.records for line in r.getMessage().splitlines()]
     assert not [line for line in lines if line.startswith("FORGED")], lines
+
+
+# --- item 11: the dashboard's ?token=, a worker's --metrics-host ----------------------------------------
+def test_the_dashboard_page_takes_its_token_out_of_the_address_bar(tmp_path):
+    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, _playwright
+
+    s = shard_with(tmp_path, Auth(read_token=READ), http=True)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{s.http_port}/static/dashboard.js", headers={"Authorization": f"Bearer {READ}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            assert "history.replaceState" in r.read().decode()
+        sync_api = _playwright()
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page()
+                assert (
+                    page.goto(f"http://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
+                )
+                wait_until(
+                    "the page to poll the API with its token",
+                    lambda: page.evaluate(
+                        "() => window.sdDashboard.connected && window.sdDashboard.polls >= 2"
+                    ),
+                    timeout=30,
+                )
+                assert "token" not in page.url and READ not in page.evaluate("() => location.href"), page.url
+            finally:
+                browser.close()
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
+def test_a_worker_serves_metrics_beyond_loopback_only_with_insecure(host):
+    r = streamdiloco(
+        "worker", "--servers", "127.0.0.1:1", "--model", "nano",
+        "--metrics-port", "0", "--metrics-host", host, timeout=60,
+    )  # fmt: skip
+    line = one_line(r)
+    assert f"--metrics-host {host}" in line and "--insecure" in line, line
+
+
+def test_the_worker_metrics_host_check():
+    from streamdiloco.checks import check_metrics_host
+
+    for host in ("127.0.0.1", "localhost", "::1"):
+        check_metrics_host(host, insecure=False)
+    check_metrics_host("0.0.0.0", insecure=True)
+    with pytest.raises(ValueError, match="--metrics-host 0.0.0.0"):
+        check_metrics_host("0.0.0.0", insecure=False)
