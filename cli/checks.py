@@ -131,6 +131,7 @@ def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
         workers=workers_file.load() if workers_file else None,
         certificates=tls is not None and tls.mutual,
         read_token=read_token,
+        names_per_token=args.names_per_token,
     )
     http_host = listen_plan(args.host, args.http_host, tls is not None, auth, args.insecure)
     return tls, auth, workers_file, http_host
@@ -139,12 +140,26 @@ def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
 def _peers(args: argparse.Namespace, auth: Any) -> Any:
     """The run's shards for the dashboard's run view (--peers), read with this shard's read token."""
     from streamdiloco.common.tls import read_pem
-    from streamdiloco.server.run_view import Peers, parse_peers
+    from streamdiloco.server.run_view import Peers, check_peers, parse_peers
 
     ca = args.peers_ca or args.tls_client_ca
     if args.peers_ca:
         read_pem(args.peers_ca, "--peers-ca", "certificate")
-    return Peers(parse_peers(args.peers), auth.read_token, ca)
+    urls = parse_peers(args.peers)
+    check_peers(urls, auth.read_token, args.insecure)
+    return Peers(urls, auth.read_token, ca)
+
+
+def check_metrics_host(host: str, insecure: bool) -> None:
+    """A worker's metrics serve plain HTTP without a token: beyond loopback only when the user says
+    --insecure (a private network, or a container network that Prometheus scrapes), as a shard's HTTP."""
+    from streamdiloco.common.tls import is_loopback
+
+    if not is_loopback(host) and not insecure:
+        raise ValueError(
+            f"refusing to serve metrics on --metrics-host {host}: a worker's /metrics has neither TLS nor a "
+            "token; keep it on 127.0.0.1 (scrape through a tunnel), or say --insecure on a private network"
+        )
 
 
 def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
@@ -163,6 +178,8 @@ def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
     check_model(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.metrics_port is not None:
+        check_metrics_host(args.metrics_host, args.insecure)
     client_tls(args.tls_ca, args.tls_cert, args.tls_key)
     if args.token_file:
         read_token_file(args)

@@ -160,6 +160,15 @@ def _add_shard_flags(g) -> None:
         metavar="PATH",
         help="--token, read from this file: not on the command line, where ps shows it",
     )
+    g.add_argument(
+        "--names-per-token",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker names the run token (--token) may hold sessions for at once on this shard (default "
+        "1): the robust averaging counts names, so one token holder must not make up many; give N for N "
+        "workers that share the token. Per-worker tokens and certificates bind one name each",
+    )
 
 
 def _add_server_security_flags(g) -> None:
@@ -464,7 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port at /metrics (default: none; 0 picks a free port)",
     )
     g.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (0.0.0.0: every interface)"
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address for --metrics-port (0.0.0.0: every interface, with --insecure: the metrics are served "
+        "without TLS or a token)",
+    )
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow --metrics-host beyond loopback: plain HTTP, no token (a private network only)",
     )
     g.add_argument(
         "--wandb-run-name",
@@ -597,6 +614,15 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
     plan = check_server(args)  # one-line errors before torch is imported and anything listens
     blocks_path, fragments = _layout(args)
+    checkpoint_dir = (
+        None
+        if args.no_checkpoint
+        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}"
+    )
+    from streamdiloco.server.dirlock import lock_directory
+
+    # held until this process ends: a second shard on the directory (--fresh or not) refuses, naming this one
+    lock = lock_directory(checkpoint_dir) if checkpoint_dir else None
 
     import asyncio
 
@@ -616,9 +642,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             token=args.token,
             chunk_bytes=args.chunk_bytes,
             init=args.init,
-            checkpoint_dir=None
-            if args.no_checkpoint
-            else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}",
+            checkpoint_dir=checkpoint_dir,
             fresh=args.fresh,
             robust=plan.robust,
             auth=plan.auth,
@@ -645,6 +669,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             peers=plan.peers,
         )
     )
+    if lock is not None:
+        lock.release()
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import Fragment, FragmentLayout, ParamEntry
+from streamdiloco.common.logs import escaped
 
 if TYPE_CHECKING:
     import torch
@@ -238,7 +239,14 @@ def fingerprint_digest(fp: dict) -> str:
 
 def fingerprint_diff(ours: dict, theirs: dict, us: str = "worker", them: str = "server") -> str | None:
     """None when equal, else one sentence naming the first difference. A `theirs` without a model_config
-    (a shard started from a plain state_dict file knows none) does not check ours."""
+    (a shard started from a plain state_dict file knows none) does not check ours. One side's names and
+    values may come off the network: the sentence has their control characters escaped (common/logs.py's
+    `escaped`), so that it cannot forge a line of the log it goes into."""
+    diff = _diff(ours, theirs, us, them)
+    return None if diff is None else escaped(diff)
+
+
+def _diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
     if "model_config" not in theirs:
         ours = {k: v for k, v in ours.items() if k != "model_config"}
     if ours == theirs:

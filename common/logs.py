@@ -9,7 +9,10 @@ Python's warnings, and in JSON an exception that nothing caught. A JSON line has
 `logger`, `message`, every field given with `extra=` (`log.info("...", extra={"step": 3})`), and
 `exception` (the traceback, as one string) when there is one: a record is never more than one line.
 `error_line(message)` is the CLI's one-line error in the same spirit (text: `streamdiloco: error: ...`;
-json: an ERROR record), and `ArgumentParser` makes argparse's own errors follow it.
+json: an ERROR record), and `ArgumentParser` makes argparse's own errors follow it. `escaped(text)` is how
+any text that came from another process (a worker's name or fingerprint, a peer's answer) goes into a log
+line: its control characters written as escapes, so that it can neither start a line of its own nor
+colour the terminal.
 
 This module imports nothing of the project and not torch (`--help` must stay quick); it configures logging
 and writes nothing else.
@@ -46,6 +49,15 @@ class TextFormatter(logging.Formatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return iso_time(record.created)
+
+
+def escaped(text: str) -> str:
+    """`text` with every character that is not printable (newlines, carriage returns, escape sequences,
+    NUL, Unicode's line separators) written as Python writes it in a repr (\\n, \\x1b, \\u2028): what a
+    client sent can then neither forge a log line nor reach the terminal as a control sequence."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _plain(value: Any) -> Any:

@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from streamdiloco.common.fingerprint import fingerprint_diff, parse_fingerprint
+from streamdiloco.common.logs import escaped
 from streamdiloco.common.wire import PROTOCOL
 from streamdiloco.server.auth import Auth, Identity, Refused
 
@@ -29,6 +30,7 @@ _STATUS = {
     "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -47,7 +49,10 @@ class Refusal(Exception):
 
 
 def short(text: str, limit: int = 300) -> str:
-    """Client-supplied text as it goes back into messages and logs: bounded."""
+    """Client-supplied text as it goes back into messages and logs: its control characters escaped
+    (common/logs.py's `escaped`: it cannot forge a log line), and bounded. Every log line of the shard's
+    that carries a string a client sent passes it through here."""
+    text = escaped(text)
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 

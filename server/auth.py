@@ -4,7 +4,10 @@ bind a worker's name and its session id to that identity. Pure decisions, tested
 
 Three kinds of credential, from the simplest:
 - the run token (`--token`): one secret shared by every worker. Whoever holds it may use any name: the
-  simple mode, for a run among people who trust each other.
+  simple mode, for a run among people who trust each other. So that one holder cannot outvote the others
+  with made-up names (the defenses against pushes are medians over names), a shard holds at most
+  `names_per_token` names on it at once (`--names-per-token`, 1 by default); robustness against workers
+  that lie needs per-worker credentials.
 - per-worker tokens (`--workers-file`: lines `NAME SHA256-HEX`): a token proves one name, and that name
   only; the file holds hashes, never tokens. `reload` takes a new version of the file without a restart
   and says whose credential was revoked (removed or changed), so that their sessions end.
@@ -21,6 +24,7 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from streamdiloco.common.tls import is_loopback
@@ -30,8 +34,9 @@ MAX_WORKERS_FILE_BYTES = 16 << 20  # 100,000 workers are 8 MB of lines
 
 
 class Refused(Exception):
-    """A credential that does not allow the call. `code`: "unauthenticated" (no valid credential) or
-    "permission_denied" (a valid credential for another name)."""
+    """A credential that does not allow the call. `code`: "unauthenticated" (no valid credential),
+    "permission_denied" (a valid credential for another name) or "resource_exhausted" (the run token holds
+    as many names as it may)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -122,13 +127,17 @@ class Auth:
         workers: dict[str, str] | None = None,
         certificates: bool = False,
         read_token: str = "",
+        names_per_token: int = 1,
     ):
+        if names_per_token < 1:
+            raise ValueError(f"--names-per-token must be at least 1, got {names_per_token}")
         if token and workers is not None:
             raise ValueError(
                 "--token and --workers-file exclude each other: a shared token would let anyone take any "
                 "name; give each worker its own token in the workers file"
             )
         self.token, self.certificates, self.read_token = token, certificates, read_token
+        self.names_per_token = names_per_token  # names the run token may hold sessions for at once
         self.workers: dict[str, str] | None = None
         self._owner: dict[str, str] = {}
         if workers is not None:
@@ -215,6 +224,26 @@ class Auth:
                 f"this credential is worker {bound!r}'s: it cannot act as {_clip(name)!r}",
             )
         return Identity(bound, " and ".join(proved) or "nothing")
+
+    def names_allowed(self, identity: Identity, name: str, held: Iterable[str]) -> Refused | None:
+        """Whether `identity` may use worker `name` now that the run token holds sessions for `held` (the
+        names of the shard's sessions that the run token proved). Only the run token is counted: it binds
+        no name, so one holder could otherwise add names until they outvote the others. The same name
+        again (a reconnect, a restarted worker) is not another name."""
+        if identity.via != "run token":
+            return None
+        others = sorted(set(held) - {name})
+        if len(others) < self.names_per_token:
+            return None
+        return Refused(
+            "resource_exhausted",
+            f"this shard takes at most {self.names_per_token} worker name"
+            f"{'s' * (self.names_per_token != 1)} on the run token at once, and "
+            f"{', '.join(repr(n) for n in others[:3])}{' ...' * (len(others) > 3)} "
+            f"{'has' if len(others) == 1 else 'have'} a session: give each worker its own credential "
+            "(--workers-file, or client certificates), or start the shards with --names-per-token N (N: the "
+            "run's workers)",
+        )
 
     def session_allowed(self, joined: Identity, now: Identity) -> Refused | None:
         """A Session presents a session id that Join gave to `joined`; `now` is what its own credentials

@@ -65,15 +65,27 @@ class Roster:
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
-        """A session id for a Join that admission let in; Refused while the name has a session."""
+        """A session id for a Join that admission let in; Refused while the name has a session, or while
+        the run token holds as many other names as it may (Auth.names_allowed)."""
+        self._names_allowed(name, identity)
         return self.joins.join(name, identity, now, self.open)
 
     def hello(self, member: Member, session: str, identity: Identity, now: float) -> None:
         """Open `member`'s session with the id its Join gave (passive until `activate`); Refused, nothing
-        changed, unless the id is good for this name and identity."""
+        changed, unless the id is good for this name and identity (and the run token may hold its name:
+        two names may both have Joined before either said Hello)."""
+        self._names_allowed(member.name, identity)
         self.joins.hello(session, member.name, identity, now, self.open)
         member.session = session
         self.open[member.name] = member
+
+    def _names_allowed(self, name: str, identity: Identity) -> None:
+        """Refused if the run token may not hold `name` besides the names of the open sessions (those being
+        dropped aside). Where `identity` is the run token's, every session's is: the run token excludes
+        per-worker tokens, and client certificates bind the name."""
+        held = (m.name for m in self.sessions())
+        if (refused := self.joins.auth.names_allowed(identity, name, held)) is not None:
+            raise refused
 
     def activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
         """The member is ready: rounds that start from now on wait for it (from `from_rounds` on)."""

@@ -3,7 +3,11 @@
 page needs one origin (no CORS) and one read token. Each peer gets a bounded time and a bounded answer; one
 that does not answer in time, or answers nonsense, is shown as down and never holds the page. Answers are
 cached for a second and fetched once for every page polling at the time. Shards still never talk to each
-other for training: this is read-only and for people."""
+other for training: this is read-only and for people.
+
+The read token goes to the listed peers and nowhere else: a redirect is not followed (it is the peer's
+error, `HTTP 302`), and with a read token a peer is reached over https, or over http on loopback only
+(`check_peers`), unless the shard is told --insecure."""
 
 from __future__ import annotations
 
@@ -43,6 +47,32 @@ def parse_peers(text: str, flag: str = "--peers") -> tuple[str, ...]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"{flag}: a shard is listed twice")
     return tuple(urls)
+
+
+def check_peers(
+    urls: tuple[str, ...], read_token: str, insecure: bool = False, flag: str = "--peers"
+) -> None:
+    """With a read token, every peer over https (or http on loopback, where the token stays on this
+    machine): a one-line ValueError for the first that is not, unless `insecure`."""
+    from streamdiloco.common.tls import is_loopback
+
+    if not read_token or insecure:
+        return
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme == "http" and not is_loopback(parts.hostname or ""):
+            raise ValueError(
+                f"{flag}: {url} is plain http, and the shard would send it the read token in clear: give "
+                "the peers as https://HOST:PORT (with --peers-ca), or say --insecure"
+            )
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: urllib would send the Authorization header on to wherever a peer points
+    (another host included). A 3xx is the peer's error."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,9 @@ class RunView:
         self.peers = peers
         self.own = own  # this shard's /api/status (None while it loads)
         self.context = ssl.create_default_context(cafile=peers.ca) if peers.ca else None
+        self._open = urllib.request.build_opener(
+            _NoRedirects(), urllib.request.HTTPSHandler(context=self.context)
+        ).open
         self._answer: dict | None = None
         self._at = -math.inf
         self._lock = asyncio.Lock()
@@ -140,7 +173,7 @@ class RunView:
         request = urllib.request.Request(f"{url}/api/status?rounds=0&hashes=0", headers=headers)
         deadline = time.monotonic() + PEER_TIMEOUT
         try:
-            with urllib.request.urlopen(request, timeout=PEER_TIMEOUT, context=self.context) as r:
+            with self._open(request, timeout=PEER_TIMEOUT) as r:
                 parts: list[bytes] = []
                 size = 0
                 while part := r.read(1 << 16):  # the timeout is per read: the deadline is for the whole
@@ -152,7 +185,9 @@ class RunView:
                         raise TimeoutError("answer too slow")
             body = b"".join(parts)
             return {"url": url, "up": True, "error": None, **shard_summary(json.loads(body))}
-        except urllib.error.HTTPError as e:  # 401 (no read token), 503 (loading, stopping)
+        except (
+            urllib.error.HTTPError
+        ) as e:  # 401 (no read token), 503 (loading, stopping), 3xx (not followed)
             return {"url": url, "up": False, "error": f"HTTP {e.code}"}
         except (OSError, ValueError) as e:  # refused, timed out, TLS, not JSON, not a shard
             reason = getattr(e, "reason", None) or e

@@ -172,12 +172,13 @@ class ShardService(pb_grpc.ShardServicer):
     def _refused_join(self, worker: str, refusal: Refusal) -> None:
         """Log a refused Join that the worker must fix (throttled; an unchecked token once per name: a
         restart policy retries)."""
+        shown, why = short(worker, 60), short(refusal.message, 1000)  # both from the client, escaped
         if refusal.kind == "fingerprint":
-            self.throttled.warning("join", "refused %s at Join: %s", worker, refusal.message)
+            self.throttled.warning("join", "refused %s at Join: %s", shown, why)
         elif refusal.kind == "unchecked-token" and worker not in self._told_unchecked:
             if len(self._told_unchecked) < MAX_TOLD_UNCHECKED:
                 self._told_unchecked.add(worker)
-            self.throttled.warning("unchecked-token", "refused %s at Join: %s", worker, refusal.message)
+            self.throttled.warning("unchecked-token", "refused %s at Join: %s", shown, why)
 
     # --- Session ---------------------------------------------------------------------------------------
     async def Session(

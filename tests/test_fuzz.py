@@ -95,8 +95,11 @@ GOOD_FP = json.dumps(fingerprint())
 
 
 def build():
+    from streamdiloco.server.auth import Auth
+
+    auth = Auth(token=TOKEN, names_per_token=1 << 16)  # the fuzzer's many names share the run token
     return build_service(
-        CFG, "nano", shard=0, num_shards=2, min_workers=1, round_timeout=3600.0, token=TOKEN, chunk_bytes=256
+        CFG, "nano", shard=0, num_shards=2, min_workers=1, round_timeout=3600.0, auth=auth, chunk_bytes=256
     )
 
 

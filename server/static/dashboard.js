@@ -21,6 +21,13 @@
   // the shard's read token, when it has one: the page was opened as /?token=..., and the API takes it as
   // a header only (a token in a URL ends up in logs)
   const READ_TOKEN = new URLSearchParams(location.search).get("token");
+  if (READ_TOKEN !== null) {
+    // ... and out of the address bar and the history as soon as it is read (what is copied or shared of
+    // the address, or seen over a shoulder, no longer carries it)
+    const clean = new URL(location.href);
+    clean.searchParams.delete("token");
+    history.replaceState(history.state, "", clean.pathname + clean.search + clean.hash);
+  }
   const HEADERS = READ_TOKEN ? { Authorization: `Bearer ${READ_TOKEN}` } : {};
   const PALETTE = [
     "#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00",
