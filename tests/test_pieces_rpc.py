@@ -14,6 +14,7 @@ from inthread import RPC_TIMEOUT, InThreadShard
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.auth import Auth
 from streamdiloco.server.main import build_service
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,7 +31,7 @@ def service(tmp_path, shard: int = 0, num_shards: int = 1):
         "nano",
         shard=shard,
         num_shards=num_shards,
-        token=TOKEN,
+        auth=Auth(token=TOKEN, names_per_token=4),  # several workers' names on the one run token
         checkpoint_dir=str(tmp_path / f"ckpt-{shard}"),
         piece_tokens=100,
     )
