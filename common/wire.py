@@ -33,7 +33,9 @@ _COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-CHANNEL_OPTIONS = _COMMON + keepalive_options(LIVENESS_SECONDS) + [
+CHANNEL_OPTIONS = [
+    *_COMMON,
+    *keepalive_options(LIVENESS_SECONDS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
@@ -43,7 +45,9 @@ CHANNEL_OPTIONS = _COMMON + keepalive_options(LIVENESS_SECONDS) + [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 4000),
 ]
-SERVER_OPTIONS = _COMMON + keepalive_options(LIVENESS_SECONDS) + [
+SERVER_OPTIONS = [
+    *_COMMON,
+    *keepalive_options(LIVENESS_SECONDS),
     ("grpc.so_reuseport", 0),  # a second shard on a port in use must fail, not share the port
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
