@@ -16,6 +16,11 @@ MIN_PING_INTERVAL_MS = 1000  # the fastest pings a server accepts (a worker ping
 def keepalive_options(liveness_seconds: float) -> list[tuple[str, int]]:
     """gRPC keepalive that notices a peer that stopped answering within `liveness_seconds`: a ping after
     half of it without a frame from the peer, the connection closed when that ping is not answered within
-    the other half."""
+    the other half. grpc-core (1.85) waits for the ack of any ping for `grpc.http2.ping_timeout_ms`
+    (a minute by default) whatever `grpc.keepalive_timeout_ms` says: both are set."""
     half = max(MIN_PING_INTERVAL_MS, round(liveness_seconds * 500))
-    return [("grpc.keepalive_time_ms", half), ("grpc.keepalive_timeout_ms", half)]
+    return [
+        ("grpc.keepalive_time_ms", half),
+        ("grpc.keepalive_timeout_ms", half),
+        ("grpc.http2.ping_timeout_ms", half),
+    ]
