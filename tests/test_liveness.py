@@ -83,6 +83,7 @@ def test_a_worker_notices_a_frozen_shard_and_reconnects_once_it_resumes(tmp_path
             )
             noticed = time.monotonic() - frozen
             assert noticed < LIVENESS_SECONDS + SLACK, noticed
+            print(f"shard frozen: worker-a noticed after {noticed:.2f} s")
         finally:
             shard.send_signal(signal.SIGCONT)
         assert c.wait("worker-a", timeout=180) == 0, c.log("worker-a")[-4000:]
