@@ -12,7 +12,9 @@ import time
 import pytest
 from procs import Cluster, http_json, wait_until
 
-from streamdiloco.common.keepalive import LIVENESS_SECONDS
+from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS
+from streamdiloco.common.wire import CHANNEL_OPTIONS, SERVER_OPTIONS
+from streamdiloco.server.bounds import Limits, grpc_options
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
 LIVENESS = 2.0  # the shard's --liveness-timeout in these tests
@@ -24,6 +26,22 @@ WORK = [*NANO, "--log-every", "60", "--checkpoint-every", "0", "--step-delay", "
 
 def _members(http: int) -> set[str]:
     return {m["name"] for m in http_json(http)["members"] if m["state"] == "member"}
+
+
+def test_the_liveness_bound_sets_both_ends_keepalive_and_the_shard_permits_the_workers_pings():
+    shard = dict(grpc_options(Limits(liveness_timeout=3), 8, 1 << 20))
+    # a ping after 1.5 s without a frame, its ack awaited 1.5 s (both timeouts: grpc-core's ping timeout
+    # would otherwise wait a minute)
+    assert shard["grpc.keepalive_time_ms"] == 1500
+    assert shard["grpc.keepalive_timeout_ms"] == shard["grpc.http2.ping_timeout_ms"] == 1500
+    worker, server = dict(CHANNEL_OPTIONS), dict(SERVER_OPTIONS)
+    assert worker["grpc.keepalive_time_ms"] + worker["grpc.http2.ping_timeout_ms"] == LIVENESS_SECONDS * 1000
+    # the worker's pings are never "too many": no GOAWAY too_many_pings
+    assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] == MIN_PING_INTERVAL_MS
+    assert MIN_PING_INTERVAL_MS <= worker["grpc.keepalive_time_ms"]
+    assert server["grpc.http2.max_ping_strikes"] == 0
+    with pytest.raises(ValueError, match="--liveness-timeout must be at least 2 seconds, got 1"):
+        Limits(liveness_timeout=1)
 
 
 def test_a_frozen_worker_stops_holding_rounds_within_the_liveness_bound(tmp_path):
