@@ -1,10 +1,16 @@
 """The one place that builds gRPC servers and channels, and turns Encoded slices into wire chunks and back.
 
-Keepalive: a worker may sit between syncs for minutes on an idle WAN link, where NATs and firewalls drop
-silent TCP connections. Clients ping every 30 s even without calls in flight; servers accept such pings
-(down to every 10 s) instead of answering them with GOAWAY. Messages are about 1 MiB (chunks); the limits
-leave room for a bigger `--chunk-bytes`. A shard receives at most what its largest legitimate message needs
-(server/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
+Keepalive, and liveness: both ends send HTTP/2 pings every LIVENESS_SECONDS / 2, even without calls in
+flight, and close the connection when one is not answered within the other half. A peer that stopped
+answering (a frozen process, a laptop that sleeps with its TCP connection open: its kernel still
+acknowledges the bytes) is then noticed within LIVENESS_SECONDS: its calls end with UNAVAILABLE (the
+worker reconnects) or are cancelled (the shard drops the member). The pings also keep NATs and firewalls
+from dropping a quiet WAN link between syncs. Servers accept pings down to every MIN_PING_INTERVAL_MS and
+never answer them with GOAWAY (no ping strikes). A shard sets its own bound (`--liveness-timeout`:
+server/bounds.py); a worker uses LIVENESS_SECONDS (common/keepalive.py).
+
+Messages are about 1 MiB (chunks); the limits leave room for a bigger `--chunk-bytes`. A shard receives at
+most what its largest legitimate message needs (server/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
 """
 
 from __future__ import annotations
@@ -15,22 +21,21 @@ import grpc
 import torch
 
 from streamdiloco.common.codecs import Encoded, split
+from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS, keepalive_options
 from streamdiloco.common.ports import parse_target  # noqa: F401 (re-exported: the link dials with it)
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.protos import streamdiloco_pb2 as pb
 
 PROTOCOL = 1
 MAX_MESSAGE_BYTES = 64 << 20
-KEEPALIVE_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 20_000
 
 _COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-CHANNEL_OPTIONS = _COMMON + [
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+CHANNEL_OPTIONS = [
+    *_COMMON,
+    *keepalive_options(LIVENESS_SECONDS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
@@ -40,12 +45,12 @@ CHANNEL_OPTIONS = _COMMON + [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 4000),
 ]
-SERVER_OPTIONS = _COMMON + [
+SERVER_OPTIONS = [
+    *_COMMON,
+    *keepalive_options(LIVENESS_SECONDS),
     ("grpc.so_reuseport", 0),  # a second shard on a port in use must fail, not share the port
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]

@@ -226,7 +226,7 @@ class ShardConnection:
                 if reconnecting and code in JOIN_RETRYABLE:
                     raise Retry(f"Join: {code.name}: {e.details()}") from None
                 if code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
-                    # our own session from before a crash, not yet noticed by the shard (keepalive: < 1 min)
+                    # our own session from before a crash, not yet noticed by the shard (liveness: seconds)
                     log.info("shard at %s: %s; trying again", self.target, e.details())
                     self.closed.wait(1.0)
                     continue
