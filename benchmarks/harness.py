@@ -6,6 +6,7 @@
   output, `code_under_test()` (where the package was imported from, its git commit); `wait_quiet()` waits
   for the CPUs to be nearly idle before a timed run, `system_busy_seconds()` and `loadavg()` say how busy
   they were.
+- Data: `fortune_files()`, Debian's fortunes (the second corpus of quality_long.py and real.py).
 - Processes: `Procs` starts every child process of a benchmark in its own session (its log in
   LOGDIR/NAME.log) and stops it with its children (SIGTERM to the group, then SIGKILL), also on an error
   and on Ctrl+C (`stop_all` in a `finally`). `sd(...)` is a `python -m streamdiloco ...` command line and
@@ -41,6 +42,9 @@ from streamdiloco.common.atomic import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks run from here
 RESULTS = ROOT / "benchmarks" / "results"  # each benchmark's default --out is a folder of this
+FORTUNES = Path(
+    "/usr/share/games/fortunes"
+)  # Debian's fortunes: a second corpus (scripts/system-deps.sh real)
 
 
 # --- output: print and keep a copy for run.log ------------------------------------------------------------
@@ -71,6 +75,17 @@ def write_results(
     atomic_write_text(out / "run.log", "\n".join((log or say).lines) + "\n")
     if echo:
         print("\n".join(md))
+
+
+def fortune_files() -> list[Path]:
+    """The fortune files of Debian's `fortunes` (quotations between lines of a single %), sorted; their
+    index files (.dat) and links (.u8) left out. ValueError (one line) when the package is missing."""
+    files = sorted(p for p in FORTUNES.glob("*") if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
+    if not files:
+        raise ValueError(
+            f"no fortunes under {FORTUNES}: install Debian's fortunes (scripts/system-deps.sh real)"
+        )
+    return files
 
 
 # --- the machine ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from streamdiloco.cli import SETUP_LABELS, SETUPS, _add_sim_flags, sim_config
+from streamdiloco.compare import SETUP_LABELS, SETUPS, add_sim_flags, sim_config
 from streamdiloco.settings import resolve
 from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
 from streamdiloco.sim.simulator import simulate
@@ -41,7 +41,7 @@ def _one(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_sim_flags(p)
+    add_sim_flags(p)
     p.set_defaults(steps=1200, eval_every=100, eval_batches=16)
     p.add_argument("--setups", default=DEFAULT_SETUPS, help=f"comma-separated, from: {', '.join(SETUPS)}")
     p.add_argument("--workers-list", default="2,4", help="comma-separated M values (default %(default)s)")

@@ -28,11 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from streamdiloco.cli import SETUPS, _add_sim_flags, sim_config
+from benchmarks.harness import fortune_files
 from streamdiloco.common.modelspec import build_model, model_block_size
+from streamdiloco.compare import SETUPS, add_sim_flags, sim_config
 from streamdiloco.settings import resolve
 
-FORTUNES = Path("/usr/share/games/fortunes")
 MARGINS = {2: 1.0, 4: 2.0, 8: 3.0}  # the allowed gap to data-parallel, in %
 
 
@@ -46,11 +46,8 @@ def fortunes_text(folder: Path) -> Path:
     path = folder / "fortunes.txt"
     if path.is_file() and path.stat().st_size:
         return path
-    files = sorted(p for p in FORTUNES.glob("*") if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
-    if not files:
-        raise ValueError(f"no fortunes under {FORTUNES}: apt-get install fortunes (the second text)")
     text = "\n".join(
-        re.sub(r"(?m)^%\n", "\n", p.read_text(encoding="utf-8", errors="replace")) for p in files
+        re.sub(r"(?m)^%\n", "\n", p.read_text(encoding="utf-8", errors="replace")) for p in fortune_files()
     )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
@@ -168,7 +165,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_sim_flags(p)
+    add_sim_flags(p)
     p.set_defaults(eval_every=100_000, method="streaming")
     p.add_argument("--tokens-per-param", type=float, default=20.0, help="total budget (default %(default)s)")
     p.add_argument("--workers-list", default="2,4,8", help="M values on the plays (default %(default)s)")

@@ -43,6 +43,7 @@ from benchmarks.harness import (
     Run,
     bench,
     code_under_test,
+    fortune_files,
     http_json,
     loadavg,
     machine,
@@ -53,18 +54,13 @@ from benchmarks.harness import (
     write_results,
 )
 
-FORTUNES = Path("/usr/share/games/fortunes")
 PROMPT = "The "
 
 
-def fortunes(folder: Path = FORTUNES) -> list[str]:
-    """Every cookie of the fortune files in `folder` (the text between lines of a single %)."""
-    if not folder.is_dir():
-        raise SystemExit(f"{folder} is missing: install Debian's fortunes (scripts/system-deps.sh real)")
+def fortunes() -> list[str]:
+    """Every cookie of Debian's fortune files (the text between lines of a single %)."""
     cookies: list[str] = []
-    for path in sorted(folder.iterdir()):
-        if path.suffix in (".dat", ".u8") or not path.is_file():
-            continue
+    for path in fortune_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         cookies += [c.strip() for c in re.split(r"^%$", text, flags=re.M) if c.strip()]
     return cookies
@@ -204,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     from streamdiloco.common.modelspec import build_model
 
     params = sum(t.numel() for t in build_model(spec).parameters())
+    try:
+        fortune_files()  # the corpus is there, before anything starts
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     info = machine()
     say(machine_line(info))
     with tempfile.TemporaryDirectory(prefix="bench-real-") as tmpdir:

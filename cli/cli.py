@@ -8,62 +8,7 @@ import sys
 from pathlib import Path
 
 from streamdiloco import __version__
-
-# Setups that `compare` and the quality benchmark run; each is a set of overrides on the flags' values.
-SETUPS: dict[str, dict] = {
-    "dp": {"method": "dp"},
-    # tau = 0 with alpha = 0: the local parameters are replaced by the global ones, as in DiLoCo
-    "diloco": {
-        "num_fragments": 1,
-        "fragment_sync_delay": 0,
-        "fragment_update_alpha": 0.0,
-        "uplink_codec": "fp32",
-        "downlink_codec": "fp32",
-    },
-    "streaming": {
-        "fragment_sync_delay": 0,
-        "fragment_update_alpha": 0.0,
-        "uplink_codec": "fp32",
-        "downlink_codec": "fp32",
-    },
-    "overlap": {
-        "fragment_sync_delay": 1,
-        "fragment_update_alpha": 0.5,
-        "uplink_codec": "fp32",
-        "downlink_codec": "fp32",
-    },
-    "full": {
-        "fragment_sync_delay": 1,
-        "fragment_update_alpha": 0.5,
-        "uplink_codec": "e3m0",
-        "downlink_codec": "e3m0",
-    },
-    "full-sr": {
-        "fragment_sync_delay": 1,
-        "fragment_update_alpha": 0.5,
-        "uplink_codec": "e3m0",
-        "downlink_codec": "e3m0",
-        "uplink_rounding": "stochastic",
-        "downlink_rounding": "stochastic",
-    },
-}
-# The shards' defenses (server/robust.py) on the full method: off, and the two robust aggregators
-_FULL = SETUPS["full"]
-SETUPS["full-plain"] = {**_FULL, "weight_cap": 0.0, "clip_norm": 0.0}
-SETUPS["full-trimmed"] = {**_FULL, "aggregator": "trimmed"}
-SETUPS["full-cclip"] = {**_FULL, "aggregator": "centered-clip"}
-SETUP_LABELS = {
-    "dp": "Data-parallel",
-    "diloco": "DiLoCo (P=1, τ=0, fp32)",
-    "streaming": "Streaming (strided, τ=0, fp32)",
-    "overlap": "+ overlap (τ=1, α=0.5)",
-    "full": "+ E3M0 up and down",
-    "full-sr": "+ E3M0, stochastic rounding",
-    "full-plain": "+ E3M0, no defenses (plain mean)",
-    "full-trimmed": "+ E3M0, trimmed mean",
-    "full-cclip": "+ E3M0, centered clipping",
-}
-
+from streamdiloco.compare import SETUPS, add_sim_flags, cmd_compare, cmd_simulate
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
 LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker", "pieces")
@@ -106,39 +51,6 @@ def _add_settings(
         title = (titles or {}).get(section) or _TITLES[section]
         add_flags(p.add_argument_group(f"{title} [{section}]"), classes[section], help_for=help_for)
     p.set_defaults(sections=sections)
-
-
-def _seconds_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"give seconds separated by commas, like 0.5,1.0: got {text!r}"
-        ) from None
-
-
-def _add_sim_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("simulation")
-    g.add_argument("--workers", type=int, default=2, help="M, the number of workers (default %(default)s)")
-    g.add_argument(
-        "--shards", type=int, default=1, dest="num_shards", help="S, shards each fragment is cut into"
-    )
-    g.add_argument(
-        "--eval-every", type=int, default=100, help="steps between evaluations (default %(default)s)"
-    )
-    g.add_argument(
-        "--step-seconds",
-        type=_seconds_list,
-        default=(),
-        metavar="S,S,...",
-        help="sites of unequal speed: each worker's emulated seconds per inner step (e.g. 0.5,1.0 with "
-        "--sync-schedule adaptive or fixed); the results then have the emulated wall time (default: equal)",
-    )
-    _add_settings(
-        p,
-        ("model", "run", "sync", "inner", "robust"),
-        titles={"robust": "the simulated shards' defenses (as `server`)"},
-    )
 
 
 def _layout(args: argparse.Namespace):
@@ -237,89 +149,6 @@ def _pick(cls, v: dict) -> dict:
     return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
 
-def sim_config(args: argparse.Namespace | dict, **overrides):
-    """A validated SimConfig from parsed flags (and setup overrides). Raises ValueError."""
-    from streamdiloco.common.config import compose
-    from streamdiloco.sim.config import SimConfig
-
-    v = {**(vars(args) if isinstance(args, argparse.Namespace) else args), **overrides}
-    return compose(SimConfig, v, strict=False)
-
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from streamdiloco.checks import check_data, check_model
-
-    cfg = sim_config(args)  # one-line errors before torch is imported
-    check_model(args)
-    check_data(cfg.run.data)
-    from streamdiloco.sim.simulator import simulate, write_json
-
-    result = simulate(cfg)
-    print(
-        f"eval loss {result['eval_loss']:.4f} | tokens {result['tokens']:,} | "
-        f"sent/worker {result['bytes_sent_per_worker']:,} B | received/worker "
-        f"{result['bytes_received_per_worker']:,} B | peak sync {result['peak_sync_bytes']:,} B | "
-        f"{result['wall_seconds']:.0f}s"
-    )
-    if cfg.step_seconds and "compute_utilization" in result:  # sites of unequal speed
-        util = " / ".join(f"{u:.2f}" for u in result["compute_utilization"])
-        print(
-            f"emulated wall time {result['curve'][-1]['wall_seconds']:g} s | compute utilization per worker "
-            f"{util} | inner steps {result['inner_steps']}"
-        )
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def run_setups(args, setups: list[str], workers: list[int]) -> list[tuple[str, dict]]:
-    """Run each named setup for each M; returns (label, result) pairs."""
-    from streamdiloco.sim.simulator import simulate
-
-    results = []
-    for m in workers:
-        for name in setups:
-            cfg = sim_config(args, workers=m, **SETUPS[name])
-            print(f"--- {SETUP_LABELS[name]}, M={m}", flush=True)
-            results.append((SETUP_LABELS[name], simulate(cfg)))
-    return results
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from streamdiloco.checks import check_data, check_model
-
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    if unknown := [s for s in setups if s not in SETUPS]:
-        raise ValueError(f"unknown setup {unknown[0]!r}: choose from {', '.join(SETUPS)}")
-    workers = [int(m) for m in str(args.workers_list).split(",")]
-    for name in setups:  # validate every setup before spending minutes on the first (and importing torch)
-        for m in workers:
-            sim_config(args, workers=m, **SETUPS[name])
-    check_model(args)
-    check_data(args.data)
-    import json
-
-    from streamdiloco.sim.report import comparison_rows, format_table, plot_curves
-
-    results = run_setups(args, setups, workers)
-    rows = comparison_rows(results)
-    print()
-    print(format_table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(format_table(rows, markdown=True) + "\n")
-    (out / "results.json").write_text(
-        json.dumps(
-            [{"label": lbl, **{k: v for k, v in r.items() if k != "global_params"}} for lbl, r in results],
-            indent=2,
-        )
-    )
-    png = plot_curves(results, out / "loss.png")
-    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'} and the plot {png}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from streamdiloco.common.logs import ArgumentParser
 
@@ -342,9 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["streaming", "dp"],
         help="streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) or dp (data-parallel)",
     )
-    _add_sim_flags(sp)
+    add_sim_flags(sp)
     sp.add_argument("--json", default=None, metavar="PATH", help="write the final figures to this JSON file")
-    sp.set_defaults(func=_cmd_simulate)
+    sp.set_defaults(func=cmd_simulate)
 
     cp = sub.add_parser(
         "compare",
@@ -353,11 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
         "traffic against data-parallel, and save a plot of eval loss vs tokens.",
     )
     cp.add_argument("--setups", default="dp,full", help=f"comma-separated, from: {', '.join(SETUPS)}")
-    _add_sim_flags(cp)
+    add_sim_flags(cp)
     cp.set_defaults(method="streaming")
     cp.add_argument("--workers-list", default=None, help="comma-separated M values (default: --workers)")
     cp.add_argument("--out", default="runs/compare", help="folder for results.md, results.json, loss.png")
-    cp.set_defaults(func=_cmd_compare)
+    cp.set_defaults(func=cmd_compare)
 
     sv = sub.add_parser(
         "server",

@@ -13,7 +13,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from streamdiloco.cli import SETUPS, build_parser, sim_config
+from streamdiloco.cli import build_parser
+from streamdiloco.compare import SETUPS, sim_config
 
 pytestmark = pytest.mark.slow
 

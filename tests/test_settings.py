@@ -471,10 +471,10 @@ def test_a_scripts_own_defaults_survive_resolve():
     keeps them unless a flag or a config file says otherwise."""
     import argparse
 
-    from streamdiloco.cli import _add_sim_flags
+    from streamdiloco.compare import add_sim_flags
 
     p = argparse.ArgumentParser()
-    _add_sim_flags(p)
+    add_sim_flags(p)
     p.set_defaults(steps=1200, eval_batches=16)
     args = p.parse_args([])
     resolve(args, args.sections, None)
