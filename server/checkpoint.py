@@ -10,6 +10,11 @@ checkpoint.
                                       else its close used (server.shard.CloseJob.record)
     ledger.json                       shard 0: the run's data ledger (server/ledger.py's to_state), written
                                       before each Pieces reply goes out, so a restart loses no assignment
+    credits.json                      the contribution ledger (server/credit.py's to_state): written before
+                                      every whole state of a fragment (which drops round logs: the ledger
+                                      has credited them), every CREDITS_SECONDS while it changes, and when
+                                      the shard stops; the rounds a restart replays from their logs are
+                                      credited again unless the ledger had them (`replayed`)
 
 When a round closes, and before its update goes to any worker, the round's log is made durable (write,
 fsync, rename, fsync the directory): 1/20 of the state's size with one worker's E3M0 push (a 25M-value
@@ -63,6 +68,7 @@ log = logging.getLogger("streamdiloco.shard")
 FORMAT = 2
 LEGACY_FORMAT = 1  # no hashes: loaded unchecked, with a warning, then written again as FORMAT
 LEDGER = "ledger.json"  # shard 0's data ledger
+CREDITS = "credits.json"  # the contribution ledger
 FULL_EVERY = 8  # a fragment's whole state every this many of its rounds; the rounds between are logged
 _LOG_NAME = re.compile(r"rounds/fragment-(\d+)-round-(\d+)\.pt")
 _HASH_ASIDE = 1 << 20  # buffers at least this large are hashed on _HASHER while they are written
@@ -151,6 +157,12 @@ class ShardCheckpoint:
         # shard 0: the data ledger's state (None until a worker named the data), saved with the rest
         self.ledger: Callable[[], dict | None] | None = None
         self.ledger_state: object = None  # what load() read of ledger.json (None: none was listed)
+        # the contribution ledger's state, saved with the rest; what load() read of credits.json; and the
+        # rounds load() replayed: (fragment, round, its log's "credit", how it closed)
+        self.credits: Callable[[], dict] | None = None
+        self.credits_state: object = None
+        self.replayed: list[tuple[int, int, object, str]] = []
+        self._json_locks = {LEDGER: threading.Lock(), CREDITS: threading.Lock()}  # one write of each at once
         self.init_hash = ""  # --init from-worker: the upload's init hash (common/inithash.py), in meta.json
 
     def _meta(self, state: ShardState) -> dict:
@@ -236,9 +248,11 @@ class ShardCheckpoint:
             ):  # the rounds closed since: replayed
                 record, files[name] = self._read(name, None if legacy else (meta["files"][name], None))
                 try:
-                    state.replay_round(f, record)
+                    closed = state.replay_round(f, record)
                 except Exception as e:  # a log whose pushes do not check
                     raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
+                credit = record.get("credit") if isinstance(record, dict) else None
+                self.replayed.append((f, r, credit, closed.why))
                 r += 1
             for listed in meta.get("files", {}):  # a listed log beyond a gap: the log of a round is missing
                 m = _LOG_NAME.fullmatch(listed)
@@ -246,6 +260,8 @@ class ShardCheckpoint:
                     raise ValueError(f"{where} is incomplete: meta.json lists {listed} but not {name}")
         if not legacy and LEDGER in meta["files"]:
             self.ledger_state, files[LEDGER] = self._read_json(LEDGER, meta["files"][LEDGER])
+        if not legacy and CREDITS in meta["files"]:
+            self.credits_state, files[CREDITS] = self._read_json(CREDITS, meta["files"][CREDITS])
         self.files, self.incoming, self.committed = files, {}, True
         self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
         self._run["fingerprint"] = self.fingerprint
@@ -302,18 +318,27 @@ class ShardCheckpoint:
     def save_ledger(self, state: dict) -> bool:
         """Write the data ledger (shard 0) and list it in meta.json; False (and an error in the log) if it
         could not. Small (a few bytes per piece), written whole."""
+        return self._save_json(LEDGER, state, "the data ledger")
+
+    def save_credits(self, state: dict) -> bool:
+        """Write the contribution ledger (Credits.to_state) and list it in meta.json; False (and an error in
+        the log) if it could not. A few hundred bytes per worker, written whole."""
+        return self._save_json(CREDITS, state, "the contribution ledger")
+
+    def _save_json(self, name: str, state: dict, what: str) -> bool:
         data = json.dumps(state, separators=(",", ":")).encode()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            sha = _write_hashed(self.dir / LEDGER, lambda f: f.write(data))
-            with self._lock:
-                self.files[LEDGER] = sha
-                if self.committed:
-                    self._write_meta()
-                self.writes += 1
+            with self._json_locks[name]:  # two writers' files and hashes must not cross
+                self.dir.mkdir(parents=True, exist_ok=True)
+                sha = _write_hashed(self.dir / name, lambda f: f.write(data))
+                with self._lock:
+                    self.files[name] = sha
+                    if self.committed:
+                        self._write_meta()
+                    self.writes += 1
             return True
         except OSError as e:
-            return self._failed("the data ledger", e)
+            return self._failed(what, e)
 
     def _log_path(self, fragment: int, round: int) -> Path:
         return self.dir / "rounds" / f"fragment-{fragment}-round-{round}.pt"
@@ -415,6 +440,8 @@ class ShardCheckpoint:
         ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
         if self.ledger is not None and (ledger := self.ledger()) is not None:
             ok = self.save_ledger(ledger) and ok
+        if self.credits is not None:
+            ok = self.save_credits(self.credits()) and ok
         if not ok:
             return False
         try:

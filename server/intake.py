@@ -20,6 +20,7 @@ from streamdiloco.common.wire import from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.admission import Undecodable, short
 from streamdiloco.server.bounds import Throttled
+from streamdiloco.server.credit import Credits
 from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.metrics import ShardMetrics
 from streamdiloco.server.outbox import Outbox
@@ -59,10 +60,13 @@ class Intake:
         throttled: Throttled,
         close_due: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        credits: Credits | None = None,
     ) -> None:
         self.state, self.roster, self.outbox, self.counters = state, roster, outbox, counters
         self.metrics, self.dashboard, self.throttled = metrics, dashboard, throttled
         self.close_due, self.clock = close_due, clock
+        # the contribution ledger: pushes accepted and refused, per worker
+        self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
         # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
         self.started: dict[tuple[str, int], tuple[float, Report]] = {}
 
@@ -193,6 +197,7 @@ class Intake:
             self.started[(member.name, c.fragment)] = (now, report_of(h))
         if done:
             member.pushes += 1
+            self.credits.accepted(member.name)
             self.metrics.push_size.observe(self.state.bytes_received - before)
             started = self.started.pop((member.name, c.fragment), None)
             if started is not None:  # the worker's progress, reported with an accepted push
@@ -210,6 +215,7 @@ class Intake:
 
     def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1
+        self.credits.refused(member.name, reason)
         message = short(message)  # it may quote what the worker sent (a codec's name, ...)
         level = logging.INFO if reason == "late" else logging.WARNING
         self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)

@@ -46,6 +46,7 @@ from streamdiloco.server.bounds import (
     throttle_library_logs,
 )
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.credit import MAX_IDENTITIES, STATUS_ROWS
 from streamdiloco.server.dashboard import HISTORY
 from streamdiloco.server.initialize import INIT_TIMEOUT, InitRefused, PendingShard, shard_fingerprint
 from streamdiloco.server.metrics import loading_metrics
@@ -281,7 +282,7 @@ def make_app(source: ShardService | Holder, auth: Auth | None = None, peers: Pee
     holder = source if isinstance(source, Holder) else Holder(source)
     run_view = RunView(
         peers or Peers(()),
-        lambda: holder.service.status(0, False) if holder.service is not None else None,
+        lambda: holder.service.status(0, False, 0) if holder.service is not None else None,
     )
     app = FastAPI(title="streamdiloco shard", docs_url=None, redoc_url=None)
 
@@ -328,13 +329,16 @@ def make_app(source: ShardService | Holder, auth: Auth | None = None, peers: Pee
     async def status(
         rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
         hashes: bool = Query(True, description="each fragment's master hash (a hash of its slice)"),
+        credits: int = Query(
+            STATUS_ROWS, ge=0, le=MAX_IDENTITIES, description="rows of the contribution ledger to list"
+        ),
     ):
         if holder.service is None:
             return not_yet()
         if hashes:
             await holder.service.hash_masters()
         # a JSONResponse as it is: FastAPI's jsonable_encoder would walk every value (5x json.dumps' time)
-        return JSONResponse(holder.service.status(rounds, hashes))
+        return JSONResponse(holder.service.status(rounds, hashes, credits))
 
     @app.get("/api/series")
     async def series(

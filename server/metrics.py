@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 P = f"{PREFIX}_shard"
 
+# Identities of the contribution ledger with series of their own (the most tokens); the rest share one series
+# whose worker label is empty (no worker name is): labels stay bounded however many workers come
+CREDIT_LABELS = 10
+
 # How a round closed (ShardState.due's reasons, named for a dashboard's legend)
 ROUND_OUTCOMES = {"all": "complete", "deadline": "deadline", "empty": "empty", "nonfinite": "nonfinite"}
 
@@ -181,6 +185,7 @@ class _Collector:
                 "Token-weighted mean training loss reported with the pushes of the latest closed round",
                 value=svc.dashboard.last_loss,
             )
+        yield from credit_metrics(svc)
         ckpt = svc.checkpoint
         yield CounterMetricFamily(
             f"{P}_checkpoint_writes", "Checkpoint files written", value=ckpt.writes if ckpt else 0
@@ -188,3 +193,43 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_checkpoint_errors", "Checkpoint writes that failed", value=ckpt.errors if ckpt else 0
         )
+
+
+def credit_metrics(svc: ShardService) -> Iterator[Metric]:
+    """The contribution ledger (server/credit.py): the CREDIT_LABELS identities with the most tokens by
+    `worker`, the rest under worker="". Gauges: a worker's series moves to the rest when others pass it."""
+    tops, rest = svc.credits.top(CREDIT_LABELS, svc.clock())
+    rows = [*tops, ("", rest, 0.0)]
+    families = {
+        "tokens": GaugeMetricFamily(
+            f"{P}_credit_tokens",
+            "Tokens of a worker's training that reached the model: its pushes' weights after the caps, "
+            "folded into closed rounds, over the fragments",
+            labels=["worker"],
+        ),
+        "rounds": GaugeMetricFamily(
+            f"{P}_credit_rounds", "Closed rounds that folded a push of the worker", labels=["worker"]
+        ),
+        "connected": GaugeMetricFamily(
+            f"{P}_credit_connected_seconds", "Seconds the worker's sessions were open", labels=["worker"]
+        ),
+    }
+    pushes = GaugeMetricFamily(
+        f"{P}_credit_pushes",
+        "A worker's pushes: accepted, clipped and capped (of the accepted), late, refused (bad input)",
+        labels=["worker", "outcome"],
+    )
+    for name, row, open_seconds in rows:
+        families["tokens"].add_metric([name], row.tokens)
+        families["rounds"].add_metric([name], row.rounds)
+        families["connected"].add_metric([name], row.connected_seconds + open_seconds)
+        counts = (row.pushes, row.clipped, row.capped, row.late, sum(row.refused.values()))
+        for outcome, n in zip(("accepted", "clipped", "capped", "late", "refused"), counts, strict=True):
+            pushes.add_metric([name, outcome], n)
+    yield from families.values()
+    yield pushes
+    yield GaugeMetricFamily(
+        f"{P}_credit_identities",
+        "Worker identities the contribution ledger counted (those folded into its others too)",
+        value=svc.credits.identities,
+    )

@@ -219,6 +219,9 @@ class CloseJob:
     clipped: tuple[str, ...] = ()
     capped: tuple[str, ...] = ()
     history: dict = field(default_factory=dict)  # the round's weights and used norms (what medians keep)
+    # worker -> the shares of its pushes in the round, those folded ahead included (the round runner sets
+    # it: the contribution ledger's tokens, logged with the round)
+    tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
 
     def run(self) -> CloseJob:
@@ -291,6 +294,7 @@ class CloseJob:
             "partial": self.partial,
             "aggregator": list(self.aggregator),
             "history": self.history,
+            "credit": {"tokens": self.tokens, "clipped": list(self.clipped), "capped": list(self.capped)},
             "pushes": [
                 {
                     "worker": p.worker,

@@ -13,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from streamdiloco.common.wire import to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.credit import Credits
 from streamdiloco.server.dashboard import DashboardData
 from streamdiloco.server.metrics import ShardMetrics
+from streamdiloco.server.roundjobs import Push
 from streamdiloco.server.shard import CloseJob, FoldJob, ShardState
 
 log = logging.getLogger("streamdiloco.shard")
@@ -45,9 +47,14 @@ class RoundRunner:
         deliver: Callable[[list[bytes], int], None],
         closing: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
+        credits: Credits | None = None,
     ) -> None:
         self.state, self.checkpoint, self.metrics, self.dashboard = state, checkpoint, metrics, dashboard
         self.down_chunk, self.deliver, self.on_closing, self.clock = down_chunk, deliver, closing, clock
+        # the contribution ledger: each closed round's tokens per worker; and the shares of the pushes that
+        # fold jobs took out of a round still open ((fragment, round) -> worker -> summed shares)
+        self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
+        self.folded: dict[tuple[int, int], dict[str, float]] = {}
         self.stopping = False  # shutting down: sessions end, but no round closes because of that
         self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
         self.on_fatal: Callable[[], None] = lambda: None  # serve() sets this to stop the shard
@@ -68,10 +75,16 @@ class RoundRunner:
         for fragment, why in self.state.due(now):
             started = self.state.open[fragment].started_at
             job = self.state.begin_close(fragment, why)
+            # every push of the round is settled now (its share: the weight after the caps)
+            job.tokens = self.folded.pop((fragment, job.round), {})
+            add_shares(job.tokens, job.pushes)
             self.on_closing(fragment)  # pushes still arriving for the closed round are late now
             self.closing[fragment] = self._start(self._close(job, started))
         for fragment in self.state.fold_due():
-            self._start(self._fold(self.state.begin_fold(fragment)))
+            fold = self.state.begin_fold(fragment)
+            shares = self.folded.setdefault((fragment, fold.round), {})
+            add_shares(shares, (p for group in fold.groups for p in group))
+            self._start(self._fold(fold))
 
     def _start(self, work: Coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(work)
@@ -144,6 +157,8 @@ class RoundRunner:
             self.on_fatal()
             return
         self.deliver(messages, c.update.nbytes)  # the same bytes for every member
+        void = c.why == "nonfinite"  # a zero update: nothing reached the model
+        self.credits.round_closed(c.fragment, c.round, job.tokens, c.clipped, c.capped, void)
         seconds = self.clock() - started if started is not None else None
         self.metrics.round_closed(c.why, seconds, c.update.nbytes)
         self.dashboard.record_round(
@@ -192,11 +207,14 @@ class RoundRunner:
     async def _save_whole(self, job: CloseJob) -> None:
         ckpt = self.checkpoint
         assert ckpt is not None
+        credits = self.credits.to_state(self.clock())  # this round credited: written before its log goes
         try:
             t0 = time.perf_counter()
             # a failure is logged and counted, not fatal: the round logs stay until a whole state is written
+            # (and no state drops the logs of rounds that the ledger written has not credited)
             await asyncio.get_running_loop().run_in_executor(
-                self.pool, lambda: ckpt.save(job.fragment, job.fragment_state())
+                self.pool,
+                lambda: ckpt.save_credits(credits) and ckpt.save(job.fragment, job.fragment_state()),
             )
             self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
         finally:
@@ -216,3 +234,9 @@ class RoundRunner:
                 self.close_due()
             except Exception:  # keep closing rounds at their deadlines whatever one close did
                 log.exception("closing rounds failed")
+
+
+def add_shares(into: dict[str, float], pushes: Iterable[Push]) -> None:
+    """Add settled pushes' shares (their weights after the caps) into `into`, by worker."""
+    for p in pushes:
+        into[p.worker] = into.get(p.worker, 0.0) + p.share

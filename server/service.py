@@ -27,6 +27,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import grpc
@@ -48,6 +49,7 @@ from streamdiloco.server.admission import (
 from streamdiloco.server.auth import Auth, Refused, WorkersFile
 from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
 from streamdiloco.server.checkpoint import ShardCheckpoint
+from streamdiloco.server.credit import STATUS_ROWS, Credits
 from streamdiloco.server.dashboard import DashboardData
 from streamdiloco.server.intake import Counters, Intake
 from streamdiloco.server.ledger import Ledger
@@ -69,6 +71,7 @@ log = logging.getLogger("streamdiloco.shard")
 
 PENDING_PER_SESSION = 4  # Joins not yet followed by a Session: at most this many per --max-sessions
 MAX_TOLD_UNCHECKED = 4096  # worker names remembered as told that this shard checks no token (then: throttled)
+CREDITS_SECONDS = 10.0  # the contribution ledger is written at most this often while it changes
 
 
 class ShardService(pb_grpc.ShardServicer):
@@ -108,15 +111,19 @@ class ShardService(pb_grpc.ShardServicer):
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
         self.metrics = metrics = ShardMetrics(self)
+        self.credits = self._credits()  # the contribution ledger: who gave what (server/credit.py)
+        self._credits_saved = clock()
+        self._credits_saving: Future | None = None
         # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
-        dash = self.dashboard
+        dash, credits = self.dashboard, self.credits
         self.rounds = RoundRunner(
-            state, checkpoint, metrics, dash, self.down_chunk, self._deliver, self._closing, clock
+            state, checkpoint, metrics, dash, self.down_chunk, self._deliver, self._closing, clock, credits
         )
         # what a session's worker sends after Hello: Ready and pushes, checked and handed off
         self.intake = Intake(
-            state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock
-        )
+            state, self.roster, self.outbox, counters, metrics, dash, self.throttled, self.close_due, clock,
+            credits,
+        )  # fmt: skip
         self.pieces = self._piece_desk(piece_tokens) if state.shard == 0 else None  # the data ledger
         self.init_hash = ""  # --init from-worker: the upload's init hash, said at Join (server/initialize.py)
         self.sample()
@@ -137,6 +144,34 @@ class ShardService(pb_grpc.ShardServicer):
         if ckpt is not None:
             ckpt.ledger = lambda: ledger.to_state() if ledger.dataset is not None else None  # with the rest
         return PieceDesk(ledger, self.roster, ckpt.save_ledger if ckpt is not None else None)
+
+    def _credits(self) -> Credits:
+        """The contribution ledger as the checkpoint saved it (else a new one), with the rounds the
+        checkpoint's load replayed credited unless it had them; saved with the rest of the checkpoint."""
+        ckpt, nfrag = self.checkpoint, self.state.layout.num_fragments
+        if ckpt is None:
+            return Credits(nfrag)
+        try:
+            saved = ckpt.credits_state
+            credits = Credits(nfrag) if saved is None else Credits.from_state(saved, nfrag)
+            for fragment, round, credit, why in ckpt.replayed:
+                credits.replayed(fragment, round, credit, why)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {ckpt.dir}: credits.json: {e}; use --fresh") from None
+        ckpt.credits = lambda: credits.to_state(self.clock())
+        return credits
+
+    def _save_credits(self) -> None:
+        """Write the contribution ledger on the pool if it changed, at most every CREDITS_SECONDS (and one
+        write at a time); a stop writes it with the rest, and every whole state of a fragment before it."""
+        ckpt, now = self.checkpoint, self.clock()
+        if ckpt is None or not self.credits.changed or self.rounds.down:
+            return
+        saving = self._credits_saving is not None and not self._credits_saving.done()
+        if saving or now - self._credits_saved < CREDITS_SECONDS:
+            return
+        self._credits_saved = now
+        self._credits_saving = self.rounds.pool.submit(ckpt.save_credits, self.credits.to_state(now))
 
     @property
     def ready(self) -> bool:
@@ -236,6 +271,7 @@ class ShardService(pb_grpc.ShardServicer):
             self.roster.hello(member, first.hello.session, identity, self.clock())
         except Refused as r:
             await abort(context, r)
+        self.credits.connected(name, identity.via, self.clock())
         if first.hello.passive:
             log.info("%s connected, passive until it is ready (%d sessions)", name, len(self.roster.open))
         else:
@@ -272,6 +308,7 @@ class ShardService(pb_grpc.ShardServicer):
             self.outbox.close(member)
             self.intake.forget(worker=name)
             self.roster.leave(member, self.rounds.stopping)
+            self.credits.disconnected(name, self.clock())
             log.info("%s left (%d members)", name, len(self.state.members))
             self.close_due()
 
@@ -327,6 +364,7 @@ class ShardService(pb_grpc.ShardServicer):
     def _each_second(self) -> None:
         self.sample()
         self.reload_credentials()
+        self._save_credits()
         if self.pieces is not None:
             self.pieces.tick(self.clock())
 
@@ -400,9 +438,10 @@ class ShardService(pb_grpc.ShardServicer):
             await abort(context, r)
 
     # --- status ----------------------------------------------------------------------------------------
-    def status(self, rounds: int = 20, hashes: bool = True) -> dict:
-        """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too."""
-        return self.view.status(rounds, hashes)
+    def status(self, rounds: int = 20, hashes: bool = True, credits: int = STATUS_ROWS) -> dict:
+        """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too;
+        `credits`: the contribution ledger's rows listed."""
+        return self.view.status(rounds, hashes, credits)
 
     def series(self, since: float = 0.0) -> dict:
         """The dashboard's time series after `since` (a time.time()), with the values of this moment."""

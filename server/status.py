@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamdiloco.common.fingerprint import tensor_digest
+from streamdiloco.server.credit import STATUS_ROWS
 from streamdiloco.server.dashboard import DashboardData, Sample
 from streamdiloco.server.roster import Member
 
@@ -58,9 +59,10 @@ class ShardStatus:
                 digest = await loop.run_in_executor(self.svc.rounds.pool, tensor_digest, master)
                 self.digests[f] = (master, digest)
 
-    def status(self, rounds: int = 20, hashes: bool = True) -> dict:
+    def status(self, rounds: int = 20, hashes: bool = True, credits: int = STATUS_ROWS) -> dict:
         """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
-        page, which polls, leaves it out)."""
+        page, which polls, leaves it out); `credits`: rows of the contribution ledger listed (the most
+        tokens first; the rest summed)."""
         st = self.svc.state
         return {
             "shard": st.shard,
@@ -142,6 +144,7 @@ class ShardStatus:
             "training_loss": self.dashboard.last_loss,
             "round_seconds": self.dashboard.round_seconds(),
             "recent_rounds": self.dashboard.recent_rounds(rounds),
+            "credits": self.svc.credits.status(self.svc.clock(), credits),  # who gave what (server/credit.py)
         }
 
     def data(self) -> dict | None:
