@@ -430,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     from streamdiloco.data import add_data_parser
 
     add_data_parser(sub)
+    from streamdiloco.credit_cmd import add_ledger_parser
+
+    add_ledger_parser(sub)
 
     from streamdiloco.common.logs import add_log_flags
 

@@ -110,10 +110,10 @@ class ShardService(pb_grpc.ShardServicer):
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        self.metrics = metrics = ShardMetrics(self)
         self.credits = self._credits()  # the contribution ledger: who gave what (server/credit.py)
         self._credits_saved = clock()
         self._credits_saving: Future | None = None
+        self.metrics = metrics = ShardMetrics(self)
         # closes and folds rounds on its thread pool; owns the shard's way down (stopping, fatal)
         dash, credits = self.dashboard, self.credits
         self.rounds = RoundRunner(

@@ -118,7 +118,9 @@ def test_metrics_and_series_count_what_the_shard_did(shard):
     assert m[(f"{p}_update_size_bytes_count", ())] == 1
     info = next(k for k in m if k[0] == f"{p}_info")
     assert dict(info[1])["num_shards"] == "2" and dict(info[1])["fragments"] == str(CFG.num_fragments)
-    assert not any("worker" in dict(labels) for _, labels in m)  # no per-worker labels on the shard
+    # per-worker labels only on the contribution ledger's series, and bounded there (metrics.CREDIT_LABELS)
+    assert not any("worker" in dict(labels) for name, labels in m if not name.startswith(f"{p}_credit_"))
+    assert {dict(labels)["worker"] for name, labels in m if name == f"{p}_credit_tokens"} == {"a", "b", ""}
 
     members = {x["name"]: x for x in status["members"]}
     assert (members["a"]["step"], members["a"]["blocked_seconds"]) == (12, 0.25)  # refused: not reported
