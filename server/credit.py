@@ -309,7 +309,7 @@ class Credits:
         for d in workers:
             name, row = checked_row(d)
             if name is None or name in credits.rows:
-                raise ValueError(f"contribution ledger: a row with no worker, or {shown(str(name))} twice")
+                raise ValueError(f"contribution ledger: {shown(repr(name))} has two rows")
             if len(credits.rows) >= max_rows:
                 credits._fold_one()
             credits.rows[name] = row
