@@ -12,10 +12,13 @@ import math
 from pathlib import Path
 
 import pytest
-from procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco, wait_until
+from inthread import InThreadShard, push_messages
+from procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco
+from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 
 from streamdiloco.credit_cmd import from_checkpoint, merge, to_csv
 from streamdiloco.server.credit import Credits
+from streamdiloco.server.main import build_service
 
 
 # --- the rules -------------------------------------------------------------------------------------------
@@ -188,7 +191,7 @@ def write_checkpoint(directory: Path, shard: int, num_shards: int, credits: Cred
 
 def two_shards(tmp_path: Path) -> tuple[Path, Path]:
     s0, s1 = Credits(2), Credits(2)
-    for s, share in ((s0, 100.0), (s1, 50.0)):  # shard 1's round closed before alice's second push came
+    for s in (s0, s1):  # shard 1's round closed before alice's second push came: late there
         s.connected("alice", "worker token", now=0.0)
         s.accepted("alice")
         s.round_closed(0, 0, {"alice": 100.0, "bob": 100.0}, capped=["bob"])
@@ -259,17 +262,70 @@ def test_ledger_refuses_bad_input_in_one_line_without_torch(tmp_path):
     )
 
 
-# --- a real shard, two workers, a crash and a stop ------------------------------------------------------
+# --- a shard in a thread: the hooks, status, metrics, and a stop and a start from its checkpoint ---------
+def in_thread_shard(tmp_path: Path) -> InThreadShard:
+    service = build_service(
+        CFG, "nano", shard=0, num_shards=2, min_workers=2, round_timeout=30.0,
+        checkpoint_dir=str(tmp_path / "ck"),
+    )  # fmt: skip
+    return InThreadShard(service, tmp_path, GOOD_FP, http=True)
+
+
+def test_a_shard_counts_pushes_rounds_and_tokens_and_keeps_them_across_a_restart(tmp_path):
+    shard = in_thread_shard(tmp_path)
+    try:
+        a, b = shard.worker("a"), shard.worker("b")
+        a.push(push_messages(ENC_A, weight=100.0))
+        assert a.session.result().accepted
+        b.push(push_messages(ENC_B, weight=300.0))
+        assert b.session.result().accepted
+        a.session.update(), b.session.update()  # round 0 of fragment 0 closed
+        a.push(push_messages(ENC_A, weight=100.0))  # round 0 has closed: late
+        assert a.session.result().reason == "late"
+        a.push(push_messages(ENC_A, round=1, weight=-1.0))
+        assert a.session.result().reason == "bad_weight"
+        shard.quiesce(a)
+        credits = shard.status()["credits"]
+        rows = {w["worker"]: w for w in credits["workers"]}
+        p = CFG.num_fragments
+        # b's 300 tokens count as the median of the two, 200 (the weight cap): over the run's 3 fragments
+        assert rows["b"]["tokens"] == pytest.approx(200 / p) and rows["b"]["capped"] == 1
+        assert rows["a"]["tokens"] == pytest.approx(100 / p) and rows["a"]["capped"] == 0
+        assert (rows["a"]["pushes"], rows["a"]["late"], rows["a"]["refused"]) == (1, 1, {"bad_weight": 1})
+        assert all(r["rounds"] == 1 and r["sessions"] == 1 and r["connected"] for r in rows.values())
+        assert all(r["via"] == "nothing" for r in rows.values())  # a shard without credentials
+        assert credits["identities"] == 2 and credits["others"]["identities"] == 0
+        metrics = _get(shard.http_port, "/metrics")
+        assert f'streamdiloco_shard_credit_tokens{{worker="b"}} {200 / p!r}' in metrics
+        assert 'streamdiloco_shard_credit_pushes{outcome="late",worker="a"} 1.0' in metrics
+        assert 'streamdiloco_shard_credit_tokens{worker=""} 0.0' in metrics  # the rest: nobody
+    finally:
+        shard.shutdown()  # the sessions end, then the shard stops: its checkpoint has the ledger
+    again = in_thread_shard(tmp_path)
+    try:
+        back = {w["worker"]: w for w in again.status()["credits"]["workers"]}
+        for name, row in rows.items():
+            assert back[name]["connected_seconds"] >= row["connected_seconds"]
+            assert back[name] == {
+                **row,
+                "connected": False,
+                "connected_seconds": back[name]["connected_seconds"],
+            }
+    finally:
+        again.shutdown()
+
+
+# --- a real shard process, two workers, a crash ---------------------------------------------------------
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
 SHARD = [*NANO, "--min-workers", "2", "--round-timeout", "300"]
-WORK = [*NANO, "--steps", "60", "--log-every", "60", "--checkpoint-every", "0"]
+WORK = [*NANO, "--steps", "54", "--log-every", "60", "--checkpoint-every", "0"]
 
 
 def ledger_of(http: int) -> dict:
     return {w["worker"]: w for w in http_json(http, "/api/status?rounds=0&hashes=0")["credits"]["workers"]}
 
 
-def test_a_shard_credits_its_workers_and_keeps_the_ledger_across_a_crash_and_a_stop(tmp_path):
+def test_a_shard_process_credits_two_workers_and_keeps_its_ledger_across_a_crash(tmp_path):
     with Cluster(tmp_path) as c:
         target, http = c.shard("shard", *SHARD)
         for rank, name in enumerate(("worker-a", "worker-b")):
@@ -290,18 +346,15 @@ def test_a_shard_credits_its_workers_and_keeps_the_ledger_across_a_crash_and_a_s
             assert 0.6 * summary["tokens"] < row["tokens"] <= summary["tokens"], (row, summary)
             assert row["via"] == "nothing" and row["sessions"] == 1 and not row["connected"]
             assert row["connected_seconds"] > 0 and row["late"] == 0 and row["refused"] == {}
-        metrics = wait_until("metrics", lambda: _get(http, "/metrics"))
-        assert f'streamdiloco_shard_credit_rounds{{worker="worker-a"}} {float(rounds)}' in metrics
 
-        # a live shard, merged by the ledger command: its one shard's numbers
+        # the live shard, merged by the ledger command: its one shard's numbers
         r = streamdiloco("ledger", "--status-url", f"http://127.0.0.1:{http}", "--format", "json")
         assert r.returncode == 0, r.stderr
-        live = {w["worker"]: w for w in json.loads(r.stdout)["workers"]}
-        assert {n: (w["tokens"], w["rounds"]) for n, w in live.items()} == {
-            n: (pytest.approx(w["tokens"], abs=1e-3), w["rounds"]) for n, w in before.items()
-        }
+        live = {w["worker"]: (w["tokens"], w["rounds"]) for w in json.loads(r.stdout)["workers"]}
+        assert live == {n: (pytest.approx(w["tokens"], abs=1e-3), w["rounds"]) for n, w in before.items()}
 
-        # a crash: what the ledger last wrote, and the rounds after it replayed from their logs, once
+        # a crash (SIGKILL): the ledger as last written (before each fragment's whole state, or while it
+        # changed), and the rounds after it replayed from their logs and credited once
         c.procs["shard"].kill()
         c.procs["shard"].wait()
         _, http = c.shard("shard", *SHARD)
@@ -309,20 +362,11 @@ def test_a_shard_credits_its_workers_and_keeps_the_ledger_across_a_crash_and_a_s
         for name, row in before.items():
             assert crashed[name]["tokens"] == pytest.approx(row["tokens"]), (crashed[name], row)
             assert crashed[name]["rounds"] == rounds
-
-        # a stop writes all of it: the same numbers after the restart
-        stop(c.procs["shard"])
-        kept = json.loads((tmp_path / "shard-checkpoint" / "credits.json").read_text())
-        _, http = c.shard("shard", *SHARD)
-        after = ledger_of(http)
-        assert {n: {**w, "connected": False} for n, w in after.items()} == {
-            n: {**w, "connected": False} for n, w in crashed.items()
-        }
         stop(c.procs["shard"])
         r = streamdiloco("ledger", "--checkpoint-dir", str(tmp_path / "shard-checkpoint"), "--format", "json")
         assert r.returncode == 0, r.stderr
-        assert [(w["worker"], w["rounds"]) for w in json.loads(r.stdout)["workers"]] == sorted(
-            (w["worker"], w["rounds"]) for w in kept["workers"]
+        assert {w["worker"]: w["rounds"] for w in json.loads(r.stdout)["workers"]} == dict.fromkeys(
+            before, rounds
         )
 
 
