@@ -325,6 +325,7 @@ def ledger_of(http: int) -> dict:
     return {w["worker"]: w for w in http_json(http, "/api/status?rounds=0&hashes=0")["credits"]["workers"]}
 
 
+@pytest.mark.slow  # about 30 s on an idle machine (two shard starts, two workers)
 def test_a_shard_process_credits_two_workers_and_keeps_its_ledger_across_a_crash(tmp_path):
     with Cluster(tmp_path) as c:
         target, http = c.shard("shard", *SHARD)
