@@ -51,6 +51,8 @@ READ_PAGE = """() => {
           steps: cells("#members tbody tr[data-worker] td:nth-child(3)"),
           eta: cells("#members td.eta"), evals: cells("#members td.eval"),
           run: cells("#run-stats b"),
+          credits: [...document.querySelectorAll("#credits tbody tr[data-worker]")].map(
+            (tr) => [tr.dataset.worker, tr.cells[2].textContent, tr.cells[3].textContent]),
           shard: document.getElementById("shard").textContent,
           config: document.getElementById("config").textContent,
           marker: window.testMarker ?? null};
@@ -117,6 +119,7 @@ def test_the_dashboard_shows_the_run_its_workers_and_live_charts_from_one_shard(
         page.wait_for_function("window.sdDashboard && window.sdDashboard.polls > 0", timeout=30_000)
         page.evaluate("window.testMarker = 1")  # gone if the page reloads
         assert page.locator("#members td.empty").text_content() == "no workers connected"
+        assert page.locator("#credits td.empty").text_content() == "no contributions yet"
         assert page.locator("#chart-loss .nodata").is_visible()
         assert page.evaluate(COLOURED_PIXELS)["loss"] == 0  # an empty chart: grid and axes, grey
 
@@ -157,6 +160,9 @@ def test_the_dashboard_shows_the_run_its_workers_and_live_charts_from_one_shard(
 
         later = _wait(c, page, "an ETA and eval points for both workers", evaluated, timeout=120)
         assert later["marker"] == 1 and later["polls"] > first["polls"] and later["connected"]
+        # the contributors: both workers, with the tokens and rounds the shard credited them
+        assert sorted(w for w, _, _ in later["credits"]) == ["worker-a", "worker-b"], later["credits"]
+        assert all(int(t.replace(",", "")) > 0 and int(r) > 0 for _, t, r in later["credits"]), later["credits"]
         charts = later["charts"]
         assert set(charts) == set(CHARTS)
         for name, chart in charts.items():

@@ -9,6 +9,7 @@
 
   const POLL_MS = 1500; // the next poll starts this long after the previous answer
   const RETRY_MS = 2000; // while the shard does not answer
+  const CREDIT_ROWS = 25; // contributors listed, the most tokens first (the rest: one "others" line)
   const FETCH_TIMEOUT_MS = 5000;
   const WINDOW_S = 900; // points older than this are dropped: the shard keeps 15 minutes of samples too
   const MAX_SAMPLES = 1800; // the shard samples once a second, and each poll adds the moment's values
@@ -98,7 +99,7 @@
   async function poll() {
     try {
       const [status, series, run] = await Promise.all([
-        getJSON("api/status?rounds=0&hashes=0"),
+        getJSON(`api/status?rounds=0&hashes=0&credits=${CREDIT_ROWS}`),
         getJSON(`api/series?since=${store.since}`),
         getJSON("api/run"),
       ]);
@@ -162,6 +163,7 @@
     renderRun(run);
     renderStats(status);
     renderMembers(status);
+    renderCredits(status.credits);
     renderCharts(status);
   }
 
@@ -340,6 +342,44 @@
     back.hidden = !s.returning.length;
     back.textContent = `Waiting for ${s.returning.length} member(s) to come back after a restart: ` +
       s.returning.join(", ");
+  }
+
+  /** The contribution ledger (server/credit.py): the most tokens first, the rest in one "others" line. */
+  function renderCredits(c) {
+    byId("credit-count").textContent =
+      `${fmtInt(c.identities)} identities on this shard; tokens over its ${c.fragments} fragments`;
+    const line = (w, name, className) => {
+      const refused = Object.values(w.refused).reduce((a, b) => a + b, 0);
+      const why = el("td", "num", fmtInt(refused));
+      why.title = Object.entries(w.refused).map(([k, n]) => `${k}: ${n}`).join(", ");
+      const tr = el("tr", className);
+      tr.append(
+        el("td", "", name),
+        el("td", "muted", w.via || "–"),
+        num(fmtInt(Math.round(w.tokens))),
+        num(fmtInt(w.rounds)),
+        num(fmtInt(w.pushes)),
+        num(fmtInt(w.clipped)),
+        num(fmtInt(w.capped)),
+        num(fmtInt(w.late)),
+        why,
+        num(fmtDuration(w.connected_seconds)),
+      );
+      return tr;
+    };
+    const rows = c.workers.map((w) => {
+      const tr = line(w, w.worker, w.connected ? "" : "muted");
+      tr.dataset.worker = w.worker;
+      return tr;
+    });
+    if (c.others.identities) rows.push(line(c.others, `${fmtInt(c.others.identities)} others`, "muted"));
+    if (!rows.length) {
+      const td = el("td", "empty", "no contributions yet");
+      td.colSpan = 10;
+      rows.push(el("tr"));
+      rows[0].append(td);
+    }
+    document.querySelector("#credits tbody").replaceChildren(...rows);
   }
 
   // --- charts ------------------------------------------------------------------------------------------
