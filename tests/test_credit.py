@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 from streamdiloco.credit_cmd import from_checkpoint, merge, to_csv
 from streamdiloco.server.credit import Credits
 from streamdiloco.server.main import build_service
+from streamdiloco.server.service import ShardService
 
 
 # --- the rules -------------------------------------------------------------------------------------------
@@ -299,8 +301,17 @@ def test_a_shard_counts_pushes_rounds_and_tokens_and_keeps_them_across_a_restart
         assert f'streamdiloco_shard_credit_tokens{{worker="b"}} {200 / p!r}' in metrics
         assert 'streamdiloco_shard_credit_pushes{outcome="late",worker="a"} 1.0' in metrics
         assert 'streamdiloco_shard_credit_tokens{worker=""} 0.0' in metrics  # the rest: nobody
+        # the checkpoint as a crash would leave it now: the ledger written at the start (empty), and the
+        # round's log, which a restart replays and credits
+        shutil.copytree(tmp_path / "ck", tmp_path / "crashed")
     finally:
         shard.shutdown()  # the sessions end, then the shard stops: its checkpoint has the ledger
+    crashed = build_service(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(tmp_path / "crashed"))
+    assert isinstance(crashed, ShardService)
+    replayed = {w["worker"]: w for w in crashed.credits.status(now=0.0)["workers"]}
+    for name, row in rows.items():  # what the round's log says: tokens, rounds, caps (not pushes: no log)
+        assert replayed[name]["tokens"] == pytest.approx(row["tokens"])
+        assert (replayed[name]["rounds"], replayed[name]["capped"]) == (1, row["capped"])
     again = in_thread_shard(tmp_path)
     try:
         back = {w["worker"]: w for w in again.status()["credits"]["workers"]}
