@@ -307,8 +307,9 @@ def test_a_shard_started_on_a_checkpoint_without_hashes_writes_them_before_it_se
     service = build_service(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(ck.dir))
     shard = InThreadShard(service, tmp_path, json.dumps(FP))
     try:
-        m = meta(ck)  # written before the shard said it serves
-        assert m["format"] == 2 and set(m["files"]) == {f"fragment-{f}.pt" for f in range(3)}
+        m = meta(ck)  # written before the shard said it serves, with its contribution ledger
+        files = {f"fragment-{f}.pt" for f in range(3)} | {"credits.json"}
+        assert m["format"] == 2 and set(m["files"]) == files
         fragments = shard.status()["fragments"]
         assert [x["master_hash"] for x in fragments] == [tensor_digest(st.master(f)) for f in range(3)]
         assert [x["round"] for x in fragments] == [st.round_of(f) for f in range(3)]
