@@ -161,8 +161,9 @@ def test_the_dashboard_shows_the_run_its_workers_and_live_charts_from_one_shard(
         later = _wait(c, page, "an ETA and eval points for both workers", evaluated, timeout=120)
         assert later["marker"] == 1 and later["polls"] > first["polls"] and later["connected"]
         # the contributors: both workers, with the tokens and rounds the shard credited them
-        assert sorted(w for w, _, _ in later["credits"]) == ["worker-a", "worker-b"], later["credits"]
-        assert all(int(t.replace(",", "")) > 0 and int(r) > 0 for _, t, r in later["credits"]), later["credits"]
+        credits = later["credits"]
+        assert sorted(w for w, _, _ in credits) == ["worker-a", "worker-b"], credits
+        assert all(int(t.replace(",", "")) > 0 and int(r) > 0 for _, t, r in credits), credits
         charts = later["charts"]
         assert set(charts) == set(CHARTS)
         for name, chart in charts.items():
