@@ -6,7 +6,9 @@ Hello: server/intake.py (Ready, pushes and their checks). What waits to be writt
 it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
 The status JSON and the dashboard's series: server/status.py. The sizes of its traffic (values per chunk,
 the unread budget, calls per peer): server/wiring.py. The rounds themselves: ShardState (server/shard.py),
-pure. Join's reply and Fetch's chunks are made by `join_reply` and `master_chunks` below.
+pure. Who gave what (pushes, rounds, tokens, time connected, per identity): server/credit.py, told by the
+sessions here, the intake and the round runner. Join's reply and Fetch's chunks are made by `join_reply` and
+`master_chunks` below.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
 runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,

@@ -331,13 +331,7 @@
       );
       return tr;
     });
-    if (!rows.length) {
-      const td = el("td", "empty", "no workers connected");
-      td.colSpan = 14;
-      rows.push(el("tr"));
-      rows[0].append(td);
-    }
-    document.querySelector("#members tbody").replaceChildren(...rows);
+    fillTable("#members tbody", rows, "no workers connected", 14);
     const back = byId("returning");
     back.hidden = !s.returning.length;
     back.textContent = `Waiting for ${s.returning.length} member(s) to come back after a restart: ` +
@@ -373,13 +367,7 @@
       return tr;
     });
     if (c.others.identities) rows.push(line(c.others, `${fmtInt(c.others.identities)} others`, "muted"));
-    if (!rows.length) {
-      const td = el("td", "empty", "no contributions yet");
-      td.colSpan = 10;
-      rows.push(el("tr"));
-      rows[0].append(td);
-    }
-    document.querySelector("#credits tbody").replaceChildren(...rows);
+    fillTable("#credits tbody", rows, "no contributions yet", 10);
   }
 
   // --- charts ------------------------------------------------------------------------------------------
@@ -582,6 +570,17 @@
 
   function colorOfFragment(p) {
     return PALETTE[p % PALETTE.length];
+  }
+
+  /** A table's rows, or one line saying there are none. */
+  function fillTable(selector, rows, none, columns) {
+    if (!rows.length) {
+      const td = el("td", "empty", none);
+      td.colSpan = columns;
+      rows.push(el("tr"));
+      rows[0].append(td);
+    }
+    document.querySelector(selector).replaceChildren(...rows);
   }
 
   function byId(id) {
