@@ -30,9 +30,10 @@ Also, as hooks into other benchmarks, when they are there:
 Real GPU steps (issue 29: `--real-models large,benchmarks.sync_cost:gpt_300m --device cuda`): the worker
 trains a GPT of the run (a --model spec the shards build too) on the device, forward, backward and AdamW
 in --precision on random tokens, and waits for the step's kernels before calling engine.step(). Before
-joining it times --baseline-steps such steps with no sync at all (after warm-up steps); the compute
-utilization is then measured steps x that no-sync step time / wall time of the synced loop, and "late
-wake-ups" reads as how much longer a synced step took than a no-sync one. scripts/gpu-check.py runs it.
+joining it times half of --baseline-steps such steps with no sync at all (after warm-up steps), and the
+other half after the synced loop (the engine closed), so that a drift of the GPU's clocks shows in both; the
+compute utilization is then measured steps x the median no-sync step time / wall time of the synced loop,
+and "late wake-ups" reads as how much longer a synced step took than a no-sync one. scripts/gpu-check.py runs it.
 
 Headline (issue 11): 100M parameters, 100 ms steps, H=30, P=5, tau=2, alpha=0.5, E3M0 both ways, 1 shard:
 target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
@@ -219,8 +220,9 @@ def worker_main(spec: dict, result_path: Path) -> int:
     real = spec.get("model")
     gpu_step, baseline = (None, None)
     if real:
-        model, gpu_step, baseline = _real_training(spec)
-        step_s = statistics.median(baseline)  # what a step costs with no sync at all
+        model, gpu_step = _real_training(spec)
+        baseline = _time_steps(gpu_step, spec.get("baseline_steps", 10) // 2)
+        step_s = statistics.median(baseline)  # what a step costs with no sync at all (for the log)
     else:
         model = synthetic_model()
         step_s = spec["step_ms"] / 1e3
@@ -276,6 +278,10 @@ def worker_main(spec: dict, result_path: Path) -> int:
     t0 = time.perf_counter()
     engine.close()
     close_s = time.perf_counter() - t0
+    if gpu_step is not None and baseline is not None:  # the other half, now: no sync, the same GPU
+        baseline += _time_steps(gpu_step, spec.get("baseline_steps", 10) - len(baseline))
+        step_s = statistics.median(baseline)
+        print(f"no-sync steps: median {step_s * 1e3:.1f} ms ({len(baseline)} steps)", flush=True)
 
     win = [r for r in recs if r[0] > warm]
     wall = win[-1][4] - win[0][1]
@@ -336,10 +342,10 @@ def worker_main(spec: dict, result_path: Path) -> int:
     return 0
 
 
-def _real_training(spec: dict) -> tuple[nn.Module, Any, list[float]]:
-    """The real-step worker's model on its device, its step (forward, backward and AdamW in the precision,
-    on random tokens; returns when the device is done: (tokens, loss)), and the seconds of
-    spec["baseline_steps"] such steps with no sync, timed after spec["baseline_warmup"] untimed ones."""
+def _real_training(spec: dict) -> tuple[nn.Module, Any]:
+    """The real-step worker's model on its device and its step (forward, backward and AdamW in the
+    precision, on random tokens; returns when the device is done: (tokens, loss)), after
+    spec["baseline_warmup"] untimed steps."""
     from streamdiloco.common.modelspec import build_model, model_block_size
     from streamdiloco.worker.train import forward_backward
 
@@ -360,17 +366,18 @@ def _real_training(spec: dict) -> tuple[nn.Module, Any, list[float]]:
 
     for _ in range(spec.get("baseline_warmup", 3)):
         step()
+    print(f"real steps on {device}: {spec['batch']} x {block} tokens each", flush=True)
+    return model, step
+
+
+def _time_steps(step: Any, n: int) -> list[float]:
+    """Seconds of each of n steps."""
     times = []
-    for _ in range(spec.get("baseline_steps", 10)):
+    for _ in range(max(1, n)):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    print(
-        f"no-sync baseline on {device}: {len(times)} steps of {spec['batch']} x {block} tokens, median "
-        f"{statistics.median(times) * 1e3:.1f} ms",
-        flush=True,
-    )
-    return model, step, times
+    return times
 
 
 # --- one case -----------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from streamdiloco.worker.model import build_gpt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
+# the CPU twin in `make test-slow`: `make test` has the same on the CPU already (named where it is used)
+SLOW_ON_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), DEVICES[1]]
 # where the device runs the arithmetic (lerp, add) that the CPU runs too: fp32 round-off apart
 TOLERANCE = 1e-6
 
@@ -126,13 +128,14 @@ def test_the_engine_on_the_device_equals_the_cpu_path(device, rule):
 
 
 # --- a worker process on the device against two shard processes ---------------------------------------------
-RUN = ["--model", "nano", "--sync-every", "4", "--num-fragments", "2", "--num-shards", "2"]
+RUN = ["--model", "nano", "--sync-every", "4", "--num-fragments", "2"]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# on the CPU: tests/test_faults.py (two workers, two shards, mirrors equal to the masters)
+@pytest.mark.parametrize("device", SLOW_ON_CPU)
 def test_a_worker_on_the_device_with_two_shards_ends_with_its_mirror_equal_to_the_masters(tmp_path, device):
     with Cluster(tmp_path) as c:
-        shards = [c.shard(f"s{i}", "--shard", str(i), *RUN) for i in range(2)]
+        shards = [c.shard(f"s{i}", "--shard", str(i), "--num-shards", "2", *RUN) for i in range(2)]
         c.worker(
             "w",
             [t for t, _ in shards],
@@ -147,7 +150,8 @@ def test_a_worker_on_the_device_with_two_shards_ends_with_its_mirror_equal_to_th
 
 
 # --- a process-group worker of one rank: NCCL on CUDA, gloo on the CPU --------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
+# on the CPU: tests/test_process_group.py::test_the_library_a_ddp_model_joins_with_connect_group_...
+@pytest.mark.parametrize("device", SLOW_ON_CPU)
 def test_a_one_rank_group_worker_syncs_through_its_backend(tmp_path, device):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
