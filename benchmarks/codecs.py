@@ -164,11 +164,11 @@ def device_table(device: str, values: int | None = None, repeats: int | None = N
         enc = C.encode(x, codec, block)
         out = torch.empty_like(x)
         acc = torch.zeros(n, dtype=torch.float64, device=dev)
-        ops: dict[str, Callable[[], object]] = {
-            "encode": lambda codec=codec: C.encode(x, codec, block),
-            "decode": lambda enc=enc, out=out: C.decode(enc, out=out),
-            "add_into": lambda enc=enc, out=out: C.add_into(enc, out),
-            "accumulate": lambda enc=enc, acc=acc: C.accumulate(enc, acc, 0.5),
+        ops: dict[str, Callable[[], object]] = {  # timed within this iteration: no late binding
+            "encode": lambda: C.encode(x, codec, block),  # noqa: B023
+            "decode": lambda: C.decode(enc, out=out),  # noqa: B023
+            "add_into": lambda: C.add_into(enc, out),  # noqa: B023
+            "accumulate": lambda: C.accumulate(enc, acc, 0.5),  # noqa: B023
         }
         speed = {op: n / _device_time(fn, repeats, dev) / 1e6 for op, fn in ops.items()}
         ratio = {op: v / copy for op, v in speed.items()}
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--values", type=_count, help="values per tensor (e.g. 16M; default 16M, quick 1M)")
     ap.add_argument("--repeats", type=int, help="timings per figure, median (default 5, quick 3)")
     ap.add_argument(
-        "--device", help="measure on this device (cuda: the GPU) against a device-to-device copy (device_table)"
+        "--device",
+        help="measure on this device (cuda: the GPU) against a device-to-device copy (device_table)",
     )
     ap.add_argument("--json", help="write the raw numbers here")
     a = ap.parse_args(argv)

@@ -33,7 +33,8 @@ in --precision on random tokens, and waits for the step's kernels before calling
 joining it times half of --baseline-steps such steps with no sync at all (after warm-up steps), and the
 other half after the synced loop (the engine closed), so that a drift of the GPU's clocks shows in both; the
 compute utilization is then measured steps x the median no-sync step time / wall time of the synced loop,
-and "late wake-ups" reads as how much longer a synced step took than a no-sync one. scripts/gpu-check.py runs it.
+and "late wake-ups" reads as how much longer a synced step took than a no-sync one. scripts/gpu-check.py
+runs it.
 
 Headline (issue 11): 100M parameters, 100 ms steps, H=30, P=5, tau=2, alpha=0.5, E3M0 both ways, 1 shard:
 target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
@@ -219,6 +220,7 @@ def worker_main(spec: dict, result_path: Path) -> int:
     torch.manual_seed(1)
     real = spec.get("model")
     gpu_step, baseline = (None, None)
+    model: nn.Module
     if real:
         model, gpu_step = _real_training(spec)
         baseline = _time_steps(gpu_step, spec.get("baseline_steps", 10) // 2)
@@ -238,7 +240,9 @@ def worker_main(spec: dict, result_path: Path) -> int:
     with torch.no_grad():  # once, untimed: dense outer gradients and updates from the first send on
         for p in params if not real else []:  # (real steps change every parameter)
             p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
-    print(f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {step_s * 1e3:.0f} ms", flush=True)
+    print(
+        f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {step_s * 1e3:.0f} ms", flush=True
+    )
 
     recs = []  # (step, start, slept, after change, end, kinds)
     blocked0 = cpu0 = 0.0
@@ -307,8 +311,8 @@ def worker_main(spec: dict, result_path: Path) -> int:
     }
     res = {
         "params": numel,
-        "width": model.blocks[0].in_features if not real else None,
-        "blocks": len(model.blocks) if not real else None,
+        "width": model.blocks[0].in_features if isinstance(model, SyntheticModel) else None,
+        "blocks": len(model.blocks) if isinstance(model, SyntheticModel) else None,
         "model": real,
         "device": spec.get("device", "cpu"),
         "baseline_step_ms": [t * 1e3 for t in baseline] if baseline else None,
@@ -741,7 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ingest-timeout", type=float, default=900.0, help="seconds for wire.py part b")
     ap.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine (default 10)")
     real = ap.add_argument_group("real GPU steps (issue 29; see the module's docstring)")
-    real.add_argument("--real-models", help="model specs to train for real, e.g. large,benchmarks.sync_cost:gpt_300m")
+    real.add_argument(
+        "--real-models", help="model specs to train for real, e.g. large,benchmarks.sync_cost:gpt_300m"
+    )
     real.add_argument("--real-taus", default="1,2", help="tau of each real case (default %(default)s)")
     real.add_argument("--device", default="cuda", help="where the real steps run (default %(default)s)")
     real.add_argument("--batch-size", type=int, default=16, help="sequences per real step (default 16)")
@@ -795,7 +801,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = [
             {"size": sz, "params": parse_size(sz), "step_ms": ms, "tau": tau, "shards": s}
             if not a.real_models
-            else {"size": sz, "params": 0, "model": sz, "device": a.device, "step_ms": 0, "tau": tau, "shards": s}
+            else {
+                "size": sz,
+                "params": 0,
+                "model": sz,
+                "device": a.device,
+                "step_ms": 0,
+                "tau": tau,
+                "shards": s,
+            }
             for sz, ms, tau, s in raw_cases
         ]
         for c in cases:  # fail now, not after minutes: the config the shards and the worker will use

@@ -5,7 +5,7 @@ one call of about 8 minutes, every result under one folder.
 Parts, in order, each a subprocess with its own time limit; a part that fails or runs out of time is
 recorded (its status and the tail of its output) and the next one runs:
   header       nvidia-smi, Python, torch and its CUDA, the GPU, the commit
-  tests        the CUDA tests: tests/test_device.py and tests/test_codecs.py's, `-k cuda` (junit xml, read back)
+  tests        the CUDA tests: tests/test_device.py's and tests/test_codecs.py's, `-k cuda` (junit xml)
   utilization  benchmarks/sync_cost.py with REAL training steps: the built-in GPT at ~100M (`large`) and
                ~300M (benchmarks.sync_cost:gpt_300m) parameters on the GPU, two shard processes on the same
                machine, tau = 1 and 2; utilization against the same steps with no sync, and the training
@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import signal
@@ -101,7 +100,7 @@ DRY = Plan(
 )
 
 
-# --- running a part's commands --------------------------------------------------------------------------------
+# --- running a part's commands ------------------------------------------------------------------------------
 class Runner:
     """Runs commands in the repository's root with a deadline, keeps their output for run.log."""
 
@@ -114,7 +113,9 @@ class Runner:
         self.log.write(text + "\n")
         self.log.flush()
 
-    def __call__(self, argv: list[str], deadline: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    def __call__(
+        self, argv: list[str], deadline: float, env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
         """(exit status, output); status 124 when it ran past the deadline (killed with its children)."""
         self.say(f"$ {shlex.join(argv)}")
         timeout = max(1.0, deadline - time.monotonic())
@@ -164,7 +165,7 @@ def check(code: int, out: str, what: str) -> None:
         raise PartFailed(f"failed (exit {code}): {what}", out)
 
 
-# --- the parts ------------------------------------------------------------------------------------------------
+# --- the parts ----------------------------------------------------------------------------------------------
 def part_header(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
     res: dict[str, Any] = {"python": platform.python_version(), "machine": platform.platform()}
     res["cpus"] = os.cpu_count()
@@ -178,7 +179,8 @@ def part_header(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
         "'cuda': torch.version.cuda, 'cudnn': torch.backends.cudnn.version(), 'cuda_available': c, "
         "'gpu': torch.cuda.get_device_name(0) if c else None, "
         "'capability': list(torch.cuda.get_device_capability(0)) if c else None, "
-        "'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if c else None, "
+        "'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) "
+        "if c else None, "
         "'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if c else None}))"
     )
     code, out = run([PY, "-c", probe], deadline)
@@ -286,7 +288,8 @@ import json, statistics, sys, time
 import torch
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.worker.train import forward_backward
-device, batch, workers, tpp, runs, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+device, batch, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+tpp, runs, budget = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
 out = []
 for spec in sys.argv[7:]:
     model = build_model(spec).to(device)
@@ -306,7 +309,8 @@ for spec in sys.argv[7:]:
     steps = max(1, round(tpp * params / (workers * batch * block)))
     # M workers' steps per run, and the simulator's own work beside them (the engines, the evaluation)
     estimate = 1.3 * runs * workers * steps * step
-    out.append({"model": spec, "params": params, "step_ms": step * 1e3, "steps": steps, "estimate_s": estimate})
+    out.append({"model": spec, "params": params, "step_ms": step * 1e3, "steps": steps})
+    out[-1]["estimate_s"] = estimate
     print(json.dumps(out[-1]), flush=True)
     if estimate <= budget:
         break
@@ -320,13 +324,29 @@ def part_quality(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
     budget = 0.8 * (deadline - time.monotonic()) - 10  # its start-up and the evaluations beside
     pick: dict[str, Any] = {"model": plan.quality_candidates[0], "params": None}
     if len(plan.quality_candidates) > 1:  # time them on the device, the largest first
-        argv = [PY, "-c", PICK, plan.device, "16", str(plan.quality_workers), str(plan.quality_tpp), str(runs)]
+        argv = [
+            PY,
+            "-c",
+            PICK,
+            plan.device,
+            "16",
+            str(plan.quality_workers),
+            str(plan.quality_tpp),
+            str(runs),
+        ]
         code, out = run(argv + [f"{budget:.0f}", *plan.quality_candidates], deadline)
         check(code, out, "timing the candidate models")
         pick = json.loads(out.strip().splitlines()[-1])["picked"]
     folder = tmp / "quality"
     argv = [PY, "-m", "benchmarks.quality_long", "--model", pick["model"], "--device", plan.device]
-    argv += ["--workers-list", str(plan.quality_workers), "--second-workers", "", "--lr", f"{plan.quality_lrs[0]:g}"]
+    argv += [
+        "--workers-list",
+        str(plan.quality_workers),
+        "--second-workers",
+        "",
+        "--lr",
+        f"{plan.quality_lrs[0]:g}",
+    ]
     argv += ["--dp-lrs", lrs, "--full-variants", lrs, "--tokens-per-param", f"{plan.quality_tpp:g}"]
     argv += ["--batch-size", "16", "--out", str(folder), "--fresh"]
     code, out = run(argv, deadline)
@@ -352,7 +372,7 @@ PART_FUNCS: dict[str, Callable[[Runner, Plan, float, Path], dict]] = {
 }
 
 
-# --- the summary ----------------------------------------------------------------------------------------------
+# --- the summary --------------------------------------------------------------------------------------------
 def summary_md(results: dict[str, dict], plan: Plan, dry: bool, total: float) -> str:
     head = results.get("header", {})
     lines = [
@@ -390,12 +410,22 @@ def summary_md(results: dict[str, dict], plan: Plan, dry: bool, total: float) ->
                 f"{_ms(r['send_p90_ms'])} | {_ms(r['merge_median_ms'])} / {_ms(r['merge_p90_ms'])} | "
                 f"{r['blocked_seconds']:.2f} |"
             )
-    for name, title in (("codecs", "Codecs against a device-to-device copy"), ("quality", "Quality at M = 4")):
+    for name, title in (
+        ("codecs", "Codecs against a device-to-device copy"),
+        ("quality", "Quality at M = 4"),
+    ):
         if results.get(name, {}).get("markdown"):
             lines += ["", f"## {title}", "", results[name]["markdown"]]
     failed = [n for n in PARTS if n in results and results[n]["status"] != "ok"]
     for name in failed:
-        lines += ["", f"## {name}: {results[name]['status']}", "", "```", results[name].get("output_tail", ""), "```"]
+        lines += [
+            "",
+            f"## {name}: {results[name]['status']}",
+            "",
+            "```",
+            results[name].get("output_tail", ""),
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -424,7 +454,9 @@ def package_env(tmp: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the folder for the JSON files, summary.md and run.log")
-    ap.add_argument("--dry-run", action="store_true", help="on the CPU at toy sizes (seconds): the same parts")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="on the CPU at toy sizes (seconds): the same parts"
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in their order (default: all)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every part's time limit by this")
     a = ap.parse_args(argv)

@@ -189,7 +189,7 @@ def test_a_one_rank_group_worker_syncs_through_its_backend(tmp_path, device):
         dist.destroy_process_group()
 
 
-# --- connect() with a model on the device, in bf16 autocast --------------------------------------------------
+# --- connect() with a model on the device, in bf16 autocast -------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 def test_connect_trains_a_model_on_the_device_in_bf16_autocast(tmp_path, device):
     from streamdiloco.worker.join import connect
