@@ -441,8 +441,8 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
     busy = wait_quiet(label, args.max_wait) if args.max_wait > 0 else None
     out["machine_busy_before"] = busy
     say(
-        f"{label} starting {case['shards']} shard process(es) for {case['params']:,} parameters "
-        f"(load {out['loadavg_before']})"
+        f"{label} starting {case['shards']} shard process(es) for "
+        f"{case.get('model') or format(case['params'], ',') + ' parameters'} (load {out['loadavg_before']})"
     )
     t0 = time.monotonic()
     shards = start_shards(procs, tmp, tag, case, sync, args)
