@@ -97,7 +97,8 @@ DRY = Plan(
     quality_lrs=(1.5e-3,),
     # one thread per process, as the tests' processes: on 2 cores, torch's threads of several processes
     # spinning against each other make a toy step take a second
-    env=(("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1")),
+    # and the codecs as the torch ops that CUDA runs (no numba: a few seconds less of imports and compiles)
+    env=(("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"), ("STREAMDILOCO_CODECS_NUMBA", "0")),
 )
 
 
@@ -183,7 +184,7 @@ def part_header(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
         "'capability': list(torch.cuda.get_device_capability(0)) if c else None, "
         "'gpu_memory_gib': round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) "
         "if c else None, "
-        "'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if c else None}))"
+        "'nccl': str(torch.cuda.nccl.version()) if c else None}))"
     )
     code, out = run([PY, "-c", probe], deadline)
     check(code, out, "torch's versions")

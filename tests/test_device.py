@@ -9,7 +9,8 @@ its `cuda` case only where torch sees a GPU: skipped otherwise, run by scripts/g
   multiply-add may round an ulp differently);
 - a worker process with --device on two real shard processes: its mirror equals the masters bit for bit;
 - a process-group worker of one rank: NCCL on CUDA, gloo on the CPU;
-- `connect()` with a model on the device, trained in bf16 autocast.
+- `connect()` with a model on the device, trained in bf16 autocast;
+- the simulator with its workers on the device (the shards' masters on the CPU, as in a shard process).
 The codecs' CUDA kernels against the CPU bytes are tests/test_codecs.py's (`cuda` tests)."""
 
 from __future__ import annotations
@@ -222,3 +223,23 @@ def test_connect_trains_a_model_on_the_device_in_bf16_autocast(tmp_path, device)
             assert all(v.device.type == "cpu" for v in state.values())
         finally:
             engine.close()
+
+
+# --- the simulator with its workers on the device ---------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_simulator_trains_its_workers_on_the_device(device):
+    from streamdiloco.common.config import ModelSettings, RunSettings
+    from streamdiloco.sim.simulator import SimConfig, simulate
+
+    cfg = SimConfig(
+        workers=2,
+        run=RunSettings(steps=8, device=device, eval_batches=2),
+        model=ModelSettings(model="nano"),
+        num_shards=2,
+        eval_every=8,
+        sync=SyncConfig(sync_every=4, num_fragments=2),
+    )
+    result = simulate(cfg, log=None)
+    assert result["mirrors_match_masters"] and result["rounds"] == 8 // 2 + 1
+    assert all(t.device.type == "cpu" for t in result["global_params"])
+    assert 0 < result["eval_loss"] < 6
