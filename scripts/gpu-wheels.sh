@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels the device tool's GPU machine lacks, downloaded here into .whl/ to carry there (docs/gpu-check.md).
+# The wheels the device tool's GPU machine lacks, downloaded here into .whl/ to carry (docs/gpu-check.md).
 #
 # That machine reaches no package registry; its image has Python 3.12 with torch (CUDA), numpy, numba, pytest,
 # pytest-timeout, matplotlib, safetensors and anyio, but not the rest of what the package imports: these, for
@@ -24,7 +24,7 @@ wheels+=(starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-type
 wheels+=(typing-inspection==0.4.5 typing-extensions==4.16.0 cffi==2.1.1 pycparser==3.12)
 rm -rf .whl && mkdir -p .whl
 platforms=()
-for p in manylinux_2_39 manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
+for p in manylinux_2_39 manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014; do
     platforms+=(--platform "${p}_x86_64")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
