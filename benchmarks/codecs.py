@@ -9,6 +9,11 @@ compiled kernels, and what runs when numba is missing or STREAMDILOCO_CODECS_NUM
     python -m benchmarks.codecs            # 16M values, about a minute
     python -m benchmarks.codecs --quick    # 1M values
     python -m benchmarks.codecs --values 64M --repeats 9 --json out.json
+    python -m benchmarks.codecs --device cuda --values 64M   # on a GPU, against a device-to-device copy
+
+On a GPU (`--device cuda`, `device_table()`) the same four operations run on the tensor's device (the torch
+reference ops: common/codecs.py has no other CUDA kernels), each timed between two synchronizations, against
+a device-to-device copy of the same fp32 values (`copy_` into a preallocated buffer) in the same run.
 
 The table is per core (one codec thread, torch.set_num_threads(1)); a last line gives e3m0 on the codec
 threads that large tensors get (STREAMDILOCO_CODEC_THREADS, default the CPUs up to 4) against torch's copy
@@ -127,6 +132,63 @@ def codec_table(
     return "\n".join(lines), raw
 
 
+def _device_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median seconds of fn() on `device`, the queue drained before and after each (a GPU runs fn's kernels
+    asynchronously: the time is until they are done)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed() -> None:
+        fn()
+        sync()
+
+    sync()
+    return _time(timed, repeats)
+
+
+def device_table(device: str, values: int | None = None, repeats: int | None = None) -> tuple[str, dict]:
+    """The four operations on `device` (cuda: the torch ops on the GPU) against a device-to-device copy of
+    the same fp32 values; (a markdown table, the raw numbers). On the CPU it measures the same calls (what
+    scripts/gpu-check.py's dry run exercises)."""
+    dev = torch.device(device)
+    n = values or 1 << 26
+    repeats = repeats or 5
+    block = 128
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
+    dst = torch.empty_like(x)
+    copy = n / _device_time(lambda: dst.copy_(x), repeats, dev) / 1e6
+    rows: list[dict[str, Any]] = []
+    for codec in CODECS:
+        enc = C.encode(x, codec, block)
+        out = torch.empty_like(x)
+        acc = torch.zeros(n, dtype=torch.float64, device=dev)
+        ops: dict[str, Callable[[], object]] = {  # timed within this iteration: no late binding
+            "encode": lambda: C.encode(x, codec, block),  # noqa: B023
+            "decode": lambda: C.decode(enc, out=out),  # noqa: B023
+            "add_into": lambda: C.add_into(enc, out),  # noqa: B023
+            "accumulate": lambda: C.accumulate(enc, acc, 0.5),  # noqa: B023
+        }
+        speed = {op: n / _device_time(fn, repeats, dev) / 1e6 for op, fn in ops.items()}
+        ratio = {op: v / copy for op, v in speed.items()}
+        rows.append({"codec": codec, "values_per_second_m": speed, "x_copy": ratio})
+        print(f"  {codec} on {dev}: " + ", ".join(f"{op} {speed[op]:.0f} M/s" for op in OPS), file=sys.stderr)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    lines = [
+        f"{n / 1e6:.3g}M fp32 values on {dev} ({name}), block {block}; a device-to-device copy (copy_ into a "
+        f"buffer) {copy:.0f} M values/s in the same run; M values/s (x copy), median of {repeats}",
+        "",
+        "| codec | " + " | ".join(OPS) + " |",
+        "|---|" + "---:|" * len(OPS),
+    ]
+    for r in rows:
+        cells = [f"{r['values_per_second_m'][op]:.0f} ({r['x_copy'][op]:.2f}x)" for op in OPS]
+        lines.append(f"| {r['codec']} | " + " | ".join(cells) + " |")
+    raw = {"device": str(dev), "device_name": name, "values": n, "block_size": block, "repeats": repeats}
+    return "\n".join(lines), {**raw, "copy": copy, "rows": rows}
+
+
 def _count(text: str) -> int:
     t = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
@@ -138,13 +200,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1M values, 3 repeats")
     ap.add_argument("--values", type=_count, help="values per tensor (e.g. 16M; default 16M, quick 1M)")
     ap.add_argument("--repeats", type=int, help="timings per figure, median (default 5, quick 3)")
+    ap.add_argument(
+        "--device",
+        help="measure on this device (cuda: the GPU) against a device-to-device copy (device_table)",
+    )
     ap.add_argument("--json", help="write the raw numbers here")
     a = ap.parse_args(argv)
     if a.values is not None and a.values < 256:
         ap.error("--values must be at least 256")
     if a.repeats is not None and a.repeats < 1:
         ap.error("--repeats must be at least 1")
-    md, raw = codec_table(a.quick, a.values, a.repeats)
+    if a.device:
+        md, raw = device_table(a.device, a.values, a.repeats)
+    else:
+        md, raw = codec_table(a.quick, a.values, a.repeats)
     print(md)
     if a.json:
         with open(a.json, "w") as f:

@@ -27,6 +27,15 @@ Also, as hooks into other benchmarks, when they are there:
   codecs  encode/decode throughput against a memcpy: benchmarks/codecs.py's codec_table()
   ingest  shard ingest against plain TCP: `python -m benchmarks.wire --parts b` (a subprocess)
 
+Real GPU steps (issue 29: `--real-models large,benchmarks.sync_cost:gpt_300m --device cuda`): the worker
+trains a GPT of the run (a --model spec the shards build too) on the device, forward, backward and AdamW
+in --precision on random tokens, and waits for the step's kernels before calling engine.step(). Before
+joining it times half of --baseline-steps such steps with no sync at all (after warm-up steps), and the
+other half after the synced loop (the engine closed), so that a drift of the GPU's clocks shows in both; the
+compute utilization is then measured steps x the median no-sync step time / wall time of the synced loop,
+and "late wake-ups" reads as how much longer a synced step took than a no-sync one. scripts/gpu-check.py
+runs it.
+
 Headline (issue 11): 100M parameters, 100 ms steps, H=30, P=5, tau=2, alpha=0.5, E3M0 both ways, 1 shard:
 target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
 
@@ -36,6 +45,7 @@ target compute utilization >= 0.90. Also 100M, 50 ms, tau=1.
     python -m benchmarks.sync_cost --cases 300M:100:2:1,30M:500:2:2    # SIZE:STEP_MS:TAU:SHARDS
     python -m benchmarks.sync_cost --sizes 1M,10M --step-ms 50,100 --shards 1,2   # a grid
     python -m benchmarks.sync_cost --json results.json --out DIR       # raw results; results.md/json/run.log
+    python -m benchmarks.sync_cost --real-models large --device cuda --batch-size 64 --shards 2 --parts sync
 
 Every process it starts runs in its own process group, is bounded in time (a case that hangs is killed
 and reported) and is stopped at the end, on an error and on Ctrl+C. Process logs go to a temp folder,
@@ -59,6 +69,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -132,6 +143,14 @@ def width_for(params: int, blocks: int = BLOCKS, vocab: int = VOCAB) -> int:
     return max(8, int(round(w / 8)) * 8)
 
 
+def gpt_300m() -> nn.Module:
+    """A ~300M-parameter built-in GPT (GPT-2 medium's shape on bytes: 24 blocks of 1024, 1024 context), for
+    the real-step cases: --model benchmarks.sync_cost:gpt_300m (the shards build it too)."""
+    from streamdiloco.worker.model import build_gpt
+
+    return build_gpt("large", n_layer=24, n_head=16, n_embd=1024, block_size=1024)
+
+
 def synthetic_model() -> SyntheticModel:
     """The factory the shards load (--model benchmarks.sync_cost:synthetic_model); the size (e.g. 100M)
     comes from $SYNC_COST_PARAMS."""
@@ -199,10 +218,19 @@ def worker_main(spec: dict, result_path: Path) -> int:
     t_start = time.perf_counter()
     os.environ[PARAMS_ENV] = str(spec["params"])
     torch.manual_seed(1)
-    model = synthetic_model()
+    real = spec.get("model")
+    gpu_step, baseline = (None, None)
+    model: nn.Module
+    if real:
+        model, gpu_step = _real_training(spec)
+        baseline = _time_steps(gpu_step, spec.get("baseline_steps", 10) // 2)
+        step_s = statistics.median(baseline)  # what a step costs with no sync at all (for the log)
+    else:
+        model = synthetic_model()
+        step_s = spec["step_ms"] / 1e3
     numel = sum(p.numel() for p in model.parameters())
     cfg = SyncConfig(**spec["sync"])
-    H, steps, step_s = cfg.sync_every, spec["steps"], spec["step_ms"] / 1e3
+    H, steps = cfg.sync_every, spec["steps"]
     warm = spec["warmup"]
     t0 = time.perf_counter()
     engine = connect(model, spec["servers"], sync=cfg, total_steps=steps, name=f"sync-cost-{os.getpid()}")
@@ -210,9 +238,11 @@ def worker_main(spec: dict, result_path: Path) -> int:
     params = [p for p in model.parameters()]
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():  # once, untimed: dense outer gradients and updates from the first send on
-        for p in params:
+        for p in params if not real else []:  # (real steps change every parameter)
             p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
-    print(f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {spec['step_ms']} ms", flush=True)
+    print(
+        f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {step_s * 1e3:.0f} ms", flush=True
+    )
 
     recs = []  # (step, start, slept, after change, end, kinds)
     blocked0 = cpu0 = 0.0
@@ -220,13 +250,17 @@ def worker_main(spec: dict, result_path: Path) -> int:
         if i == warm + 1:
             blocked0, cpu0 = float(engine.blocked_seconds), time.process_time()
         ts = time.perf_counter()
-        time.sleep(step_s)  # the emulated GPU step
+        if gpu_step is not None:
+            tokens, loss = gpu_step()  # a real step, its kernels done
+        else:
+            time.sleep(step_s)  # the emulated GPU step
+            tokens, loss = 1024, 1.0
         t1 = time.perf_counter()
         with torch.no_grad():  # a tiny real change: one element per tensor
-            for p in params:
+            for p in params if gpu_step is None else []:
                 p.view(-1)[i % p.numel()] += 1e-4
         t2 = time.perf_counter()
-        evs = engine.step(tokens=1024, loss=1.0)
+        evs = engine.step(tokens=tokens, loss=loss)
         t3 = time.perf_counter()
         kinds = sorted({str(getattr(e, "kind", e)) for e in evs})
         recs.append((i, ts, t1 - ts, t2, t3, kinds))
@@ -248,6 +282,10 @@ def worker_main(spec: dict, result_path: Path) -> int:
     t0 = time.perf_counter()
     engine.close()
     close_s = time.perf_counter() - t0
+    if gpu_step is not None and baseline is not None:  # the other half, now: no sync, the same GPU
+        baseline += _time_steps(gpu_step, spec.get("baseline_steps", 10) - len(baseline))
+        step_s = statistics.median(baseline)
+        print(f"no-sync steps: median {step_s * 1e3:.1f} ms ({len(baseline)} steps)", flush=True)
 
     win = [r for r in recs if r[0] > warm]
     wall = win[-1][4] - win[0][1]
@@ -273,12 +311,15 @@ def worker_main(spec: dict, result_path: Path) -> int:
     }
     res = {
         "params": numel,
-        "width": model.blocks[0].in_features,
-        "blocks": len(model.blocks),
+        "width": model.blocks[0].in_features if isinstance(model, SyntheticModel) else None,
+        "blocks": len(model.blocks) if isinstance(model, SyntheticModel) else None,
+        "model": real,
+        "device": spec.get("device", "cpu"),
+        "baseline_step_ms": [t * 1e3 for t in baseline] if baseline else None,
         "steps": steps,
         "warmup_steps": warm,
         "measured_steps": len(win),
-        "step_ms": spec["step_ms"],
+        "step_ms": step_s * 1e3,
         "join_seconds": join_s,
         "close_seconds": close_s,
         "wall_seconds": wall,
@@ -305,9 +346,48 @@ def worker_main(spec: dict, result_path: Path) -> int:
     return 0
 
 
+def _real_training(spec: dict) -> tuple[nn.Module, Any]:
+    """The real-step worker's model on its device and its step (forward, backward and AdamW in the
+    precision, on random tokens; returns when the device is done: (tokens, loss)), after
+    spec["baseline_warmup"] untimed steps."""
+    from streamdiloco.common.modelspec import build_model, model_block_size
+    from streamdiloco.worker.train import forward_backward
+
+    device = torch.device(spec.get("device", "cpu"))
+    model = build_model(spec["model"]).to(device)
+    block = model_block_size(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # small: the weights stay sane for the whole run
+    data = torch.randint(0, VOCAB, (spec["batch"], block + 1), generator=torch.Generator().manual_seed(3))
+    x, y = data[:, :-1].to(device), data[:, 1:].to(device)
+
+    def step() -> tuple[int, float]:
+        loss = forward_backward(model, x, y, 1, spec.get("precision", "bf16"))  # float(): waits for it
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the optimizer's kernels too: a step is done when they are
+        return x.numel(), loss
+
+    for _ in range(spec.get("baseline_warmup", 3)):
+        step()
+    print(f"real steps on {device}: {spec['batch']} x {block} tokens each", flush=True)
+    return model, step
+
+
+def _time_steps(step: Any, n: int) -> list[float]:
+    """Seconds of each of n steps."""
+    times = []
+    for _ in range(max(1, n)):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 # --- one case -----------------------------------------------------------------------------------------------
 def case_label(c: dict) -> str:
-    return f"{c['size']} {c['step_ms']}ms tau={c['tau']} S={c['shards']}"
+    step = f"{c['step_ms']}ms" if not c.get("model") else f"real steps on {c['device']}"
+    return f"{c['size']} {step} tau={c['tau']} S={c['shards']}"
 
 
 def sync_settings(tau: int, args) -> dict:
@@ -341,7 +421,7 @@ def shard_flags(sync: dict) -> list[str]:
 
 
 def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args) -> list[tuple]:
-    flags = ["--model", MODEL_SPEC, "--min-workers", "1", *shard_flags(sync)]
+    flags = ["--model", case.get("model") or MODEL_SPEC, "--min-workers", "1", *shard_flags(sync)]
     env = {PARAMS_ENV: str(case["params"])}
     return harness.start_shards(
         procs, tmp, tag, case["shards"], flags, checkpoint=args.shard_checkpoint, env_extra=env,
@@ -350,17 +430,19 @@ def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args
 
 
 def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
-    tag = f"{case['size']}-{case['step_ms']}ms-tau{case['tau']}-S{case['shards']}-r{rep}"
+    size = case["size"].replace(":", "-").replace(".", "-")  # a model spec: a file name's part
+    tag = f"{size}-{case['step_ms']}ms-tau{case['tau']}-S{case['shards']}-r{rep}"
     label = f"[{case_label(case)}{f' #{rep + 1}' if args.repeats > 1 else ''}]"
     sync = sync_settings(case["tau"], args)
     steps = args.sync_every * args.cycles
-    timeout = args.case_timeout or (args.start_timeout + 120 + steps * (case["step_ms"] / 1e3 + 3.0))
+    step_ms = case["step_ms"] or 1000  # real steps: a second each at most, for the default timeout
+    timeout = args.case_timeout or (args.start_timeout + 120 + steps * (step_ms / 1e3 + 3.0))
     out: dict = {"case": case, "repeat": rep, "status": "ok", "loadavg_before": loadavg()}
     busy = wait_quiet(label, args.max_wait) if args.max_wait > 0 else None
     out["machine_busy_before"] = busy
     say(
-        f"{label} starting {case['shards']} shard process(es) for {case['params']:,} parameters "
-        f"(load {out['loadavg_before']})"
+        f"{label} starting {case['shards']} shard process(es) for "
+        f"{case.get('model') or format(case['params'], ',') + ' parameters'} (load {out['loadavg_before']})"
     )
     t0 = time.monotonic()
     shards = start_shards(procs, tmp, tag, case, sync, args)
@@ -374,6 +456,9 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
         "warmup": args.sync_every * args.warmup_cycles,
         "step_ms": case["step_ms"],
     }
+    if case.get("model"):  # real steps (see the module's docstring)
+        spec |= {"model": case["model"], "device": case["device"], "batch": args.batch_size}
+        spec |= {"precision": args.precision, "baseline_steps": args.baseline_steps}
     result = tmp / f"{tag}-worker.json"
     wname = f"{tag}-worker"
     busy0, cpu_me0 = system_busy_seconds(), time.process_time()
@@ -475,6 +560,7 @@ def summarize(runs: list[dict]) -> dict:
         "repeats": len(runs),
         "ok": len(ok),
         "params": ok[0]["params"],
+        "step_ms": med(lambda r: r["step_ms"]),
         "utilization": med(lambda r: r["utilization"]),
         "utilization_all": [r["utilization"] for r in ok],
         "cycle_min": min(min(r["cycle_utilization"], default=r["utilization"]) for r in ok),
@@ -517,7 +603,10 @@ def table_util(rows: list[dict]) -> str:
     for r in rows:
         c = r["case"]
         n = r.get("params") or c["params"]
-        head = f"| {size_label(n)} | {c['step_ms']} ms | {c['tau']} | {c['shards']} |"
+        step = f"{c['step_ms']} ms"
+        if c.get("model") and r.get("step_ms") is not None:  # real: the no-sync step's median
+            step = f"real {r['step_ms']:.0f} ms ({c['model']})"
+        head = f"| {size_label(n)} | {step} | {c['tau']} | {c['shards']} |"
         if r["status"] != "ok":
             out.append(head + f" **{r['status']}** |" + " |" * 8)
             continue
@@ -655,6 +744,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hook-timeout", type=float, help="seconds for codecs (default 300, quick 40)")
     ap.add_argument("--ingest-timeout", type=float, default=900.0, help="seconds for wire.py part b")
     ap.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine (default 10)")
+    real = ap.add_argument_group("real GPU steps (issue 29; see the module's docstring)")
+    real.add_argument(
+        "--real-models", help="model specs to train for real, e.g. large,benchmarks.sync_cost:gpt_300m"
+    )
+    real.add_argument("--real-taus", default="1,2", help="tau of each real case (default %(default)s)")
+    real.add_argument("--device", default="cuda", help="where the real steps run (default %(default)s)")
+    real.add_argument("--batch-size", type=int, default=16, help="sequences per real step (default 16)")
+    real.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32 (default %(default)s)")
+    real.add_argument("--baseline-steps", type=int, default=10, help="no-sync steps timed (default 10)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--out", help="write results.md, results.json and run.log into this folder")
     ap.add_argument("--label", default="", help="a note for the results' header (e.g. which code)")
@@ -675,7 +773,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.warmup_cycles < 1 or a.cycles <= a.warmup_cycles:
         ap.error("--cycles must be more than --warmup-cycles, which must be at least 1")
     try:
-        if a.cases:
+        if a.real_models:
+            raw_cases = [
+                (spec, 0, int(tau), s)
+                for spec in a.real_models.split(",")
+                for tau in a.real_taus.split(",")
+                for s in [int(x) for x in (a.shards or "1").split(",")]
+            ]
+        elif a.cases:
             raw_cases = parse_cases(a.cases)
         elif a.sizes or a.step_ms or a.shards or a.tau is not None:
             sizes = (a.sizes or "100M").split(",")
@@ -695,6 +800,16 @@ def main(argv: list[str] | None = None) -> int:
             raw_cases = DEFAULT_CASES
         cases = [
             {"size": sz, "params": parse_size(sz), "step_ms": ms, "tau": tau, "shards": s}
+            if not a.real_models
+            else {
+                "size": sz,
+                "params": 0,
+                "model": sz,
+                "device": a.device,
+                "step_ms": 0,
+                "tau": tau,
+                "shards": s,
+            }
             for sz, ms, tau, s in raw_cases
         ]
         for c in cases:  # fail now, not after minutes: the config the shards and the worker will use
@@ -718,8 +833,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     say(f"code under test: {info['code']}{'; ' + a.label if a.label else ''}")
     say(
-        "The GPU step is EMULATED: the training thread sleeps for the step time (the real case is a GPU "
-        "step), then changes one element per tensor and calls engine.step()."
+        f"Real steps on {a.device}: the model trains, forward, backward and AdamW in {a.precision}, and "
+        "engine.step() follows each step's kernels; utilization against the same steps with no sync."
+        if a.real_models
+        else "The GPU step is EMULATED: the training thread sleeps for the step time (the real case is a "
+        "GPU step), then changes one element per tensor and calls engine.step()."
     )
     results: dict = {
         "command": command,
@@ -767,6 +885,12 @@ def main(argv: list[str] | None = None) -> int:
             t = table_util(results["cases"])
             r_ = table_rss(results["cases"])
             lines = [
+                f"REAL steps on {a.device} ({a.precision}, batch {a.batch_size}): compute utilization = "
+                "measured steps x the median no-sync step (timed before joining) / wall time of the synced "
+                "loop; late wake-ups: how much longer a synced step took. What follows about emulated "
+                "steps does not apply. "
+                if a.real_models
+                else "",
                 "The GPU step is emulated: the training thread sleeps for the step time, then changes one "
                 "element per tensor (outer gradients and updates are dense: the parameters got one random "
                 f"perturbation after joining) and calls `engine.step()`. {steps} steps per run, the first "

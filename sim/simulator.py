@@ -212,7 +212,8 @@ def _run_dp(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report
 
 def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream], report) -> dict:
     layout = build_layout(model, cfg.sync.num_fragments, cfg.sync.fragment_pattern)
-    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    # the shards' masters live on the CPU, as in a shard process (the workers' mirrors are CPU fp32 too)
+    initial = [flatten(fragment_params(model, f)).cpu() for f in layout.fragments]
     names = [f"worker-{m}" for m in range(cfg.workers)]
     # unequal speeds: the emulated step times; the engines pace themselves by them as workers do (adaptive)
     times = cfg.step_seconds or (1.0,) * cfg.workers
