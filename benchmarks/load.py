@@ -280,6 +280,22 @@ async def _either(work: Any, reader: asyncio.Task) -> None:
         raise RuntimeError(f"a session ended before its updates came: {error!r}")
 
 
+class Peaks:
+    """Each shard's largest VmRSS (MiB) in each phase ("open", "warm", "push"), sampled every `period` s."""
+
+    def __init__(self, targets: list[Target], period: float = 0.2):
+        self.targets, self.period = targets, period
+        self.phase = "open"
+        self.peaks: dict[str, list[float]] = {}
+
+    async def run(self) -> None:
+        while True:
+            rss = [proc_stats(t.pid)["vmrss"] for t in self.targets]
+            have = self.peaks.setdefault(self.phase, rss)
+            self.peaks[self.phase] = [max(a, b) for a, b in zip(have, rss)]
+            await asyncio.sleep(self.period)
+
+
 async def load(targets: list[Target], sessions: int, rounds: int, timeout: float) -> dict:
     """N sessions on every shard; rounds of pushes once all are members. The phases' times, the shards'
     /proc figures around the pushing, and what the sessions saw."""
@@ -292,13 +308,17 @@ async def load(targets: list[Target], sessions: int, rounds: int, timeout: float
         LoadSession(f"load-{i:04d}", s, t, timings) for i in range(sessions) for s, t in enumerate(targets)
     ]
     out: dict[str, Any] = {"idle": [proc_stats(t.pid) for t in targets]}
+    peaks = Peaks(targets)
+    sampler = asyncio.create_task(peaks.run())
     t0 = time.monotonic()
     try:
         await asyncio.wait_for(asyncio.gather(*(x.open() for x in all_sessions)), timeout)
         out["open_seconds"] = time.monotonic() - t0
         out["members"] = [proc_stats(t.pid) for t in targets]
         # round 0 warms up (the shard's first close, its pool's threads, the codec's kernels): not measured
+        peaks.phase = "warm"
         await asyncio.wait_for(asyncio.gather(*(x.run(range(1)) for x in all_sessions)), timeout)
+        peaks.phase = "push"
         out["warm"] = [proc_stats(t.pid) for t in targets]
         client0 = os.times()
         t1 = time.monotonic()
@@ -311,6 +331,8 @@ async def load(targets: list[Target], sessions: int, rounds: int, timeout: float
         out["timed_out"] = True
         out["end"] = [proc_stats(t.pid) for t in targets]
     finally:
+        sampler.cancel()
+        out["peaks"] = peaks.peaks
         out["status"] = [_status(t) for t in targets]
         await asyncio.gather(*(x.close() for x in all_sessions), return_exceptions=True)
     out["timings"] = timings
@@ -393,6 +415,7 @@ async def point(procs: Procs, tmp: Path, args: argparse.Namespace, shards: int, 
         "rss_members_mib": [x["vmrss"] for x in raw.get("members", raw["end"])],
         "rss_end_mib": [x["vmrss"] for x in raw["end"]],
         "hwm_mib": [x["vmhwm"] for x in raw["end"]],
+        "rss_peak_by_phase_mib": raw["peaks"],
         "cpu_ms_per_push": [1e3 * c for c in cpu],
         "client_cpu_seconds": raw.get("client_cpu"),
         "bounds": [st["bounds"] for st in status],
