@@ -114,6 +114,7 @@ class Target:
     fingerprint_json: str = ""
     cfg: SyncConfig | None = None
     rounds: int = 0  # the rounds to push
+    serial: bool = False  # a session waits for each fragment's update before it pushes the next fragment
     pushes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)  # (fragment, round) -> messages
     joins: asyncio.Semaphore | None = None
 
@@ -260,6 +261,8 @@ class LoadSession:
                 for data in self.target.pushes[(f, r)]:
                     await self.call.write(data)
                 self.timings.pushed((self.s, f, r), t0, loop.time())
+                if self.target.serial:
+                    await _either(fut, self.reader)
             await _either(asyncio.gather(*futs), self.reader)
 
     async def close(self) -> None:
@@ -296,12 +299,12 @@ class Peaks:
             await asyncio.sleep(self.period)
 
 
-async def load(targets: list[Target], sessions: int, rounds: int, timeout: float) -> dict:
+async def load(targets: list[Target], sessions: int, rounds: int, timeout: float, serial: bool = False) -> dict:
     """N sessions on every shard; rounds of pushes once all are members. The phases' times, the shards'
     /proc figures around the pushing, and what the sessions saw."""
     for t in targets:
         await describe(t)
-        t.rounds = rounds
+        t.rounds, t.serial = rounds, serial
         t.joins = asyncio.Semaphore(JOINS_AT_ONCE)
     timings = Timings()
     all_sessions = [
@@ -384,7 +387,7 @@ async def point(procs: Procs, tmp: Path, args: argparse.Namespace, shards: int, 
         targets.append(Target(name, ports["grpc_port"], ports["http_port"], p.pid))
     load_before = loadavg()
     try:
-        raw = await load(targets, sessions, args.rounds, args.timeout)
+        raw = await load(targets, sessions, args.rounds, args.timeout, args.serial)
     finally:
         for name, p, _ in started:
             procs.stop(p, timeout=30)
@@ -469,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every fragment per point (default 5)")
     ap.add_argument("--model", default=None, help="the shards' built-in preset (default tiny; --quick nano)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each phase of a point may take")
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="each session pushes one fragment and waits for its update before the next (default: every "
+        "fragment, then their updates): one push per session in flight instead of P",
+    )
     ap.add_argument("--profile", action="store_true", help="run the shards under cProfile (profile-*.prof)")
     ap.add_argument("--shard-flag", action="append", help="one more shard flag (repeat: --shard-flag=--x)")
     ap.add_argument("--out", type=Path, default=RESULTS / "load")
