@@ -161,7 +161,9 @@ def encode_pushes(target: Target, slices: list[int], chunk_values: int) -> None:
         enc = encode(torch.randn(n, generator=g) * 1e-3, cfg.uplink_codec, cfg.codec_block_size)
         for r in range(target.rounds):
             target.pushes[(f, r)] = [
-                pb.WorkerMessage(push=pb.Push(chunk=c, header=header if c.seq == 0 else None)).SerializeToString()
+                pb.WorkerMessage(
+                    push=pb.Push(chunk=c, header=header if c.seq == 0 else None)
+                ).SerializeToString()
                 for c in to_chunks(enc, f, r, chunk_values)
             ]
 
@@ -196,7 +198,9 @@ class LoadSession:
     async def _open(self) -> None:
         t = self.target
         assert t.joins is not None
-        request = pb.JoinRequest(worker=self.name, token=TOKEN, fingerprint_json=t.fingerprint_json, protocol=PROTOCOL)
+        request = pb.JoinRequest(
+            worker=self.name, token=TOKEN, fingerprint_json=t.fingerprint_json, protocol=PROTOCOL
+        )
         async with t.joins:
             reply = await pb_grpc.ShardStub(self.channel).Join(request, timeout=120)
         if not t.pushes:  # the first Join's reply gives the slices and chunk size: the same for every session
@@ -295,11 +299,13 @@ class Peaks:
         while True:
             rss = [proc_stats(t.pid)["vmrss"] for t in self.targets]
             have = self.peaks.setdefault(self.phase, rss)
-            self.peaks[self.phase] = [max(a, b) for a, b in zip(have, rss)]
+            self.peaks[self.phase] = [max(a, b) for a, b in zip(have, rss, strict=True)]
             await asyncio.sleep(self.period)
 
 
-async def load(targets: list[Target], sessions: int, rounds: int, timeout: float, serial: bool = False) -> dict:
+async def load(
+    targets: list[Target], sessions: int, rounds: int, timeout: float, serial: bool = False
+) -> dict:
     """N sessions on every shard; rounds of pushes once all are members. The phases' times, the shards'
     /proc figures around the pushing, and what the sessions saw."""
     for t in targets:
@@ -379,7 +385,7 @@ async def point(procs: Procs, tmp: Path, args: argparse.Namespace, shards: int, 
     flags = shard_flags(sessions, args.model, args.shard_flag or [])
     wrap = None
     if args.profile:
-        wrap = [sys.executable, "-m", "cProfile", "-o", str(args.out / f"profile-{tag}-shard")]
+        wrap = [sys.executable, "-m", "cProfile", "-o", str(args.out / f"profile-{tag}.prof")]
     started = start_shards(procs, tmp, tag, shards, flags, wrap=wrap, checkpoint=False,
                            env_extra={"OMP_NUM_THREADS": "1"})  # fmt: skip
     targets = []
@@ -389,20 +395,20 @@ async def point(procs: Procs, tmp: Path, args: argparse.Namespace, shards: int, 
     try:
         raw = await load(targets, sessions, args.rounds, args.timeout, args.serial)
     finally:
-        for name, p, _ in started:
-            procs.stop(p, timeout=30)
-        if args.profile:
-            for s in range(shards):
-                prof = args.out / f"profile-{tag}-shard"
-                if prof.exists():
-                    prof.rename(args.out / f"profile-{tag}-shard{s}.prof")
+        for _, p, _ in started:
+            procs.stop(p, timeout=30)  # a clean exit: cProfile writes its file then
     timings: Timings = raw.pop("timings")
     status = raw["status"]
     rounds_closed = [st["rounds_closed"] for st in status]
     pushes = [st["pushes_accepted"] for st in status]
     # pushes after the warm-up round: each shard's pushes of rounds 1.. (every session, every fragment)
-    measured = [n - sessions * len(t.pushes) // max(1, t.rounds) for n, t in zip(pushes, targets)]
-    cpu = [(e["cpu"] - w["cpu"]) / max(1, n) for e, w, n in zip(raw["end"], raw.get("warm", raw["end"]), measured)]
+    measured = [
+        n - sessions * len(t.pushes) // max(1, t.rounds) for n, t in zip(pushes, targets, strict=True)
+    ]
+    cpu = [
+        (e["cpu"] - w["cpu"]) / max(1, n)
+        for e, w, n in zip(raw["end"], raw.get("warm", raw["end"]), measured, strict=True)
+    ]
     row: dict[str, Any] = {
         "shards": shards,
         "sessions": sessions,
@@ -429,8 +435,7 @@ async def point(procs: Procs, tmp: Path, args: argparse.Namespace, shards: int, 
         f"[{tag}] members in {row['open_seconds'] or float('nan'):.1f}s, {args.rounds} rounds in "
         f"{row['push_seconds'] or float('nan'):.1f}s; rounds closed {rounds_closed}, pushes {pushes}, "
         f"results {row['results']}; RSS {row['rss_idle_mib']} -> {row['rss_end_mib']} MiB "
-        f"(peak {row['hwm_mib']}); load {row['loadavg']}"
-        + (" TIMED OUT" if row["timed_out"] else "")
+        f"(peak {row['hwm_mib']}); load {row['loadavg']}" + (" TIMED OUT" if row["timed_out"] else "")
     )
     if row["errors"] or row["timed_out"]:
         for name, _, _ in started:
@@ -445,21 +450,25 @@ def _ms(v: float | None) -> str:
 def table(rows: list[dict]) -> list[str]:
     out = [
         "| shards | sessions | rounds closed | last push -> update (median / max) | first push -> update "
-        "| shard RSS idle -> members -> end (peak), MiB | CPU per push | load client CPU | load avg |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shard RSS idle -> members -> end (peak), MiB | peak over idle per session | CPU per push "
+        "| load client CPU | load avg |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         closed = "+".join(str(c) for c in r["rounds_closed"]) + (" (timed out)" if r["timed_out"] else "")
         rss = " / ".join(
             f"{a:.0f} -> {b:.0f} -> {c:.0f} ({d:.0f})"
-            for a, b, c, d in zip(r["rss_idle_mib"], r["rss_members_mib"], r["rss_end_mib"], r["hwm_mib"])
+            for a, b, c, d in zip(
+                r["rss_idle_mib"], r["rss_members_mib"], r["rss_end_mib"], r["hwm_mib"], strict=True
+            )
         )
+        per_session = max(h - i for h, i in zip(r["hwm_mib"], r["rss_idle_mib"], strict=True)) / r["sessions"]
         cpu = " / ".join(f"{c:.2f} ms" for c in r["cpu_ms_per_push"])
         client = "-" if r["client_cpu_seconds"] is None else f"{r['client_cpu_seconds']:.1f} s"
         out.append(
             f"| {r['shards']} | {r['sessions']:,} | {closed} | {_ms(r.get('last_to_update_ms'))} / "
-            f"{_ms(r.get('last_to_update_max_ms'))} ms | {_ms(r.get('first_to_update_ms'))} ms | {rss} | {cpu} | "
-            f"{client} | {r['loadavg'][1]} |"
+            f"{_ms(r.get('last_to_update_max_ms'))} ms | {_ms(r.get('first_to_update_ms'))} ms | {rss} | "
+            f"{1024 * per_session:,.0f} KiB | {cpu} | {client} | {r['loadavg'][1]} |"
         )
     return out
 
@@ -469,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 and 10 sessions, the nano model, 3 rounds")
     ap.add_argument("--sessions", default=None, help="comma-separated N (default 1,10,100,1000)")
     ap.add_argument("--shards", default=None, help="comma-separated S (default 1,2)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of every fragment per point (default 5)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of every fragment per point, the first a warm-up (default 4)")
     ap.add_argument("--model", default=None, help="the shards' built-in preset (default tiny; --quick nano)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each phase of a point may take")
     ap.add_argument(
@@ -478,14 +487,16 @@ def main(argv: list[str] | None = None) -> int:
         help="each session pushes one fragment and waits for its update before the next (default: every "
         "fragment, then their updates): one push per session in flight instead of P",
     )
-    ap.add_argument("--profile", action="store_true", help="run the shards under cProfile (profile-*.prof)")
+    ap.add_argument("--profile", action="store_true", help="run the shard under cProfile (one shard only)")
     ap.add_argument("--shard-flag", action="append", help="one more shard flag (repeat: --shard-flag=--x)")
     ap.add_argument("--out", type=Path, default=RESULTS / "load")
     args = ap.parse_args(argv)
     sessions = [int(x) for x in (args.sessions or ("1,10" if args.quick else "1,10,100,1000")).split(",")]
     shards = [int(x) for x in (args.shards or "1,2").split(",")]
-    args.rounds = args.rounds or (3 if args.quick else 5)
+    args.rounds = args.rounds or (3 if args.quick else 4)
     args.model = args.model or ("nano" if args.quick else "tiny")
+    if args.profile and shards != [1]:
+        ap.error("--profile runs one shard under cProfile: give --shards 1")
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()
     say(f"machine: {machine_line(info)}; load average {loadavg()}")

@@ -170,7 +170,12 @@ class Roster:
     def _reported(self, member: Member, old: Report | None, new: Report | None) -> None:
         """A member's new report: a slower step time raises the pace at once; the slowest one reporting a
         faster one makes the pace counted again."""
-        if self._pace is None or not member.active or member.dropped or self.open.get(member.name) is not member:
+        if (
+            self._pace is None
+            or not member.active
+            or member.dropped
+            or self.open.get(member.name) is not member
+        ):
             return  # the pace is to be counted anyway, or this session does not count in it
         before, now = (r.step_seconds if r is not None else None for r in (old, new))
         if now is not None and valid_step_seconds(now) and now >= self._pace:

@@ -23,14 +23,15 @@ def test_the_flags_hold_n_sessions_from_one_address():
         value = {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
         assert int(value["--names-per-token"]) == n
         limits = Limits(
-            max_sessions=int(value["--max-sessions"]), max_sessions_per_peer=int(value["--max-sessions-per-peer"])
+            max_sessions=int(value["--max-sessions"]),
+            max_sessions_per_peer=int(value["--max-sessions-per-peer"]),
         )
         assert limits.max_sessions_per_peer >= n and limits.max_sessions >= n
 
 
 def test_round_close_times_count_from_the_last_and_the_first_push():
     t = Timings()
-    for s, (t0, t1) in enumerate([(0.0, 1.0), (0.5, 2.0)]):  # two sessions' pushes of round 1
+    for t0, t1 in [(0.0, 1.0), (0.5, 2.0)]:  # two sessions' pushes of round 1
         t.pushed((0, 0, 1), t0, t1)
     t.pushed((0, 0, 0), 0.0, 0.1)
     t.updates[(0, 0, 1)] = [2.5, 3.0, 2.25]
