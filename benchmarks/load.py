@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -64,6 +65,7 @@ from benchmarks.harness import (
 )
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
+from streamdiloco.common.keepalive import keepalive_options
 from streamdiloco.common.wire import CHANNEL_OPTIONS, PROTOCOL, auth_metadata, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
@@ -73,9 +75,19 @@ SERVICE = "/streamdiloco.v1.Shard/"
 JOINS_AT_ONCE = 8  # Joins in flight per shard: the default --max-waiting-calls-per-peer
 SESSION_ROOM = 16  # sessions a shard takes beyond N (a session that ends while its successor starts)
 WEIGHT = 1024.0  # tokens each push claims: the same for every session, so nothing is capped or clipped
+# Liveness (s) of both ends here. One Python process that plays 1,000 workers on a busy 2-core machine
+# answers pings late: with the workers' 10 s (LIVENESS_SECONDS) a third of 1,000 sessions were closed by
+# ping timeouts (GOAWAY ping_timeout) in a recorded run at load average 20. The shards get it too
+# (--liveness-timeout): the figures are of the load, not of a ping that came late.
+LIVENESS = 60.0
 # every session on its own connection, as workers are: gRPC would otherwise share one connection between
 # channels to the same target (and one connection carries at most 100 streams: server/bounds.py)
-OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+_KEEPALIVE = keepalive_options(LIVENESS)
+OPTIONS = [
+    *(o for o in CHANNEL_OPTIONS if o[0] not in dict(_KEEPALIVE)),
+    *_KEEPALIVE,
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
 
 # --- the shard's side: flags and /proc ---------------------------------------------------------------------
@@ -86,6 +98,7 @@ def shard_flags(sessions: int, model: str, extra: list[str]) -> list[str]:
     return [
         "--model", model, "--token", TOKEN, "--names-per-token", str(sessions),
         "--max-sessions", str(max(512, room)), "--max-sessions-per-peer", str(room),
+        "--liveness-timeout", f"{LIVENESS:g}",
         *extra,
     ]  # fmt: skip
 
@@ -202,7 +215,8 @@ class LoadSession:
             worker=self.name, token=TOKEN, fingerprint_json=t.fingerprint_json, protocol=PROTOCOL
         )
         async with t.joins:
-            reply = await pb_grpc.ShardStub(self.channel).Join(request, timeout=120)
+            # waits for the connection (a busy shard may take its handshake late), as a worker retries
+            reply = await pb_grpc.ShardStub(self.channel).Join(request, timeout=120, wait_for_ready=True)
         if not t.pushes:  # the first Join's reply gives the slices and chunk size: the same for every session
             encode_pushes(t, [r.length for r in reply.slices], reply.chunk_values)
         session = self.channel.stream_stream(
@@ -266,8 +280,8 @@ class LoadSession:
                     await self.call.write(data)
                 self.timings.pushed((self.s, f, r), t0, loop.time())
                 if self.target.serial:
-                    await _either(fut, self.reader)
-            await _either(asyncio.gather(*futs), self.reader)
+                    await _either([fut], self.reader)
+            await _either(futs, self.reader)
 
     async def close(self) -> None:
         if self.call is not None:
@@ -277,14 +291,18 @@ class LoadSession:
         await self.channel.close()
 
 
-async def _either(work: Any, reader: asyncio.Task) -> None:
-    """Wait for `work`; a reader that ends first (the shard ended the session) is an error."""
-    work = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({work, reader}, return_when=asyncio.FIRST_COMPLETED)
-    if work not in done:
-        work.cancel()
-        error = reader.exception() if not reader.cancelled() else None
-        raise RuntimeError(f"a session ended before its updates came: {error!r}")
+async def _either(futs: list[asyncio.Future], reader: asyncio.Task) -> None:
+    """Wait for the updates `futs`; a reader that ends first (the shard ended the session) is an error: the
+    reader's own (an AioRpcError), or a RuntimeError."""
+    pending = set(futs)
+    while pending:
+        done, pending = await asyncio.wait(pending | {reader}, return_when=asyncio.FIRST_COMPLETED)
+        if reader in done:
+            error = reader.exception() if not reader.cancelled() else None
+            if isinstance(error, grpc.aio.AioRpcError):
+                raise error
+            raise RuntimeError(f"the session ended before its updates came: {error!r}")
+        pending.discard(reader)
 
 
 class Peaks:
@@ -450,26 +468,44 @@ def _ms(v: float | None) -> str:
 def table(rows: list[dict]) -> list[str]:
     out = [
         "| shards | sessions | rounds closed | last push -> update (median / max) | first push -> update "
-        "| shard RSS idle -> members -> end (peak), MiB | peak over idle per session | CPU per push "
-        "| load client CPU | load avg |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| shard RSS idle -> members -> end (peak), MiB | CPU per push | load client CPU | load avg |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         closed = "+".join(str(c) for c in r["rounds_closed"]) + (" (timed out)" if r["timed_out"] else "")
+        if r["errors"]:
+            closed += f" ({sum(r['errors'].values())} sessions failed)"
         rss = " / ".join(
             f"{a:.0f} -> {b:.0f} -> {c:.0f} ({d:.0f})"
             for a, b, c, d in zip(
                 r["rss_idle_mib"], r["rss_members_mib"], r["rss_end_mib"], r["hwm_mib"], strict=True
             )
         )
-        per_session = max(h - i for h, i in zip(r["hwm_mib"], r["rss_idle_mib"], strict=True)) / r["sessions"]
         cpu = " / ".join(f"{c:.2f} ms" for c in r["cpu_ms_per_push"])
         client = "-" if r["client_cpu_seconds"] is None else f"{r['client_cpu_seconds']:.1f} s"
         out.append(
             f"| {r['shards']} | {r['sessions']:,} | {closed} | {_ms(r.get('last_to_update_ms'))} / "
             f"{_ms(r.get('last_to_update_max_ms'))} ms | {_ms(r.get('first_to_update_ms'))} ms | {rss} | "
-            f"{1024 * per_session:,.0f} KiB | {cpu} | {client} | {r['loadavg'][1]} |"
+            f"{cpu} | {client} | {r['loadavg'][1]} |"
         )
+    return out
+
+
+def slopes(rows: list[dict]) -> list[str]:
+    """Between successive points of each shard count: the shard's peak memory per added session (the
+    largest shard's) and its CPU per push, where the bends show."""
+    out = []
+    for s in sorted({r["shards"] for r in rows}):
+        mine = sorted((r for r in rows if r["shards"] == s), key=lambda r: r["sessions"])
+        for a, b in itertools.pairwise(mine):
+            if a["sessions"] < 10:
+                continue  # one session's figures are the shard's warm-up
+            per = 1024 * (max(b["hwm_mib"]) - max(a["hwm_mib"])) / (b["sessions"] - a["sessions"])
+            out.append(
+                f"- {s} shard{'s' * (s > 1)}, {a['sessions']:,} -> {b['sessions']:,} sessions: peak RSS "
+                f"{per:,.0f} KiB per added session; CPU per push {max(a['cpu_ms_per_push']):.2f} -> "
+                f"{max(b['cpu_ms_per_push']):.2f} ms"
+            )
     return out
 
 
@@ -478,7 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 and 10 sessions, the nano model, 3 rounds")
     ap.add_argument("--sessions", default=None, help="comma-separated N (default 1,10,100,1000)")
     ap.add_argument("--shards", default=None, help="comma-separated S (default 1,2)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of every fragment per point, the first a warm-up (default 4)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of every fragment per point, the first a warm-up (default 4)",
+    )
     ap.add_argument("--model", default=None, help="the shards' built-in preset (default tiny; --quick nano)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each phase of a point may take")
     ap.add_argument(
@@ -517,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     cmd = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [f"Command: `{cmd.strip()}` ({args.model}, {args.rounds} rounds per point)", "", *table(rows)]
+    md += ["", *slopes(rows)]
     results = {
         "machine": info,
         "code": code_under_test(),
