@@ -17,9 +17,11 @@ Per point (shards S, sessions N) it reports:
 - rounds closed (the shard's status) and pushes accepted/refused (the sessions' PushResults).
 
 The shard holds N sessions from one address (127.0.0.1) only with the flags `shard_flags` gives it: the run
-token for N names (`--names-per-token`), `--max-sessions` and `--max-sessions-per-peer` above N. Joins are
-sent at most JOINS_AT_ONCE at a time per shard, within the default `--max-waiting-calls-per-peer`, as N
-workers behind one NAT would not all Join in the same millisecond.
+token for N names (`--names-per-token`), `--max-sessions` and `--max-sessions-per-peer` above N; and a
+lenient `--liveness-timeout` (LIVENESS, on the sessions' side too), because one process plays every worker
+here and answers pings late when the machine is busy. Joins are sent at most JOINS_AT_ONCE at a time per
+shard, within the default `--max-waiting-calls-per-peer`, as N workers behind one NAT would not all Join in
+the same millisecond.
 
     python -m benchmarks.load                     # 1, 10, 100, 1000 sessions; 1 and 2 shards (minutes)
     python -m benchmarks.load --quick             # 1 and 10 sessions, 1 and 2 shards, nano (seconds)
