@@ -52,3 +52,29 @@ def test_a_shard_on_its_way_down_keeps_its_members_for_the_checkpoint():
     roster.activate(a)
     roster.leave(a, stopping=True)
     assert roster.open == {} and state.members == {"a"}
+
+
+def test_the_pace_follows_reports_without_counting_the_members_at_every_push(monkeypatch):
+    """The pace is answered with every accepted push: kept between the changes that can move it (a report,
+    a change of membership), not counted over every member each time (1,000 members: O(N) per push)."""
+    state, _ = make_shard()
+    roster = Roster(state, Auth(), max_pending=8)
+    members = [_open(roster, n, seconds=s) for n, s in (("a", 1.0), ("b", 2.0), ("c", 0.5))]
+    for m in members:
+        roster.activate(m)
+    assert roster.pace() == 2.0
+    counted = []
+    monkeypatch.setattr(roster, "members", lambda: counted.append(1) or Roster.members(roster))
+    a, b, c = members
+    for _ in range(100):  # reports that do not move the pace: no count
+        a.report = Report(step=2, step_seconds=1.5)
+        assert roster.pace() == 2.0
+    assert counted == []
+    c.report = Report(step=2, step_seconds=3.0)  # slower than the pace: it is the pace now
+    assert roster.pace() == 3.0 and counted == []
+    c.report = Report(step=3, step_seconds=0.2)  # the slowest became faster: counted again, once
+    assert roster.pace() == 2.0 and roster.pace() == 2.0 and len(counted) == 1
+    b.report = Report(step=3)  # no step time: it no longer counts
+    assert roster.pace() == 1.5
+    roster.leave(a)
+    assert roster.pace() == 0.2
