@@ -58,13 +58,16 @@ class DashboardData:
     ) -> None:
         r = report or Report(step, loss, blocked)
         now = time.time()
-        series = self.progress.get(name)
+        # the dict is kept in the order of the workers' last reports (each report moves its worker to the
+        # end), so the worker silent the longest is the first: O(1) per push with any number of members
+        series = self.progress.pop(name, None)
         if series is None:
             if len(self.progress) >= PROGRESS_WORKERS:  # forget the worker silent the longest
-                gone = min(self.progress, key=lambda w: self.progress[w][-1][0])
+                gone = next(iter(self.progress))
                 del self.progress[gone]
                 self.evals.pop(gone, None)
-            series = self.progress[name] = deque(maxlen=PROGRESS_POINTS)
+            series = deque(maxlen=PROGRESS_POINTS)
+        self.progress[name] = series
         series.append((now, r.step, r.loss, r.blocked, r.tokens, r.utilization))
         if r.eval_loss is not None:
             evals = self.evals.setdefault(name, deque(maxlen=EVAL_POINTS))

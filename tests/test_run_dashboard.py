@@ -110,6 +110,18 @@ def test_what_a_worker_reports_is_bounded_per_worker_and_in_workers(clock):
     assert set(d.evals) <= set(d.progress)
 
 
+def test_a_worker_that_reports_again_is_not_the_one_forgotten(clock):
+    d = DashboardData()
+    for w in range(dash.PROGRESS_WORKERS):
+        clock[0] += 1
+        d.record_progress(f"w{w}", 1, None, 0.0)
+    clock[0] += 1
+    d.record_progress("w0", 2, None, 0.0)  # the first to report, but it reports again: no longer the oldest
+    d.record_progress("new", 1, None, 0.0)
+    assert "w0" in d.progress and "w1" not in d.progress and "new" in d.progress
+    assert [p[1] for p in d.progress["w0"]] == [1, 2]  # its series kept, not started again
+
+
 # --- the shard: status per worker, and the run view ----------------------------------------------------
 def _shard(tmp_path, shard: int = 0, peers: Peers | None = None) -> InThreadShard:
     service = build_service(CFG, "nano", shard=shard, num_shards=2, min_workers=2, chunk_bytes=256)
