@@ -513,6 +513,7 @@ def test_dashboard_schema_refuses_mistakes():
     assert broken(lambda d, p: p["fieldConfig"]["defaults"]["custom"].update(drawStyle="lines"))
     assert broken(lambda d, p: d.pop("uid"))
     assert broken(lambda d, p: d.update(schemaVersion=16))
+    assert broken(lambda d, p: d["templating"]["list"][0].pop("query"))  # a datasource variable lists a type
 
 
 def test_dashboard_layout_and_datasources():
@@ -529,7 +530,12 @@ def test_dashboard_layout_and_datasources():
                 assert (x, y) not in cells, f"{p['title']!r} overlaps {cells[(x, y)]!r} at x={x} y={y}"
                 cells[(x, y)] = p["title"]
     ds = datasource()
-    assert ds["uid"] == "streamdiloco-prometheus" and ds["type"] == "prometheus"
+    assert ds["uid"] == "streamdiloco-prometheus" and ds["type"] == "prometheus" and ds["isDefault"]
+    # every query names its datasource through the ${datasource} variable, which lists the Prometheus
+    # datasources (the provisioned one, the default, is picked): the dashboard imports into any Grafana
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == ds["type"]
+    assert ds["uid"] not in DASHBOARD_FILE.read_text(), "a hard-coded datasource uid"
     refs = [v["datasource"] for v in d["templating"]["list"] if "datasource" in v]
     for p in panels:
         if p["type"] == "row":
@@ -540,7 +546,7 @@ def test_dashboard_layout_and_datasources():
         assert len(ref_ids) == len(set(ref_ids)), f"{p['title']!r}: refIds repeat"
     assert refs
     for ref in refs:
-        assert ref == {"type": ds["type"], "uid": ds["uid"]}, f"{ref} is not the provisioned datasource"
+        assert ref == {"type": ds["type"], "uid": "${datasource}"}, f"{ref} is not the ${{datasource}} variable"
 
 
 # ---------------------------------------------------------------------------------------------------------
