@@ -23,8 +23,8 @@ import copy
 import hashlib
 import json
 import re
-from decimal import Decimal
 from collections.abc import Callable
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -122,14 +122,18 @@ def parse(text: str, name: str) -> tuple[list[Node], dict[str, list[Node]]]:
                         while end == "else":
                             if rest2 and rest2[0][1] in ("if", "with"):
                                 inner, end, rest3 = block(("end", "else"))
-                                n2 = Node(kind=rest2[0][1], pipe=parse_pipe(rest2[1:], name), body=inner, orelse=[])
+                                n2 = Node(
+                                    kind=rest2[0][1], pipe=parse_pipe(rest2[1:], name), body=inner, orelse=[]
+                                )
                                 tail_nodes.orelse = [n2]
                                 tail_nodes, rest2 = n2, rest3
                             else:
                                 tail_nodes.orelse, end, _ = block(("end",))
                         break
                     else_nodes, end, rest = block(("end",))
-                nodes.append(Node(kind=word, pipe=parse_pipe(toks[1:], name), body=body_nodes, orelse=else_nodes))
+                nodes.append(
+                    Node(kind=word, pipe=parse_pipe(toks[1:], name), body=body_nodes, orelse=else_nodes)
+                )
             elif word == "define":
                 tname = literal(toks[1])
                 defines[tname], _, _ = block(("end",))
@@ -386,9 +390,11 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sha256sum": lambda s: hashlib.sha256(go_str(s).encode()).hexdigest(),
     "ternary": lambda a, b, c: a if truth(c) else b,
     "coalesce": lambda *a: next((x for x in a if truth(x)), None),
-    "kindIs": lambda k, v: {"map": dict, "slice": list, "string": str, "bool": bool}.get(k, type(None)) is type(v)
-    or (k == "float64" and isinstance(v, float))
-    or (k == "int" and kind(v) == "int"),
+    "kindIs": lambda k, v: (
+        {"map": dict, "slice": list, "string": str, "bool": bool}.get(k, type(None)) is type(v)
+        or (k == "float64" and isinstance(v, float))
+        or (k == "int" and kind(v) == "int")
+    ),
 }
 
 
@@ -614,13 +620,21 @@ def render_chart(
     if extra_values:
         values = coalesce(values, extra_values)
     templates = {
-        str(p.relative_to(chart)): p.read_text() for p in sorted((chart / "templates").rglob("*")) if p.is_file()
+        str(p.relative_to(chart)): p.read_text()
+        for p in sorted((chart / "templates").rglob("*"))
+        if p.is_file()
     }
     files = {str(p.relative_to(chart)): p.read_text() for p in chart.rglob("*") if p.is_file()}
     renderer = Renderer(templates)
     top = {
         "Values": floats(values),
-        "Release": {"Name": release, "Namespace": namespace, "Service": "Helm", "IsInstall": True, "Revision": 1},
+        "Release": {
+            "Name": release,
+            "Namespace": namespace,
+            "Service": "Helm",
+            "IsInstall": True,
+            "Revision": 1,
+        },
         "Chart": {k[0].upper() + k[1:]: v for k, v in meta.items()},
         "Capabilities": {
             "APIVersions": {"Has": lambda v: v in api_versions},

@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helm_render import TemplateError, go_str, render_chart
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
@@ -49,7 +48,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def shard_argv(sts: dict, pod: str) -> list[str]:
-    """What the shard's shell entrypoint hands `streamdiloco` in pod `pod`: run by sh, as the container does."""
+    """What the shard's shell entrypoint hands `streamdiloco` in pod `pod`: run by sh, as the pod does."""
     c = sts["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:2] == ["/bin/sh", "-c"]
     printer = 'streamdiloco() { for a in "$@"; do printf "%s\\0" "$a"; done; }; '
@@ -69,7 +68,10 @@ def worker_argv(sts: dict, pod: str) -> list[str]:
     """The worker's arguments as the kubelet expands them: $(POD_NAME) from the env var of that name."""
     c = sts["spec"]["template"]["spec"]["containers"][0]
     assert "command" not in c, "the image's entrypoint (streamdiloco) runs the worker"
-    assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in c["env"])
+    assert any(
+        e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        for e in c["env"]
+    )
     return [a.replace("$(POD_NAME)", pod) for a in c["args"]]
 
 
@@ -105,7 +107,7 @@ def test_the_schema_check_is_not_vacuous():
 
 def test_shards_and_workers_form_one_run(chart):
     """--shard from the pod's ordinal, --num-shards the replicas, every shard in --peers and the workers'
-    --servers under its stable name, the same run flags everywhere, and every command line taken by the CLI."""
+    --servers under its stable name, the same run flags everywhere, every command line taken by the CLI."""
     from streamdiloco.cli import build_parser
 
     name, objs = chart
@@ -171,7 +173,11 @@ def test_credentials_come_from_secrets(chart):
     prefix = shards["metadata"]["name"].removesuffix("-shard")
     argv = shard_argv(shards, f"{prefix}-shard-0")
     tls = read_from_secret(shards, flag(argv, "--tls-cert"))
-    assert read_from_secret(shards, flag(argv, "--tls-key")) == tls == read_from_secret(shards, flag(argv, "--peers-ca"))
+    assert (
+        read_from_secret(shards, flag(argv, "--tls-key"))
+        == tls
+        == read_from_secret(shards, flag(argv, "--peers-ca"))
+    )
     read_from_secret(shards, flag(argv, "--read-token-file"))
     per_worker = "--workers-file" in argv
     read_from_secret(shards, flag(argv, "--workers-file" if per_worker else "--token-file"))
@@ -179,7 +185,9 @@ def test_credentials_come_from_secrets(chart):
     assert read_from_secret(workers, flag(wargv, "--tls-ca")) == tls
     token = read_from_secret(workers, flag(wargv, "--token-file"))
     if per_worker:
-        assert flag(wargv, "--token-file").endswith(f"/{prefix}-worker-1.token"), "a worker reads its own token"
+        assert flag(wargv, "--token-file").endswith(f"/{prefix}-worker-1.token"), (
+            "a worker reads its own token"
+        )
     else:
         assert token == read_from_secret(shards, flag(argv, "--token-file")), "the run token: one Secret"
     assert all(files == {"ca.crt"} for s, files in mounts(workers).values() if s == tls)
@@ -195,16 +203,26 @@ def test_probes_volumes_and_resources(chart):
     c = shards["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     http = int(flag(shard_argv(shards, "x-shard-0"), "--http-port"))
-    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")):
+    for probe, path in (
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+        ("startupProbe", "/healthz"),
+    ):
         get = c[probe]["httpGet"]
         # the shard serves HTTPS (--tls-cert): the kubelet speaks TLS to it without checking the certificate
         assert (get["path"], ports[get["port"]], get["scheme"]) == (path, http, "HTTPS"), probe
     w = workers["spec"]["template"]["spec"]["containers"][0]
     wports = {p["name"]: p["containerPort"] for p in w["ports"]}
-    assert wports[w["livenessProbe"]["httpGet"]["port"]] == int(flag(worker_argv(workers, "p"), "--metrics-port"))
+    assert wports[w["livenessProbe"]["httpGet"]["port"]] == int(
+        flag(worker_argv(workers, "p"), "--metrics-port")
+    )
     for sts in (shards, workers):
         (claim,) = sts["spec"]["volumeClaimTemplates"]
-        mount = next(m for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+        mount = next(
+            m
+            for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+            if m["name"] == claim["metadata"]["name"]
+        )
         assert mount["mountPath"] == "/checkpoints", "each pod's checkpoint on its own volume"
         labels = sts["spec"]["template"]["metadata"]["labels"]
         assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -245,7 +263,9 @@ def test_certificate_and_monitoring_when_enabled():
     dashboard = json.loads(cm["data"]["streamdiloco.json"])
     docker = json.loads((ROOT / "docker" / "grafana" / "dashboards" / "streamdiloco.json").read_text())
     assert dashboard == docker, "the chart's dashboard copy differs from docker/grafana/dashboards/"
-    assert any(v["name"] == "datasource" and v["type"] == "datasource" for v in dashboard["templating"]["list"])
+    assert any(
+        v["name"] == "datasource" and v["type"] == "datasource" for v in dashboard["templating"]["list"]
+    )
 
 
 def test_defaults_leave_the_optional_parts_out():
@@ -288,6 +308,6 @@ def test_the_renderer_keeps_go_semantics():
     with pytest.raises(TemplateError, match='function "nope" not defined'):
         run("{{ nope 1 }}")
     assert run("a  {{- 1 -}}  b\n{{ if false }}x{{ else if true }}y{{ end }}") == "a1b\ny"
-    assert run('{{ $x := 1 }}{{ if true }}{{ $x = 2 }}{{ end }}{{ $x }}') == "2"
+    assert run("{{ $x := 1 }}{{ if true }}{{ $x = 2 }}{{ end }}{{ $x }}") == "2"
     assert run("{{ range $i, $v := list 5 6 }}{{ $i }}={{ $v }} {{ end }}") == "0=5 1=6 "
-    assert run('{{ and 0 "x" }} {{ or 0 "x" }} {{ .Values.missing }}.') == '0 x .'
+    assert run('{{ and 0 "x" }} {{ or 0 "x" }} {{ .Values.missing }}.') == "0 x ."
