@@ -895,9 +895,12 @@ def test_dockerfile():
     pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
     assert pin
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(pin.group(1))}$", text, re.M), "torch pin differs"
-    assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
+    # one build argument picks the variant: cpu (the default) from the CPU index, cuda from pip's index
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    assert re.search(r"^ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
     assert re.search(r"^ARG BASE=", text, re.M) and re.search(r"^FROM \$\{BASE\}", text, re.M)
-    assert '--index-url "${TORCH_INDEX}"' in text
+    assert '--index-url "$index"' in text and 'pip install "torch==${TORCH_VERSION}" "$@"' in text
+    assert re.search(r"^ENV STREAMDILOCO_VARIANT=\$\{VARIANT\}$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["streamdiloco"\]$', text, re.M)
     expose = re.search(r"^EXPOSE (.+)$", text, re.M)
     assert expose and set(expose.group(1).split()) >= {"7070", "8080", "9400"}
@@ -907,6 +910,33 @@ def test_dockerfile():
     health = re.search(r"^ENV STREAMDILOCO_HEALTH_URL=(\S+)$", text, re.M)
     assert health and health.group(1).endswith(":8080/readyz"), "the image's health check: a shard's /readyz"
     assert re.search(r"^HEALTHCHECK .*\\\n.*STREAMDILOCO_HEALTH_URL", text, re.M), "no HEALTHCHECK"
+
+
+def test_dockerfile_variant_picks_the_torch_index(tmp_path):
+    """The torch layer's script, run by sh with a `pip` that prints its arguments: VARIANT=cpu installs from
+    the CPU index, cuda from pip's own index (PyPI's CUDA build, or the mirror), TORCH_INDEX overrides
+    either, and another variant is refused with the fix."""
+    text = (DOCKER / "Dockerfile").read_text()
+    m = re.search(r'^RUN (set -eux; \\\n\s*case "\$\{VARIANT\}".*?)\n\n', text, re.M | re.S)
+    assert m, "no RUN that installs torch by VARIANT"
+    script = re.sub(r"\\\n", "\n", m.group(1))
+    for name, body in (("pip", 'echo "pip $*"'), ("python", "true")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    args = dict(re.findall(r"^ARG (\w+)=(.*)$", text, re.M))
+
+    def install(**build_args: str) -> subprocess.CompletedProcess:
+        env = {**args, **build_args, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+        return subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+    pin = args["TORCH_VERSION"]
+    cpu = install(VARIANT="cpu")
+    assert cpu.stdout.strip() == f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
+    assert install(VARIANT="cuda").stdout.strip() == f"pip install torch=={pin}"
+    cu = install(VARIANT="cuda", TORCH_INDEX="https://download.pytorch.org/whl/cu128").stdout.strip()
+    assert cu.endswith("--index-url https://download.pytorch.org/whl/cu128")
+    rocm = install(VARIANT="rocm")
+    assert rocm.returncode == 1 and "VARIANT=rocm: give cpu or cuda" in rocm.stderr
 
 
 def dockerignored(name: str, patterns: list[str]) -> bool:
