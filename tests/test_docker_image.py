@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a build installs gigabytes (the CUDA variant)
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_ARGS = os.environ.get("STREAMDILOCO_DOCKER_BUILD_ARGS", "").split()  # and _CPU, _CUDA: one variant's
