@@ -2,7 +2,8 @@
 # Debian packages that the tests (default, or `tests`), the real-corpus benchmark (`real`) or the WAN testbed
 # (`wan`) need, installed when missing where it can (root with apt-get); otherwise it says what to install.
 #   tests: prometheus (prometheus, promtool) for the scrape test and the config and metrics checks, chromium
-#          for the dashboard's browser test, tcpdump for the capture that shows TLS hides the token.
+#          for the dashboard's browser test, tcpdump for the capture that shows TLS hides the token,
+#          systemd (systemd-analyze) to verify deploy/systemd's units.
 #          `make test` and `.ci/run` run it.
 #   real:  fortunes (Debian's quotations: the corpus of benchmarks/real.py). `make bench-real` runs it.
 #   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
@@ -15,6 +16,7 @@ tests)
     command -v promtool >/dev/null && command -v prometheus >/dev/null || missing+=(prometheus)
     command -v chromium >/dev/null || missing+=(chromium)
     command -v tcpdump >/dev/null || missing+=(tcpdump)
+    command -v systemd-analyze >/dev/null || missing+=(systemd)
     ;;
 real)
     [ -d /usr/share/games/fortunes ] || missing+=(fortunes)

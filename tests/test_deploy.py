@@ -102,7 +102,9 @@ def commands(compose) -> dict:
     out = {}
     for name in SHARDS + WORKERS:
         argv = compose["services"][name]["command"]
-        if compose["services"][name].get("entrypoint"):  # the worker's: adds --name and --checkpoint
+        if compose["services"][name].get(
+            "entrypoint"
+        ):  # a worker's adds --name and --checkpoint, a shard's --shard
             argv = entrypoint_argv(compose["services"][name], HOSTNAME)
         try:
             out[name] = parser.parse_args(argv)
@@ -117,8 +119,8 @@ def unescape(words: list[str]) -> list[str]:
 
 
 def entrypoint_argv(service: dict, hostname: str) -> list[str]:
-    """The arguments a service's shell entrypoint really hands `streamdiloco`: its script run by sh, with a
-    `streamdiloco` that prints them and a `hostname` that says `hostname`."""
+    """The arguments a service's shell entrypoint really hands `streamdiloco`: its script run by sh, with the
+    service's environment, a `streamdiloco` that prints them and a `hostname` that says `hostname`."""
     import tempfile
 
     entrypoint = service["entrypoint"]
@@ -136,7 +138,10 @@ def entrypoint_argv(service: dict, hostname: str) -> list[str]:
             capture_output=True,
             text=True,
             timeout=30,
-            env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            env={
+                **{k: str(v) for k, v in service.get("environment", {}).items()},
+                "PATH": f"{bin_dir}:/usr/bin:/bin",
+            },
         )
     assert r.returncode == 0, r.stderr
     return r.stdout.split("\0")[:-1]
@@ -259,15 +264,11 @@ def test_compose_commands_agree(compose, commands):
         assert a.metrics_host == "0.0.0.0" and a.metrics_port, f"{name}: metrics not served to Prometheus"
         assert a.rank is None, "a fixed --rank would give every replica the same data stream"
     # published: the shards' gRPC and HTTP ports, Grafana, Prometheus
-    published = {
-        (n, int(p["target"])): int(p["published"])
-        for n, s in compose["services"].items()
-        for p in s.get("ports", [])
-    }
-    assert published[("shard-0", commands["shard-0"].http_port)] == 8080
-    assert published[("shard-1", commands["shard-1"].http_port)] == 8081
-    assert published[("grafana", 3000)] == 3000
-    assert published[("prometheus", 9090)] == 9090
+    ports = {k: port for k, (_, port) in published(compose).items()}
+    assert ports[("shard-0", commands["shard-0"].http_port)] == 8080
+    assert ports[("shard-1", commands["shard-1"].http_port)] == 8081
+    assert ports[("grafana", 3000)] == 3000
+    assert ports[("prometheus", 9090)] == 9090
 
 
 def bind_mounts(service: dict) -> dict[str, Path]:
@@ -295,8 +296,11 @@ def test_grafana_provisioning_mounts(compose):
     home = grafana["environment"].get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
     if home:
         assert home == f"{path}/{DASHBOARD_FILE.name}"
-    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false", "anonymous viewers unless asked"
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    r = run_compose("config", "--format", "json", env={**ENV, "GRAFANA_ANONYMOUS": "true"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["services"]["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
 
     # the datasource points at the compose service prometheus
     ds = datasource()
@@ -336,6 +340,9 @@ def test_prometheus_config_passes_promtool(tmp_path):
     (tmp_path / "certs" / "prometheus").mkdir()
     for name in ("ca.pem", "read.token"):
         shutil.copy(tmp_path / "certs" / name, tmp_path / "certs" / "prometheus" / name)
+    (tmp_path / "certs" / "prometheus" / "shards.json").write_text(
+        json.dumps(shard_targets("shard-0,shard-1"))
+    )
     config = tmp_path / "prometheus.yml"
     config.write_text(text.replace("/certs/prometheus/", f"{tmp_path}/certs/prometheus/"))
     r = subprocess.run(
@@ -456,8 +463,126 @@ def test_prometheus_scrapes_every_shard_and_worker(compose, commands):
                 assert host in compose["services"], f"{job['job_name']}: {host} is no compose service"
                 assert host not in scraped, f"{host} is scraped twice"
                 scraped[host] = int(port)
+        for sd in job.get("file_sd_configs", []):  # the shards: the file the certs service writes
+            assert sd["files"] == ["/certs/prometheus/shards.json"]
+            names = compose["services"]["certs"]["environment"]["STREAMDILOCO_SHARD_NAMES"]
+            (group,) = shard_targets(names)
+            for target in group["targets"]:
+                host, port = target.rsplit(":", 1)
+                assert host in compose["services"] and host not in scraped
+                scraped[host] = int(port)
     want = {n: commands[n].http_port for n in SHARDS} | {n: commands[n].metrics_port for n in WORKERS}
     assert scraped == want, "scrape targets: shards at their --http-port, workers at their --metrics-port"
+
+
+def shard_targets(names: str) -> list[dict]:
+    """What the certs service writes to /certs/prometheus/shards.json (Prometheus' file_sd) for these shard
+    names: its own printf, run by sh."""
+    compose = json.loads(run_compose("config", "--format", "json").stdout)
+    script = " ".join(unescape(compose["services"]["certs"]["command"]))
+    m = re.search(r"(printf '\[\{\"targets\".*?) > /certs/prometheus/shards\.json", script)
+    assert m, "the certs service does not write /certs/prometheus/shards.json"
+    env = {"PATH": "/usr/bin:/bin", "STREAMDILOCO_SHARD_NAMES": names}
+    r = subprocess.run(["/bin/sh", "-c", m.group(1)], capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def published(config: dict) -> dict[tuple[str, int], tuple[str, int]]:
+    """(service, container port) -> (host address, host port) of every published port"""
+    return {
+        (n, int(p["target"])): (p.get("host_ip", "0.0.0.0"), int(p["published"]))
+        for n, s in config["services"].items()
+        for p in s.get("ports", [])
+    }
+
+
+def test_published_ports_are_loopback_only_by_default(compose):
+    """Prometheus has no login and Grafana's viewers see the run's metrics, which the shards keep behind
+    the read token: nothing is published beyond 127.0.0.1 unless .env says so, the shards' ports
+    (STREAMDILOCO_BIND: for workers on other machines) apart from the monitoring's."""
+    ports = published(compose)
+    assert ports and all(addr == "127.0.0.1" for addr, _ in ports.values()), ports
+    monitoring = {"prometheus", "grafana"}
+    for variable, opened in (
+        ("STREAMDILOCO_BIND", set(SHARDS)),
+        ("STREAMDILOCO_MONITORING_BIND", monitoring),
+    ):
+        r = run_compose("config", "--format", "json", env={**ENV, variable: "0.0.0.0"})
+        assert r.returncode == 0, r.stderr
+        for (service, _), (addr, _) in published(json.loads(r.stdout)).items():
+            assert addr == ("0.0.0.0" if service in opened else "127.0.0.1"), (variable, service, addr)
+
+
+def test_shards_py_adds_shards_that_the_whole_stack_knows(tmp_path):
+    """docker/shards.py 3: a third shard service (extending shard-0), and the shards' names in .env, from
+    which the shards' --num-shards and --peers, the workers' --servers, the certificate's names and
+    Prometheus' targets all follow; each shard its own index, ports and volume. `shards.py 2` undoes it."""
+    from streamdiloco.cli import build_parser
+
+    env_file, override = tmp_path / ".env", tmp_path / "docker-compose.shards.yml"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in ENV.items()))
+    script = [sys.executable, str(DOCKER / "shards.py")]
+    r = subprocess.run(
+        [
+            *script,
+            "3",
+            "--public-names",
+            "gpu-host.example.org",
+            "--env",
+            str(env_file),
+            "--out",
+            str(override),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    settings = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
+    assert settings["STREAMDILOCO_TOKEN"] == ENV["STREAMDILOCO_TOKEN"], "the secrets were not kept"
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith(("STREAMDILOCO_", "GRAFANA_", "COMPOSE"))
+    }
+    r = subprocess.run(
+        [*compose_binary(), "config", "--format", "json"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # as `docker compose up` beside that .env: its COMPOSE_FILE names both files
+    assert r.returncode == 0, r.stderr
+    config = json.loads(r.stdout)
+    shards = [f"shard-{s}" for s in range(3)]
+    assert set(config["services"]) == SERVICES | {"shard-2"}
+    parser = build_parser()
+    for s, name in enumerate(shards):
+        a = parser.parse_args(entrypoint_argv(config["services"][name], HOSTNAME))
+        assert (a.shard, a.num_shards) == (s, 3)
+        assert a.peers.split(",") == [f"https://{n}:8080" for n in shards]
+        assert {v["target"]: v["source"] for v in config["services"][name]["volumes"]} == {
+            "/checkpoints": f"{name}-checkpoints",
+            "/certs": "run-certs",
+        }
+    worker = parser.parse_args(entrypoint_argv(config["services"]["worker"], HOSTNAME))
+    assert worker.servers.split(",") == [f"{n}:7070" for n in shards]
+    assert set(config["services"]["worker"]["depends_on"]) >= set(shards)
+    ports = published(config)
+    assert ports[("shard-2", 7070)] == ("127.0.0.1", 7072) and ports[("shard-2", 8080)] == ("127.0.0.1", 8082)
+    assert len(set(ports.values())) == len(ports), "two services publish the same host port"
+    certs = " ".join(config["services"]["certs"]["command"])
+    assert "--server-names shard-0,shard-1,shard-2,gpu-host.example.org " in certs
+    (group,) = shard_targets(config["services"]["certs"]["environment"]["STREAMDILOCO_SHARD_NAMES"])
+    assert group["targets"] == [f"{n}:8080" for n in shards]
+    r = subprocess.run(
+        [*script, "2", "--env", str(env_file), "--out", str(override)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and not override.exists(), r.stderr
+    assert "docker-compose.shards.yml" not in env_file.read_text()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -513,6 +638,7 @@ def test_dashboard_schema_refuses_mistakes():
     assert broken(lambda d, p: p["fieldConfig"]["defaults"]["custom"].update(drawStyle="lines"))
     assert broken(lambda d, p: d.pop("uid"))
     assert broken(lambda d, p: d.update(schemaVersion=16))
+    assert broken(lambda d, p: d["templating"]["list"][0].pop("query"))  # a datasource variable lists a type
 
 
 def test_dashboard_layout_and_datasources():
@@ -529,7 +655,12 @@ def test_dashboard_layout_and_datasources():
                 assert (x, y) not in cells, f"{p['title']!r} overlaps {cells[(x, y)]!r} at x={x} y={y}"
                 cells[(x, y)] = p["title"]
     ds = datasource()
-    assert ds["uid"] == "streamdiloco-prometheus" and ds["type"] == "prometheus"
+    assert ds["uid"] == "streamdiloco-prometheus" and ds["type"] == "prometheus" and ds["isDefault"]
+    # every query names its datasource through the ${datasource} variable, which lists the Prometheus
+    # datasources (the provisioned one, the default, is picked): the dashboard imports into any Grafana
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == ds["type"]
+    assert ds["uid"] not in DASHBOARD_FILE.read_text(), "a hard-coded datasource uid"
     refs = [v["datasource"] for v in d["templating"]["list"] if "datasource" in v]
     for p in panels:
         if p["type"] == "row":
@@ -540,7 +671,9 @@ def test_dashboard_layout_and_datasources():
         assert len(ref_ids) == len(set(ref_ids)), f"{p['title']!r}: refIds repeat"
     assert refs
     for ref in refs:
-        assert ref == {"type": ds["type"], "uid": ds["uid"]}, f"{ref} is not the provisioned datasource"
+        assert ref == {"type": ds["type"], "uid": "${datasource}"}, (
+            f"{ref} is not the ${{datasource}} variable"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -762,9 +895,12 @@ def test_dockerfile():
     pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
     assert pin
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(pin.group(1))}$", text, re.M), "torch pin differs"
-    assert re.search(r"^ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
+    # one build argument picks the variant: cpu (the default) from the CPU index, cuda from pip's index
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    assert re.search(r"^ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu$", text, re.M)
     assert re.search(r"^ARG BASE=", text, re.M) and re.search(r"^FROM \$\{BASE\}", text, re.M)
-    assert '--index-url "${TORCH_INDEX}"' in text
+    assert '--index-url "$index"' in text and 'pip install "torch==${TORCH_VERSION}" "$@"' in text
+    assert re.search(r"^ENV STREAMDILOCO_VARIANT=\$\{VARIANT\}$", text, re.M)
     assert re.search(r'^ENTRYPOINT \["streamdiloco"\]$', text, re.M)
     expose = re.search(r"^EXPOSE (.+)$", text, re.M)
     assert expose and set(expose.group(1).split()) >= {"7070", "8080", "9400"}
@@ -774,6 +910,33 @@ def test_dockerfile():
     health = re.search(r"^ENV STREAMDILOCO_HEALTH_URL=(\S+)$", text, re.M)
     assert health and health.group(1).endswith(":8080/readyz"), "the image's health check: a shard's /readyz"
     assert re.search(r"^HEALTHCHECK .*\\\n.*STREAMDILOCO_HEALTH_URL", text, re.M), "no HEALTHCHECK"
+
+
+def test_dockerfile_variant_picks_the_torch_index(tmp_path):
+    """The torch layer's script, run by sh with a `pip` that prints its arguments: VARIANT=cpu installs from
+    the CPU index, cuda from pip's own index (PyPI's CUDA build, or the mirror), TORCH_INDEX overrides
+    either, and another variant is refused with the fix."""
+    text = (DOCKER / "Dockerfile").read_text()
+    m = re.search(r'^RUN (set -eux; \\\n\s*case "\$\{VARIANT\}".*?)\n\n', text, re.M | re.S)
+    assert m, "no RUN that installs torch by VARIANT"
+    script = re.sub(r"\\\n", "\n", m.group(1))
+    for name, body in (("pip", 'echo "pip $*"'), ("python", "true")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    args = dict(re.findall(r"^ARG (\w+)=(.*)$", text, re.M))
+
+    def install(**build_args: str) -> subprocess.CompletedProcess:
+        env = {**args, **build_args, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+        return subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+    pin = args["TORCH_VERSION"]
+    cpu = install(VARIANT="cpu")
+    assert cpu.stdout.strip() == f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
+    assert install(VARIANT="cuda").stdout.strip() == f"pip install torch=={pin}"
+    cu = install(VARIANT="cuda", TORCH_INDEX="https://download.pytorch.org/whl/cu128").stdout.strip()
+    assert cu.endswith("--index-url https://download.pytorch.org/whl/cu128")
+    rocm = install(VARIANT="rocm")
+    assert rocm.returncode == 1 and "VARIANT=rocm: give cpu or cuda" in rocm.stderr
 
 
 def dockerignored(name: str, patterns: list[str]) -> bool:
