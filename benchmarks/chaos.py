@@ -267,7 +267,7 @@ class Sizes:
     warmup_round: int  # fragment 0's round after which the faults begin
 
 
-FULL = Sizes(steps=1400, freeze=60.0, link_down=30.0, warmup_round=3)
+FULL = Sizes(steps=1600, freeze=60.0, link_down=30.0, warmup_round=3)
 QUICK = Sizes(steps=600, freeze=12.0, link_down=6.0, warmup_round=2)
 
 
@@ -279,12 +279,13 @@ class ChaosRun:
         self.run = Run(procs, tmp, tag)
         self.poller = Poller()
         self.events: list[dict] = []
+        self.windows: list[tuple[str, float, float]] = []  # each fault: from its start to its recovery
         self.procs_started: list[Proc] = []
         self.t0 = time.time()
         flags = [*SYNC, "--min-workers", "1", "--liveness-timeout", "5"]
         flags += ["--checkpoint-dir", str(tmp / f"{tag}-shard-ckpt")]
         if netns:
-            flags += ["--host", "0.0.0.0"]  # the namespaced worker reaches it through its veth pair
+            flags += ["--host", "0.0.0.0", "--insecure"]  # the namespaced worker: through its veth pair
         self.shard_flags = flags
         self.ports = self.run.shard(0, 1, [*flags, "--fresh"])
 
@@ -327,8 +328,12 @@ class ChaosRun:
         return proc
 
     def pushes_again(self, proc: Proc, timeout: float = 300) -> float:
-        """Wait until the shard accepts a push of proc's after now; the seconds that took."""
-        t, n = time.time(), proc.counts.accepted
+        """Wait until the shard accepts a push of proc's after now (counted from a reading of its metrics
+        taken after now: the last one before a freeze or a link drop may be stale); the seconds that
+        took."""
+        t = time.time()
+        wait_for(f"a reading of {proc.name}", lambda: proc.samples and proc.samples[-1][0] > t, timeout)
+        n = proc.counts.accepted
         wait_for(f"{proc.name} to push again", lambda: proc.counts.accepted > n, timeout)
         return time.time() - t
 
@@ -346,6 +351,7 @@ class ChaosRun:
         self.note(f"thaw {proc.name} (SIGCONT)")
         back = self.pushes_again(proc)
         self.note(f"{proc.name} accepted again", seconds=round(back, 1))
+        self.windows.append(("freeze", t_stop, time.time()))
         time.sleep(2 * POLL)  # a reading of every other worker after the thaw
         busy = {o.name: o.busy(t_stop, t_cont) for o in others}
         return {"dropped_after": dropped, "back_after": back, "busy": busy}
@@ -362,6 +368,7 @@ class ChaosRun:
         wait_for(f"{proc.name}'s restart to push", lambda: again.counts.accepted > 0, 300)
         back = time.time() - t_kill
         self.note(f"{proc.name} (restarted) accepted", seconds=round(back, 1))
+        self.windows.append(("kill", t_kill, time.time()))
         return again, {"back_after": back}
 
     def join(self) -> tuple[Proc, dict]:
@@ -370,6 +377,7 @@ class ChaosRun:
         p = self.worker(JOINER)
         wait_for(f"w{JOINER}'s first accepted push", lambda: p.counts.accepted > 0, 300)
         self.note(f"w{JOINER} accepted", seconds=round(time.time() - t, 1))
+        self.windows.append(("join", t, time.time()))
         return p, {"first_push_after": time.time() - t}
 
     def restart_shard(self, live: list[Proc]) -> dict:
@@ -389,9 +397,11 @@ class ChaosRun:
         )
         back = time.time() - t_kill
         self.note("every worker accepted again", serving_after=round(serving, 1), seconds=round(back, 1))
+        self.windows.append(("shard", t_kill, time.time()))
         return {"serving_after": serving, "back_after": back}
 
     def drop_link(self, proc: Proc) -> dict:
+        t = time.time()
         set_link(False)
         self.note(f"{proc.name}'s link down for {self.sizes.link_down:g} s")
         try:
@@ -401,6 +411,7 @@ class ChaosRun:
         self.note(f"{proc.name}'s link up")
         back = self.pushes_again(proc)
         self.note(f"{proc.name} accepted again", seconds=round(back, 1))
+        self.windows.append(("link", t, time.time()))
         return {"back_after": back}
 
     # --- the whole run --------------------------------------------------------------------------------
@@ -452,6 +463,13 @@ class ChaosRun:
         out["goodput"] = goodput([q.counts for q in self.procs_started])
         out["healthy"] = [w.name for w in healthy]
         out["busy_run"] = {w.name: summaries[w.name]["compute_utilization"] for w in healthy}
+        out["windows"] = [  # what each fault cost the healthy workers: their busy share while it lasted
+            {"fault": f, "seconds": t1 - t0, "busy": {w.name: w.busy(t0, t1) for w in healthy}}
+            for f, t0, t1 in self.windows
+        ]
+        out["pushes"] = {
+            k: sum(getattr(q.counts, k) for q in self.procs_started) for k in ("accepted", "late", "refused")
+        }
         out["shard"] = {k: status[k] for k in ("rounds_closed", "pushes_accepted", "pushes_refused")}
         out["events"] = self.events
         out["wall_seconds"] = time.time() - self.t0
@@ -460,6 +478,11 @@ class ChaosRun:
             f"{fmt_busy(out['freeze']['busy'])}; healthy over the run {fmt_busy(out['busy_run'])}"
         )
         return out
+
+
+def mean_busy(busy: dict[str, float | None]) -> float:
+    known = [v for v in busy.values() if v is not None]
+    return sum(known) / len(known) if known else float("nan")
 
 
 def fmt_busy(busy: dict[str, float | None]) -> str:
@@ -483,14 +506,14 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         + ("" if chaos["netns"] else " (skipped: no network namespaces)")
         + ".",
         "",
-        "| run | goodput | rounds closed | pushes accepted / refused | wall s |",
+        "| run | goodput | pushes accepted / late / refused | healthy workers busy, whole run | wall s |",
         "|---|---:|---:|---:|---:|",
     ]
     for label, r in (("undisturbed", calm), ("chaos", chaos)):
-        refused = sum(r["shard"]["pushes_refused"].values())
+        p = r["pushes"]
         lines.append(
-            f"| {label} | {r['goodput']:.3f} | {r['shard']['rounds_closed']} | "
-            f"{r['shard']['pushes_accepted']} / {refused} | {r['wall_seconds']:.0f} |"
+            f"| {label} | {r['goodput']:.3f} | {p['accepted']} / {p['late']} / {p['refused']} | "
+            f"{mean_busy(r['busy_run']):.3f} | {r['wall_seconds']:.0f} |"
         )
     lines += [
         "",
@@ -509,9 +532,18 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         )
     lines += [
         "",
-        "What each fault cost (seconds from the fault until the worker's pushes were accepted again):",
+        "What each fault cost: the healthy workers' (w0, w1, w5) mean busy share from the fault until the "
+        f"worker it hit pushed again (undisturbed: {mean_busy(calm['busy_run']):.3f} over the run), and "
+        "their idle seconds beyond the undisturbed share:",
         "",
+        "| fault | seconds | healthy busy | idle s beyond undisturbed |",
+        "|---|---:|---:|---:|",
     ]
+    for w in chaos["windows"]:
+        b = mean_busy(w["busy"])
+        idle = max(0.0, mean_busy(calm["busy_run"]) - b) * w["seconds"]
+        lines.append(f"| {w['fault']} | {w['seconds']:.1f} | {b:.3f} | {idle:.1f} |")
+    lines += ["", "Seconds from each fault until the worker it hit pushed again:", ""]
     f = chaos
     lines.append(
         f"- freeze: dropped by the shard after {f['freeze']['dropped_after']:.1f} s, accepted again "
