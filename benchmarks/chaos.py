@@ -540,9 +540,9 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     for w in chaos["windows"]:
-        b = mean_busy(w["busy"])
-        idle = max(0.0, mean_busy(calm["busy_run"]) - b) * w["seconds"]
-        lines.append(f"| {w['fault']} | {w['seconds']:.1f} | {b:.3f} | {idle:.1f} |")
+        share = mean_busy(w["busy"])
+        idle = max(0.0, mean_busy(calm["busy_run"]) - share) * w["seconds"]
+        lines.append(f"| {w['fault']} | {w['seconds']:.1f} | {share:.3f} | {idle:.1f} |")
     lines += ["", "Seconds from each fault until the worker it hit pushed again:", ""]
     f = chaos
     lines.append(
