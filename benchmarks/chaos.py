@@ -517,11 +517,11 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         )
     lines += [
         "",
-        "Busy share (compute / wall) through the freeze window, and over the whole run for the workers no "
+        f"Busy share (compute / wall) through the {sizes.freeze:g} s freeze (from SIGSTOP to SIGCONT; the "
+        "undisturbed run: as long a window from the same point), and over the whole run for the workers no "
         "fault touched:",
         "",
-        "| worker | step s | freeze window: undisturbed | freeze window: chaos | run: undisturbed "
-        "| run: chaos |",
+        "| worker | step s | freeze: undisturbed | freeze: chaos | run: undisturbed | run: chaos |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for n in names:
@@ -533,8 +533,9 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
     lines += [
         "",
         "What each fault cost: the healthy workers' (w0, w1, w5) mean busy share from the fault until the "
-        f"worker it hit pushed again (undisturbed: {mean_busy(calm['busy_run']):.3f} over the run), and "
-        "their idle seconds beyond the undisturbed share:",
+        "worker it hit had a push accepted again (the freeze: until after the SIGCONT; undisturbed: "
+        f"{mean_busy(calm['busy_run']):.3f} over the run), and their idle seconds beyond the undisturbed "
+        "share:",
         "",
         "| fault | seconds | healthy busy | idle s beyond undisturbed |",
         "|---|---:|---:|---:|",
