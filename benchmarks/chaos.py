@@ -35,8 +35,8 @@ The figures  goodput = tokens that reached the model / tokens computed, summed o
              and over its whole run (its summary).
 Targets (issue 27): healthy workers >= 0.90 busy through the freeze, goodput >= 0.85 across the faults.
 
-    python -m benchmarks.chaos            # the recorded run (BENCHMARKS.md), about 15 minutes
-    python -m benchmarks.chaos --quick    # toy size: shorter faults, fewer steps (about 5 minutes)
+    python -m benchmarks.chaos            # the recorded run (BENCHMARKS.md), about 20 minutes
+    python -m benchmarks.chaos --quick    # toy size: shorter faults, fewer steps (about 8 minutes)
 
 Writes results.md, results.json and run.log under --out (default benchmarks/results/chaos). Every process it
 starts is stopped at the end, on an error and on Ctrl+C; the network namespace is removed.

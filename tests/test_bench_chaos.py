@@ -1,6 +1,6 @@
 """The chaos benchmark (benchmarks/chaos.py): its goodput arithmetic (pure, in the default run), and the whole
 --quick run with real processes (a frozen worker, a killed and restarted one, a joiner, a restarted shard;
-the link drop skipped: tests use loopback only), in `make test-slow`: about five minutes of processes."""
+the link drop skipped: tests use loopback only), in `make test-slow`: five to ten minutes of processes."""
 
 from __future__ import annotations
 
