@@ -406,19 +406,20 @@ class SyncConfig:
     outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
     outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
     outer_nesterov: bool = field(default=True, metadata={"help": "Nesterov momentum in the outer step"})
-    # fixed: every worker does one inner step per step of the schedule (H inner steps per round), so a
-    # site twice as fast waits half its time at merges. adaptive: a worker does as many inner steps per
-    # schedule step as it is faster than the run's slowest member (common/pace.py), so that every site
-    # reaches a fragment's send at about the same wall time; its push carries (and is weighted by) the
-    # tokens of all those steps. Off by default: with equal speeds it gains nothing, and fixed is
-    # deterministic whatever the timing
+    # adaptive: a worker does as many inner steps per schedule step as it is faster than the run's slowest
+    # member (common/pace.py), so that every site reaches a fragment's send at about the same wall time; its
+    # push carries (and is weighted by) the tokens of all those steps. The default: with equal speeds it
+    # does one inner step per schedule step, the fixed schedule's numbers. fixed: every worker does one
+    # inner step per schedule step (H per round), so a site twice as fast waits half its time at merges;
+    # the deterministic choice (its steps do not depend on measured timings), for bit-for-bit comparisons
     sync_schedule: str = field(
-        default="fixed",
+        default="adaptive",
         metadata={
             "choices": SYNC_SCHEDULES,
-            "help": "fixed: one inner step per schedule step on every worker; adaptive: a faster worker does "
-            "more inner steps per schedule step (its speed over the slowest member's), so that no site waits "
-            "for a slower one",
+            "help": "adaptive: a faster worker does more inner steps per schedule step (its speed over the "
+            "slowest member's), so that no site waits for a slower one; fixed: one inner step per schedule "
+            "step on every worker, the deterministic choice (whatever the timing), for bit-for-bit "
+            "comparisons",
         },
     )
     max_steps_per_tick: float = field(

@@ -20,7 +20,8 @@ from streamdiloco.worker.model import build_gpt
 
 
 def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tmp_path):
-    # merges at exactly t + tau (as the lock-step simulator does whatever the timing)
+    # merges at exactly t + tau, one inner step per schedule step (as the lock-step simulator does whatever
+    # the timing): the deterministic merge policy and schedule
     flags = [
         "--model",
         "nano",
@@ -31,6 +32,8 @@ def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tm
         "--num-fragments",
         "3",
         "--merge-policy",
+        "fixed",
+        "--sync-schedule",
         "fixed",
     ]
     out = tmp_path / "run"
@@ -54,7 +57,7 @@ def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tm
                 model=ModelSettings(model="nano"),
                 num_shards=2,
                 eval_every=36,
-                sync=SyncConfig(sync_every=6, num_fragments=3, merge_policy="fixed"),
+                sync=SyncConfig(sync_every=6, num_fragments=3, merge_policy="fixed", sync_schedule="fixed"),
             ),
             log=None,
         )

@@ -13,8 +13,12 @@ from procs import Cluster, http_json, wait_until
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import next_send_after, send_step
 
-# merges at exactly t + tau: these runs are compared bit for bit with runs that nobody interrupted
-NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
+# merges at exactly t + tau, one inner step per schedule step whatever the timing (the deterministic merge
+# policy and schedule): these runs are compared bit for bit with runs that nobody interrupted
+NANO = [
+    *("--model", "nano", "--sync-every", "6", "--num-fragments", "3"),
+    *("--merge-policy", "fixed", "--sync-schedule", "fixed"),
+]
 
 
 def _masters_hashes(http_ports: list[int]) -> list[list[str]]:

@@ -125,7 +125,8 @@ HONEST = ("h0", "h1", "h2")
 def make_state(
     robust: RobustConfig | None = None, members=HONEST + ("evil",), min_workers=1, timeout=math.inf, **cfg_kw
 ) -> ShardState:
-    cfg = SyncConfig(sync_every=6, num_fragments=3, **cfg_kw)
+    # the fixed schedule's caps and clip unless a test says otherwise: under adaptive they stretch
+    cfg = SyncConfig(sync_every=6, num_fragments=3, **{"sync_schedule": "fixed", **cfg_kw})
     st = ShardState(0, 1, _LAYOUT, cfg, _INITIAL, 0, min_workers, timeout, robust=robust)
     for m in members:
         st.add_member(m)
@@ -298,7 +299,7 @@ def test_a_step_that_comes_out_non_finite_is_undone_and_the_optimizer_restarts()
 
 
 # === one attacker among 3 honest workers, over a real channel ==========================================
-SYNC = SyncConfig(sync_every=10, num_fragments=1)
+SYNC = SyncConfig(sync_every=10, num_fragments=1, sync_schedule="fixed")  # caps and clip unstretched
 BATCH, BLOCK, WEIGHT = 16, 32, 4096.0
 
 

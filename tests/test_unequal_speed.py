@@ -27,6 +27,7 @@ from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.shard import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.checkpoint import CHECKPOINT_FORMAT, checkpoint_key, load_checkpoint
+from streamdiloco.worker.engine import Pacer
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import WorkerConfig
 
@@ -45,8 +46,8 @@ def test_steps_per_tick_is_the_speed_over_the_slowest_within_bounds():
     assert steps_per_tick(0.4, 0.01, ADAPTIVE) == ADAPTIVE.max_steps_per_tick  # a liar's pace is bounded
     for pace, own in ((0.0, 0.2), (0.4, None), (0.4, 0.0), (math.inf, 0.1)):
         assert steps_per_tick(pace, own, ADAPTIVE) == 1.0  # not known yet: as the fixed schedule
-    fixed = SyncConfig(sync_every=6, num_fragments=3)
-    assert fixed.sync_schedule == "fixed" and steps_per_tick(0.4, 0.1, fixed) == 1.0
+    fixed = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="fixed")
+    assert steps_per_tick(0.4, 0.1, fixed) == 1.0
 
 
 def test_the_tick_clock_counts_fractional_steps_per_tick():
@@ -161,6 +162,50 @@ def test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_the_f
     assert adaptive["mirrors_match_masters"] and adaptive["weights_capped"] == 0
 
 
+def test_with_equal_speeds_the_default_adaptive_schedule_gives_the_fixed_schedules_numbers_bit_for_bit():
+    """adaptive is the default because it costs equal sites nothing: each of them sets the pace, does one
+    inner step per schedule step, and the run ends on the fixed schedule's parameters to the last bit."""
+    assert SyncConfig().sync_schedule == "adaptive"
+    results = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for schedule in ("fixed", "adaptive"):
+            cfg = SimConfig(
+                workers=3,
+                run=RunSettings(steps=18),
+                model=ModelSettings(model="nano"),
+                eval_every=18,
+                step_seconds=(0.5, 0.5, 0.5),
+                sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule=schedule),
+            )
+            results[schedule] = simulate(cfg, log=None)
+    finally:
+        torch.set_num_threads(threads)
+    fixed, adaptive = results["fixed"], results["adaptive"]
+    assert fixed["inner_steps"] == adaptive["inner_steps"] == [18, 18, 18]
+    for key in ("tokens", "eval_loss", "compute_utilization", "pushes_clipped", "weights_capped"):
+        assert fixed[key] == adaptive[key], key
+    for a, b in zip(fixed["global_params"], adaptive["global_params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_member_that_sets_the_pace_does_one_inner_step_per_schedule_step():
+    """A lone worker (or the slowest) hears its own reported step time back as the pace; when its steps get
+    quicker than at that report (a slow start), it must not do more inner steps than the schedule's."""
+    lone = Pacer()
+    assert [lone.completes(0.0, ADAPTIVE, seconds=1.0) for _ in range(4)] == [True] * 4  # pace not known
+    assert lone.reported() == 1.0  # what its push told the shards: they answer it as the pace
+    ticks = [lone.completes(1.0, ADAPTIVE, seconds=0.2) for _ in range(30)]
+    assert lone.step_seconds == 0.2 and all(ticks) and lone.per_tick == 1.0
+    assert lone.reported() == 0.2 and lone.completes(0.2, ADAPTIVE, seconds=0.2)  # the next push's answer
+    fast = Pacer()  # a member whose own report is not the pace goes as much faster as it is
+    fast.completes(0.0, ADAPTIVE, seconds=0.5)
+    assert fast.reported() == 0.5
+    assert [fast.completes(1.0, ADAPTIVE, seconds=0.5) for _ in range(4)] == [False, True, False, True]
+    assert fast.per_tick == 2.0
+
+
 def test_simulator_refuses_step_times_that_do_not_fit():
     with pytest.raises(ValueError, match="--step-seconds gives 1 step times for 2 workers"):
         SimConfig(workers=2, step_seconds=(1.0,))
@@ -225,14 +270,25 @@ def test_two_sites_one_twice_as_slow_the_fast_one_keeps_computing(tmp_path):
 
 
 def test_a_worker_checkpoint_from_before_the_schedule_setting_still_resumes(tmp_path):
-    cfg = WorkerConfig(servers=("127.0.0.1:1",), name="w", checkpoint=str(tmp_path / "w.pt"), resume=True)
+    cfg = WorkerConfig(
+        servers=("127.0.0.1:1",),
+        name="w",
+        checkpoint=str(tmp_path / "w.pt"),
+        resume=True,
+        sync=SyncConfig(sync_schedule="fixed"),
+    )
     key = checkpoint_key(cfg)
     key["sync"] = {k: v for k, v in key["sync"].items() if k not in ("sync_schedule", "max_steps_per_tick")}
     torch.save({"format": CHECKPOINT_FORMAT, "name": "w", "key": key}, tmp_path / "w.pt")
-    assert load_checkpoint(cfg)["name"] == "w"  # the fields it lacks had their defaults
+    # the fields it lacks had their defaults then: max_steps_per_tick's, and the fixed schedule (the default
+    # until issue 27), so that it resumes as it was written, not under today's default
+    assert load_checkpoint(cfg)["name"] == "w"
     adaptive = dataclasses.replace(cfg, sync=SyncConfig(sync_schedule="adaptive"))
     with pytest.raises(ValueError, match=r"was written with other settings \(sync\)"):
         load_checkpoint(adaptive)
+    assert SyncConfig().sync_schedule == "adaptive"  # today's default: refused too
+    with pytest.raises(ValueError, match=r"was written with other settings \(sync\)"):
+        load_checkpoint(dataclasses.replace(cfg, sync=SyncConfig()))
 
 
 def test_simulate_takes_step_times_on_the_command_line(capsys):
@@ -284,7 +340,7 @@ def test_worker_and_shard_must_agree_on_the_schedule_and_a_fixed_runs_fingerprin
     from streamdiloco.common.modelspec import build_model
 
     layout = build_layout(build_model("nano", 0), SyncConfig().num_fragments)
-    fixed = model_fingerprint(layout, SyncConfig())
+    fixed = model_fingerprint(layout, SyncConfig(sync_schedule="fixed"))
     assert "sync_schedule" not in fixed and "max_steps_per_tick" not in fixed  # old checkpoints still resume
     adaptive = model_fingerprint(layout, SyncConfig(sync_schedule="adaptive"))
     assert fingerprint_diff(adaptive, fixed) == (

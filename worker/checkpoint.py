@@ -100,7 +100,8 @@ def load_checkpoint(cfg: WorkerConfig, ranks: int = 1) -> dict:
     want = checkpoint_key(cfg, ranks)
     key = dict(ck["key"])
     if isinstance(key.get("sync"), dict):  # written before a sync field existed: it had its default then
-        key["sync"] = {**SyncConfig().to_dict(), **key["sync"]}
+        # (sync_schedule's was "fixed" until issue 27 made "adaptive" the default)
+        key["sync"] = {**SyncConfig().to_dict(), "sync_schedule": "fixed", **key["sync"]}
     changed = sorted(k for k in want if key.get(k) != want[k])
     if changed:
         raise ValueError(

@@ -64,7 +64,7 @@ import torch.nn as nn
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params
-from streamdiloco.common.pace import MAX_STEP_SECONDS, TickClock, steps_per_tick
+from streamdiloco.common.pace import MAX_STEP_SECONDS, PACE_TOLERANCE, TickClock, steps_per_tick
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.fragment import FragmentSync, Placement, global_state_dict
 from streamdiloco.worker.report import Progress, ScalarLogger, TrackedScalars
@@ -75,6 +75,9 @@ WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
 MAX_REPORTED_LOSS = 1e4  # the shards refuse a push that reports a loss beyond (server/robust.py MAX_LOSS)
 STEP_TIMES = 16  # inner steps whose durations the reported step time is the median of (adaptive schedule)
+# the reports a worker remembers to recognise the pace as its own: the latest, and the one before it (whose
+# push's answer may still be the latest pace it heard)
+REPORTS_KEPT = 2
 
 
 class StopRequested(Exception):
@@ -164,7 +167,12 @@ class Pacer:
     """sync_schedule "adaptive": whether an inner step completes a schedule step (common/pace.py), from this
     worker's step time (the median of the last STEP_TIMES) and the run's pace. An inner step's time is the
     caller's `seconds`, or the time from the end of the previous step() to this one (the training, and
-    whatever the caller does between steps): the sync work and the waits for updates are left out."""
+    whatever the caller does between steps): the sync work and the waits for updates are left out.
+
+    The member that sets the pace does one inner step per schedule step: when the pace is (within
+    PACE_TOLERANCE) a step time this worker itself reported lately, it is the slowest, and its own median,
+    which moves from one step to the next, must not make it go faster than itself (a lone worker would
+    otherwise do more inner steps than --steps whenever its steps got quicker than at its last report)."""
 
     def __init__(self) -> None:
         self.clock = TickClock()
@@ -172,6 +180,18 @@ class Pacer:
         self.step_seconds: float | None = None  # median seconds per inner step, waits and syncs left out
         self._times: deque[float] = deque(maxlen=STEP_TIMES)
         self._last_end: float | None = None
+        self._reported: deque[float] = deque(maxlen=REPORTS_KEPT)  # step times the shards were told last
+
+    def reported(self) -> float | None:
+        """The step time to report with a push (the shards' pace is the largest of these); kept, so that
+        this worker knows the pace for its own."""
+        if self.step_seconds is not None and (not self._reported or self._reported[-1] != self.step_seconds):
+            self._reported.append(self.step_seconds)
+        return self.step_seconds
+
+    def sets_pace(self, pace: float) -> bool:
+        """Whether `pace` is one of this worker's own recent reports: it is the run's slowest member."""
+        return any(abs(pace - r) <= PACE_TOLERANCE * r for r in self._reported)
 
     def completes(self, pace: float, cfg: SyncConfig, seconds: float | None = None) -> bool:
         """Count one inner step; True when it completes a schedule step."""
@@ -181,7 +201,8 @@ class Pacer:
             self._times.append(seconds)
             # the shards refuse a step time beyond MAX_STEP_SECONDS: report at most that (a slower one paces)
             self.step_seconds = min(statistics.median(self._times), MAX_STEP_SECONDS)
-        self.per_tick = steps_per_tick(pace, self.step_seconds, cfg)
+        own = self.step_seconds
+        self.per_tick = 1.0 if self.sets_pace(pace) else steps_per_tick(pace, own, cfg)
         return self.clock.inner_step(self.per_tick)
 
     def step_ended(self) -> None:
@@ -516,7 +537,7 @@ class SyncEngine:
             compute_utilization=self.compute_utilization,
             eval_loss=self.eval_loss,
             eval_step=self.eval_step,
-            step_seconds=self.step_seconds,
+            step_seconds=self.pacer.reported(),
         )
 
 
