@@ -67,7 +67,7 @@ class RoundRunner:
         now = self.clock()
         for fragment, why in self.state.due(now):
             started = self.state.open[fragment].started_at
-            job = self.state.begin_close(fragment, why)
+            job = self.state.begin_close(fragment, why, now)
             self.on_closing(fragment)  # pushes still arriving for the closed round are late now
             self.closing[fragment] = self._start(self._close(job, started))
         for fragment in self.state.fold_due():

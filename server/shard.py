@@ -21,10 +21,21 @@ norms, and both are settled when its pushes are handed to a fold: a group's when
 at the close. The master must come out of every outer step finite: a step that does not is undone (the
 round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
 
-Rounds close when every member that was present when the round started (its first whole push) has pushed,
-with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers` (or
-with every member's push, when fewer members than `min_workers` are left); or when every expected member
-has left. The caller supplies the time (`now`), so tests drive the clock.
+When rounds close (see `due`; DESIGN in docs/design.md, "Rounds that close on the run's pace"): a round
+opens when the one before it closes, and expects the members present at its first whole push that are not
+dormant. It closes
+- "all": when every expected member still here has pushed, with at least `min_workers` contributions;
+- "quorum": when its pushes carry `quorum` of the expected weight (each member counts with the share its
+  last push had, one that never pushed with the round's mean share), with at least `min_workers`, and the
+  grace has passed since: `round_grace` of a round's length at the run's pace (H x the slowest member's
+  step time), at least GRACE_MIN seconds, at most `round_timeout`;
+- "deadline": when it holds the quorum `round_timeout` after it opened, with at least `min_workers` or, when
+  fewer can push (members that never pushed cannot), all of those;
+- "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (so
+  that a member that pushes the moment a round opens never closes one that the others have not reached);
+- "empty": when every expected member has left.
+An expected member that a round closed without is dormant: no round that starts later waits for it, until a
+push of its arrives (accepted, or late). The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
@@ -51,6 +62,7 @@ from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
+from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.server.defenses import Defenses
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.roundjobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
@@ -59,6 +71,10 @@ from streamdiloco.server.shardsave import checked_fragment, checked_round, fragm
 from streamdiloco.server.staging import MAX_WEIGHT, Chunk, PushRejected, Staging
 
 __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
+
+# The least grace a round gives the rest once it holds a quorum (seconds): what a push's transfer and the
+# sites' step times may vary by even when a round's length at the pace is shorter.
+GRACE_MIN = 5.0
 
 
 class ShardState:
@@ -75,6 +91,8 @@ class ShardState:
         min_workers: int = 1,
         round_timeout: float = float("inf"),
         robust: RobustConfig | None = None,
+        quorum: float = 0.5,
+        round_grace: float = 0.5,
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
@@ -85,7 +103,14 @@ class ShardState:
         if not round_timeout > 0:
             raise ValueError(f"--round-timeout must be positive seconds, got {round_timeout}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
+        if not 0 < quorum <= 1:
+            raise ValueError(f"--quorum must be a fraction in (0, 1], got {quorum}")
+        if not 0 <= round_grace <= 100:
+            raise ValueError(
+                f"--round-grace must be 0..100 (a fraction of a round's length), got {round_grace}"
+            )
         self.min_workers, self.round_timeout = min_workers, round_timeout
+        self.quorum, self.round_grace = quorum, round_grace
         self.robust = robust if robust is not None else RobustConfig()
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
         self.outer: list[OuterOptimizer] = []
@@ -201,10 +226,18 @@ class ShardState:
 
     # --- pushes (their chunks: server/staging.py) --------------------------------------------------------
     def push(
-        self, worker: str, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None = None
+        self,
+        worker: str,
+        fragment: int,
+        round: int,
+        enc: Encoded,
+        weight: float,
+        loss: float | None = None,
+        now: float = 0.0,
+        step_seconds: float | None = None,
     ) -> None:
         """Add one worker's whole outer gradient for this shard's slice of a fragment (one chunk)."""
-        self.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, loss)
+        self.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, loss, now, step_seconds)
 
     def push_chunk(
         self,
@@ -219,24 +252,42 @@ class ShardState:
         weight: float | None = None,
         loss: float | None = None,
         now: float = 0.0,
+        step_seconds: float | None = None,
     ) -> bool | None:
-        """One chunk of a push. True: that was the last chunk and the push is now in the round's sum;
-        False: kept, waiting for more; None: silently dropped (the rest of a push already refused).
-        Raises PushRejected, without changing anything, when the chunk is bad; the push is then dropped."""
+        """One chunk of a push (`weight`, `loss`, `step_seconds`: its header, with the first chunk). True:
+        that was the last chunk and the push is now in the round's sum; False: kept, waiting for more; None:
+        silently dropped (the rest of a push already refused). Raises PushRejected, without changing
+        anything, when the chunk is bad; the push is then dropped."""
         if self.staging.swallow(worker, fragment, round, seq, last):
             return None
-        chunk = Chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
-        st = self.staging.chunk(self.open, self.defenses, chunk)
+        if step_seconds is not None and not valid_step_seconds(step_seconds):
+            step_seconds = None  # not measured (the servicer refuses one no worker can have)
+        stretch = self.defenses.stretch(self.pace(), step_seconds)
+        chunk = Chunk(
+            worker, fragment, round, seq, offset, total, part, last, weight, loss, step_seconds, stretch
+        )
+        try:
+            st = self.staging.chunk(self.open, self.defenses, chunk)
+        except PushRejected as e:
+            if e.reason == "late":
+                self.roll.heard(worker)  # it is there, keeping a pace: rounds that start from now wait for it
+            raise
         if st is None:
             return False
         rnd = self.open[fragment]
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
+            if rnd.opened_at is None:  # no `due` saw it open (the shard's first rounds; tests)
+                rnd.opened_at = now
             rnd.expected = self.roll.expected(fragment, rnd.number) | {worker}
-        rnd.add(Push(worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss), st.asm.nbytes)
+        self.roll.heard(worker, st.step_seconds)
+        push = Push(
+            worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss, step_seconds=st.step_seconds
+        )
+        rnd.add(push, st.asm.nbytes)
         if rnd.kept_bytes >= self.fold_bytes[fragment] and self.defenses.folds_early:
             # as big as an fp64 sum: settle them and fold them (memory bound)
-            self.defenses.settle(fragment, rnd, rnd.group())
+            self._settle(fragment, rnd, rnd.group())
         self.bytes_received += st.asm.nbytes
         self.pushes_accepted += 1
         return True
@@ -248,45 +299,91 @@ class ShardState:
         return self.staging.refuse(worker, fragment, round, seq, last, reason)
 
     # --- closing rounds --------------------------------------------------------------------------------
+    def pace(self) -> float:
+        """The run's pace as this shard sees it: its members' slowest reported seconds per inner step."""
+        return self.roll.pace()
+
+    def grace(self, pace: float) -> float:
+        """How long a round that holds a quorum waits for the rest: `round_grace` of a round's length at the
+        pace (H x the slowest member's step time), at least GRACE_MIN, at most --round-timeout (all of it
+        while no member has reported its step time)."""
+        if not pace:
+            return self.round_timeout
+        return min(max(self.round_grace * self.cfg.sync_every * pace, GRACE_MIN), self.round_timeout)
+
     def due(self, now: float) -> list[tuple[int, str]]:
-        """(fragment, why) of every open round that should close now."""
+        """(fragment, why) of every open round that should close now (the rule: this module's docstring)."""
         out = []
         present = self.roll.present(now)
+        pace = self.pace()
         for f, rnd in enumerate(self.open):
-            if rnd.expected is None or f in self.busy:
-                continue  # not started (nobody has pushed yet), or its fold job is out: due when it is back
-            n = len(rnd.contributors)
-            pending = (rnd.expected & present) - rnd.contributors
-            if not pending and n >= self.min_workers:
-                out.append((f, "all"))
-            elif not (rnd.expected & present) and not self.staging.arriving(f):
-                out.append((f, "empty"))  # everyone expected has left: close with what there is
-            elif (
-                n >= min(self.min_workers, len(self.roll.expected(f, rnd.number)))
-                and now >= rnd.started_at + self.round_timeout  # type: ignore[operator]
-            ):  # the quorum, or all who may still push if fewer are left than the quorum (members that
-                # joined for later rounds cannot help): nobody waits forever
-                out.append((f, "deadline"))
+            if f in self.busy:
+                continue  # its fold or close job is out: due when it is back
+            if rnd.opened_at is None and present:  # open since the shard started (or was restored): it
+                rnd.opened_at = now  # counts from when it has members
+            if rnd.expected is None:
+                continue  # not started: nobody has pushed yet
+            why = self._why_close(f, rnd, now, present, pace)
+            if why is not None:
+                out.append((f, why))
         return out
 
-    def close_round(self, fragment: int, why: str = "all") -> ClosedRound:
-        """Close the open round: average, outer step, quantized update; opens the next round.
-        Pushes still arriving for the closed round are dropped (their senders get `late`)."""
-        return self.end_close(self.begin_close(fragment, why).run())
+    def _why_close(self, f: int, rnd: OpenRound, now: float, present: set[str], pace: float) -> str | None:
+        assert rnd.expected is not None and rnd.opened_at is not None
+        n = len(rnd.contributors)
+        waited = (rnd.expected & present) - self.roll.dormant  # whom the round still counts on
+        pending = waited - rnd.contributors
+        if not pending and n >= self.min_workers:
+            return "all"
+        if not (rnd.expected & present) and not self.staging.arriving(f):
+            return "empty"  # everyone expected has left: close with what there is
+        if rnd.quorum_at is None and self._holds_quorum(f, rnd, pending, pace):
+            rnd.quorum_at = now
+        # who can still push: members that never have (one that joins and never pushes) cannot help, so
+        # --min-workers waits for them only until the deadline
+        can = n + sum(1 for m in pending if m in self.roll.weights)
+        enough = n >= min(self.min_workers, can)
+        length = self.cfg.sync_every * pace if pace else self.round_timeout  # a round's, at the pace
+        if rnd.quorum_at is not None and n >= self.min_workers and now >= rnd.quorum_at + self.grace(pace):
+            if now < rnd.opened_at + self.round_timeout:
+                return "quorum"
+        if rnd.quorum_at is not None and enough and now >= rnd.opened_at + self.round_timeout:
+            return "deadline"
+        if enough and now >= rnd.opened_at + self.round_timeout + length:
+            return "overdue"  # no quorum long after the pace says there should be: nothing waits forever
+        return None
 
-    def begin_close(self, fragment: int, why: str = "all") -> CloseJob:
-        """Close the open round and open the next one (pushes for the closed round are `late` from now on);
-        the returned job computes the update. Until `end_close` takes it back, the job owns the fragment's
-        optimizer: the fragment is busy, `master` is the one before the round."""
+    def _holds_quorum(self, f: int, rnd: OpenRound, pending: set[str], pace: float) -> bool:
+        """Whether the round's pushes carry --quorum of the expected weight: theirs (capped as the mean will
+        take them) and the pending members' (the share of each one's last push; one that never pushed
+        counts with the mean share of the pushes in hand)."""
+        pushed = rnd.settled + sum(self.defenses.shares(f, rnd, rnd.kept, pace))  # the folded are settled
+        if not pushed > 0:
+            return False
+        typical = pushed / len(rnd.contributors)
+        return pushed >= self.quorum * (pushed + sum(self.roll.weights.get(m, typical) for m in pending))
+
+    def close_round(self, fragment: int, why: str = "all", now: float | None = None) -> ClosedRound:
+        """Close the open round: average, outer step, quantized update; opens the next round (at `now`).
+        Pushes still arriving for the closed round are dropped (their senders get `late`)."""
+        return self.end_close(self.begin_close(fragment, why, now).run())
+
+    def begin_close(self, fragment: int, why: str = "all", now: float | None = None) -> CloseJob:
+        """Close the open round and open the next one (at `now`: its deadlines count from there; pushes for
+        the closed round are `late` from now on); the returned job computes the update. Until `end_close`
+        takes it back, the job owns the fragment's optimizer: the fragment is busy, `master` is the one
+        before the round. Expected members that did not push are dormant from now on."""
         self._take_out(fragment)
         rnd = self.open[fragment]
         lo, hi = self.ranges[fragment]
         self.staging.forget_fragment(fragment)
         kept = ordered(rnd.kept)
-        self.defenses.settle(fragment, rnd, kept)
+        self._settle(fragment, rnd, kept)
         history = self.defenses.closing(rnd)
         self.defenses.remember(fragment, history)
-        self.open[fragment] = OpenRound(rnd.number + 1)
+        if rnd.expected is not None:  # who it waited for and closed without (none with "all" or "empty")
+            self.roll.missed(set(rnd.expected) - rnd.contributors - self.roll.returning)
+        self.open[fragment] = OpenRound(rnd.number + 1, opened_at=now)
         pushes = [p for g in rnd.groups for p in g] + kept
         mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
         saved, rob = self._saved(fragment, rnd.number + 1), self.defenses.aggregator
@@ -319,8 +416,14 @@ class ShardState:
         job = CloseJob(fragment, rnd.number, log.why, hi - lo, log.pushes, log.partial, log.weight,
                        log.contributors, log.mean_loss, self.outer[fragment], self.downlink, saved,
                        log.aggregator, history=log.history)  # fmt: skip
-        self.open[fragment] = OpenRound(rnd.number + 1)
+        self.open[fragment] = OpenRound(rnd.number + 1)  # opened_at: when `due` first sees it with members
         return self.end_close(job.run())
+
+    def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
+        """Settle pushes about to be folded (server/defenses.py); their shares are what later rounds count
+        on from their workers."""
+        self.defenses.settle(fragment, rnd, pushes, self.pace())
+        self.roll.pushed({p.worker: p.share for p in pushes})
 
     def _take_out(self, fragment: int) -> None:
         """A job (or a reader) takes the fragment: busy until it is back."""
