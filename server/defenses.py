@@ -65,15 +65,18 @@ class Defenses:
             return cap
         return weight
 
-    def shares(self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float) -> list[float]:
-        """The weights these pushes of the round count with in the mean: each cut to --weight-cap times its
-        stretch times the median of the round's weights (and the recent rounds', with fewer than 3)."""
+    def shares(
+        self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float, mean: bool = True
+    ) -> list[float]:
+        """The weights these pushes of the round count with in the mean (`mean`; else against the members'
+        that have not pushed, for a quorum): each cut to --weight-cap times its stretch times the median of
+        the round's weights (and the recent rounds', with fewer than 3)."""
         weights = list(rnd.weights)
         if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
             weights += [w for ws in self.weight_history[fragment] for w in ws]
-        if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
-            return [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
-        # change no push's share of the mean
+        if mean and len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are,
+            # also when they have more tokens than the last round's): a cut would change no push's share
+            return [p.weight for p in pushes]
         stretch = [self.stretch(pace, p.step_seconds) for p in pushes]
         return cap_weights([p.weight for p in pushes], weights, self.robust.weight_cap, stretch)
 

@@ -357,7 +357,8 @@ class ShardState:
         """Whether the round's pushes carry --quorum of the expected weight: theirs (capped as the mean will
         take them) and the pending members' (the share of each one's last push; one that never pushed
         counts with the mean share of the pushes in hand)."""
-        pushed = rnd.settled + sum(self.defenses.shares(f, rnd, rnd.kept, pace))  # the folded are settled
+        kept = self.defenses.shares(f, rnd, rnd.kept, pace, mean=False)
+        pushed = rnd.settled + sum(kept)  # the folded pushes are settled
         if not pushed > 0:
             return False
         typical = pushed / len(rnd.contributors)
