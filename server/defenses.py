@@ -8,7 +8,8 @@ on bit for bit; a round leaves them only the lower half of its weights and norms
 Under the adaptive schedule a worker k times faster than the run's pace trains k inner steps per schedule
 step (common/pace.py), and its push carries k times the tokens and a larger update: each push's caps and
 clip stretch by its own k, from the step time it reported and the pace when it is settled, so a worker that
-reports the pace's speed (or none) is held to the unstretched bounds.
+reports the pace's speed (or none) is held to the unstretched bounds (the clip stretches by k^2, at most
+max_steps_per_tick: a faster site's update grows faster than its tokens).
 
 Split from server/shard.py (ShardState, which owns the rounds and asks this class) by job. Pure: numbers in,
 decisions out; what it must not do: refuse a push (the header checks are server/staging.py's), fold or step.
@@ -88,7 +89,11 @@ class Defenses:
             return
         shares = self.shares(fragment, rnd, pushes, pace)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
-        stretch = [self.stretch(pace, p.step_seconds) for p in pushes]
+        # a site k times as fast pushes k times the tokens, but its update's norm grows faster than k (5x at
+        # k = 2 on the simulator's embeddings): the clip stretches by k^2, at most max_steps_per_tick (what
+        # the rule before this one gave every push)
+        top = self.cfg.max_steps_per_tick
+        stretch = [min(self.stretch(pace, p.step_seconds) ** 2, top) for p in pushes]
         scales, bound = clip_scales([p.norm for p in pushes], norms, self.robust.clip_norm, stretch)
         for p, share, scale, k in zip(pushes, shares, scales, stretch, strict=True):
             p.share, p.scale, p.mult = share, scale, share * scale

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from streamdiloco.common.pace import pace_seconds
 from streamdiloco.server.auth import Auth, Identity
 from streamdiloco.server.dashboard import Report
 from streamdiloco.server.ledger import Ledger
@@ -140,7 +141,7 @@ class Roster:
     def pace(self) -> float:
         """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what
         a worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
-        return self.state.pace()  # its rounds' pace: the same members' reports (ShardState.pace)
+        return pace_seconds(m.report.step_seconds for m in self.members() if m.report is not None)
 
     def reading(self) -> list[Member]:
         """The sessions that still read their messages (not overflowed): who may be dropped next when the

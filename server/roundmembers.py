@@ -72,7 +72,7 @@ class RoundMembers:
         """A push of the worker's arrived (accepted, with the step time it reported, or late): it is not
         dormant from now on."""
         self.dormant.discard(worker)
-        if step_seconds is not None and worker in self.members:
+        if step_seconds is not None:
             self.step_seconds[worker] = step_seconds
 
     def missed(self, workers: set[str]) -> None:
@@ -81,7 +81,7 @@ class RoundMembers:
 
     def pushed(self, shares: dict[str, float]) -> None:
         """These members' pushes were settled at these shares: what later rounds count on from them."""
-        self.weights.update((w, s) for w, s in shares.items() if w in self.members)
+        self.weights.update(shares)
 
     def pace(self) -> float:
         """The run's pace: the slowest member's reported seconds per inner step (0.0: none reported)."""
