@@ -15,8 +15,8 @@ or pushing 1e30 (either alone took the model). So, per fragment slice and round:
   schedule step of a worker of its reported speed (server/defenses.py);
 - each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm`
   times the median of the norms of this round's pushes and of the `history_rounds` rounds before (times
-  its own k squared, at most max_steps_per_tick). Clipping scales the push down, direction kept: the worker stays a contributor
-  and nothing is refused. A round with no history leans on its own median, which holds while honest pushes
+  its own k squared, at most max_steps_per_tick). Clipping scales the push down, direction kept: the worker
+  stays a contributor and nothing is refused. A round with no history leans on its own median, which holds while honest pushes
   are the majority; the history covers rounds with one or two pushes. The history keeps of each round only
   the lower half of its weights and norms (as used: clipped ones at their bound), so a liar cannot feed it:
   with two pushes a round, a norm kept at each round's bound would otherwise raise the next round's bound
