@@ -353,7 +353,7 @@ class ShardState:
             return "overdue"  # no quorum long after the pace says there should be: nothing waits forever
         return None
 
-    def _holds_quorum(self, f: int, rnd: OpenRound, pending: set[str], pace: float) -> bool:
+    def _holds_quorum(self, f: int, rnd: OpenRound, pending: frozenset[str], pace: float) -> bool:
         """Whether the round's pushes carry --quorum of the expected weight: theirs (capped as the mean will
         take them) and the pending members' (the share of each one's last push; one that never pushed
         counts with the mean share of the pushes in hand)."""
