@@ -21,21 +21,10 @@ norms, and both are settled when its pushes are handed to a fold: a group's when
 at the close. The master must come out of every outer step finite: a step that does not is undone (the
 round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
 
-When rounds close (see `due`; DESIGN in docs/design.md, "Rounds that close on the run's pace"): a round
-opens when the one before it closes, and expects the members present at its first whole push that are not
-dormant. It closes
-- "all": when every expected member still here has pushed, with at least `min_workers` contributions;
-- "quorum": when its pushes carry `quorum` of the expected weight (each member counts with the share its
-  last push had, one that never pushed with the round's mean share), with at least `min_workers`, and the
-  grace has passed since: `round_grace` of a round's length at the run's pace (H x the slowest member's
-  step time), at least GRACE_MIN seconds, at most `round_timeout`;
-- "deadline": when it holds the quorum `round_timeout` after it opened, with at least `min_workers` or, when
-  fewer can push (members that never pushed cannot), all of those;
-- "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (so
-  that a member that pushes the moment a round opens never closes one that the others have not reached);
-- "empty": when every expected member has left.
-An expected member that a round closed without is dormant: no round that starts later waits for it, until a
-push of its arrives (accepted, or late). The caller supplies the time (`now`), so tests drive the clock.
+Rounds close by server/roundrule.py's rule (every expected member pushed; or a quorum of the expected
+weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
+an expected member that a round closed without is dormant (server/roundmembers.py) until a push of its
+arrives. The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
@@ -67,14 +56,11 @@ from streamdiloco.server.defenses import Defenses
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.roundjobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
 from streamdiloco.server.roundmembers import RoundMembers
+from streamdiloco.server.roundrule import RoundRule
 from streamdiloco.server.shardsave import checked_fragment, checked_round, fragment_record
 from streamdiloco.server.staging import MAX_WEIGHT, Chunk, PushRejected, Staging
 
 __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
-
-# The least grace a round gives the rest once it holds a quorum (seconds): what a push's transfer and the
-# sites' step times may vary by even when a round's length at the pace is shorter.
-GRACE_MIN = 5.0
 
 
 class ShardState:
@@ -98,19 +84,9 @@ class ShardState:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
         if len(initial) != layout.num_fragments:
             raise ValueError(f"need {layout.num_fragments} initial fragment vectors, got {len(initial)}")
-        if min_workers < 1:
-            raise ValueError(f"--min-workers must be at least 1, got {min_workers}")
-        if not round_timeout > 0:
-            raise ValueError(f"--round-timeout must be positive seconds, got {round_timeout}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
-        if not 0 < quorum <= 1:
-            raise ValueError(f"--quorum must be a fraction in (0, 1], got {quorum}")
-        if not 0 <= round_grace <= 100:
-            raise ValueError(
-                f"--round-grace must be 0..100 (a fraction of a round's length), got {round_grace}"
-            )
+        self.rule = RoundRule(min_workers, round_timeout, quorum, round_grace, cfg.sync_every)  # checks them
         self.min_workers, self.round_timeout = min_workers, round_timeout
-        self.quorum, self.round_grace = quorum, round_grace
         self.robust = robust if robust is not None else RobustConfig()
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
         self.outer: list[OuterOptimizer] = []
@@ -304,12 +280,8 @@ class ShardState:
         return self.roll.pace()
 
     def grace(self, pace: float) -> float:
-        """How long a round that holds a quorum waits for the rest: `round_grace` of a round's length at the
-        pace (H x the slowest member's step time), at least GRACE_MIN, at most --round-timeout (all of it
-        while no member has reported its step time)."""
-        if not pace:
-            return self.round_timeout
-        return min(max(self.round_grace * self.cfg.sync_every * pace, GRACE_MIN), self.round_timeout)
+        """How long a round that holds a quorum waits for the rest (server/roundrule.py)."""
+        return self.rule.grace(pace)
 
     def due(self, now: float) -> list[tuple[int, str]]:
         """(fragment, why) of every open round that should close now (the rule: this module's docstring)."""
@@ -330,39 +302,24 @@ class ShardState:
 
     def _why_close(self, f: int, rnd: OpenRound, now: float, present: set[str], pace: float) -> str | None:
         assert rnd.expected is not None and rnd.opened_at is not None
-        n = len(rnd.contributors)
         waited = (rnd.expected & present) - self.roll.dormant  # whom the round still counts on
         pending = waited - rnd.contributors
-        if not pending and n >= self.min_workers:
-            return "all"
-        if not (rnd.expected & present) and not self.staging.arriving(f):
+        n = len(rnd.contributors)
+        if (
+            (pending or n < self.min_workers)
+            and not (rnd.expected & present)
+            and not self.staging.arriving(f)
+        ):
             return "empty"  # everyone expected has left: close with what there is
-        if rnd.quorum_at is None and self._holds_quorum(f, rnd, pending, pace):
-            rnd.quorum_at = now
-        # who can still push: members that never have (one that joins and never pushes) cannot help, so
-        # --min-workers waits for them only until the deadline
-        can = n + sum(1 for m in pending if m in self.roll.weights)
-        enough = n >= min(self.min_workers, can)
-        length = self.cfg.sync_every * pace if pace else self.round_timeout  # a round's, at the pace
-        if rnd.quorum_at is not None and n >= self.min_workers and now >= rnd.quorum_at + self.grace(pace):
-            if now < rnd.opened_at + self.round_timeout:
-                return "quorum"
-        if rnd.quorum_at is not None and enough and now >= rnd.opened_at + self.round_timeout:
-            return "deadline"
-        if enough and now >= rnd.opened_at + self.round_timeout + length:
-            return "overdue"  # no quorum long after the pace says there should be: nothing waits forever
-        return None
-
-    def _holds_quorum(self, f: int, rnd: OpenRound, pending: frozenset[str], pace: float) -> bool:
-        """Whether the round's pushes carry --quorum of the expected weight: theirs (capped as the mean will
-        take them) and the pending members' (the share of each one's last push; one that never pushed
-        counts with the mean share of the pushes in hand)."""
-        kept = self.defenses.shares(f, rnd, rnd.kept, pace, mean=False)
-        pushed = rnd.settled + sum(kept)  # the folded pushes are settled
-        if not pushed > 0:
-            return False
-        typical = pushed / len(rnd.contributors)
-        return pushed >= self.quorum * (pushed + sum(self.roll.weights.get(m, typical) for m in pending))
+        weights = self.roll.weights
+        if rnd.quorum_at is None:
+            pushed = rnd.settled + sum(
+                self.defenses.shares(f, rnd, rnd.kept, pace, mean=False)
+            )  # folded: settled
+            if self.rule.holds_quorum(pushed, n, [weights.get(m) for m in pending]):
+                rnd.quorum_at = now
+        can = n + sum(1 for m in pending if m in weights)  # members that never pushed cannot
+        return self.rule.why(n, len(pending), can, rnd.opened_at, rnd.quorum_at, now, pace)
 
     def close_round(self, fragment: int, why: str = "all", now: float | None = None) -> ClosedRound:
         """Close the open round: average, outer step, quantized update; opens the next round (at `now`).

@@ -12,7 +12,8 @@ from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.shard import GRACE_MIN, PushRejected, ShardState
+from streamdiloco.server.roundrule import GRACE_MIN
+from streamdiloco.server.shard import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)
