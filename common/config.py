@@ -156,7 +156,9 @@ class ShardSettings:
         },
     )
     # a quorum of the expected weight, then a grace from the run's pace: a member that is slow or stuck
-    # (alive, so liveness keeps it) holds a round no longer than the grace (server/shard.py)
+    # (alive, so liveness keeps it) holds a round no longer than the grace (server/roundrule.py); a grace of
+    # one round's length costs nobody a wait (a worker needs a round's update only at its next send of the
+    # fragment) and lost the fewest pushes in the measurements (docs/design.md)
     quorum: float = field(
         default=0.5,
         metadata={
@@ -165,7 +167,7 @@ class ShardSettings:
         },
     )
     round_grace: float = field(
-        default=0.5,
+        default=1.0,
         metadata={
             "help": "how long a round that holds the --quorum waits for the rest, as a fraction of a round's "
             "length at the run's pace (H x the slowest member's step time); at least 5 s, at most "

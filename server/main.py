@@ -89,7 +89,7 @@ def build_service(
     init_expect: str | None = None,
     init_timeout: float = INIT_TIMEOUT,
     quorum: float = 0.5,
-    round_grace: float = 0.5,
+    round_grace: float = 1.0,
 ) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,

@@ -78,7 +78,7 @@ class ShardState:
         round_timeout: float = float("inf"),
         robust: RobustConfig | None = None,
         quorum: float = 0.5,
-        round_grace: float = 0.5,
+        round_grace: float = 1.0,
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")

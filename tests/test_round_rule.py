@@ -138,9 +138,9 @@ def test_the_norm_clip_does_not_ratchet_with_two_pushes_a_round():
 # --- the rule's own cases ---------------------------------------------------------------------------------
 def test_a_quorum_closes_a_round_once_the_grace_from_the_pace_has_passed():
     st = make_state(("a", "b", "c"), timeout=120.0)
-    step = 2.0  # the slowest member's step time: a round lasts H x 2 = 12 s, its grace half that
+    step = 2.0  # the slowest member's step time: a round lasts H x 2 = 12 s, and so does its grace
     a_round_everyone_pushed(st, ("a", "b", "c"), 0, now=0.0, step=step)
-    grace = max(0.5 * H * step, GRACE_MIN)
+    grace = max(H * step, GRACE_MIN)
     assert st.grace(st.pace()) == grace
     push(st, "a", 1, now=1.0, step=step)
     assert st.due(1.0) == []  # a third of the weight: no quorum
@@ -154,7 +154,7 @@ def test_the_grace_grows_with_the_pace_and_stops_at_the_timeout():
     st = make_state(("a",), timeout=120.0)
     assert st.grace(0.0) == 120.0  # no step time reported yet: wait as long as the timeout allows
     assert st.grace(0.1) == GRACE_MIN
-    assert st.grace(10.0) == 0.5 * H * 10.0
+    assert st.grace(10.0) == H * 10.0  # --round-grace 1: a round's length at the pace
     assert st.grace(100.0) == 120.0
 
 
