@@ -164,7 +164,7 @@ def test_a_member_that_missed_a_round_is_not_waited_for_until_it_pushes_again():
     push(st, "a", 1, now=1.0)
     push(st, "b", 1, now=1.0)
     st.due(1.0)
-    assert st.due(1.0 + GRACE_MIN) == [(0, "quorum")]
+    assert st.due(1.0 + st.grace(st.pace())) == [(0, "quorum")]
     st.close_round(0, "quorum")
     st.due(7.0)
     assert st.roll.dormant == {"c"}
