@@ -8,9 +8,9 @@ in docs/design.md ("Rounds that close on the run's pace"); in short, a round clo
   time), at least GRACE_MIN seconds, at most `round_timeout`;
 - "deadline": when it holds the quorum `round_timeout` after it opened (the previous round closed), with at
   least `min_workers` or, when fewer can push (members that never pushed cannot), all of those;
-- "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline, so
-  that nothing waits forever, while a member that pushes the moment a round opens never closes one that
-  the others have not reached;
+- "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (and
+  at least --round-timeout after its first push), so that nothing waits forever, while a member that pushes
+  the moment a round opens never closes one that the others have not reached;
 - "empty": when every expected member has left.
 
 Split from server/shard.py (ShardState, which gathers the round's numbers and keeps `quorum_at`) by job.
@@ -71,13 +71,14 @@ class RoundRule:
         pending: int,
         can: int,
         opened_at: float,
+        started_at: float,
         quorum_at: float | None,
         now: float,
         pace: float,
     ) -> str | None:
         """Why the round closes now (None: it does not), "empty" aside: `n` contributions, `pending` expected
-        members that have not pushed, `can`: how many of both ever pushed, the quorum held since
-        `quorum_at`."""
+        members that have not pushed, `can`: how many of both ever pushed, the round open since `opened_at`,
+        its first push at `started_at`, the quorum held since `quorum_at`."""
         if not pending and n >= self.min_workers:
             return "all"
         # --min-workers waits for members that never pushed only until the deadline
@@ -88,6 +89,7 @@ class RoundRule:
             return "quorum"
         if quorum_at is not None and enough and now >= deadline:
             return "deadline"
-        if enough and now >= deadline + length:
+        # (and not sooner than --round-timeout after its first push: the pace is unknown at a run's start)
+        if enough and now >= max(deadline + length, started_at + self.round_timeout):
             return "overdue"  # no quorum long after the pace says there should be: nothing waits forever
         return None

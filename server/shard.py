@@ -253,8 +253,8 @@ class ShardState:
         rnd = self.open[fragment]
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
-            if rnd.opened_at is None:  # no `due` saw it open (the shard's first rounds; tests)
-                rnd.opened_at = now
+            if rnd.opened_at is None:  # open since the shard started (or was restored): its members may
+                rnd.opened_at = now  # need H steps to their first push, so it counts from that push
             rnd.expected = self.roll.expected(fragment, rnd.number) | {worker}
         self.roll.heard(worker, st.step_seconds)
         push = Push(
@@ -291,8 +291,6 @@ class ShardState:
         for f, rnd in enumerate(self.open):
             if f in self.busy:
                 continue  # its fold or close job is out: due when it is back
-            if rnd.opened_at is None and present:  # open since the shard started (or was restored): it
-                rnd.opened_at = now  # counts from when it has members
             if rnd.expected is None:
                 continue  # not started: nobody has pushed yet
             why = self._why_close(f, rnd, now, present, pace)
@@ -301,7 +299,7 @@ class ShardState:
         return out
 
     def _why_close(self, f: int, rnd: OpenRound, now: float, present: set[str], pace: float) -> str | None:
-        assert rnd.expected is not None and rnd.opened_at is not None
+        assert rnd.expected is not None and rnd.opened_at is not None and rnd.started_at is not None
         waited = (rnd.expected & present) - self.roll.dormant  # whom the round still counts on
         pending = waited - rnd.contributors
         n = len(rnd.contributors)
@@ -319,7 +317,7 @@ class ShardState:
             if self.rule.holds_quorum(pushed, n, [weights.get(m) for m in pending]):
                 rnd.quorum_at = now
         can = n + sum(1 for m in pending if m in weights)  # members that never pushed cannot
-        return self.rule.why(n, len(pending), can, rnd.opened_at, rnd.quorum_at, now, pace)
+        return self.rule.why(n, len(pending), can, rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
 
     def close_round(self, fragment: int, why: str = "all", now: float | None = None) -> ClosedRound:
         """Close the open round: average, outer step, quantized update; opens the next round (at `now`).
@@ -374,7 +372,7 @@ class ShardState:
         job = CloseJob(fragment, rnd.number, log.why, hi - lo, log.pushes, log.partial, log.weight,
                        log.contributors, log.mean_loss, self.outer[fragment], self.downlink, saved,
                        log.aggregator, history=log.history)  # fmt: skip
-        self.open[fragment] = OpenRound(rnd.number + 1)  # opened_at: when `due` first sees it with members
+        self.open[fragment] = OpenRound(rnd.number + 1)  # opened_at: its first push (a restart's rounds)
         return self.end_close(job.run())
 
     def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:

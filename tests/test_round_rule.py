@@ -51,8 +51,7 @@ def a_round_everyone_pushed(st: ShardState, members, round: int, now: float, ste
     for m in members:
         push(st, m, round, now, step=step)
     assert st.due(now) == [(0, "all")]
-    st.close_round(0, "all")
-    st.due(now)  # the round runner's next look: the new round is open from here
+    st.close_round(0, "all", now=now)  # the next round is open from here
 
 
 # --- the four points of the review ------------------------------------------------------------------------
@@ -92,14 +91,12 @@ def test_nothing_waits_forever_when_the_majority_is_alive_but_stuck():
 
 def test_min_workers_with_a_member_that_joins_and_never_pushes_does_not_halt_the_run():
     st = make_state(("a", "b"), min_workers=2, timeout=10.0)
-    st.due(0.0)  # round 0 opens with its members
-    for r in range(3):
+    for r in range(3):  # round 0 opens with its first push (the shard's first rounds), the others at a close
         t = 10.0 * r
-        push(st, "a", r, now=t + 1.0)
+        push(st, "a", r, now=t + (r > 0))
         assert st.due(t + 9.99) == []  # --min-workers 2: the round waits for a second push ...
         assert st.due(t + 10.0) == [(0, "deadline")]  # ... until its deadline: b never pushed, so it cannot
-        assert st.close_round(0, "deadline").contributors == ("a",)
-        st.due(t + 10.0)
+        assert st.close_round(0, "deadline", now=t + 10.0).contributors == ("a",)
     assert st.round_of(0) == 3
 
 
@@ -165,8 +162,7 @@ def test_a_member_that_missed_a_round_is_not_waited_for_until_it_pushes_again():
     push(st, "b", 1, now=1.0)
     st.due(1.0)
     assert st.due(1.0 + st.grace(st.pace())) == [(0, "quorum")]
-    st.close_round(0, "quorum")
-    st.due(7.0)
+    st.close_round(0, "quorum", now=7.0)
     assert st.roll.dormant == {"c"}
     # dormant: the next round closes as soon as a and b are in
     push(st, "a", 2, now=8.0)
@@ -176,8 +172,7 @@ def test_a_member_that_missed_a_round_is_not_waited_for_until_it_pushes_again():
     with pytest.raises(PushRejected, match="the round is closed"):
         push(st, "c", 1, now=9.0)
     assert st.roll.dormant == set()
-    st.close_round(0, "all")
-    st.due(9.0)
+    st.close_round(0, "all", now=9.0)
     push(st, "a", 3, now=10.0)
     push(st, "b", 3, now=10.0)
     assert st.due(10.0) == []  # c is waited for (its grace) again
@@ -190,8 +185,7 @@ def test_a_dormant_member_that_contributes_to_an_open_round_is_expected_again():
     a_round_everyone_pushed(st, ("a", "b"), 0, now=0.0)
     push(st, "a", 1, now=1.0)
     assert st.due(10.0) == [(0, "deadline")]
-    st.close_round(0, "deadline")
-    st.due(10.0)
+    st.close_round(0, "deadline", now=10.0)
     assert st.roll.dormant == {"b"}
     push(st, "a", 2, now=11.0)
     push(st, "b", 2, now=12.0)  # not expected, but welcome: and from now on expected again
