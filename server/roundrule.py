@@ -37,16 +37,16 @@ class RoundRule:
     sync_every: int
 
     def __post_init__(self) -> None:
-        if self.min_workers < 1:
-            raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
-        if not self.round_timeout > 0:
-            raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
-        if not 0 < self.quorum <= 1:
-            raise ValueError(f"--quorum must be a fraction in (0, 1], got {self.quorum}")
-        if not 0 <= self.round_grace <= 100:
-            raise ValueError(
-                f"--round-grace must be 0..100 (a fraction of a round's length), got {self.round_grace}"
-            )
+        checks = (
+            ("min_workers", self.min_workers >= 1, "at least 1"),
+            ("round_timeout", self.round_timeout > 0, "positive seconds"),
+            ("quorum", 0 < self.quorum <= 1, "a fraction in (0, 1]"),
+            ("round_grace", 0 <= self.round_grace <= 100, "0..100 (a fraction of a round's length)"),
+        )
+        for name, ok, want in checks:
+            if not ok:  # the flags' own words (ShardSettings checks them where they are flags)
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be {want}, got {getattr(self, name)}")
 
     def grace(self, pace: float) -> float:
         """How long a round that holds a quorum waits for the rest: `round_grace` of a round's length at the
