@@ -471,6 +471,8 @@ def _cmd_server(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             min_workers=args.min_workers,
             round_timeout=args.round_timeout,
+            quorum=args.quorum,
+            round_grace=args.round_grace,
             token=args.token,
             chunk_bytes=args.chunk_bytes,
             init=args.init,

@@ -151,8 +151,27 @@ class ShardSettings:
     round_timeout: float = field(
         default=120.0,
         metadata={
-            "help": "seconds after a round's first push after which it closes with those present (sized "
-            "for WAN stragglers)"
+            "help": "seconds after a round opens (the one before it closed) after which it closes with the "
+            "--quorum in hand: the outer bound of its grace (sized for WAN stragglers)"
+        },
+    )
+    # a quorum of the expected weight, then a grace from the run's pace: a member that is slow or stuck
+    # (alive, so liveness keeps it) holds a round no longer than the grace (server/roundrule.py); a grace of
+    # one round's length costs nobody a wait (a worker needs a round's update only at its next send of the
+    # fragment) and lost the fewest pushes in the measurements (docs/design.md)
+    quorum: float = field(
+        default=0.5,
+        metadata={
+            "help": "fraction of the expected members' weight (tokens) whose pushes let a round close "
+            "before every member has pushed: after the --round-grace, or at the --round-timeout"
+        },
+    )
+    round_grace: float = field(
+        default=1.0,
+        metadata={
+            "help": "how long a round that holds the --quorum waits for the rest, as a fraction of a round's "
+            "length at the run's pace (H x the slowest member's step time); at least 5 s, at most "
+            "--round-timeout"
         },
     )
     chunk_bytes: int = field(default=1 << 20, metadata={"help": "payload bytes per chunk (default 1 MiB)"})
@@ -162,6 +181,12 @@ class ShardSettings:
             raise ValueError(f"--round-timeout must be a finite number of seconds, got {self.round_timeout}")
         if not self.round_timeout > 0:
             raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
+        if not 0 < self.quorum <= 1:
+            raise ValueError(f"--quorum must be a fraction in (0, 1], got {self.quorum}")
+        if not 0 <= self.round_grace <= 100:
+            raise ValueError(
+                f"--round-grace must be 0..100 (a fraction of a round's length), got {self.round_grace}"
+            )
         if not 0 < self.chunk_bytes <= 16 << 20:
             raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {self.chunk_bytes}")
 

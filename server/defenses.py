@@ -2,7 +2,14 @@
 when a push is handed to a fold, its share (capped weight) and clipping scale settled against the medians
 of the round's and the recent rounds' weights and norms (server/robust.py's rules). The recent rounds are
 this module's one truth: checkpointed with the fragment and logged with each round, so that a restart goes
-on bit for bit.
+on bit for bit; a round leaves them only the lower half of its weights and norms (server/robust.py's
+`lower_half`), which a liar can only tighten.
+
+Under the adaptive schedule a worker k times faster than the run's pace trains k inner steps per schedule
+step (common/pace.py), and its push carries k times the tokens and a larger update: each push's caps and
+clip stretch by its own k, from the step time it reported and the pace when it is settled, so a worker that
+reports the pace's speed (or none) is held to the unstretched bounds (the clip stretches by k^2, at most
+max_steps_per_tick: a faster site's update grows faster than its tokens).
 
 Split from server/shard.py (ShardState, which owns the rounds and asks this class) by job. Pure: numbers in,
 decisions out; what it must not do: refuse a push (the header checks are server/staging.py's), fold or step.
@@ -13,7 +20,8 @@ from __future__ import annotations
 from collections import deque
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.robust import RobustConfig, cap_weights, clip_scales
+from streamdiloco.common.pace import steps_per_tick
+from streamdiloco.server.robust import RobustConfig, cap_weights, clip_scales, lower_half
 from streamdiloco.server.roundjobs import OpenRound, Push
 
 
@@ -21,11 +29,7 @@ class Defenses:
     """Weight caps and norm clips of one shard's pushes, with the recent rounds they are relative to."""
 
     def __init__(self, robust: RobustConfig, cfg: SyncConfig, num_fragments: int):
-        self.robust = robust
-        # how far honest workers' weights may differ: with sync_schedule "adaptive" a faster worker trains
-        # up to max_steps_per_tick inner steps per schedule step (common/pace.py), and its push carries those
-        # tokens (a k-times larger update), so the weight caps and the clip bound stretch that far
-        self.spread = cfg.max_steps_per_tick if cfg.sync_schedule == "adaptive" else 1.0
+        self.robust, self.cfg = robust, cfg
         keep = robust.history_rounds
         self.weight_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
         self.norm_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
@@ -48,37 +52,56 @@ class Defenses:
         rob = self.robust
         return (rob.aggregator, rob.trim, rob.center_iters)
 
-    def reported(self, weight: float) -> float:
+    def stretch(self, pace: float, step_seconds: float | None) -> float:
+        """How far a push's bounds stretch: the inner steps per schedule step of a worker that reported
+        `step_seconds` in a run at `pace` (1 with the fixed schedule, or while either is unknown)."""
+        return steps_per_tick(pace, step_seconds, self.cfg)
+
+    def reported(self, weight: float, stretch: float = 1.0) -> float:
         """A push's weight as the round takes it: cut to --max-weight (more tokens than one worker can train
-        on between two syncs)."""
-        cap = self.robust.max_weight * self.spread
+        on between two syncs) times its `stretch`."""
+        cap = self.robust.max_weight * stretch
         if cap and weight > cap:
             self.weights_capped += 1
             return cap
         return weight
 
-    def settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
-        """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
-        medians of the round's pushes so far and the recent rounds' (scalars: microseconds)."""
-        if not pushes:
-            return
-        rob = self.robust
+    def shares(
+        self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float, mean: bool = True
+    ) -> list[float]:
+        """The weights these pushes of the round count with in the mean (`mean`; else against the members'
+        that have not pushed, for a quorum): each cut to --weight-cap times its stretch times the median of
+        the round's weights (and the recent rounds', with fewer than 3)."""
         weights = list(rnd.weights)
         if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
             weights += [w for ws in self.weight_history[fragment] for w in ws]
-        if len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are, also when
-            shares = [p.weight for p in pushes]  # they have more tokens than the last round's): a cut would
-        else:  # change no push's share of the mean
-            shares = cap_weights([p.weight for p in pushes], weights, rob.weight_cap * self.spread)
+        if mean and len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are,
+            # also when they have more tokens than the last round's): a cut would change no push's share
+            return [p.weight for p in pushes]
+        stretch = [self.stretch(pace, p.step_seconds) for p in pushes]
+        return cap_weights([p.weight for p in pushes], weights, self.robust.weight_cap, stretch)
+
+    def settle(self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float = 0.0) -> None:
+        """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
+        medians of the round's pushes so far and the recent rounds' (scalars: microseconds), each stretched
+        by its own k at the run's `pace`."""
+        if not pushes:
+            return
+        shares = self.shares(fragment, rnd, pushes, pace)
         norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
-        scales, bound = clip_scales([p.norm for p in pushes], norms, rob.clip_norm * self.spread)
-        for p, share, scale in zip(pushes, shares, scales, strict=True):
+        # a site k times as fast pushes k times the tokens, but its update's norm grows faster than k (5x at
+        # k = 2 on the simulator's embeddings): the clip stretches by k^2, at most max_steps_per_tick (what
+        # the rule before this one gave every push)
+        top = self.cfg.max_steps_per_tick
+        stretch = [min(self.stretch(pace, p.step_seconds) ** 2, top) for p in pushes]
+        scales, bound = clip_scales([p.norm for p in pushes], norms, self.robust.clip_norm, stretch)
+        for p, share, scale, k in zip(pushes, shares, scales, stretch, strict=True):
             p.share, p.scale, p.mult = share, scale, share * scale
             rnd.settled += share
             if p.loss is not None:
                 rnd.loss_sum += p.loss * share
                 rnd.loss_weight += share
-            rnd.used_norms.append(min(p.norm, bound))
+            rnd.used_norms.append(min(p.norm, bound * k))
             if share < p.weight:
                 rnd.capped.append(p.worker)
                 self.weights_capped += 1
@@ -88,7 +111,8 @@ class Defenses:
 
     def closing(self, rnd: OpenRound) -> dict:
         """What a closing round leaves to later rounds' caps and clips (its log's "history")."""
-        return {"weights": rnd.weights, "norms": rnd.used_norms if self.robust.clip_norm else []}
+        norms = rnd.used_norms if self.robust.clip_norm else []
+        return {"weights": lower_half(rnd.weights), "norms": lower_half(norms)}
 
     def remember(self, fragment: int, history: dict) -> None:
         """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""

@@ -188,6 +188,7 @@ class Intake:
                 weight=h.weight if c.seq == 0 else None,
                 loss=h.loss if c.seq == 0 and h.has_loss else None,
                 now=self.clock(),
+                step_seconds=h.step_seconds or None if c.seq == 0 else None,
             )
         except PushRejected as e:
             self._refuse(member, c.fragment, c.round, e.reason, str(e))

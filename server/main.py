@@ -89,6 +89,8 @@ def build_service(
     piece_tokens: int = 1 << 20,
     init_expect: str | None = None,
     init_timeout: float = INIT_TIMEOUT,
+    quorum: float = 0.5,
+    round_grace: float = 1.0,
 ) -> ShardService | PendingShard:
     """The shard's state, from the same model factory as the workers (same seed, same initial values),
     with its parameters then taken from `init` (a saved state_dict) if given; or, with no `model_spec`,
@@ -117,7 +119,8 @@ def build_service(
         """The service from a layout and its starting values; `first`: the first worker's upload (whose init
         hash is `init_hash`), written to the checkpoint at once (a restart then needs the uploader no
         more)."""
-        state = ShardState(shard, num_shards, layout, cfg, initial, seed, min_workers, round_timeout, robust)
+        rounds = (min_workers, round_timeout, robust, quorum, round_grace)
+        state = ShardState(shard, num_shards, layout, cfg, initial, seed, *rounds)
         checkpoint = ShardCheckpoint(checkpoint_dir, fingerprint) if checkpoint_dir else None
         if checkpoint is not None and first:
             checkpoint.init_hash = init_hash

@@ -27,7 +27,14 @@ P = f"{PREFIX}_shard"
 CREDIT_LABELS = 10
 
 # How a round closed (ShardState.due's reasons, named for a dashboard's legend)
-ROUND_OUTCOMES = {"all": "complete", "deadline": "deadline", "empty": "empty", "nonfinite": "nonfinite"}
+ROUND_OUTCOMES = {
+    "all": "complete",
+    "quorum": "quorum",
+    "deadline": "deadline",
+    "overdue": "overdue",
+    "empty": "empty",
+    "nonfinite": "nonfinite",
+}
 
 
 class ShardMetrics:

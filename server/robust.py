@@ -11,15 +11,19 @@ or pushing 1e30 (either alone took the model). So, per fragment slice and round:
   when it has fewer than 3 pushes, of the `history_rounds` rounds before it), unless the round's weights
   are all alike (a cut would change no push's share). Honest workers of one run report the same weight, so
   this changes nothing for them; one attacker among M takes at most weight_cap / (weight_cap + M - 1) of
-  the mean;
-- each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm`
-  times the median of the norms of this round's pushes and of the `history_rounds` rounds before (the norms
-  as they were used, so clipped ones count at their bound). Clipping scales the push down, direction kept:
-  the worker stays a contributor and nothing is refused. A round with no history leans on its own median,
-  which holds while honest pushes are the majority; the history covers rounds with one or two pushes.
-  One round of history (the default) never clips honest pushes that grow from one round to the next, as
-  they do under a learning-rate warm-up: with as many pushes now as then, the median lies between the two
-  rounds' norms, and twice it is at least the larger;
+  the mean. Under the adaptive schedule each push's cap stretches by its own k, the inner steps per
+  schedule step of a worker of its reported speed (server/defenses.py);
+- each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm` times
+  the median of the norms of this round's pushes and of the `history_rounds` rounds before (times its own k
+  squared, at most max_steps_per_tick). Clipping scales the push down, direction kept: the worker stays a
+  contributor and nothing is refused. A round with no history leans on its own median, which holds while
+  honest pushes are the majority; the history covers rounds with one or two pushes. The history keeps of each
+  round only the lower half of its weights and norms (as used: clipped ones at their bound), so a liar cannot
+  feed it: with two pushes a round, a norm kept at each round's bound would otherwise raise the next round's
+  bound by itself, round after round. One round of history (the default) never clips honest pushes that grow
+  from one round to the next, as they do under a learning-rate warm-up: the history's values all lie below
+  this round's, so the median is at least this round's lower quartile, and twice it is at least the largest
+  while this round's norms are within 2x of each other;
 - the pushes are combined by the weighted mean (the default: streaming, folded block by block), or, as
   options, the coordinate-wise trimmed mean or centered clipping (Karimireddy, He, Jaggi 2021, "Learning
   from History for Byzantine Robust Optimization"), which need every push of the round at once.
@@ -129,24 +133,41 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def cap_weights(weights: Sequence[float], pool: Sequence[float], factor: float) -> list[float]:
-    """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to); unchanged
-    when factor is 0 or the pool is empty."""
+def cap_weights(
+    weights: Sequence[float], pool: Sequence[float], factor: float, stretch: Sequence[float] | None = None
+) -> list[float]:
+    """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to), times
+    its own `stretch` where given (a site k times as fast trains k times the tokens: server/defenses.py);
+    unchanged when factor is 0 or the pool is empty."""
     ref = median(pool)
     if not factor or ref is None:
         return list(weights)
     cap = factor * ref
-    return [min(w, cap) for w in weights]
+    k = stretch if stretch is not None else [1.0] * len(weights)
+    return [min(w, cap * s) for w, s in zip(weights, k, strict=True)]
 
 
-def clip_scales(norms: Sequence[float], pool: Sequence[float], factor: float) -> tuple[list[float], float]:
-    """The factor each push is scaled by so that its norm is at most `factor` times the median of `pool`,
-    and that bound (inf when there is none: factor 0 or an empty pool)."""
+def clip_scales(
+    norms: Sequence[float], pool: Sequence[float], factor: float, stretch: Sequence[float] | None = None
+) -> tuple[list[float], float]:
+    """The factor each push is scaled by so that its norm is at most `factor` times the median of `pool`
+    (times its own `stretch` where given), and that bound before the stretch (inf when there is none: factor
+    0 or an empty pool)."""
     ref = median(pool)
     if not factor or ref is None:
         return [1.0] * len(norms), math.inf
     bound = factor * ref
-    return [bound / n if n > bound else 1.0 for n in norms], bound
+    k = stretch if stretch is not None else [1.0] * len(norms)
+    return [bound * s / n if n > bound * s else 1.0 for n, s in zip(norms, k, strict=True)], bound
+
+
+def lower_half(values: Sequence[float]) -> list[float]:
+    """The values at or below their median, in their order: what a round leaves to the next rounds' medians.
+    A push can only add to it by being no larger than the round's median, so it can tighten the next rounds'
+    bounds but never loosen them (with the values above the median kept, a liar whose norm sits at each
+    round's bound raises the next round's bound by its own clipped norm: the clip ratchets up)."""
+    ref = median(values)
+    return [] if ref is None else [v for v in values if v <= ref]
 
 
 def trim_count(k: int, trim: float) -> int:

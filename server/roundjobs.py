@@ -35,6 +35,7 @@ class Push:
     scale: float = 1.0  # what clipping scales its values by
     mult: float = 0.0  # what its values are multiplied by in the sum: share * scale
     loss: float | None = None  # the training loss it reported
+    step_seconds: float | None = None  # the worker's seconds per inner step, as its header reported
 
     def __post_init__(self) -> None:
         if not self.share:  # not settled yet: as reported
@@ -59,7 +60,11 @@ class OpenRound:
     loss_sum: float = 0.0  # token-weighted (by share) sum of the inner losses of the pushes settled so far
     loss_weight: float = 0.0
     expected: frozenset[str] | None = None  # members present when the round's first push was complete
-    started_at: float | None = None  # when that was: the deadline counts from here
+    started_at: float | None = None  # when that was (the round's duration, as the dashboard shows it)
+    opened_at: float | None = (
+        None  # when the round opened (the last one closed): its deadlines count from here
+    )
+    quorum_at: float | None = None  # when its pushes first held the quorum of the expected weight
 
     def add(self, push: Push, nbytes: int) -> None:
         """A whole push (of `nbytes` encoded) joins the round, kept until it is folded."""
@@ -87,6 +92,7 @@ class Staged:
     loss: float | None
     asm: Assembly
     sumsq: float = 0.0  # of the values so far (when clipping is on)
+    step_seconds: float | None = None  # the worker's seconds per inner step, as the header reported
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,9 @@ class ClosedRound:
     contributors: tuple[str, ...]
     weight: float
     mean_loss: float | None
-    why: str = "all"  # all: every expected member pushed; deadline; empty: no expected member is left;
+    why: str = "all"  # all: every expected member pushed; quorum: a quorum of the expected weight, and the
+    # grace after it passed; deadline: a quorum, at --round-timeout after the round opened; overdue: without
+    # a quorum, long after the pace says it should have had one; empty: no expected member is left;
     # nonfinite: the step came out non-finite and was undone (a zero update)
     clipped: tuple[str, ...] = ()  # workers whose push was scaled down to the norm bound
     capped: tuple[str, ...] = ()  # workers whose weight was cut

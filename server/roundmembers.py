@@ -1,12 +1,17 @@
-"""Who a shard's rounds wait for: its members (each from which round of each fragment on), and, after a
-restart, the members its checkpoint names, waited for as if they were here until they are back or their
-time is up (without them a round could close without a push it had acknowledged).
+"""Who a shard's rounds wait for: its members (each from which round of each fragment on), those of them that
+are dormant (they missed a round: not expected until a push of theirs arrives again), what each last pushed
+(the weight a round counts on from it, and the step time it reported: the run's pace), and, after a restart,
+the members its checkpoint names, waited for as if they were here until they are back or their time is up
+(without them a round could close without a push it had acknowledged).
 
 Split from server/shard.py (ShardState, which fixes a round's expected members from these when the round
-starts) by job. server/roster.py is the only caller that changes them. Pure: the clock is passed in.
+starts, and tells this class who pushed and who missed a round) by job. server/roster.py is the only caller
+that adds or removes members. Pure: the clock is passed in; what it must not do: decide when a round closes.
 """
 
 from __future__ import annotations
+
+from streamdiloco.common.pace import pace_seconds
 
 
 class RoundMembers:
@@ -19,6 +24,11 @@ class RoundMembers:
         self.restored: set[str] = set()  # the members the checkpoint names
         self.returning: set[str] = set()  # those of them not back yet, waited for until `returning_until`
         self.returning_until: float | None = None
+        # members that were expected by a round that closed without them: no round that starts from now on
+        # waits for them, until a push of theirs arrives (accepted or late: it is there and keeping a pace)
+        self.dormant: set[str] = set()
+        self.weights: dict[str, float] = {}  # member -> the share its last push had in a closed round
+        self.step_seconds: dict[str, float] = {}  # member -> the step time its last accepted push reported
 
     def add(self, worker: str, from_rounds: list[int] | None = None) -> None:
         """Rounds that start from now on wait for this worker; with `from_rounds`, only rounds
@@ -27,6 +37,7 @@ class RoundMembers:
             raise ValueError(f"from_rounds has {len(from_rounds)} entries, this run {self.num_fragments}")
         self.members.add(worker)
         self.returning.discard(worker)
+        self.dormant.discard(worker)  # a new session: it gets its chance again
         if from_rounds is not None:
             self.member_from[worker] = list(from_rounds)
         else:
@@ -35,11 +46,17 @@ class RoundMembers:
     def remove(self, worker: str) -> None:
         self.members.discard(worker)
         self.member_from.pop(worker, None)
+        self.dormant.discard(worker)
+        self.weights.pop(worker, None)
+        self.step_seconds.pop(worker, None)
 
     def expected(self, fragment: int, number: int) -> frozenset[str]:
-        """Who round `number` of the fragment waits for."""
+        """Who round `number` of the fragment waits for (dormant members aside)."""
         here = frozenset(
-            m for m in self.members if m not in self.member_from or self.member_from[m][fragment] <= number
+            m
+            for m in self.members
+            if m not in self.dormant
+            and (m not in self.member_from or self.member_from[m][fragment] <= number)
         )
         return here | self.returning
 
@@ -50,6 +67,25 @@ class RoundMembers:
             self.returning.clear()
             self.returning_until = None
         return self.members | self.returning
+
+    def heard(self, worker: str, step_seconds: float | None = None) -> None:
+        """A push of the worker's arrived (accepted, with the step time it reported, or late): it is not
+        dormant from now on."""
+        self.dormant.discard(worker)
+        if step_seconds is not None:
+            self.step_seconds[worker] = step_seconds
+
+    def missed(self, workers: set[str]) -> None:
+        """A round closed without these expected members' pushes: they are dormant until they push again."""
+        self.dormant.update(w for w in workers if w in self.members)
+
+    def pushed(self, shares: dict[str, float]) -> None:
+        """These members' pushes were settled at these shares: what later rounds count on from them."""
+        self.weights.update(shares)
+
+    def pace(self) -> float:
+        """The run's pace: the slowest member's reported seconds per inner step (0.0: none reported)."""
+        return pace_seconds(self.step_seconds.values())
 
     def saved(self) -> list[str]:
         """The members as a checkpoint names them."""

@@ -74,7 +74,7 @@ class RoundRunner:
         now = self.clock()
         for fragment, why in self.state.due(now):
             started = self.state.open[fragment].started_at
-            job = self.state.begin_close(fragment, why)
+            job = self.state.begin_close(fragment, why, now)
             # every push of the round is settled now (its share: the weight after the caps)
             job.tokens = self.folded.pop((fragment, job.round), {})
             add_shares(job.tokens, job.pushes)

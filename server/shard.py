@@ -21,10 +21,10 @@ norms, and both are settled when its pushes are handed to a fold: a group's when
 at the close. The master must come out of every outer step finite: a step that does not is undone (the
 round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
 
-Rounds close when every member that was present when the round started (its first whole push) has pushed,
-with at least `min_workers` contributions; or when its deadline has passed with at least `min_workers` (or
-with every member's push, when fewer members than `min_workers` are left); or when every expected member
-has left. The caller supplies the time (`now`), so tests drive the clock.
+Rounds close by server/roundrule.py's rule (every expected member pushed; or a quorum of the expected
+weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
+an expected member that a round closed without is dormant (server/roundmembers.py) until a push of its
+arrives. The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
@@ -51,10 +51,12 @@ from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
+from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.server.defenses import Defenses
 from streamdiloco.server.robust import RobustConfig
 from streamdiloco.server.roundjobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
 from streamdiloco.server.roundmembers import RoundMembers
+from streamdiloco.server.roundrule import RoundRule
 from streamdiloco.server.shardsave import checked_fragment, checked_round, fragment_record
 from streamdiloco.server.staging import MAX_WEIGHT, Chunk, PushRejected, Staging
 
@@ -75,16 +77,15 @@ class ShardState:
         min_workers: int = 1,
         round_timeout: float = float("inf"),
         robust: RobustConfig | None = None,
+        quorum: float = 0.5,
+        round_grace: float = 1.0,
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
         if len(initial) != layout.num_fragments:
             raise ValueError(f"need {layout.num_fragments} initial fragment vectors, got {len(initial)}")
-        if min_workers < 1:
-            raise ValueError(f"--min-workers must be at least 1, got {min_workers}")
-        if not round_timeout > 0:
-            raise ValueError(f"--round-timeout must be positive seconds, got {round_timeout}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
+        self.rule = RoundRule(min_workers, round_timeout, quorum, round_grace, cfg.sync_every)  # checks them
         self.min_workers, self.round_timeout = min_workers, round_timeout
         self.robust = robust if robust is not None else RobustConfig()
         self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
@@ -201,10 +202,18 @@ class ShardState:
 
     # --- pushes (their chunks: server/staging.py) --------------------------------------------------------
     def push(
-        self, worker: str, fragment: int, round: int, enc: Encoded, weight: float, loss: float | None = None
+        self,
+        worker: str,
+        fragment: int,
+        round: int,
+        enc: Encoded,
+        weight: float,
+        loss: float | None = None,
+        now: float = 0.0,
+        step_seconds: float | None = None,
     ) -> None:
         """Add one worker's whole outer gradient for this shard's slice of a fragment (one chunk)."""
-        self.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, loss)
+        self.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, loss, now, step_seconds)
 
     def push_chunk(
         self,
@@ -219,24 +228,42 @@ class ShardState:
         weight: float | None = None,
         loss: float | None = None,
         now: float = 0.0,
+        step_seconds: float | None = None,
     ) -> bool | None:
-        """One chunk of a push. True: that was the last chunk and the push is now in the round's sum;
-        False: kept, waiting for more; None: silently dropped (the rest of a push already refused).
-        Raises PushRejected, without changing anything, when the chunk is bad; the push is then dropped."""
+        """One chunk of a push (`weight`, `loss`, `step_seconds`: its header, with the first chunk). True:
+        that was the last chunk and the push is now in the round's sum; False: kept, waiting for more; None:
+        silently dropped (the rest of a push already refused). Raises PushRejected, without changing
+        anything, when the chunk is bad; the push is then dropped."""
         if self.staging.swallow(worker, fragment, round, seq, last):
             return None
-        chunk = Chunk(worker, fragment, round, seq, offset, total, part, last, weight, loss)
-        st = self.staging.chunk(self.open, self.defenses, chunk)
+        if step_seconds is not None and not valid_step_seconds(step_seconds):
+            step_seconds = None  # not measured (the servicer refuses one no worker can have)
+        stretch = self.defenses.stretch(self.pace(), step_seconds)
+        chunk = Chunk(
+            worker, fragment, round, seq, offset, total, part, last, weight, loss, step_seconds, stretch
+        )
+        try:
+            st = self.staging.chunk(self.open, self.defenses, chunk)
+        except PushRejected as e:
+            if e.reason == "late":
+                self.roll.heard(worker)  # it is there, keeping a pace: rounds that start from now wait for it
+            raise
         if st is None:
             return False
         rnd = self.open[fragment]
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.started_at = now
+            if rnd.opened_at is None:  # open since the shard started (or was restored): its members may
+                rnd.opened_at = now  # need H steps to their first push, so it counts from that push
             rnd.expected = self.roll.expected(fragment, rnd.number) | {worker}
-        rnd.add(Push(worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss), st.asm.nbytes)
+        self.roll.heard(worker, st.step_seconds)
+        push = Push(
+            worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss, step_seconds=st.step_seconds
+        )
+        rnd.add(push, st.asm.nbytes)
         if rnd.kept_bytes >= self.fold_bytes[fragment] and self.defenses.folds_early:
             # as big as an fp64 sum: settle them and fold them (memory bound)
-            self.defenses.settle(fragment, rnd, rnd.group())
+            self._settle(fragment, rnd, rnd.group())
         self.bytes_received += st.asm.nbytes
         self.pushes_accepted += 1
         return True
@@ -248,45 +275,71 @@ class ShardState:
         return self.staging.refuse(worker, fragment, round, seq, last, reason)
 
     # --- closing rounds --------------------------------------------------------------------------------
+    def pace(self) -> float:
+        """The run's pace as this shard sees it: its members' slowest reported seconds per inner step."""
+        return self.roll.pace()
+
+    def grace(self, pace: float) -> float:
+        """How long a round that holds a quorum waits for the rest (server/roundrule.py)."""
+        return self.rule.grace(pace)
+
     def due(self, now: float) -> list[tuple[int, str]]:
-        """(fragment, why) of every open round that should close now."""
+        """(fragment, why) of every open round that should close now (the rule: this module's docstring)."""
         out = []
         present = self.roll.present(now)
+        pace = self.pace()
         for f, rnd in enumerate(self.open):
-            if rnd.expected is None or f in self.busy:
-                continue  # not started (nobody has pushed yet), or its fold job is out: due when it is back
-            n = len(rnd.contributors)
-            pending = (rnd.expected & present) - rnd.contributors
-            if not pending and n >= self.min_workers:
-                out.append((f, "all"))
-            elif not (rnd.expected & present) and not self.staging.arriving(f):
-                out.append((f, "empty"))  # everyone expected has left: close with what there is
-            elif (
-                n >= min(self.min_workers, len(self.roll.expected(f, rnd.number)))
-                and now >= rnd.started_at + self.round_timeout  # type: ignore[operator]
-            ):  # the quorum, or all who may still push if fewer are left than the quorum (members that
-                # joined for later rounds cannot help): nobody waits forever
-                out.append((f, "deadline"))
+            if f in self.busy:
+                continue  # its fold or close job is out: due when it is back
+            if rnd.expected is None:
+                continue  # not started: nobody has pushed yet
+            why = self._why_close(f, rnd, now, present, pace)
+            if why is not None:
+                out.append((f, why))
         return out
 
-    def close_round(self, fragment: int, why: str = "all") -> ClosedRound:
-        """Close the open round: average, outer step, quantized update; opens the next round.
-        Pushes still arriving for the closed round are dropped (their senders get `late`)."""
-        return self.end_close(self.begin_close(fragment, why).run())
+    def _why_close(self, f: int, rnd: OpenRound, now: float, present: set[str], pace: float) -> str | None:
+        assert rnd.expected is not None and rnd.opened_at is not None and rnd.started_at is not None
+        waited = (rnd.expected & present) - self.roll.dormant  # whom the round still counts on
+        pending = waited - rnd.contributors
+        n = len(rnd.contributors)
+        if (
+            (pending or n < self.min_workers)
+            and not (rnd.expected & present)
+            and not self.staging.arriving(f)
+        ):
+            return "empty"  # everyone expected has left: close with what there is
+        weights = self.roll.weights
+        if rnd.quorum_at is None:
+            pushed = rnd.settled + sum(
+                self.defenses.shares(f, rnd, rnd.kept, pace, mean=False)
+            )  # folded: settled
+            if self.rule.holds_quorum(pushed, n, [weights.get(m) for m in pending]):
+                rnd.quorum_at = now
+        can = n + sum(1 for m in pending if m in weights)  # members that never pushed cannot
+        return self.rule.why(n, len(pending), can, rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
 
-    def begin_close(self, fragment: int, why: str = "all") -> CloseJob:
-        """Close the open round and open the next one (pushes for the closed round are `late` from now on);
-        the returned job computes the update. Until `end_close` takes it back, the job owns the fragment's
-        optimizer: the fragment is busy, `master` is the one before the round."""
+    def close_round(self, fragment: int, why: str = "all", now: float | None = None) -> ClosedRound:
+        """Close the open round: average, outer step, quantized update; opens the next round (at `now`).
+        Pushes still arriving for the closed round are dropped (their senders get `late`)."""
+        return self.end_close(self.begin_close(fragment, why, now).run())
+
+    def begin_close(self, fragment: int, why: str = "all", now: float | None = None) -> CloseJob:
+        """Close the open round and open the next one (at `now`: its deadlines count from there; pushes for
+        the closed round are `late` from now on); the returned job computes the update. Until `end_close`
+        takes it back, the job owns the fragment's optimizer: the fragment is busy, `master` is the one
+        before the round. Expected members that did not push are dormant from now on."""
         self._take_out(fragment)
         rnd = self.open[fragment]
         lo, hi = self.ranges[fragment]
         self.staging.forget_fragment(fragment)
         kept = ordered(rnd.kept)
-        self.defenses.settle(fragment, rnd, kept)
+        self._settle(fragment, rnd, kept)
         history = self.defenses.closing(rnd)
         self.defenses.remember(fragment, history)
-        self.open[fragment] = OpenRound(rnd.number + 1)
+        if rnd.expected is not None:  # who it waited for and closed without (none with "all" or "empty")
+            self.roll.missed(set(rnd.expected) - rnd.contributors - self.roll.returning)
+        self.open[fragment] = OpenRound(rnd.number + 1, opened_at=now)
         pushes = [p for g in rnd.groups for p in g] + kept
         mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
         saved, rob = self._saved(fragment, rnd.number + 1), self.defenses.aggregator
@@ -319,8 +372,14 @@ class ShardState:
         job = CloseJob(fragment, rnd.number, log.why, hi - lo, log.pushes, log.partial, log.weight,
                        log.contributors, log.mean_loss, self.outer[fragment], self.downlink, saved,
                        log.aggregator, history=log.history)  # fmt: skip
-        self.open[fragment] = OpenRound(rnd.number + 1)
+        self.open[fragment] = OpenRound(rnd.number + 1)  # opened_at: its first push (a restart's rounds)
         return self.end_close(job.run())
+
+    def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
+        """Settle pushes about to be folded (server/defenses.py); their shares are what later rounds count
+        on from their workers."""
+        self.defenses.settle(fragment, rnd, pushes, self.pace())
+        self.roll.pushed({p.worker: p.share for p in pushes})
 
     def _take_out(self, fragment: int) -> None:
         """A job (or a reader) takes the fragment: busy until it is back."""

@@ -51,6 +51,8 @@ class Chunk:
     last: bool
     weight: float | None = None
     loss: float | None = None
+    step_seconds: float | None = None  # the worker's reported seconds per inner step (header)
+    stretch: float = 1.0  # how far its weight's bound stretches (server/defenses.py)
 
 
 class Staging:
@@ -119,7 +121,9 @@ class Staging:
         self.discarding.pop(key, None)
         if st is None:
             assert c.weight is not None
-            st = Staged(c.round, defenses.reported(c.weight), c.loss, asm)
+            st = Staged(
+                c.round, defenses.reported(c.weight, c.stretch), c.loss, asm, step_seconds=c.step_seconds
+            )
             if not c.last:
                 self.staged[key] = st
                 self.staged_bytes += self.push_bytes(c.fragment)

@@ -78,10 +78,17 @@ class InProcessCluster:
         self.pace_seconds = pace  # what the shards answer pushes with: the slowest member's step time
 
     def push(
-        self, worker: str, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
+        self,
+        worker: str,
+        fragment: int,
+        round: int,
+        slices: list[Encoded],
+        weight: float,
+        loss: float | None,
+        step_seconds: float | None = None,
     ) -> None:
-        for shard, enc in zip(self.shards, slices, strict=True):
-            shard.push(worker, fragment, round, enc, weight, loss)
+        for shard, enc in zip(self.shards, slices, strict=True):  # the step time as a worker's header says it
+            shard.push(worker, fragment, round, enc, weight, loss, step_seconds=step_seconds)
         if self.shards[0].contributors(fragment) == self.members:
             closed = [shard.close_round(fragment) for shard in self.shards]
             if closed[0].mean_loss is not None:
@@ -99,8 +106,9 @@ class InProcessCluster:
 class InProcessTransport:
     """A worker's worker.engine.Transport to the in-process cluster."""
 
-    def __init__(self, cluster: InProcessCluster, worker: str):
+    def __init__(self, cluster: InProcessCluster, worker: str, step_seconds: float | None = None):
         self.cluster, self.worker, self.num_shards = cluster, worker, len(cluster.shards)
+        self.step_seconds = step_seconds  # its emulated step time, reported with its pushes (None: not timed)
 
     @property
     def pace_seconds(self) -> float:
@@ -109,7 +117,7 @@ class InProcessTransport:
     def push(
         self, fragment: int, round: int, slices: list[Encoded], weight: float, loss: float | None
     ) -> None:
-        self.cluster.push(self.worker, fragment, round, slices, weight, loss)
+        self.cluster.push(self.worker, fragment, round, slices, weight, loss, self.step_seconds)
 
     def update(self, fragment: int, round: int) -> Future:
         return self.cluster.update(fragment, round)
@@ -227,7 +235,7 @@ def _run_streaming(cfg: SimConfig, model: nn.Module, streams: list[BatchStream],
             r,
             build_layout(r, cfg.sync.num_fragments, cfg.sync.fragment_pattern),
             cfg.sync,
-            InProcessTransport(cluster, n),
+            InProcessTransport(cluster, n, times[m] if cfg.step_seconds else None),
             total_steps=cfg.run.steps,
             seed=cfg.model.seed,
             rank=m,

@@ -331,7 +331,9 @@ def test_a_slow_worker_does_not_hold_the_others_beyond_the_deadline(tmp_path):
         a, slow = c.summary("worker-a"), c.summary("worker-slow")
         status = http_json(http, "/api/status?rounds=500")
     rounds = a_done["recent_rounds"]
-    by_deadline = [r for r in rounds if r["why"] == "deadline"]
+    # (the rule's outer bounds: a quorum's grace cut at the deadline, or no quorum long after; then the slow
+    # worker is dormant and rounds close "all" without it, until a late push shows it is there again)
+    by_deadline = [r for r in rounds if r["why"] in ("deadline", "quorum", "overdue")]
     # rounds closed without the slow worker's push (a deadline round just after worker-a joined may lack
     # worker-a's first push instead: that is the deadline doing its job too) ...
     assert any(r["contributors"] == ["worker-a"] for r in by_deadline), rounds

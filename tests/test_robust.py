@@ -161,7 +161,10 @@ def test_weights_below_a_token_and_absurd_losses_are_refused(weight, loss, reaso
     assert e.value.reason == reason and words in str(e.value)
     assert st.contributors(0) == set() and not st.started(0) and st.pushes_accepted == 0
     st.push("b", 0, 0, enc, 1.0, 0.0)  # one token and a zero loss are fine
-    assert st.due(1e9) == []  # past the deadline, yet one contribution of the 2 that --min-workers asks
+    # a refused push is no contribution: one of the 2 that --min-workers asks, so the round waits for the
+    # other until its deadline; a never had a push accepted, so it cannot hold the round beyond that
+    assert st.due(9.9) == []
+    assert st.due(10.0) == [(0, "deadline")] and st.close_round(0, "deadline").contributors == ("b",)
 
 
 def test_a_huge_weight_counts_as_the_median_exactly():

@@ -135,10 +135,15 @@ def test_at_the_deadline_a_round_closes_with_every_member_when_fewer_than_min_wo
     assert st.due(9.999) == []
     assert st.due(10.0) == [(0, "deadline")]
     assert st.close_round(0, "deadline").contributors == ("a", "b")
-    # with three members present, two contributions are not enough even after the deadline
+    # with three members present that push, two contributions are not enough even after the deadline (a
+    # member that joined and never pushed does not hold the rounds so: tests/test_round_rule.py)
     st.add_member("c")
-    push_chunks(st, "a", 0, 1, enc_for(st, 0, 1), now=20.0)
-    push_chunks(st, "b", 0, 1, enc_for(st, 0, 2), now=21.0)
+    for seed, (who, now) in enumerate((("a", 20.0), ("b", 21.0), ("c", 22.0))):
+        push_chunks(st, who, 0, 1, enc_for(st, 0, seed), now=now)
+    assert st.due(22.0) == [(0, "all")]
+    st.close_round(0, "all", now=22.0)
+    push_chunks(st, "a", 0, 2, enc_for(st, 0, 1), now=30.0)
+    push_chunks(st, "b", 0, 2, enc_for(st, 0, 2), now=31.0)
     assert st.due(1e9) == []
 
 

@@ -86,7 +86,8 @@ def test_a_push_reporting_a_step_time_no_worker_can_have_is_refused(bad):
 @pytest.mark.parametrize("schedule, fast_share", [("fixed", 1.5 / 2.5), ("adaptive", 2 / 3)])
 def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule(schedule, fast_share):
     # two honest workers, one with twice the tokens: the fixed schedule's cap (1 x the median) cuts the
-    # larger weight, the adaptive one's stretches by max_steps_per_tick and keeps the token weighting
+    # larger weight, the adaptive one's stretches by the fast push's own k (it reports half the step time)
+    # and keeps the token weighting
     cfg = SyncConfig(
         sync_every=6, num_fragments=3, sync_schedule=schedule, uplink_codec="fp32", downlink_codec="fp32",
         outer_momentum=0.0,
@@ -96,8 +97,9 @@ def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule(s
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
     st = ShardState(0, 1, layout, cfg, initial, 0, robust=RobustConfig(clip_norm=0.0))
     n = layout.fragments[0].numel
-    st.push("slow", 0, 0, encode(torch.zeros(n), "fp32", cfg.codec_block_size), 1000.0, None)
-    st.push("fast", 0, 0, encode(torch.ones(n), "fp32", cfg.codec_block_size), 2000.0, None)
+    zeros, ones = (encode(x, "fp32", cfg.codec_block_size) for x in (torch.zeros(n), torch.ones(n)))
+    st.push("slow", 0, 0, zeros, 1000.0, None, step_seconds=0.2)
+    st.push("fast", 0, 0, ones, 2000.0, None, step_seconds=0.1)
     closed = st.close_round(0)
     assert closed.capped == (() if schedule == "adaptive" else ("fast",))
     # outer lr 1, no momentum: the master moves by minus the weighted mean of 0 and 1, the fast one's share
@@ -313,9 +315,10 @@ def test_simulate_takes_step_times_on_the_command_line(capsys):
 
 def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
     """Its k inner steps per schedule step make its update about k times larger than the others': the shards'
-    norm clip (median-relative, default 2x) stretches by max_steps_per_tick, as the weight caps do. Before
-    the stretch a site twice as fast had 9 of its pushes clipped here. (At k = 4, the most the default
-    allows, 2 of its 12 pushes still exceed 8x the median norm: per-token norms would be the full fix.)"""
+    norm clip (median-relative, default 2x) stretches by the push's own k squared (at most
+    max_steps_per_tick), as the weight caps stretch by k. Before the stretch a site twice as fast had 9 of its
+    pushes clipped here. (At k = 4, the most the default allows, 2 of its 12 pushes still exceed 8x the median
+    norm: per-token norms would be the full fix.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

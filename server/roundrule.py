@@ -1,0 +1,95 @@
+"""When a shard's round closes: the rule, as pure arithmetic on what ShardState knows of the round (who has
+pushed, who is still waited for, the weight in hand, the clock and the run's pace). The design's reasons are
+in docs/design.md ("Rounds that close on the run's pace"); in short, a round closes
+- "all": when every expected member still here (dormant ones aside) has pushed, with at least
+  `min_workers` contributions;
+- "quorum": when its pushes carry `quorum` of the expected weight, with at least `min_workers`, and the
+  grace has passed since: `round_grace` of a round's length at the pace (H x the slowest member's step
+  time), at least GRACE_MIN seconds, at most `round_timeout`;
+- "deadline": when it holds the quorum `round_timeout` after it opened (the previous round closed), with at
+  least `min_workers` or, when fewer can push (members that never pushed cannot), all of those;
+- "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (and
+  at least --round-timeout after its first push), so that nothing waits forever, while a member that pushes
+  the moment a round opens never closes one that the others have not reached;
+- "empty": when every expected member has left.
+
+Split from server/shard.py (ShardState, which gathers the round's numbers and keeps `quorum_at`) by job.
+What it must not do: keep state, or read a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The least grace a round gives the rest once it holds a quorum (seconds): what a push's transfer and the
+# sites' step times may vary by even when a round's length at the pace is shorter.
+GRACE_MIN = 5.0
+
+
+@dataclass(frozen=True)
+class RoundRule:
+    """A shard's round policy (--min-workers, --round-timeout, --quorum, --round-grace; H)."""
+
+    min_workers: int
+    round_timeout: float
+    quorum: float
+    round_grace: float
+    sync_every: int
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("min_workers", self.min_workers >= 1, "at least 1"),
+            ("round_timeout", self.round_timeout > 0, "positive seconds"),
+            ("quorum", 0 < self.quorum <= 1, "a fraction in (0, 1]"),
+            ("round_grace", 0 <= self.round_grace <= 100, "0..100 (a fraction of a round's length)"),
+        )
+        for name, ok, want in checks:
+            if not ok:  # the flags' own words (ShardSettings checks them where they are flags)
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be {want}, got {getattr(self, name)}")
+
+    def grace(self, pace: float) -> float:
+        """How long a round that holds a quorum waits for the rest: `round_grace` of a round's length at the
+        pace, at least GRACE_MIN, at most --round-timeout (all of it while no member has reported its step
+        time)."""
+        if not pace:
+            return self.round_timeout
+        return min(max(self.round_grace * self.sync_every * pace, GRACE_MIN), self.round_timeout)
+
+    def holds_quorum(self, pushed: float, n: int, pending: list[float | None]) -> bool:
+        """Whether `pushed` (the weight of the round's n pushes, capped as the mean takes them) is --quorum
+        of the expected weight: it and the pending members' (the share of each one's last push; None, one
+        that never pushed, counts with the mean share of the pushes in hand)."""
+        if not pushed > 0:
+            return False
+        typical = pushed / n
+        return pushed >= self.quorum * (pushed + sum(typical if w is None else w for w in pending))
+
+    def why(
+        self,
+        n: int,
+        pending: int,
+        can: int,
+        opened_at: float,
+        started_at: float,
+        quorum_at: float | None,
+        now: float,
+        pace: float,
+    ) -> str | None:
+        """Why the round closes now (None: it does not), "empty" aside: `n` contributions, `pending` expected
+        members that have not pushed, `can`: how many of both ever pushed, the round open since `opened_at`,
+        its first push at `started_at`, the quorum held since `quorum_at`."""
+        if not pending and n >= self.min_workers:
+            return "all"
+        # --min-workers waits for members that never pushed only until the deadline
+        enough = n >= min(self.min_workers, can)
+        length = self.sync_every * pace if pace else self.round_timeout  # a round's, at the pace
+        deadline = opened_at + self.round_timeout
+        if quorum_at is not None and n >= self.min_workers and quorum_at + self.grace(pace) <= now < deadline:
+            return "quorum"
+        if quorum_at is not None and enough and now >= deadline:
+            return "deadline"
+        # (and not sooner than --round-timeout after its first push: the pace is unknown at a run's start)
+        if enough and now >= max(deadline + length, started_at + self.round_timeout):
+            return "overdue"  # no quorum long after the pace says there should be: nothing waits forever
+        return None
