@@ -180,6 +180,26 @@ def test_a_member_that_missed_a_round_is_not_waited_for_until_it_pushes_again():
     assert st.due(11.0) == [(0, "all")]
 
 
+def test_a_member_catching_up_from_far_behind_stays_dormant_until_it_is_on_time():
+    # a worker resumed after a freeze pushes the rounds it missed one by one: each is late, and waiting for
+    # it would hold every round to its grace until it has caught up (benchmarks/chaos.py saw 60 s of that)
+    st = make_state(("a", "b", "c"), timeout=120.0)
+    a_round_everyone_pushed(st, ("a", "b", "c"), 0, now=0.0, step=1.0)
+    push(st, "a", 1, now=1.0)
+    push(st, "b", 1, now=1.0)
+    st.close_round(0, "quorum", now=7.0)
+    assert st.roll.dormant == {"c"}
+    a_round_everyone_pushed(st, ("a", "b"), 2, now=8.0)  # round 3 is open
+    with pytest.raises(PushRejected, match="the round is closed"):
+        push(st, "c", 1, now=9.0)  # two rounds behind
+    assert st.roll.dormant == {"c"}
+    push(st, "a", 3, now=10.0)
+    push(st, "b", 3, now=10.0)
+    assert st.due(10.0) == [(0, "all")]  # not waited for
+    push(st, "c", 3, now=10.5)  # caught up: on time for the open round, and expected again
+    assert st.roll.dormant == set()
+
+
 def test_a_dormant_member_that_contributes_to_an_open_round_is_expected_again():
     st = make_state(("a", "b"), timeout=10.0)
     a_round_everyone_pushed(st, ("a", "b"), 0, now=0.0)
