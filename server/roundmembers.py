@@ -11,7 +11,7 @@ that adds or removes members. Pure: the clock is passed in; what it must not do:
 
 from __future__ import annotations
 
-from streamdiloco.common.pace import pace_seconds
+from streamdiloco.common.pace import pace_seconds, valid_step_seconds
 
 
 class RoundMembers:
@@ -29,6 +29,7 @@ class RoundMembers:
         self.dormant: set[str] = set()
         self.weights: dict[str, float] = {}  # member -> the share its last push had in a closed round
         self.step_seconds: dict[str, float] = {}  # member -> the step time its last accepted push reported
+        self._pace: float | None = 0.0  # the largest of step_seconds (None: to be counted again)
 
     def add(self, worker: str, from_rounds: list[int] | None = None) -> None:
         """Rounds that start from now on wait for this worker; with `from_rounds`, only rounds
@@ -48,7 +49,7 @@ class RoundMembers:
         self.member_from.pop(worker, None)
         self.dormant.discard(worker)
         self.weights.pop(worker, None)
-        self.step_seconds.pop(worker, None)
+        self._forget_step(worker)
 
     def expected(self, fragment: int, number: int) -> frozenset[str]:
         """Who round `number` of the fragment waits for (dormant members aside)."""
@@ -73,7 +74,16 @@ class RoundMembers:
         dormant from now on."""
         self.dormant.discard(worker)
         if step_seconds is not None:
+            self._forget_step(worker)
             self.step_seconds[worker] = step_seconds
+            if self._pace is not None and step_seconds > self._pace and valid_step_seconds(step_seconds):
+                self._pace = step_seconds
+
+    def _forget_step(self, worker: str) -> None:
+        """The worker's step time leaves the pace: counted again (once) only if it was the pace."""
+        old = self.step_seconds.pop(worker, None)
+        if old is not None and self._pace is not None and old >= self._pace:
+            self._pace = None
 
     def missed(self, workers: set[str]) -> None:
         """A round closed without these expected members' pushes: they are dormant until they push again."""
@@ -84,8 +94,12 @@ class RoundMembers:
         self.weights.update(shares)
 
     def pace(self) -> float:
-        """The run's pace: the slowest member's reported seconds per inner step (0.0: none reported)."""
-        return pace_seconds(self.step_seconds.values())
+        """The run's pace: the slowest member's reported seconds per inner step (0.0: none reported). Kept,
+        and counted over the members again only when the slowest one's report went down or it left: a
+        shard asks at every push, and with a thousand members counting each time made a round O(N^2)."""
+        if self._pace is None:
+            self._pace = pace_seconds(self.step_seconds.values())
+        return self._pace
 
     def saved(self) -> list[str]:
         """The members as a checkpoint names them."""

@@ -24,7 +24,8 @@ round sends a zero update, why "nonfinite") and the outer optimizer starts again
 Rounds close by server/roundrule.py's rule (every expected member pushed; or a quorum of the expected
 weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
 an expected member that a round closed without is dormant (server/roundmembers.py) until a push of its
-arrives in time for the open round, or late by one round (a member that is further behind is catching up). The caller supplies the time (`now`), so tests drive the clock.
+arrives in time for the open round, or late by one round (a member that is further behind is catching
+up). The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the

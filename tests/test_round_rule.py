@@ -218,3 +218,26 @@ def test_a_huge_weight_is_capped_before_it_counts_toward_the_quorum():
     a_round_everyone_pushed(st, ("a", "b", "c"), 0, now=0.0, step=1.0)
     push(st, "a", 1, now=1.0, weight=1e12)
     assert st.due(1.0 + 120.0) == []  # one member's share of three: no quorum
+
+
+def test_the_pace_kept_between_reports_is_the_slowest_members_at_every_step():
+    # the shard asks for the pace at every push, so it is kept, not counted over every member each time:
+    # whatever the reports, leaves and joins, it must be what counting would give
+    import random
+
+    from streamdiloco.common.pace import pace_seconds
+    from streamdiloco.server.roundmembers import RoundMembers
+
+    roll, rng = RoundMembers(3), random.Random(0)
+    names = [f"w{i}" for i in range(30)]
+    for m in names:
+        roll.add(m)
+    for _ in range(5000):
+        op, who = rng.random(), rng.choice(names)
+        if op < 0.8:
+            roll.heard(who, rng.choice([None, rng.uniform(0.01, 2.0), float("nan"), 0.0, 5000.0]))
+        elif op < 0.9:
+            roll.remove(who)
+        else:
+            roll.add(who)
+        assert roll.pace() == pace_seconds(roll.step_seconds.values())
