@@ -577,6 +577,9 @@ def test_a_push_still_arriving_when_its_round_closes_at_the_deadline_is_late(mak
     status = s.on_loop(s.service.status)
     assert status["recent_rounds"][-1]["why"] == "deadline"
     assert status["fragments"][0]["master_hash"] == tensor_digest(master)
+    # the round closed without b: it is dormant (status says so), not waited for until it pushes again
+    assert status["dormant"] == ["b"] and status["quorum"] == 0.5
+    assert {m["name"]: m["dormant"] for m in status["members"]} == {"a": False, "b": True}
     before = s.snapshot()
     b.push(msgs_b[3:])  # the rest of b's push: one refusal, the other chunks are dropped
     r = b.session.result()
@@ -584,6 +587,7 @@ def test_a_push_still_arriving_when_its_round_closes_at_the_deadline_is_late(mak
     assert "round 0 chunk 3: the round is closed (open round is 1)" in r.message
     s.quiesce(b)
     assert s.snapshot() == before
+    assert s.on_loop(s.service.status)["dormant"] == []  # late by one round: it is close to the pace
     b.push(push_messages(ENC_B, round=1))  # and b goes on with the open round
     assert b.session.result().accepted
 
