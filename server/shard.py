@@ -24,8 +24,7 @@ round sends a zero update, why "nonfinite") and the outer optimizer starts again
 Rounds close by server/roundrule.py's rule (every expected member pushed; or a quorum of the expected
 weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
 an expected member that a round closed without is dormant (server/roundmembers.py) until a push of its
-arrives in time for the open round, or late by one round (a member that is further behind is catching
-up). The caller supplies the time (`now`), so tests drive the clock.
+arrives (accepted, or late: it is there). The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
@@ -246,12 +245,12 @@ class ShardState:
         try:
             st = self.staging.chunk(self.open, self.defenses, chunk)
         except PushRejected as e:
-            if e.reason == "late" and round == self.open[fragment].number - 1:
-                # late for the round that closed last: it is there and close to the run's pace, so rounds that
-                # start from now wait for it again. A push for a round further back comes from a worker that
-                # is catching up (resumed after a freeze, restarted from an older checkpoint): waiting for it
-                # would hold every round to its grace until it has caught up, so it wakes with its first push
-                # that is on time
+            if e.reason == "late":
+                # it is there and pushing: rounds that start from now wait for it again, each at most its
+                # grace. A worker that is far behind (resumed after a freeze, restarted from an older
+                # checkpoint) pushes rounds that closed long ago; were it not waited for, it would stay behind
+                # and none of its pushes would count again. Waited for by the grace, the others slow down
+                # (the grace is longer than a round) while it trains at full speed, and it catches up
                 self.roll.heard(worker)
             raise
         if st is None:
