@@ -608,11 +608,16 @@ def main() -> int:
     except KeyboardInterrupt:
         say("interrupted")
         return 130
+    except Exception:
+        say(f"failed: the processes' logs are kept in {tmp}")
+        tmp = None  # type: ignore[assignment]
+        raise
     finally:
         procs.stop_all()
         if netns:
             netns_down()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     write_results(out, results, md)
     return 0
 
