@@ -276,6 +276,9 @@ class PendingShard(pb_grpc.ShardServicer):
             return await self._upload(first, it, context)
         except InitRefused as e:
             log.warning("refused %s's upload of the starting parameters: %s", short(first.worker, 60), e)
+            # the slot is free before the refusal goes out: a worker that fixes its upload and sends it again
+            # at once must not be told that it (its own refused upload) is sending the parameters now
+            self.uploader = None
             await context.abort(e.code, str(e))
             raise  # not reached
         finally:

@@ -373,13 +373,22 @@ def test_a_hostile_upload_is_refused_and_changes_nothing(tmp_path):
         )
         # two at once: the second is refused while the first is in; the first then breaks off
         hold = threading.Event()
-        slow = stub.Initialize.future(_chunks(fp, good, token="secret", hold=hold, last=False), metadata=auth)
-        e = wait_until(
-            "the second upload to be refused while the first is in",
-            lambda: (lambda r: r if r.code() == grpc.StatusCode.ABORTED else None)(
-                refused(_chunks(fp, good, token="secret", last=False))  # could not succeed alone either
-            ),
-        )
+
+        def start_slow():
+            chunks = _chunks(fp, good, token="secret", hold=hold, last=False)
+            return stub.Initialize.future(chunks, metadata=auth)
+
+        slow = start_slow()
+
+        def second_refused():
+            nonlocal slow
+            if slow.done():  # refused: the refusal before it still held the slot (the status goes out first)
+                slow = start_slow()
+                return None
+            r = refused(_chunks(fp, good, token="secret", last=False))  # could not succeed alone either
+            return r if r.code() == grpc.StatusCode.ABORTED and not slow.done() else None
+
+        e = wait_until("the second upload to be refused while the first is in", second_refused)
         assert "is sending the parameters now" in e.details()
         hold.set()
         with pytest.raises(grpc.RpcError):
