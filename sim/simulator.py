@@ -122,6 +122,9 @@ class InProcessTransport:
     def update(self, fragment: int, round: int) -> Future:
         return self.cluster.update(fragment, round)
 
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
+        return None  # lock-step: a worker never falls behind
+
     def close(self) -> None:
         pass  # no sessions
 

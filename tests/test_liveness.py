@@ -74,9 +74,27 @@ def test_a_frozen_worker_stops_holding_rounds_within_the_liveness_bound(tmp_path
             closed = wait_until("rounds of worker-a alone", alone, 60)
             assert all(r["why"] != "deadline" and (r["seconds"] or 0) < 60 for r in closed), closed
             print(f"worker-b frozen: no longer a member after {noticed:.2f} s")
+            last: dict[int, int] = {}  # per fragment, the last round closed without worker-b
+            for r in closed:
+                last[r["fragment"]] = max(last.get(r["fragment"], 0), r["round"])
         finally:
             b.send_signal(signal.SIGCONT)
         assert "worker-b left" in c.log("shard")
+        # thawed whole rounds behind, worker-b goes on from where the run is (as a joiner would) and its
+        # pushes count again; trained on from where it was, each would be late, or for a round long closed
+        wait_until(
+            "worker-b to go on from the run's step",
+            lambda: re.search(r"was \d+ steps behind the run", c.log("worker-b")),
+            120,
+        )
+
+        def with_b_again() -> bool:
+            rounds = http_json(http, "/api/status?rounds=500")["recent_rounds"]
+            return any(
+                r["round"] > last.get(r["fragment"], 0) and "worker-b" in r["contributors"] for r in rounds
+            )
+
+        wait_until("a round with worker-b's push after its thaw", with_b_again, 120)
 
 
 # ~40 s (the worker's default bound of LIVENESS_SECONDS, then a reconnect and the rest of the run): in

@@ -43,12 +43,18 @@ class HeldTransport:
         self.pushes: dict[tuple[int, int], torch.Tensor] = {}
         self.futures: dict[tuple[int, int], Future] = {}
         self.closed = False
+        self.skip: int | None = None
 
     def push(self, fragment, round, slices, weight, loss) -> None:
         self.pushes[(fragment, round)] = slices[0]
 
     def close(self) -> None:
         self.closed = True
+
+    def skip_to(self, next_rounds) -> int | None:
+        """What a test set in `skip`, once (tests/test_skip_ahead.py)."""
+        skip, self.skip = self.skip, None
+        return skip
 
     def update(self, fragment: int, round: int) -> Future:
         return self.futures.setdefault((fragment, round), Future())

@@ -110,6 +110,11 @@ class Transport(Protocol):
         object with `.values` and `.round`, after a resync) to take instead, or None: the mirror has that
         round already. The future fails with an error when the transport cannot deliver it."""
 
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
+        """The step to go on from when this worker fell whole rounds behind the run (the rounds it would
+        push next, `next_rounds()`, have closed already), else None. Asked at every schedule step: cheap,
+        and never blocks. A transport that never falls behind (the simulator's lock-step) returns None."""
+
     def close(self) -> None:
         """End the transport's sessions; the engine's close() calls it once, at the end."""
 
@@ -225,6 +230,8 @@ class SyncEngine:
         "merge_delay_steps",
         "tokens",
         "inner_steps",
+        "skips",
+        "skipped_steps",
     )
 
     def __init__(
@@ -271,6 +278,7 @@ class SyncEngine:
         self.merge_delay_steps = 0  # steps from send to merge, summed over merges (mean tau = this / merges)
         self.tokens = 0  # tokens trained on, as step() was told
         self.inner_steps = 0  # inner steps this engine was told of (step() calls), in this run
+        self.skips = self.skipped_steps = 0  # times it fell whole rounds behind and went on where the run is
         self.blocked_seconds = 0.0
         self.send_seconds = 0.0  # training thread's time in sends (snapshots) and merges (lerps), for
         self.merge_seconds = 0.0  # the benchmarks: what the sync path costs the GPU
@@ -326,6 +334,8 @@ class SyncEngine:
     def _tick(self) -> list[Event]:
         """Complete a schedule step: count it and do its events. Other threads read `pending` and then
         `step_count` (next_rounds): `pending` is set first."""
+        if not self._jobs.inline:
+            self._skip_ahead()
         evs = events(self.step_count + 1, self.cfg, self.total_steps)
         # merges put off at earlier steps come first: done now if their update is in, or at their deadline
         self.pending = sends_early([Event("merge", f, r) for f, r in self.deferred] + list(evs))
@@ -468,6 +478,42 @@ class SyncEngine:
             upto = sends_through(f, past, self.cfg) if past >= 1 else 0
             for r in range(first_rounds[f], upto):
                 self.merge(f, r)
+
+    def _skip_ahead(self) -> None:
+        """Go on from where the run is when this worker fell whole rounds behind it (a freeze, a sleep, a
+        link down or a restart long enough for rounds to close without it: `Transport.skip_to`). Pushed,
+        its next sends would be for rounds closed already, and it would stay as far behind as it fell:
+        instead it merges what it has in flight, jumps its step count to where a joiner would start now,
+        merges the rounds whose merge step that passes (their updates, or the masters fetched in their
+        place), and its parameters become its mirror, the run's global ones, as a joiner's. What it trained
+        since its last send, from parameters the run has left behind, is dropped (it would be late)."""
+        start = self.transport.skip_to(self.next_rounds)
+        if start is None or start - self.step_count < self.cfg.sync_every:
+            return  # less than a round behind: within the grace that rounds give a member (server/roundrule)
+        if self.total_steps is not None and start >= self.total_steps:
+            log.warning(
+                "the run is at step %d, past this worker's last step %d: it goes on where it is",
+                start,
+                self.total_steps,
+            )
+            return
+        behind = start - self.step_count
+        self.drain()
+        self.step_count = start
+        self.catch_up([min(frag.mirror_rounds) for frag in self.fragments])
+        self.quiesce()
+        for frag in self.fragments:
+            frag.take_mirror()
+            if self.on_merged is not None:
+                self.on_merged(frag.index)
+        self.skips += 1
+        self.skipped_steps += behind
+        log.warning(
+            "this worker was %d steps behind the run (rounds closed without it while it was away): it goes "
+            "on from step %d with the run's parameters, as a joiner would",
+            behind,
+            start,
+        )
 
     def drain(self) -> None:
         """Merge every round sent and not merged yet (at the end of training without final_sync, the last

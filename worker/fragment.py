@@ -241,6 +241,15 @@ class FragmentSync:
         self.in_flight = None
         return self.sent_at.pop(round, None)
 
+    def take_mirror(self) -> None:
+        """Training thread, nothing in flight: the parameters become the mirror (the run's global ones, as a
+        joiner's), and the tokens and losses counted since the last send are dropped."""
+        assert self.in_flight is None, "take_mirror with a round in flight"
+        with self.lock:
+            _copy_into(self.params, self.mirror_views)
+        self.tokens, self.loss = 0, (0.0, 0)
+        self._staged = None
+
     # --- checkpoints -----------------------------------------------------------------------------------
     def checkpoint(self) -> tuple[torch.Tensor, list[int]]:
         """A copy of the mirror and the rounds it holds, taken as one (updates may be added meanwhile),

@@ -226,6 +226,10 @@ class ShardLink(Actor):
         # read from any thread
         self.error: str | None = None
         self.reconnects = self.resent = 0
+        # masters fetched in place of updates (a resync, or too many updates waiting), and what this shard
+        # said then: per fragment the rounds the masters hold and the run's view (GrpcTransport.skip_to)
+        self.fetches = 0
+        self.fetched: tuple[list[int], tuple[list[int], list[bool], list[bool]]] | None = None
         self.answers = PushAnswers()
         self.results, self.refusals = self.answers.results, self.answers.refusals
         self.progress: Callable[[], Progress] = Progress  # what each push's header reports (dashboards)
@@ -361,7 +365,15 @@ class ShardLink(Actor):
                 f"fragment {fragment}, but its master of round {rnd} does not hold them: more than "
                 f"{self.max_waiting} updates waiting is the shard's fault"
             )
+        self._published_fetch()
         self._hand_over()
+
+    def _published_fetch(self) -> None:
+        """After masters were fetched: what they hold and where the run is, for the training thread (which
+        may find it is whole rounds behind: GrpcTransport.skip_to). Published as one tuple, then counted."""
+        assert self.state is not None
+        self.fetched = (list(self.state.covered), self._view())
+        self.fetches += 1
 
     # --- reconnecting ----------------------------------------------------------------------------------
     def _reconnect(self) -> None:
@@ -399,6 +411,7 @@ class ShardLink(Actor):
             raise Retry(str(e)) from None
         for f, (values, rnd) in fetched.items():
             self.state.on_fetched(f, values, rnd)
+        self._published_fetch()
         self._hand_over()
 
     def _ready_message(self) -> pb.WorkerMessage:

@@ -704,6 +704,8 @@ def _finish(t: Training, stopped: bool) -> dict:
         "pushes_resent": transport.resent,
         "merges": engine.merges,
         "merges_that_waited": engine.waits,
+        "skips": engine.skips,  # times it fell whole rounds behind and went on from the run's step
+        "skipped_steps": engine.skipped_steps,
         "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
         # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
         "inner_steps": stats["inner_steps"],

@@ -37,6 +37,7 @@ class GrpcTransport:
             raise SyncError(f"--servers must list each of the run's shards once: {got}")
         self.links, self.num_shards = by_index, num
         self.installed: list[list[int]] = []  # a joiner's fetched rounds, per fragment and shard
+        self._fetches_seen = 0  # the links' fetches that skip_to has looked at
 
     @classmethod
     def open(
@@ -101,15 +102,28 @@ class GrpcTransport:
         is short of its quorum, from each shard's Welcome moved on by the updates that came since. Shards
         can disagree (a push that reached one shard and not another, from a worker that died between):
         then the shard that is behind counts, so that a joiner pushes the round it still needs."""
-        per_shard = [link.view() for link in self.links]
-        out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
-        for f in range(len(per_shard[0][0])):
-            low = min(v[0][f] for v in per_shard)
-            behind = [v for v in per_shard if v[0][f] == low]
-            out[0].append(low)
-            out[1].append(all(v[1][f] for v in behind))
-            out[2].append(any(v[2][f] for v in behind))
-        return out
+        return _one_view([link.view() for link in self.links])
+
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
+        """The step this worker should go on from if it fell whole rounds behind the run, else None.
+
+        After a link fetched masters in place of updates it missed (a reconnect after a freeze, a sleep or
+        a dropped link; a restart from a checkpoint; too many updates waiting), the rounds it would push next
+        (`next_rounds()`) may have closed already: each push would be for nothing until it caught up, and it
+        would never catch up while the others go on. Then it goes on from where a joiner would start now
+        (common/schedule.joining_step over what the shards said with the masters). Cheap when no fetch
+        happened since the last call: the engine asks at every schedule step."""
+        fetches = sum(link.fetches for link in self.links)
+        if fetches == self._fetches_seen:
+            return None
+        self._fetches_seen = fetches
+        said = [link.fetched for link in self.links if link.fetched is not None]
+        nxt = next_rounds()
+        if not any(r < covered[f] for covered, _ in said for f, r in enumerate(nxt)):
+            return None
+        cfg = self.links[0].config
+        assert cfg is not None
+        return joining_step([_one_view([view for _, view in said])], cfg)
 
     def resume(self, schedule: Callable[[], list[int]]) -> None:
         """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
@@ -186,6 +200,22 @@ class GrpcTransport:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+View = tuple[list[int], list[bool], list[bool]]
+
+
+def _one_view(per_shard: list[View]) -> View:
+    """Shards' views (per fragment the open round, whether it is in progress, whether it is short of its
+    quorum) as one: per fragment, the shard that is behind counts."""
+    out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
+    for f in range(len(per_shard[0][0])):
+        low = min(v[0][f] for v in per_shard)
+        behind = [v for v in per_shard if v[0][f] == low]
+        out[0].append(low)
+        out[1].append(all(v[1][f] for v in behind))
+        out[2].append(any(v[2][f] for v in behind))
+    return out
 
 
 def gather(futures: list[Future]) -> Future:
