@@ -28,8 +28,9 @@ The figures  goodput = tokens that reached the model / tokens computed, summed o
              pushed tokens times the share of its distinct pushes that were accepted (accepted + duplicate
              - resent over all answers - resent: a push sent again after a shard restart is one push).
              That weighs each push of one worker alike (true within a few percent under the adaptive
-             schedule, whose pace moves slowly); the contribution ledger (server/credit.py) counts the
-             accepted tokens exactly.
+             schedule, whose pace moves slowly). The headline figure is exact instead: the tokens the
+             shard's contribution ledger (server/credit.py) counted into closed rounds, after the weight
+             caps, over the same tokens computed; the estimate is shown beside it.
              busy share = compute seconds (the step and its emulated sleep) / wall seconds of each worker
              that no fault touched, through the freeze (from its /metrics at the freeze's start and end)
              and over its whole run (its summary).
@@ -117,6 +118,15 @@ def goodput(processes: list[Counts]) -> float:
     """Tokens that reached the model over tokens computed, over every worker process (1.0: none computed)."""
     computed = sum(c.tokens for c in processes)
     return sum(reached_tokens(c) for c in processes) / computed if computed > 0 else 1.0
+
+
+def ledger_goodput(credits: dict, processes: list[Counts]) -> float:
+    """Goodput from the shard's contribution ledger (/api/status "credits", server/credit.py): the tokens it
+    counted into closed rounds, every identity's and the folded rows', over the tokens computed. Exact where
+    the estimate above weighs each push alike; the ledger's tokens are after the weight caps."""
+    computed = sum(c.tokens for c in processes)
+    reached = sum(r["tokens"] for r in credits["workers"]) + credits["others"]["tokens"]
+    return reached / computed if computed > 0 else 1.0
 
 
 def busy_share(start: tuple[float, float], end: tuple[float, float]) -> float | None:
@@ -461,6 +471,7 @@ class ChaosRun:
             for q in self.procs_started
         ]
         out["goodput"] = goodput([q.counts for q in self.procs_started])
+        out["goodput_ledger"] = ledger_goodput(status["credits"], [q.counts for q in self.procs_started])
         out["healthy"] = [w.name for w in healthy]
         out["busy_run"] = {w.name: summaries[w.name]["compute_utilization"] for w in healthy}
         out["windows"] = [  # what each fault cost the healthy workers: their busy share while it lasted
@@ -474,7 +485,8 @@ class ChaosRun:
         out["events"] = self.events
         out["wall_seconds"] = time.time() - self.t0
         say(
-            f"  [{self.tag}] goodput {out['goodput']:.3f}; busy through the freeze "
+            f"  [{self.tag}] goodput {out['goodput_ledger']:.3f} (ledger; estimate {out['goodput']:.3f}); "
+            "busy through the freeze "
             f"{fmt_busy(out['freeze']['busy'])}; healthy over the run {fmt_busy(out['busy_run'])}"
         )
         return out
@@ -506,13 +518,19 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         + ("" if chaos["netns"] else " (skipped: no network namespaces)")
         + ".",
         "",
-        "| run | goodput | pushes accepted / late / refused | healthy workers busy, whole run | wall s |",
-        "|---|---:|---:|---:|---:|",
+        "Goodput: the tokens the shard's contribution ledger counted into closed rounds (after the weight "
+        "caps) over the tokens every worker process computed; beside it the estimate from each process's "
+        "push answers (reached_tokens).",
+        "",
+        "| run | goodput (ledger) | goodput (estimate) | pushes accepted / late / refused | "
+        "healthy workers busy, whole run | wall s |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, r in (("undisturbed", calm), ("chaos", chaos)):
         p = r["pushes"]
         lines.append(
-            f"| {label} | {r['goodput']:.3f} | {p['accepted']} / {p['late']} / {p['refused']} | "
+            f"| {label} | {r['goodput_ledger']:.3f} | {r['goodput']:.3f} | "
+            f"{p['accepted']} / {p['late']} / {p['refused']} | "
             f"{mean_busy(r['busy_run']):.3f} | {r['wall_seconds']:.0f} |"
         )
     lines += [

@@ -11,7 +11,7 @@ import sys
 import pytest
 from procs import ROOT
 
-from benchmarks.chaos import METRIC, Counts, busy_share, goodput, reached_tokens
+from benchmarks.chaos import METRIC, Counts, busy_share, goodput, ledger_goodput, reached_tokens
 
 
 def test_goodput_counts_the_accepted_share_of_each_process_pushed_tokens_over_all_it_computed():
@@ -32,6 +32,12 @@ def test_goodput_counts_the_accepted_share_of_each_process_pushed_tokens_over_al
     assert goodput([]) == 1.0
     assert busy_share((10.0, 4.0), (70.0, 58.0)) == pytest.approx(0.9)
     assert busy_share((10.0, 4.0), (10.0, 4.0)) is None
+
+
+def test_the_ledgers_goodput_sums_every_identity_and_the_folded_rows_over_the_tokens_computed():
+    credits = {"workers": [{"tokens": 900.0}, {"tokens": 1500.0}], "others": {"tokens": 100.0}}
+    assert ledger_goodput(credits, [Counts(tokens=1000), Counts(tokens=2000)]) == pytest.approx(2500 / 3000)
+    assert ledger_goodput(credits, []) == 1.0
 
 
 def test_the_workers_metrics_are_read_by_name_and_label():
@@ -72,6 +78,9 @@ def test_bench_chaos_quick_runs_every_fault_and_reports_goodput_and_busy_shares(
     calm, chaos = res["calm"], res["chaos"]
     assert not calm["faults"] and chaos["faults"] and chaos["link"] is None
     assert 0.95 <= calm["goodput"] <= 1.0 and 0.0 < chaos["goodput"] <= 1.0
+    # the ledger's count agrees with the estimate where nothing is capped (the undisturbed run)
+    assert calm["goodput_ledger"] == pytest.approx(calm["goodput"], abs=0.05)
+    assert 0.0 < chaos["goodput_ledger"] <= 1.0
     # the frozen worker was dropped within the liveness bound (5 s, and its pings' interval), and came back
     assert chaos["freeze"]["dropped_after"] < 20 and chaos["freeze"]["back_after"] > 0
     restarted = [p for p in chaos["processes"] if p["restart"]]
