@@ -3,9 +3,7 @@ Sessions), the open sessions, and which of them are members. Every change of mem
 `Roster`, which changes ShardState's members (who the rounds wait for) with it, so that the rounds, the
 status page and the run's pace never disagree: a member whose credential is revoked, or that stops reading
 its updates, is gone from all three the moment it is dropped, while its session is still ending. The pace
-is answered with every accepted push: it is kept, not counted over the members each time (a shard of 1,000
-members spent most of its time there), and moved by the reports and the changes of membership that can
-move it.
+(answered with every accepted push) is the rounds' members' (server/roundmembers.py keeps it).
 
 Pure (the clock is passed in; no I/O, no gRPC): tested without a network. The servicer keeps what a session
 needs to run (its queue and task live on the `Member`, but the roster never touches them); what this module
@@ -15,10 +13,9 @@ must not do: send, log or wait.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from streamdiloco.common.pace import pace_seconds, valid_step_seconds
 from streamdiloco.server.auth import Auth, Identity
 from streamdiloco.server.dashboard import Report
 from streamdiloco.server.ledger import Ledger
@@ -44,23 +41,11 @@ class Member:
     active: bool = False  # False while passive: it gets updates, no round waits for it (until Ready)
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
-    _report: Report | None = field(default=None, repr=False)  # `report`
+    # all of the report of its latest accepted push (total steps, tokens, utilization, eval loss, step time)
+    report: Report | None = None
     revoked: bool = False  # its credential was revoked: its session is ended
     call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
     ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
-    # told of each new report (the roster's, once the session is open: its step time may move the pace)
-    on_report: Callable[[Member, Report | None, Report | None], None] | None = field(default=None, repr=False)
-
-    @property
-    def report(self) -> Report | None:
-        """All of the report of its latest accepted push (total steps, tokens, utilization, eval loss)."""
-        return self._report
-
-    @report.setter
-    def report(self, report: Report | None) -> None:
-        old, self._report = self._report, report
-        if self.on_report is not None:
-            self.on_report(self, old, report)
 
     @property
     def dropped(self) -> bool:
@@ -78,7 +63,6 @@ class Roster:
         self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
         self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
         self.ledger: Ledger | None = None  # shard 0's data ledger: a member that goes gives its pieces back
-        self._pace: float | None = None  # the pace, until something that may move it changes (None: count)
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
@@ -94,9 +78,7 @@ class Roster:
         self._names_allowed(member.name, identity)
         self.joins.hello(session, member.name, identity, now, self.open)
         member.session = session
-        member.on_report = self._reported
         self.open[member.name] = member
-        self._pace = None
 
     def _names_allowed(self, name: str, identity: Identity) -> None:
         """Refused if the run token may not hold `name` besides the names of the open sessions (those being
@@ -109,7 +91,6 @@ class Roster:
     def activate(self, member: Member, from_rounds: list[int] | None = None) -> None:
         """The member is ready: rounds that start from now on wait for it (from `from_rounds` on)."""
         member.active = True
-        self._pace = None
         self.state.add_member(member.name, from_rounds)
 
     def drop(self, member: Member, revoked: bool = False) -> None:
@@ -119,7 +100,6 @@ class Roster:
             member.revoked = True
         else:
             member.overflowed = True
-        self._pace = None
         self.state.remove_member(member.name)  # rounds stop waiting for it
         self._release(member.name)
 
@@ -135,7 +115,6 @@ class Roster:
         set: its checkpoint names the members, to wait for them after the restart."""
         if self.open.get(member.name) is member:
             del self.open[member.name]
-        self._pace = None
         if not stopping:
             self.state.remove_member(member.name)
             self._release(member.name)
@@ -162,26 +141,10 @@ class Roster:
 
     def pace(self) -> float:
         """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what
-        a worker with sync_schedule "adaptive" sets its inner steps per schedule step against)."""
-        if self._pace is None:
-            self._pace = pace_seconds(m.report.step_seconds for m in self.members() if m.report is not None)
-        return self._pace
-
-    def _reported(self, member: Member, old: Report | None, new: Report | None) -> None:
-        """A member's new report: a slower step time raises the pace at once; the slowest one reporting a
-        faster one makes the pace counted again."""
-        if (
-            self._pace is None
-            or not member.active
-            or member.dropped
-            or self.open.get(member.name) is not member
-        ):
-            return  # the pace is to be counted anyway, or this session does not count in it
-        before, now = (r.step_seconds if r is not None else None for r in (old, new))
-        if now is not None and valid_step_seconds(now) and now >= self._pace:
-            self._pace = now
-        elif before is not None and valid_step_seconds(before) and before >= self._pace:
-            self._pace = None
+        a worker with sync_schedule "adaptive" sets its inner steps per schedule step against, and what the
+        round rule's grace counts from). Kept in one place, the rounds' members (server/roundmembers.py):
+        a member leaves it when it leaves them."""
+        return self.state.pace()
 
     def reading(self) -> list[Member]:
         """The sessions that still read their messages (not overflowed): who may be dropped next when the

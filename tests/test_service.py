@@ -25,7 +25,6 @@ from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.dashboard import Report
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 
@@ -766,8 +765,8 @@ def test_a_revoked_or_overflowed_member_leaves_status_and_pace_at_once(shard):
 
     def drop():
         svc = shard.service
-        for name, seconds in (("a", 3.0), ("b", 2.0), ("c", 0.5)):
-            svc.members[name].report = Report(step=1, step_seconds=seconds)
+        for name, seconds in (("a", 3.0), ("b", 2.0), ("c", 0.5)):  # accepted pushes' step times
+            svc.state.roll.heard(name, seconds)
 
         def seen() -> tuple[list[str], float, list[str]]:
             names = [m["name"] for m in svc.status(0, hashes=False)["members"]]
