@@ -58,7 +58,7 @@ class Intake:
         metrics: ShardMetrics,
         dashboard: DashboardData,
         throttled: Throttled,
-        close_due: Callable[[], None],
+        close_due: Callable[[int | None], None],
         clock: Callable[[], float] = time.monotonic,
         credits: Credits | None = None,
     ) -> None:
@@ -212,7 +212,7 @@ class Intake:
                 fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.roster.pace()
             )
             self.outbox.send(member, pb.ShardMessage(result=result))
-            self.close_due()
+            self.close_due(c.fragment)
 
     def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1

@@ -67,12 +67,14 @@ class RoundRunner:
         """Stopping, or stopped by a failure: no round closes, no master goes out."""
         return self.stopping or self.fatal is not None
 
-    def close_due(self) -> None:
-        """Start a close job for every round that is due, and a fold job where pushes wait to be folded."""
+    def close_due(self, pushed: int | None = None) -> None:
+        """Start a close job for every round that is due, and a fold job where pushes wait to be folded.
+        `pushed`: called for a push of this fragment, whose round is the only one it can make due (the rule
+        costs O(members) per round looked at; the tick looks at every round five times a second)."""
         if self.down:
             return
         now = self.clock()
-        for fragment, why in self.state.due(now):
+        for fragment, why in self.state.due(now, pushed):
             started = self.state.open[fragment].started_at
             job = self.state.begin_close(fragment, why, now)
             # every push of the round is settled now (its share: the weight after the caps)

@@ -370,8 +370,8 @@ class ShardService(pb_grpc.ShardServicer):
         if self.pieces is not None:
             self.pieces.tick(self.clock())
 
-    def close_due(self) -> None:
-        self.rounds.close_due()
+    def close_due(self, pushed: int | None = None) -> None:
+        self.rounds.close_due(pushed)
 
     def _deliver(self, messages: list[bytes], nbytes: int) -> None:
         """A closed round's update messages, the same bytes to every session."""

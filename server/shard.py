@@ -288,12 +288,15 @@ class ShardState:
         """How long a round that holds a quorum waits for the rest (server/roundrule.py)."""
         return self.rule.grace(pace)
 
-    def due(self, now: float) -> list[tuple[int, str]]:
-        """(fragment, why) of every open round that should close now (the rule: this module's docstring)."""
+    def due(self, now: float, fragment: int | None = None) -> list[tuple[int, str]]:
+        """(fragment, why) of every open round that should close now (the rule: this module's docstring);
+        with `fragment`, of that one's only (after a push of it: a push moves no other round closer)."""
         out = []
         present = self.roll.present(now)
         pace = self.pace()
         for f, rnd in enumerate(self.open):
+            if fragment is not None and f != fragment:
+                continue
             if f in self.busy:
                 continue  # its fold or close job is out: due when it is back
             if rnd.expected is None:

@@ -243,3 +243,14 @@ def test_the_pace_kept_between_reports_is_the_slowest_members_at_every_step():
         else:
             roll.add(who)
         assert roll.pace() == pace_seconds(roll.step_seconds.values())
+
+
+def test_after_a_push_only_its_fragments_round_is_looked_at():
+    """A push can make only its own fragment's round due (the others move by time: the shard's tick looks at
+    every round): at a thousand members, looking at every fragment's round after each push cost P times."""
+    st = make_state(("a",))
+    e = enc(st, 1)
+    for f in (0, 1):
+        st.push_chunk("a", f, 0, 0, 0, e.numel, e, True, 100.0, None, 0.0)
+    assert st.due(0.0) == [(0, "all"), (1, "all")]
+    assert st.due(0.0, 1) == [(1, "all")] and st.due(0.0, 2) == []
