@@ -122,7 +122,7 @@ class InProcessTransport:
     def update(self, fragment: int, round: int) -> Future:
         return self.cluster.update(fragment, round)
 
-    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> tuple[int, list[int]] | None:
         return None  # lock-step: a worker never falls behind
 
     def close(self) -> None:

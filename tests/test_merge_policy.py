@@ -43,7 +43,7 @@ class HeldTransport:
         self.pushes: dict[tuple[int, int], torch.Tensor] = {}
         self.futures: dict[tuple[int, int], Future] = {}
         self.closed = False
-        self.skip: int | None = None
+        self.skip: tuple[int, list[int]] | None = None
 
     def push(self, fragment, round, slices, weight, loss) -> None:
         self.pushes[(fragment, round)] = slices[0]
@@ -51,7 +51,7 @@ class HeldTransport:
     def close(self) -> None:
         self.closed = True
 
-    def skip_to(self, next_rounds) -> int | None:
+    def skip_to(self, next_rounds) -> tuple[int, list[int]] | None:
         """What a test set in `skip`, once (tests/test_skip_ahead.py)."""
         skip, self.skip = self.skip, None
         return skip

@@ -33,7 +33,7 @@ def test_a_worker_whole_rounds_behind_merges_what_it_missed_and_goes_on_from_the
         for (f, r), v in updates.items():
             transport.deliver(f, r, torch.full_like(mirrors[f], v))
             mirrors[f] += v
-        transport.skip = start
+        transport.skip = (start, [2, 2])  # the masters fetched hold rounds 0 and 1 of each fragment
         train_step(net)  # trained from parameters the run has left behind: dropped
         engine.step()
         assert engine.skips == 1 and engine.skipped_steps == start - 2
@@ -60,10 +60,10 @@ def test_less_than_a_round_behind_or_past_its_last_step_it_goes_on_where_it_is()
     engine, transport, net = make("fixed", tau=1, total=12)
     try:
         train_step(net)
-        transport.skip = 3  # less than a round (H = 4) ahead: the rounds' grace takes that in
+        transport.skip = (3, [0, 0])  # less than a round (H = 4) ahead: the rounds' grace takes that in
         engine.step()
         assert engine.skips == 0 and engine.step_count == 1
-        transport.skip = 12  # the run is past this worker's last step: it goes on where it is
+        transport.skip = (12, [0, 0])  # the run is past this worker's last step: it goes on where it is
         engine.step()
         assert engine.skips == 0 and engine.step_count == 2
     finally:
@@ -92,9 +92,9 @@ def test_the_transport_skips_only_after_a_fetch_that_covers_the_rounds_the_worke
     a.fetches += 1
     want = joining_step([([3, 2], [False, False], [False, False])], CFG)
     assert want > 0
-    assert transport.skip_to(lambda: [3, 1]) == want
+    assert transport.skip_to(lambda: [3, 1]) == (want, [3, 2])
     # both shards fetched: the one behind counts (a round that one of them still needs is pushed)
     b.fetched, b.fetches = ([2, 2], ([2, 2], [True, False], [False, False])), 1
     a.fetches += 1
     want = joining_step([([2, 2], [True, False], [False, False])], CFG)
-    assert transport.skip_to(lambda: [0, 0]) == want
+    assert transport.skip_to(lambda: [0, 0]) == (want, [2, 2])

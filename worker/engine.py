@@ -110,10 +110,11 @@ class Transport(Protocol):
         object with `.values` and `.round`, after a resync) to take instead, or None: the mirror has that
         round already. The future fails with an error when the transport cannot deliver it."""
 
-    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
-        """The step to go on from when this worker fell whole rounds behind the run (the rounds it would
-        push next, `next_rounds()`, have closed already), else None. Asked at every schedule step: cheap,
-        and never blocks. A transport that never falls behind (the simulator's lock-step) returns None."""
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> tuple[int, list[int]] | None:
+        """When this worker fell whole rounds behind the run (the rounds it would push next, `next_rounds()`,
+        have closed already): the step to go on from, and per fragment the first round the masters it
+        fetched do not hold; else None. Asked at every schedule step: cheap, and never blocks. A transport
+        that never falls behind (the simulator's lock-step) returns None."""
 
     def close(self) -> None:
         """End the transport's sessions; the engine's close() calls it once, at the end."""
@@ -487,9 +488,10 @@ class SyncEngine:
         merges the rounds whose merge step that passes (their updates, or the masters fetched in their
         place), and its parameters become its mirror, the run's global ones, as a joiner's. What it trained
         since its last send, from parameters the run has left behind, is dropped (it would be late)."""
-        start = self.transport.skip_to(self.next_rounds)
-        if start is None or start - self.step_count < self.cfg.sync_every:
+        skip = self.transport.skip_to(self.next_rounds)
+        if skip is None or skip[0] - self.step_count < self.cfg.sync_every:
             return  # less than a round behind: within the grace that rounds give a member (server/roundrule)
+        start, fetched = skip
         if self.total_steps is not None and start >= self.total_steps:
             log.warning(
                 "the run is at step %d, past this worker's last step %d: it goes on where it is",
@@ -501,6 +503,16 @@ class SyncEngine:
         self.drain()
         self.step_count = start
         self.catch_up([min(frag.mirror_rounds) for frag in self.fragments])
+        for frag, upto in zip(self.fragments, fetched, strict=True):
+            # rounds in the masters whose merge step is still to come (tau longer than the steps between
+            # two sends): into the mirror now, merged at their step
+            for r in range(min(frag.mirror_rounds), upto):
+                _wait(
+                    self._applied(frag.index, r),
+                    f"fragment {frag.index} round {r}",
+                    self.interrupt,
+                    self.request_stop,
+                )
         self.quiesce()
         for frag in self.fragments:
             frag.take_mirror()

@@ -104,8 +104,9 @@ class GrpcTransport:
         then the shard that is behind counts, so that a joiner pushes the round it still needs."""
         return _one_view([link.view() for link in self.links])
 
-    def skip_to(self, next_rounds: Callable[[], list[int]]) -> int | None:
-        """The step this worker should go on from if it fell whole rounds behind the run, else None.
+    def skip_to(self, next_rounds: Callable[[], list[int]]) -> tuple[int, list[int]] | None:
+        """The step this worker should go on from if it fell whole rounds behind the run, and per fragment
+        the first round that the masters fetched do not hold (on every shard); else None.
 
         After a link fetched masters in place of updates it missed (a reconnect after a freeze, a sleep or
         a dropped link; a restart from a checkpoint; too many updates waiting), the rounds it would push next
@@ -123,7 +124,8 @@ class GrpcTransport:
             return None
         cfg = self.links[0].config
         assert cfg is not None
-        return joining_step([_one_view([view for _, view in said])], cfg)
+        start = joining_step([_one_view([view for _, view in said])], cfg)
+        return start, [min(covered[f] for covered, _ in said) for f in range(len(nxt))]
 
     def resume(self, schedule: Callable[[], list[int]]) -> None:
         """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
