@@ -467,7 +467,14 @@ class ChaosRun:
                 s = summaries[q.name] = json.loads((self.tmp / f"{self.tag}-{q.name}.json").read_text())
                 q.counts.tokens = q.counts.tokens_pushed = s["tokens"] - (q.base or 0.0)  # the final sync
         out["processes"] = [
-            {"name": q.name, "restart": q.resumed, **asdict(q.counts), "reached": reached_tokens(q.counts)}
+            {
+                "name": q.name,
+                "restart": q.resumed,
+                **asdict(q.counts),
+                "reached": reached_tokens(q.counts),
+                # steps it skipped to go on where the run was, after coming back whole rounds behind
+                "skipped_steps": summaries[q.name].get("skipped_steps") if q.popen.returncode == 0 else None,
+            }
             for q in self.procs_started
         ]
         out["goodput"] = goodput([q.counts for q in self.procs_started])
