@@ -292,8 +292,7 @@ class ShardState:
         """(fragment, why) of every open round that should close now (the rule: this module's docstring);
         with `fragment`, of that one's only (after a push of it: a push moves no other round closer)."""
         out = []
-        present = self.roll.present(now)
-        pace = self.pace()
+        present: set[str] | None = None  # counted once, if a round is looked at (O(members))
         for f, rnd in enumerate(self.open):
             if fragment is not None and f != fragment:
                 continue
@@ -301,7 +300,9 @@ class ShardState:
                 continue  # its fold or close job is out: due when it is back
             if rnd.expected is None:
                 continue  # not started: nobody has pushed yet
-            why = self._why_close(f, rnd, now, present, pace)
+            if present is None:
+                present = self.roll.present(now)
+            why = self._why_close(f, rnd, now, present, self.pace())
             if why is not None:
                 out.append((f, why))
         return out
