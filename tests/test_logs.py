@@ -228,6 +228,9 @@ def test_tracked_scalars_log_every_n_steps_and_the_last_and_close_once():
 class NoWire:
     num_shards, pace_seconds = 1, 0.0
 
+    def skip_to(self, next_rounds) -> None:
+        return None  # never behind
+
     def close(self) -> None:
         pass
 

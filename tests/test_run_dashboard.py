@@ -239,6 +239,9 @@ def test_the_run_view_shows_every_shard_and_a_peer_down_or_hanging_as_down(tmp_p
 class NoWire:
     num_shards, pace_seconds = 1, 0.0
 
+    def skip_to(self, next_rounds) -> None:
+        return None  # never behind
+
     def close(self) -> None:
         pass
 
