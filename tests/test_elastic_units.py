@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from inthread import WAIT, InThreadShard, push_messages
+from nowire import NoWire
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -444,12 +445,6 @@ def test_the_next_rounds_a_worker_names_count_the_sends_of_its_step_not_done_yet
     # while it waits for that merge has not sent fragment 1's round 1 yet
     from streamdiloco.common.schedule import Event, events, sends_early
     from streamdiloco.worker.engine import SyncEngine
-
-    class NoWire:
-        num_shards, pace_seconds = 1, 0.0
-
-        def close(self) -> None:
-            pass
 
     cfg = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=2)
     engine = SyncEngine(build_gpt("nano"), _LAYOUT, cfg, NoWire())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from nowire import NoWire
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
@@ -19,13 +20,6 @@ class Tied(nn.Module):
         self.head = nn.Linear(4, 7, bias=False)
         self.head.weight = self.emb.weight  # tied: one parameter under two names
         self.register_buffer("mask", torch.tril(torch.ones(3, 3)))
-
-
-class NoWire:
-    num_shards, pace_seconds = 1, 0.0
-
-    def close(self) -> None:
-        pass
 
 
 def test_the_global_state_dict_holds_the_mirror_not_the_local_parameters():

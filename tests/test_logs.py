@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from nowire import NoWire
 from procs import ROOT, Cluster, streamdiloco
 
 from streamdiloco.common.logs import JsonFormatter, TextFormatter, asked_format, iso_time, setup_logging
@@ -223,16 +224,6 @@ def test_tracked_scalars_log_every_n_steps_and_the_last_and_close_once():
     assert steps == [(2, 1.5, 200), (4, 3.5, 400), (5, 5.0, 500)]  # each the mean since the last
     assert all(x["perf/tokens_per_second"] > 0 for _, x in rec.got[:-2])
     assert rec.got[-2:] == [(5, {"eval/loss": 2.5}), "closed"]
-
-
-class NoWire:
-    num_shards, pace_seconds = 1, 0.0
-
-    def skip_to(self, next_rounds) -> None:
-        return None  # never behind
-
-    def close(self) -> None:
-        pass
 
 
 def test_the_engine_feeds_its_loggers_every_log_every_steps_each_eval_loss_and_closes_them():

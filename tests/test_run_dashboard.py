@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from inthread import InThreadShard, push_messages
+from nowire import NoWire
 from procs import shard_process, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 from test_tls import READ, https, server_tls
@@ -236,16 +237,6 @@ def test_the_run_view_shows_every_shard_and_a_peer_down_or_hanging_as_down(tmp_p
 
 
 # --- the worker: --eval-every reported to the shard, --tensorboard -------------------------------------
-class NoWire:
-    num_shards, pace_seconds = 1, 0.0
-
-    def skip_to(self, next_rounds) -> None:
-        return None  # never behind
-
-    def close(self) -> None:
-        pass
-
-
 def test_the_engine_reports_what_the_shards_take_and_leaves_out_an_eval_loss_they_would_refuse():
     model = build_gpt("nano")
     engine = SyncEngine(
