@@ -440,8 +440,8 @@ def format_summary(s: dict) -> str:
             )
     lines.append(
         "  (waited: merges whose update had not arrived when the worker needed it, mostly because a round "
-        "closes only when every worker has pushed; compute: share of the training time spent in forward, "
-        "backward and optimizer steps)"
+        "waits for the workers it expects (or a quorum of them and a grace); compute: share of the "
+        "training time spent in forward, backward and optimizer steps)"
     )
     ok = "yes, bit for bit" if s["mirrors_match_masters"] else "NO"
     lines.append(f"  every worker's mirror equals the shards' masters: {ok}")
