@@ -153,9 +153,13 @@ def _worker_a_alone_or_with_a_dying_b(tmp, with_b: bool, stall: bool = False) ->
                                 return r
                         return None
 
-                    r = wait_until("the round to close at its deadline", closed_without_b, timeout=60)
-                    assert r["why"] == "deadline" and r["contributors"] == ["worker-a"]
-                    assert 3.0 <= r["seconds"] < 5.0
+                    # it closes without worker-b's half push: at the deadline, or before it where worker-b
+                    # is dormant already (its first push, this slow, missed a round of another fragment)
+                    r = wait_until("the round to close without worker-b", closed_without_b, timeout=60)
+                    assert r["contributors"] == ["worker-a"], r
+                    assert r["why"] in ("deadline", "all") and r["seconds"] < 5.0, r
+                    if r["why"] == "deadline":
+                        assert r["seconds"] >= 3.0, r
                 c.procs["worker-b"].send_signal(signal.SIGKILL)
                 c.procs["worker-b"].wait()
                 proxy.resume()  # so that the proxy sees the connection end and ends the shard's side
