@@ -100,7 +100,10 @@ def training_flags(a: argparse.Namespace, spec: str) -> list[str]:
 def streaming(procs: Procs, tmp: Path, a: argparse.Namespace, spec: str, data: Path) -> dict:
     """One shard and two workers through the CLI, then export --hf-out; the workers' summaries, the
     ledger's status and the pieces the workers' logs report done."""
+    # the fixed schedule: every worker trains --steps inner steps of its batch, the tokens DDP trains
+    # (adaptive, the default, gives a faster worker more inner steps per schedule step)
     sync = ["--sync-every", str(a.sync_every), "--num-fragments", str(a.fragments)]
+    sync += ["--sync-schedule", "fixed"]
     flags = ["--model", spec, *sync, "--min-workers", "2", "--piece-tokens", str(a.piece_tokens)]
     (_, _, ports), *_ = start_shards(procs, tmp, "real", 1, flags, checkpoint=False)
     target = f"127.0.0.1:{ports['grpc_port']}"

@@ -1043,7 +1043,7 @@ class WorkerFuzzer:
                 reply.config_json = rng.choice(
                     [
                         json.dumps(cfg),
-                        reply.config_json[: rng.randrange(len(reply.config_json))],
+                        reply.config_json[: rng.randrange(max(1, len(reply.config_json)))],  # may be empty
                         "[1]",
                         "1",
                         "null",
