@@ -95,6 +95,10 @@ def test_every_piece_of_an_epoch_is_trained_once_through_joins_leaves_kills_and_
     # the workers' records: each piece of epoch 0 reported done and taken exactly once, by the same worker
     reports = [(p, w) for log in logs for w, p, e in _done(log) if e == 0]
     twice = sorted({(p, w) for p, w in reports if [q for q, _ in reports].count(p) > 1})
-    assert sorted(p for p, _ in reports) == list(range(60)), f"trained twice: {twice}"
-    assert dict(reports) == first
+    assert not twice, f"trained twice: {twice}"
+    # a worker logs a piece done once the shard has counted its report: the SIGKILL of worker-b may land
+    # between the two, and then the piece is in the ledger (worker-b's) and not in its log
+    missing = sorted(set(range(60)) - {p for p, _ in reports})
+    assert len(missing) <= 1 and all(first.get(p) == "worker-b" for p in missing), (missing, first)
+    assert dict(reports) == {p: w for p, w in first.items() if p not in missing}
     assert {w for _, w in reports} == {"worker-a", "worker-b", "worker-c"}
