@@ -76,14 +76,14 @@ class ShardStatus:
             "quorum": st.rule.quorum,  # of the expected weight, for a round to close on it after the grace
             "round_grace": st.rule.round_grace,
             "grace_seconds": st.grace(st.pace()),  # what that grace is now, at the run's pace
-            "dormant": sorted(st.roll.dormant),  # a round closed without them: not waited for until on time
+            "dormant": sorted(st.roll.dormant),  # a round closed without them: not waited for until they push
             "pace_seconds": self.svc.roster.pace(),  # the slowest member's step time (sync_schedule adaptive)
             "data": self.data(),  # shard 0: progress through the dataset (its ledger of pieces); else None
             "members": [
                 {
                     "name": m.name,
                     "state": "member" if m.active else "passive",
-                    "dormant": m.name in st.roll.dormant,  # not waited for until it pushes on time
+                    "dormant": m.name in st.roll.dormant,  # not waited for until a push of its arrives
                     "joined_at": m.joined_at,
                     "pushes": m.pushes,
                     "refused": m.refused,

@@ -98,3 +98,7 @@ def test_the_transport_skips_only_after_a_fetch_that_covers_the_rounds_the_worke
     a.fetches += 1
     want = joining_step([([2, 2], [True, False], [False, False])], CFG)
     assert transport.skip_to(lambda: [0, 0]) == (want, [2, 2])
+    # later only shard 0 fetches again, the run far ahead: shard 1's older fetch does not hold the start back
+    a.fetched, a.fetches = ([9, 8], ([9, 8], [False, False], [False, False])), a.fetches + 1
+    want = joining_step([([9, 8], [False, False], [False, False])], CFG)
+    assert transport.skip_to(lambda: [2, 2]) == (want, [9, 8])

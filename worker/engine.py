@@ -488,10 +488,9 @@ class SyncEngine:
         merges the rounds whose merge step that passes (their updates, or the masters fetched in their
         place), and its parameters become its mirror, the run's global ones, as a joiner's. What it trained
         since its last send, from parameters the run has left behind, is dropped (it would be late)."""
-        skip = self.transport.skip_to(self.next_rounds)
-        if skip is None or skip[0] - self.step_count < self.cfg.sync_every:
+        start, fetched = self.transport.skip_to(self.next_rounds) or (self.step_count, [])
+        if start - self.step_count < self.cfg.sync_every:
             return  # less than a round behind: within the grace that rounds give a member (server/roundrule)
-        start, fetched = skip
         if self.total_steps is not None and start >= self.total_steps:
             log.warning(
                 "the run is at step %d, past this worker's last step %d: it goes on where it is",

@@ -37,7 +37,7 @@ class GrpcTransport:
             raise SyncError(f"--servers must list each of the run's shards once: {got}")
         self.links, self.num_shards = by_index, num
         self.installed: list[list[int]] = []  # a joiner's fetched rounds, per fragment and shard
-        self._fetches_seen = 0  # the links' fetches that skip_to has looked at
+        self._fetches_seen = [0] * num  # per link, the fetches that skip_to has looked at
 
     @classmethod
     def open(
@@ -114,11 +114,15 @@ class GrpcTransport:
         would never catch up while the others go on. Then it goes on from where a joiner would start now
         (common/schedule.joining_step over what the shards said with the masters). Cheap when no fetch
         happened since the last call: the engine asks at every schedule step."""
-        fetches = sum(link.fetches for link in self.links)
-        if fetches == self._fetches_seen:
+        counts = [link.fetches for link in self.links]  # read before `fetched`, which is set first
+        said = [
+            link.fetched
+            for link, n, seen in zip(self.links, counts, self._fetches_seen, strict=True)
+            if n != seen and link.fetched is not None
+        ]  # what the fetches since the last call said (an older fetch's view would hold the start back)
+        self._fetches_seen = counts
+        if not said:
             return None
-        self._fetches_seen = fetches
-        said = [link.fetched for link in self.links if link.fetched is not None]
         nxt = next_rounds()
         if not any(r < covered[f] for covered, _ in said for f, r in enumerate(nxt)):
             return None
