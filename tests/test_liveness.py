@@ -60,16 +60,26 @@ def test_a_frozen_worker_stops_holding_rounds_within_the_liveness_bound(tmp_path
         try:
             b.send_signal(signal.SIGSTOP)
             frozen = time.monotonic()
+            before: dict[int, int] = {}  # per fragment, the last round closed when worker-b froze
+            for r in http_json(http, "/api/status?rounds=500")["recent_rounds"]:
+                before[r["fragment"]] = max(before.get(r["fragment"], -1), r["round"])
             wait_until("worker-b to stop being a member", lambda: "worker-b" not in _members(http), 60)
             noticed = time.monotonic() - frozen
             assert noticed < LIVENESS + SLACK, noticed
             assert _members(http) == {"worker-a"}
 
-            # worker-a goes on alone: rounds close with it as their one contributor, never by the deadline
+            # worker-a goes on alone: rounds close with it as their one contributor, never by the deadline.
+            # Three of each fragment after the freeze put worker-b more than a round (H steps) behind the
+            # run, so that it skips ahead once thawed (old rounds of worker-a alone, or fewer, would let it
+            # thaw within the grace, and it would go on where it was)
             def alone() -> list[dict] | None:
                 rounds = http_json(http, "/api/status?rounds=500")["recent_rounds"]
-                mine = [r for r in rounds if r["contributors"] == ["worker-a"]]
-                return mine if len(mine) >= 3 else None
+                mine = [r for r in rounds if r["round"] > before.get(r["fragment"], -1)]
+                per = [
+                    sum(r["fragment"] == f and r["contributors"] == ["worker-a"] for r in mine)
+                    for f in range(3)
+                ]
+                return mine if min(per) >= 3 else None
 
             closed = wait_until("rounds of worker-a alone", alone, 60)
             assert all(r["why"] != "deadline" and (r["seconds"] or 0) < 60 for r in closed), closed
@@ -82,11 +92,14 @@ def test_a_frozen_worker_stops_holding_rounds_within_the_liveness_bound(tmp_path
         assert "worker-b left" in c.log("shard")
         # thawed whole rounds behind, worker-b goes on from where the run is (as a joiner would) and its
         # pushes count again; trained on from where it was, each would be late, or for a round long closed
-        wait_until(
-            "worker-b to go on from the run's step",
-            lambda: re.search(r"was \d+ steps behind the run", c.log("worker-b")),
-            120,
-        )
+        try:
+            wait_until(
+                "worker-b to go on from the run's step",
+                lambda: re.search(r"was \d+ steps behind the run", c.log("worker-b")),
+                120,
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- worker-b ---\n{c.log('worker-b')[-3000:]}") from None
 
         def with_b_again() -> bool:
             rounds = http_json(http, "/api/status?rounds=500")["recent_rounds"]
