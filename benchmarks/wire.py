@@ -30,7 +30,7 @@ Timings suffer from anything else running on the machine: before each timed run 
 --max-wait s) for the CPUs to be nearly idle, and it reports the CPU that other processes used.
 
     python -m benchmarks.wire                 # the recorded run (see BENCHMARKS.md), about 9 minutes
-    python -m benchmarks.wire --quick         # a quick look (about 3 minutes)
+    python -m benchmarks.wire --quick         # a quick look (about 7 minutes)
     python -m benchmarks.wire --parts b       # one part
 
 (from the repository's root: the benchmarks are the modules of the package `benchmarks`; benchmarks/harness.py
@@ -1320,7 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parts", default="a,b,c", help="which parts to run, comma-separated (default %(default)s)"
     )
-    p.add_argument("--quick", action="store_true", help="smaller models and fewer rounds and steps (~3 min)")
+    p.add_argument("--quick", action="store_true", help="smaller models and fewer rounds and steps (~7 min)")
     p.add_argument("--out", default="benchmarks/results/wire", help="output folder (default %(default)s)")
     p.add_argument("--a-models", default=None, help="(a) models, comma-separated (default tiny,small)")
     p.add_argument("--b-model", default=None, help="(b) model whose fragment 0 is pushed (default medium)")

@@ -1,5 +1,5 @@
-"""The wire benchmark (`python -m benchmarks.wire`) still runs and its numbers add up (slow: ~3 minutes;
-`make test-slow`)."""
+"""The wire benchmark (`python -m benchmarks.wire`) still runs and its numbers add up (slow: ~7 minutes on a
+quiet 2-core machine, longer beside other tests; `make test-slow`)."""
 
 import json
 import subprocess
@@ -11,12 +11,13 @@ from procs import ROOT
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1500)  # the default 600 s was too short beside the chaos bench in `make test-slow`
 def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.wire", "--quick", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1400,
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
