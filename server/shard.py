@@ -292,17 +292,16 @@ class ShardState:
         """(fragment, why) of every open round that should close now (the rule: this module's docstring);
         with `fragment`, of that one's only (after a push of it: a push moves no other round closer)."""
         out = []
-        present: set[str] | None = None  # counted once, if a round is looked at (O(members))
-        for f, rnd in enumerate(self.open):
-            if fragment is not None and f != fragment:
-                continue
+        looked: tuple[set[str], float] | None = None  # the members present and the pace, once (O(members))
+        for f in range(len(self.open)) if fragment is None else (fragment,):
+            rnd = self.open[f]
             if f in self.busy:
                 continue  # its fold or close job is out: due when it is back
             if rnd.expected is None:
                 continue  # not started: nobody has pushed yet
-            if present is None:
-                present = self.roll.present(now)
-            why = self._why_close(f, rnd, now, present, self.pace())
+            if looked is None:
+                looked = (self.roll.present(now), self.pace())
+            why = self._why_close(f, rnd, now, *looked)
             if why is not None:
                 out.append((f, why))
         return out

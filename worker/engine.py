@@ -488,7 +488,10 @@ class SyncEngine:
         merges the rounds whose merge step that passes (their updates, or the masters fetched in their
         place), and its parameters become its mirror, the run's global ones, as a joiner's. What it trained
         since its last send, from parameters the run has left behind, is dropped (it would be late)."""
-        start, fetched = self.transport.skip_to(self.next_rounds) or (self.step_count, [])
+        ahead = self.transport.skip_to(self.next_rounds)
+        if ahead is None:
+            return  # no fetch since the last look, or none that passed the rounds it pushes next
+        start, fetched = ahead
         if start - self.step_count < self.cfg.sync_every:
             return  # less than a round behind: within the grace that rounds give a member (server/roundrule)
         if self.total_steps is not None and start >= self.total_steps:
