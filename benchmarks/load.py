@@ -67,8 +67,8 @@ from benchmarks.harness import (
 )
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.keepalive import keepalive_options
-from streamdiloco.common.wire import CHANNEL_OPTIONS, PROTOCOL, auth_metadata, to_chunks
+from streamdiloco.common.keepalive import LinkSettings
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, channel_options, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 
@@ -84,12 +84,7 @@ WEIGHT = 1024.0  # tokens each push claims: the same for every session, so nothi
 LIVENESS = 60.0
 # every session on its own connection, as workers are: gRPC would otherwise share one connection between
 # channels to the same target (and one connection carries at most 100 streams: server/bounds.py)
-_KEEPALIVE = keepalive_options(LIVENESS)
-OPTIONS = [
-    *(o for o in CHANNEL_OPTIONS if o[0] not in dict(_KEEPALIVE)),
-    *_KEEPALIVE,
-    ("grpc.use_local_subchannel_pool", 1),
-]
+OPTIONS = [*channel_options(LinkSettings(liveness_timeout=LIVENESS)), ("grpc.use_local_subchannel_pool", 1)]
 
 
 # --- the shard's side: flags and /proc ---------------------------------------------------------------------
@@ -152,7 +147,7 @@ class Timings:
 async def describe(target: Target) -> None:
     """The run's fingerprint (Fetch's description) and settings (a config-only Join), and the pushes of
     every round, encoded and serialized once."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{target.grpc_port}", options=CHANNEL_OPTIONS) as ch:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{target.grpc_port}", options=channel_options()) as ch:
         stub = pb_grpc.ShardStub(ch)
         call = stub.Fetch(pb.FetchRequest(fragments=[0], token=TOKEN, describe=True), timeout=60)
         async for chunk in call:

@@ -67,6 +67,7 @@ class ServerPlan:
     cfg: SyncConfig
     robust: Any  # server/robust.py's RobustConfig
     limits: Any  # server/bounds.py's Limits
+    link: Any  # common/keepalive.py's LinkSettings
     tls: Any  # common/tls.py's ServerTLS, or None
     auth: Any  # server/auth.py's Auth
     workers_file: Any  # server/auth.py's WorkersFile, or None
@@ -91,7 +92,15 @@ def check_server(args: argparse.Namespace) -> ServerPlan:
     tls, auth, workers_file, http_host = server_security(args)
     peers = _peers(args, auth)
     return ServerPlan(
-        sections["sync"], sections["robust"], sections["limits"], tls, auth, workers_file, http_host, peers
+        sections["sync"],
+        sections["robust"],
+        sections["limits"],
+        sections["link"],
+        tls,
+        auth,
+        workers_file,
+        http_host,
+        peers,
     )
 
 

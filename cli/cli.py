@@ -11,8 +11,8 @@ from streamdiloco import __version__
 from streamdiloco.compare import SETUPS, add_sim_flags, cmd_compare, cmd_simulate
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
-LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "worker", "pieces")
-WORKER_SECTIONS = ("model", "run", "sync", "inner", "worker", "pieces")
+LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "link", "worker", "pieces")
+WORKER_SECTIONS = ("model", "run", "sync", "inner", "link", "worker", "pieces")
 
 # Each section of the config file (cli/settings.py) as a group of flags in --help
 _TITLES = {
@@ -23,6 +23,7 @@ _TITLES = {
     "server": "rounds (every shard of a run alike)",
     "robust": "defenses against workers' pushes (on by default)",
     "limits": "limits: what clients may make the shard hold",
+    "link": "liveness and flow control (each end's own: shards and workers)",
     "worker": "worker (every worker of a run alike)",
     "pieces": "run-wide data assignment (shard 0's ledger of pieces)",
 }
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shard_flags(g)
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
-    _add_settings(sv, ("model", "sync", "server", "robust", "limits", "pieces"))
+    _add_settings(sv, ("model", "sync", "server", "robust", "limits", "link", "pieces"))
     sv.set_defaults(func=_cmd_server)
 
     wk = sub.add_parser(
@@ -500,6 +501,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
             tls=plan.tls,
             auth=plan.auth,
             limits=plan.limits,
+            link=plan.link,
             peers=plan.peers,
         )
     )

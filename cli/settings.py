@@ -39,6 +39,7 @@ from streamdiloco.common.config import (
     SyncConfig,
     WorkerSettings,
 )
+from streamdiloco.common.keepalive import LinkSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,6 +60,7 @@ def section_classes() -> dict[str, type]:
         "server": ShardSettings,
         "robust": RobustConfig,
         "limits": Limits,
+        "link": LinkSettings,
         "worker": WorkerSettings,
         "pieces": PieceSettings,
     }
@@ -198,7 +200,13 @@ def read_config(path: str | Path) -> dict[str, dict[str, Any]]:
         out[section] = {}
         for key, value in table.items():
             if key not in known:
-                raise ValueError(f"{path}: [{section}] has no key {key!r}{_close(key, known)}")
+                home = [
+                    s
+                    for s, c in classes.items()
+                    if s != section and key in {f.name for f in dataclasses.fields(c)}
+                ]
+                where = f" (it belongs under [{home[0]}])" if home else _close(key, known)
+                raise ValueError(f"{path}: [{section}] has no key {key!r}{where}")
             out[section][key] = _check_value(path, section, key, value, *_kind(cls, known[key]))
     return out
 

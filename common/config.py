@@ -202,7 +202,11 @@ class WorkerSettings:
     )
     join_timeout: float = field(default=60.0, metadata={"help": "seconds to wait for the shards"})
     reconnect_timeout: float = field(
-        default=600.0, metadata={"help": "seconds to keep trying to reach a shard that went away"}
+        default=600.0,
+        metadata={
+            "help": "seconds to keep trying to reach a shard that went away (a broken session, a Fetch "
+            "that breaks); then the worker stops, saying so"
+        },
     )
     # counts as compute time in the utilization, as a GPU's step would
     step_delay: float = field(

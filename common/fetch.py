@@ -10,13 +10,20 @@ checks each chunk). A stream that breaks (UNAVAILABLE) is resumed from what was 
 closed meanwhile starts that fragment over. Nothing partial is returned: the caller gets every fragment it
 asked for, whole and checked, or the error.
 
-It only reads and checks: no retries beyond `attempts`, no knowledge of what the values are for (the link
-hands them to worker/linkstate.py, export cuts them into parameters). It never parses a fingerprint itself:
+How long a broken stream is tried again is the caller's: up to `attempts` calls (a tool: export), or, with
+`patience`, for as long as the shard answers at least once every `patience` seconds (a worker, whose link
+may drop and come back many times while a big model crosses a slow one): each retry after a backoff
+(common/backoff.py), resuming, on any status that a network or a shard's restart gives (TRANSIENT).
+
+It only reads and checks: no knowledge of what the values are for (the link hands them to
+worker/linkstate.py, export cuts them into parameters). It never parses a fingerprint itself:
 in describe mode the caller's `describe` turns the shard's description into the slice sizes.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,12 +31,27 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from streamdiloco.common.backoff import Backoff
 from streamdiloco.common.chunks import ChunkError, MasterAssembly
 from streamdiloco.common.wire import auth_metadata, bytes_to_values
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 
 __all__ = ["FetchError", "Fetched", "fetch_slices"]
+
+log = logging.getLogger("streamdiloco.fetch")
+
+# what a network that drops, a shard that restarts (CANCELLED: it stopped mid-stream) or one still busy
+# with our broken call's twin (RESOURCE_EXHAUSTED: its Fetch calls per address) answer: worth another try
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+RETRY_LOG_EVERY = 10  # a retry is logged the first time and every this many
 
 
 class FetchError(ValueError):
@@ -125,20 +147,35 @@ def fetch_slices(
     timeout: float | None = None,
     attempts: int = 3,
     on_chunk: Callable[[pb.MasterChunk], None] | None = None,
+    patience: float | None = None,
+    stop: threading.Event | None = None,
 ) -> Fetched:
     """One shard's master slices, checked (see the module's docstring). Give the fragments as `sizes`
     (fragment -> values in this shard's slice, in the order to fetch them), or `describe`: the shard is
     asked to say which run it serves, and describe(first chunk) returns the sizes of every fragment (a
     ValueError from it is the Fetch's error). `where` ("shard 0 at HOST:PORT") starts every message;
     `timeout` bounds each call (None: none, big models on slow links take long); a broken stream is resumed
-    up to `attempts` calls in all; `on_chunk` sees every message as it comes (bytes counted, progress)."""
+    up to `attempts` calls in all, or with `patience` (seconds) until that long passes without a message
+    from the shard (then attempts do not count; `stop`, when set, ends the waits between them); `on_chunk`
+    sees every message as it comes (bytes counted, progress)."""
     if (sizes is None) == (describe is None):
         raise ValueError("give the slice sizes or a describe function, one of the two")
     stream = _Stream(where)
     if sizes is not None:
         stream.set_sizes(sizes)
     out = Fetched(where)
-    for attempt in range(attempts):
+    backoff = Backoff()
+    heard = broke = time.monotonic()  # when the shard last sent a message, when the stream last broke
+
+    def seen(m: pb.MasterChunk) -> None:
+        nonlocal heard
+        heard = time.monotonic()
+        if on_chunk is not None:
+            on_chunk(m)
+
+    attempt = 0
+    while patience is not None or attempt < attempts:
+        attempt += 1
         known = bool(stream.order)  # the sizes: given, or described by an earlier call
         asm = stream.due()
         if known and asm is None:
@@ -151,15 +188,45 @@ def fetch_slices(
         )
         try:
             call = stub.Fetch(request, metadata=auth_metadata(token), timeout=timeout)
-            if _read(call, stream, out, describe, on_chunk):
+            if _read(call, stream, out, describe, seen):
                 call.cancel()  # a round closed while the stream was broken: that fragment starts over
                 continue
         except grpc.RpcError as e:
             code, details = e.code(), ((e.details() or "").strip().splitlines() or [""])[0]
-            if code != grpc.StatusCode.UNAVAILABLE or attempt + 1 == attempts:
-                message = f"Fetch from {where} failed: {code.name}: {details}"
-                raise FetchError(message, code, details) from None
-            time.sleep(0.5 * (attempt + 1))  # the stream broke: resume from what was received
+            failed = f"Fetch from {where} failed: {code.name}: {details}"
+            if patience is None:
+                if code != grpc.StatusCode.UNAVAILABLE or attempt == attempts:
+                    raise FetchError(failed, code, details) from None
+                time.sleep(0.5 * attempt)  # the stream broke: resume from what was received
+                continue
+            if heard > broke:  # it went on for a while: the next break waits briefly again
+                backoff.reset()
+            broke = time.monotonic()
+            silent = broke - heard
+            if code not in TRANSIENT:
+                raise FetchError(failed, code, details) from None
+            if silent >= patience:
+                raise FetchError(
+                    f"Fetch from {where}: nothing received for {silent:.0f} s (last: {code.name}: {details})",
+                    code,
+                    details,
+                ) from None
+            wait = min(backoff.next(), patience - silent)
+            if attempt == 1 or attempt % RETRY_LOG_EVERY == 0:
+                log.warning(
+                    "Fetch from %s broke (%s: %s): resuming in %.1f s (attempt %d; giving up after %g s "
+                    "without a message)",
+                    where,
+                    code.name,
+                    details,
+                    wait,
+                    attempt,
+                    patience,
+                )
+            if stop is None:
+                time.sleep(wait)
+            elif stop.wait(wait):
+                raise FetchError(f"Fetch from {where} stopped: the link is closing") from None
             continue
         if not stream.order:
             raise FetchError(f"{where} ended the Fetch without sending anything")

@@ -1,13 +1,15 @@
 """The one place that builds gRPC servers and channels, and turns Encoded slices into wire chunks and back.
 
-Keepalive, and liveness: both ends send HTTP/2 pings every LIVENESS_SECONDS / 2, even without calls in
-flight, and close the connection when one is not answered within the other half. A peer that stopped
-answering (a frozen process, a laptop that sleeps with its TCP connection open: its kernel still
-acknowledges the bytes) is then noticed within LIVENESS_SECONDS: its calls end with UNAVAILABLE (the
-worker reconnects) or are cancelled (the shard drops the member). The pings also keep NATs and firewalls
-from dropping a quiet WAN link between syncs. Servers accept pings down to every MIN_PING_INTERVAL_MS and
-never answer them with GOAWAY (no ping strikes). A shard sets its own bound (`--liveness-timeout`:
-server/bounds.py); a worker uses LIVENESS_SECONDS (common/keepalive.py).
+Keepalive, and liveness (common/keepalive.py): an end that has read nothing from its peer for half of the
+liveness bound pings it, even without calls in flight, and closes the connection when the ping is not
+answered within the other half; no other pings are sent (no bandwidth probes), so a slow link that is
+delivering bytes is never taken for a dead peer. A peer that stopped answering (a frozen process, a laptop
+that sleeps with its TCP connection open: its kernel still acknowledges the bytes) is then noticed within
+the bound: its calls end with UNAVAILABLE (the worker reconnects) or are cancelled (the shard drops the
+member). The pings also keep NATs and firewalls from dropping a quiet WAN link between syncs. Servers
+accept pings down to every MIN_PING_INTERVAL_MS and never answer them with GOAWAY (no ping strikes). Each
+end sets its own bound and receive window (`--liveness-timeout`, `--receive-window`: the shard's in
+server/bounds.py, a worker's through `make_channel`'s `link`).
 
 Messages are about 1 MiB (chunks); the limits leave room for a bigger `--chunk-bytes`. A shard receives at
 most what its largest legitimate message needs (server/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
@@ -21,7 +23,7 @@ import grpc
 import torch
 
 from streamdiloco.common.codecs import Encoded, split
-from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS, keepalive_options
+from streamdiloco.common.keepalive import MIN_PING_INTERVAL_MS, LinkSettings
 from streamdiloco.common.ports import parse_target  # noqa: F401 (re-exported: the link dials with it)
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -33,9 +35,7 @@ _COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-CHANNEL_OPTIONS = [
-    *_COMMON,
-    *keepalive_options(LIVENESS_SECONDS),
+_CHANNEL = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
@@ -45,9 +45,17 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 4000),
 ]
+
+
+def channel_options(link: LinkSettings | None = None) -> list[tuple[str, int]]:
+    """A worker's channel arguments: message limits, its liveness bound and receive window, reconnects."""
+    return [*_COMMON, *(link or LinkSettings()).options(), *_CHANNEL]
+
+
+CHANNEL_OPTIONS = channel_options()
 SERVER_OPTIONS = [
     *_COMMON,
-    *keepalive_options(LIVENESS_SECONDS),
+    *LinkSettings().options(),
     ("grpc.so_reuseport", 0),  # a second shard on a port in use must fail, not share the port
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
@@ -72,12 +80,14 @@ def make_server(
     )
 
 
-def make_channel(target: str, tls: ClientTLS | None = None) -> grpc.Channel:
+def make_channel(target: str, tls: ClientTLS | None = None, link: LinkSettings | None = None) -> grpc.Channel:
     """A (blocking-API) channel to a shard at HOST:PORT; over TLS when `tls` is given (the shard's
-    certificate must name HOST and be signed by the run's CA)."""
+    certificate must name HOST and be signed by the run's CA); `link`: this end's liveness bound and
+    receive window (default: LIVENESS_SECONDS and RECEIVE_WINDOW)."""
+    options = channel_options(link)
     if tls is None:
-        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(target, tls.grpc_credentials(), options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, tls.grpc_credentials(), options=options)
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -32,7 +32,7 @@ from ssl import SSLContext
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from streamdiloco.common.keepalive import LIVENESS_SECONDS, keepalive_options
+from streamdiloco.common.keepalive import LinkSettings
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -82,14 +82,6 @@ class Limits:
         metadata={
             "help": "a gRPC connection with no call for this many seconds is closed (a worker always holds "
             "its Session; one that reconnects is not hurt)"
-        },
-    )
-    liveness_timeout: float = field(
-        default=LIVENESS_SECONDS,
-        metadata={
-            "help": "a peer that stops answering (a frozen process, a sleeping laptop that keeps its TCP "
-            "connection) is noticed within this many seconds, and its member dropped: a keepalive ping "
-            "after half of it without a frame, not answered within the other half (at least 2)"
         },
     )
     max_connections: int = field(
@@ -159,8 +151,6 @@ class Limits:
                     raise ValueError(f"{flag} must be 0 (derived) or positive, got {v}")
             elif v < 1:
                 raise ValueError(f"{flag} must be at least 1, got {v}")
-        if self.liveness_timeout < 2:
-            raise ValueError(f"--liveness-timeout must be at least 2 seconds, got {self.liveness_timeout}")
         if self.max_http_connections_per_peer > self.max_http_connections:
             raise ValueError("--max-http-connections-per-peer cannot be above --max-http-connections")
         if self.max_sessions_per_peer > self.max_sessions:
@@ -219,12 +209,15 @@ def connection_caps(limits: Limits) -> tuple[int, int]:
     return min(room, MAX_DEFAULT_CONNECTIONS), http
 
 
-def grpc_options(limits: Limits, max_connections: int, max_receive: int) -> list[tuple[str, int]]:
+def grpc_options(
+    limits: Limits, link: LinkSettings, max_connections: int, max_receive: int
+) -> list[tuple[str, int]]:
     """gRPC's own bounds on connections: how many, how long one may take to finish its HTTP/2 handshake
     (a silent TCP connection is closed then), how long one may sit without a call, how soon a peer that
-    stopped answering is noticed (keepalive pings do not count as calls), and streams at once on one
-    connection; and the largest message it takes (`max_receive` bytes)."""
-    return keepalive_options(limits.liveness_timeout) + [
+    stopped answering is noticed and how much one stream may send unread (`link`: keepalive pings do not
+    count as calls), and streams at once on one connection; and the largest message it takes
+    (`max_receive` bytes)."""
+    return link.options() + [
         ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", round(limits.hello_timeout * 1000)),

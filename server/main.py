@@ -30,6 +30,7 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
 from streamdiloco.common.inithash import parse_init_hash
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.statefile import read_init_file
@@ -386,14 +387,16 @@ async def serve(
     auth: Auth | None = None,
     limits: Limits | None = None,
     peers: Peers | None = None,
+    link: LinkSettings | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (or `stop` is set). Port 0 picks a free port; `ready_file` gets the ports.
     `service` may be a function that builds it (loads the model and the checkpoint): HTTP then answers
     /healthz while it runs, in a thread. A PendingShard (--init from-worker) serves gRPC until the first
     worker's upload has made the service. `http_host`: where HTTP listens (default `host`); `tls`: gRPC and
     HTTP over TLS; `auth`: the read token for HTTP (the service has its own for gRPC). `limits`: the bounds
-    on what clients may hold (else the service's, or the defaults). `peers`: the run's shards, for the
-    dashboard's run view."""
+    on what clients may hold (else the service's, or the defaults); `link`: the liveness bound and receive
+    window of every gRPC connection (common/keepalive.py). `peers`: the run's shards, for the dashboard's run
+    view."""
     stop = stop or asyncio.Event()
     if limits is None:
         limits = service.limits if isinstance(service, ShardService | PendingShard) else Limits()
@@ -512,6 +515,7 @@ async def serve(
             connections,
             tls,
             f"{scheme}://{http_host}",
+            link or LinkSettings(),
         )
     finally:
         await stop_http()
@@ -534,6 +538,7 @@ async def _serve_grpc(
     connections: tuple[int, int],
     tls: ServerTLS | None,
     http_base: str,
+    link: LinkSettings,
 ) -> None:
     limits = service.limits
     # Sessions and Fetches are counted (and refused) by the service, calls waiting for their request by
@@ -547,7 +552,7 @@ async def _serve_grpc(
     else:  # the pending shard's service is not built yet: the largest chunk a --chunk-bytes may give
         push_bytes = 2 * MAX_CHUNK_BYTES
     server = make_server(
-        grpc_options(limits, connections[0], receive_limit(push_bytes)),
+        grpc_options(limits, link, connections[0], receive_limit(push_bytes)),
         2 * limits.max_sessions + limits.max_waiting_calls + 64,
         [waiting],
     )

@@ -12,8 +12,8 @@ import time
 import pytest
 from procs import Cluster, http_json, wait_until
 
-from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS
-from streamdiloco.common.wire import CHANNEL_OPTIONS, SERVER_OPTIONS
+from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS, RECEIVE_WINDOW, LinkSettings
+from streamdiloco.common.wire import CHANNEL_OPTIONS, SERVER_OPTIONS, channel_options
 from streamdiloco.server.bounds import Limits, grpc_options
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
@@ -29,19 +29,34 @@ def _members(http: int) -> set[str]:
 
 
 def test_the_liveness_bound_sets_both_ends_keepalive_and_the_shard_permits_the_workers_pings():
-    shard = dict(grpc_options(Limits(liveness_timeout=3), 8, 1 << 20))
-    # a ping after 1.5 s without a frame, its ack awaited 1.5 s (both timeouts: grpc-core's ping timeout
-    # would otherwise wait a minute)
-    assert shard["grpc.keepalive_time_ms"] == 1500
-    assert shard["grpc.keepalive_timeout_ms"] == shard["grpc.http2.ping_timeout_ms"] == 1500
+    shard = dict(grpc_options(Limits(), LinkSettings(liveness_timeout=3), 8, 1 << 20))
+    # a ping after 1.5 s in which nothing was read, its ack awaited 1.5 s (grpc-core's ping timeout would
+    # otherwise wait a minute); TCP gives up on unacknowledged data after the whole bound
+    assert shard["grpc.keepalive_time_ms"] == shard["grpc.http2.ping_timeout_ms"] == 1500
+    assert shard["grpc.keepalive_timeout_ms"] == 3000
     worker, server = dict(CHANNEL_OPTIONS), dict(SERVER_OPTIONS)
     assert worker["grpc.keepalive_time_ms"] + worker["grpc.http2.ping_timeout_ms"] == LIVENESS_SECONDS * 1000
+    # no pings but keepalive's (on a slow link, a bandwidth probe's ack waits behind the data: tests/
+    # test_slow_link.py), and the window that probing would have grown is fixed instead
+    for options in (shard, worker, server):
+        assert options["grpc.http2.bdp_probe"] == 0
+        assert options["grpc.http2.lookahead_bytes"] == RECEIVE_WINDOW
+    # a worker sets its own bound and window
+    mine = dict(channel_options(LinkSettings(liveness_timeout=4, receive_window=1 << 20)))
+    assert mine["grpc.keepalive_time_ms"] == mine["grpc.http2.ping_timeout_ms"] == 2000
+    assert mine["grpc.http2.lookahead_bytes"] == 1 << 20
     # the worker's pings are never "too many": no GOAWAY too_many_pings
     assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] == MIN_PING_INTERVAL_MS
     assert MIN_PING_INTERVAL_MS <= worker["grpc.keepalive_time_ms"]
     assert server["grpc.http2.max_ping_strikes"] == 0
-    with pytest.raises(ValueError, match="--liveness-timeout must be at least 2 seconds, got 1"):
-        Limits(liveness_timeout=1)
+    for bad, message in [
+        ({"liveness_timeout": 1.5}, "--liveness-timeout must be at least 2 seconds .* got 1.5"),
+        ({"liveness_timeout": float("nan")}, "--liveness-timeout must be"),
+        ({"receive_window": 1000}, "--receive-window must be 65536 bytes .* got 1000"),
+        ({"receive_window": 2 << 30}, "--receive-window must be"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LinkSettings(**bad)
 
 
 def test_a_frozen_worker_stops_holding_rounds_within_the_liveness_bound(tmp_path):

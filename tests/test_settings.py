@@ -20,8 +20,8 @@ from streamdiloco.settings import _default, _kind, dump_toml, read_config, resol
 from streamdiloco.worker.model import build_gpt
 
 COMMANDS = {  # each command and the config file's sections it reads
-    "server": ("model", "sync", "server", "robust", "limits", "pieces"),
-    "worker": ("model", "run", "sync", "inner", "worker", "pieces"),
+    "server": ("model", "sync", "server", "robust", "limits", "link", "pieces"),
+    "worker": ("model", "run", "sync", "inner", "link", "worker", "pieces"),
     "launch": LAUNCH_SECTIONS,
     "simulate": ("model", "run", "sync", "inner", "robust"),
     "compare": ("model", "run", "sync", "inner", "robust"),
@@ -170,7 +170,7 @@ def test_a_process_config_is_composed_of_the_sections_and_declares_none_of_their
 
     classes = section_classes()
     for cls, sections in (
-        (WorkerConfig, ("model", "run", "sync", "inner", "worker", "pieces")),
+        (WorkerConfig, ("model", "run", "sync", "inner", "link", "worker", "pieces")),
         (SimConfig, ("model", "run", "sync", "inner", "robust")),
     ):
         # the settings of the sections it holds (the simulator's own --eval-every, default 100, is not

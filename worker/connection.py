@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,12 @@ from typing import Any
 import grpc
 import torch
 
+from streamdiloco.common.backoff import Backoff
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import chunk_alignment
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fetch import FetchError, fetch_slices
+from streamdiloco.common.fetch import TRANSIENT, FetchError, fetch_slices
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, from_chunk, make_channel, parse_target
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -39,7 +40,6 @@ from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 
 log = logging.getLogger("streamdiloco.worker")
 
-MAX_BACKOFF = 8.0  # seconds between reconnect attempts, at most (before jitter)
 JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
 # What a shard can make a worker hold (a compromised shard, or a man in the middle on an --insecure link):
 MAX_UPDATES_UNDER_WAY = 2  # updates of one fragment whose chunks arrive at once (an honest shard: one)
@@ -157,11 +157,14 @@ class ShardConnection:
         token: str = "",
         join_timeout: float = 60.0,
         tls: ClientTLS | None = None,
+        link: LinkSettings | None = None,
+        patience: float = 600.0,
     ):
         self.target, self.worker, self.token = parse_target(target), worker, token
         self.fingerprint, self.join_timeout, self.tls = fingerprint, join_timeout, tls
+        self.patience = patience  # seconds a broken Fetch goes on without a message (--reconnect-timeout)
         self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
-        self.channel = make_channel(self.target, tls)
+        self.channel = make_channel(self.target, tls, link)
         self.stub = pb_grpc.ShardStub(self.channel)
         # set by Join (the caller's thread before the link starts, then only the link's thread)
         self.config: SyncConfig | None = None
@@ -421,16 +424,16 @@ class ShardConnection:
     def reconnect(self, timeout: float, tell: Callable[..., None], then: Callable[[pb.Welcome], None]) -> int:
         """Join again and open a new session, then then(its Welcome), until all three succeed; returns the
         attempts it took. SyncError after `timeout` seconds, or at once when the shard refuses for good.
-        Attempts are spaced by exponential backoff with jitter (0.5 s doubling to MAX_BACKOFF, each times a
-        random 0.5..1), so that many workers do not all come at once; during each, the Join waits for the
-        channel, which connects as soon as the shard is back (gRPC retries every 0.25..4 s). A Retry from
-        `then` (say, a Fetch that broke) counts as a failed attempt."""
+        Attempts are spaced by exponential backoff with jitter (common/backoff.py), so that many workers do
+        not all come at once; during each, the Join waits for the channel, which connects as soon as the shard
+        is back (gRPC retries every 0.25..4 s). A Retry from `then` (say, a Fetch that broke) counts as a
+        failed attempt."""
         give_up = time.monotonic() + timeout
-        delay = 0.5
+        backoff = Backoff()
         attempt = 0
         while not self.closed.is_set():
             attempt += 1
-            window = max(0.5, min(delay * random.uniform(0.5, 1.0), give_up - time.monotonic()))
+            window = max(0.5, min(backoff.next(), give_up - time.monotonic()))
             t0 = time.monotonic()
             try:
                 self.join(timeout=window, reconnecting=True)
@@ -449,16 +452,18 @@ class ShardConnection:
                         "shard %d at %s: %s; still trying (attempt %d)", self.shard, self.target, e, attempt
                     )
                 self.closed.wait(max(0.0, window - (time.monotonic() - t0)))  # a quick refusal: wait it out
-                delay = min(delay * 2, MAX_BACKOFF)
         return attempt
 
     # --- Fetch ---------------------------------------------------------------------------------------------
     def fetch(
-        self, fragments: list[int] | None = None, attempts: int = 3
+        self, fragments: list[int] | None = None, patient: bool = True
     ) -> dict[int, tuple[torch.Tensor, int]]:
         """The current master slices (fp32) and their rounds, every chunk checked against this shard's slices
         (common/fetch.py: order, sizes, rounds, finite values), resuming from the last chunk received if the
-        stream breaks. SyncError when the shard sends what does not fit: nothing of it is kept."""
+        stream breaks: when `patient`, after a backoff, as often as it takes, until `patience` seconds pass
+        without a message from the shard (a link that drops and comes back, a shard that restarts); else
+        three calls (a reconnect's resync: the reconnect tries again). SyncError when the shard sends what
+        does not fit (nothing of it is kept), refuses, or stays out of reach that long."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
         try:
             got = fetch_slices(
@@ -466,10 +471,13 @@ class ShardConnection:
                 {f: self.slices[f][1] for f in want},
                 where=f"shard {self.shard} at {self.target}",
                 token=self.token,
-                attempts=attempts,
                 on_chunk=lambda m: self.count("in", m.ByteSize()),
+                patience=self.patience if patient else None,
+                stop=self.closed,
             )
         except FetchError as e:
+            if patient and e.code in TRANSIENT:
+                raise SyncError(f"{e}; giving up after --reconnect-timeout {self.patience:g} s") from None
             raise SyncError(str(e)) from None
         log.debug("fetched %s", got.describe())
         return got.masters()

@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from streamdiloco.common.fragments import (
     slice_ranges,
     unflatten_into,
 )
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.worker.bootstrap import ShardInfo, check_one_start, give_parameters, probe_shard
 from streamdiloco.worker.connection import SyncError
@@ -65,6 +66,7 @@ class JoinOptions:
     rank: int = 0  # the worker's data rank (its batches' seed)
     join_timeout: float = 60.0  # seconds to wait for each shard to answer (--join-timeout)
     reconnect_timeout: float = 600.0  # seconds a broken session may take to come back before the run fails
+    link: LinkSettings = field(default_factory=LinkSettings)  # liveness bound, receive window ([link])
     resume: dict | None = None  # a worker checkpoint's dict (worker/run.py): continue from it
     interrupt: threading.Event | None = None  # set: the engine stops at its next step (StopRequested)
     prepare: Callable[[], None] | None = None  # called once the model holds the global parameters
@@ -163,6 +165,7 @@ def connect(
         o.token,
         o.join_timeout,
         o.reconnect_timeout,
+        link=o.link,
         states=None if o.resume is None else o.resume["links"],
         held=None if o.resume is None else o.resume["engine"]["mirror_rounds"],
         tls=o.tls,

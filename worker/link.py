@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from streamdiloco.common.codecs import Encoded
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.common.tls import ClientTLS
@@ -208,10 +209,18 @@ class ShardLink(Actor):
         reconnect_timeout: float = 600.0,
         tls: ClientTLS | None = None,
         max_waiting: int = MAX_WAITING_UPDATES,
+        link: LinkSettings | None = None,
     ):
         super().__init__()
         self.conn = ShardConnection(
-            target, worker, fingerprint, token=token, join_timeout=join_timeout, tls=tls
+            target,
+            worker,
+            fingerprint,
+            token=token,
+            join_timeout=join_timeout,
+            tls=tls,
+            link=link,
+            patience=reconnect_timeout,
         )
         self.reconnect_timeout, self.max_waiting = reconnect_timeout, max_waiting
         self._warned = -WARN_EVERY  # when updates were last replaced by a master with a warning
@@ -382,7 +391,7 @@ class ShardLink(Actor):
 
         def resume(welcome: pb.Welcome) -> None:
             self._welcome = welcome
-            self._resync(welcome)
+            self._resync(welcome, patient=False)  # a Fetch that breaks: the reconnect tries again
             if self._want_member:  # the answer's Welcome sends the kept pushes again
                 self.conn.send(self._ready_message())
 
@@ -391,8 +400,9 @@ class ShardLink(Actor):
             self.reconnects += 1
             log.info("reconnected to shard %d at %s (attempt %d)", self.shard, self.target, attempts)
 
-    def _resync(self, welcome: pb.Welcome) -> None:
-        """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed."""
+    def _resync(self, welcome: pb.Welcome, patient: bool = True) -> None:
+        """Compare the shard's rounds with ours; fetch the slices of fragments whose rounds we missed (a
+        Fetch that breaks is tried again as ShardConnection.fetch says; Retry when it fails)."""
         assert self.state is not None
         try:
             behind = self.state.behind(list(welcome.rounds))
@@ -406,7 +416,7 @@ class ShardLink(Actor):
             behind,
         )
         try:
-            fetched = self.conn.fetch(behind)
+            fetched = self.conn.fetch(behind, patient)
         except SyncError as e:
             raise Retry(str(e)) from None
         for f, (values, rnd) in fetched.items():

@@ -44,6 +44,7 @@ from streamdiloco.common.config import (
     WorkerSettings,
 )
 from streamdiloco.common.fragments import fragment_params, unflatten_into
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.modelspec import build_model, check_vocab, model_block_size
 from streamdiloco.common.tls import client_tls
 from streamdiloco.common.wire import parse_target
@@ -91,6 +92,7 @@ class WorkerConfig:
     sync_set: frozenset[str] | None = None
     inner: InnerConfig = field(default_factory=InnerConfig)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    link: LinkSettings = field(default_factory=LinkSettings)  # this end of every connection to the shards
     pieces: PieceSettings = field(default_factory=PieceSettings)  # --data-pieces: shard 0 assigns the data
     name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     rank: int | None = None  # seeds this worker's data stream; default: derived from the name
@@ -480,6 +482,7 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
                 rank=cfg.data_rank,
                 join_timeout=cfg.worker.join_timeout,
                 reconnect_timeout=cfg.worker.reconnect_timeout,
+                link=cfg.link,
                 resume=resume,
                 interrupt=t.stop.event,
                 # the global params as fetched

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from streamdiloco.common.codecs import Encoded
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.metrics import PUSH_OUTCOMES
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
@@ -51,10 +52,12 @@ class GrpcTransport:
         states: list[dict] | None = None,
         held: list[list[int]] | None = None,
         tls: ClientTLS | None = None,
+        link: LinkSettings | None = None,
     ) -> GrpcTransport:
         """Join every shard and open a passive session with each (nobody waits for us yet); with `states`
         (a worker checkpoint's links, in shard order) and `held` (its engine's mirror rounds, per fragment
-        and shard), each link first takes back what it held."""
+        and shard), each link first takes back what it held. `link`: the liveness bound and receive window
+        of every connection (common/keepalive.py)."""
         if states is not None and len(states) != len(targets):
             raise SyncError(
                 f"the checkpoint has links to {len(states)} shards, --servers names {len(targets)}"
@@ -62,7 +65,9 @@ class GrpcTransport:
         links: list[ShardLink] = []
         try:
             for i, t in enumerate(targets):
-                links.append(ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout, tls))
+                links.append(
+                    ShardLink(t, worker, fingerprint, token, join_timeout, reconnect_timeout, tls, link=link)
+                )
                 links[-1].start(
                     None if states is None else states[i],
                     None if held is None else [h[i] for h in held],
