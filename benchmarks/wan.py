@@ -12,8 +12,9 @@ The network 10.213.77.0/24 exists only inside these namespaces; the testbed touc
 Bandwidth: `tc qdisc tbf` on both ends of each worker's veth pair: the worker side's egress is its uplink,
 the bridge port's egress its downlink (the same rate each way). burst = max(2 full frames (3028 B), 2 ms at
 the rate): the bucket refills in 2 ms, so the timer never has to fire per packet at the high rates; limit =
-burst + max(100 ms at the rate, 8 full frames): a queue of about 100 ms, as a modem's, that the lowest rates
-stretch to a few frames so that TCP's first flight is not dropped. tbf counts Ethernet frames: TCP's payload
+burst + max(100 ms at the rate, 8 full frames): a queue of about 100 ms (`--queue-ms`: a home modem's often
+holds a second or more), that the lowest rates stretch to a few frames so that TCP's first flight is not
+dropped. tbf counts Ethernet frames: TCP's payload
 (1448 B in a 1514 B frame) gets about 95.6% of the rate. "unlimited": no qdisc (veth speed).
 
 Delay: the kernel has no netem, so each worker namespace runs a delaying TCP proxy (this file's `_proxy`,
@@ -82,6 +83,7 @@ HERE = Path(__file__).resolve().parent
 PREFIX = "sdlwan-"  # every namespace of the testbed; leftovers with it are removed at the start
 SUBNET = "10.213.77"  # the testbed's /24, only inside its namespaces
 HUB, DC = PREFIX + "hub", PREFIX + "dc"
+QUEUE = 0.1  # seconds of the link's rate that its tbf queue holds (--queue-ms)
 DC_ADDR = f"{SUBNET}.10"
 IFACE = "wan0"  # each site's end of its veth pair
 BRIDGE = "br0"
@@ -352,34 +354,38 @@ def in_ns(ns: str, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd]
 
 
-def tbf_params(rate_mbit: float) -> tuple[int, int]:
-    """(burst, limit) in bytes for a tbf at this rate: see the module docstring."""
+def tbf_params(rate_mbit: float, queue: float = QUEUE) -> tuple[int, int]:
+    """(burst, limit) in bytes for a tbf at this rate whose queue holds `queue` seconds of it: see the
+    module docstring."""
     bps = rate_mbit * 1e6 / 8
     burst = max(2 * FRAME, int(bps * 0.002))
-    return burst, burst + max(int(bps * 0.1), 8 * FRAME)
+    return burst, burst + max(int(bps * queue), 8 * FRAME)
 
 
 class Testbed:
-    """The namespaces, the bridge, the veth pairs, the redirect rules and the shaping of one testbed."""
+    """The namespaces, the bridge, the veth pairs, the redirect rules and the shaping of one testbed. Its
+    namespaces' names start with `prefix`: testbeds of other prefixes (a test's, beside a benchmark) are
+    separate networks, each with the same addresses."""
 
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.ns = [f"{PREFIX}w{i}" for i in range(workers)]
+    def __init__(self, workers: int, prefix: str = PREFIX):
+        self.workers, self.prefix = workers, prefix
+        self.hub, self.dc = prefix + "hub", prefix + "dc"
+        self.ns = [f"{prefix}w{i}" for i in range(workers)]
         self.addr = [f"{SUBNET}.{11 + i}" for i in range(workers)]
 
     @staticmethod
-    def leftovers() -> list[str]:
+    def leftovers(prefix: str = PREFIX) -> list[str]:
         return [
             line.split()[0]
             for line in sh("ip", "netns", "list").splitlines()
-            if line.split() and line.split()[0].startswith(PREFIX)
+            if line.split() and line.split()[0].startswith(prefix)
         ]
 
     @staticmethod
-    def remove_all() -> list[str]:
+    def remove_all(prefix: str = PREFIX) -> list[str]:
         """Delete every namespace of ours (and so its veths, qdiscs and nft tables), first killing any
         process still inside one (ours: only this testbed starts processes there)."""
-        gone = Testbed.leftovers()
+        gone = Testbed.leftovers(prefix)
         for ns in gone:
             for pid in sh("ip", "netns", "pids", ns, check=False).split():
                 try:
@@ -397,17 +403,18 @@ class Testbed:
     def create(self) -> None:
         if self.workers > 100:
             raise ValueError(f"--workers {self.workers}: the testbed's /24 has room for 100 workers")
-        sh("ip", "netns", "add", HUB)
-        self._quiet(HUB)
-        sh("ip", "-n", HUB, "link", "add", BRIDGE, "type", "bridge")
-        sh("ip", "-n", HUB, "link", "set", BRIDGE, "up")
-        for ns, addr, port in [(DC, DC_ADDR, "p-dc")] + [
+        hub = self.hub
+        sh("ip", "netns", "add", hub)
+        self._quiet(hub)
+        sh("ip", "-n", hub, "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "-n", hub, "link", "set", BRIDGE, "up")
+        for ns, addr, port in [(self.dc, DC_ADDR, "p-dc")] + [
             (ns, addr, f"p-w{i}") for i, (ns, addr) in enumerate(zip(self.ns, self.addr, strict=True))
         ]:
             sh("ip", "netns", "add", ns)
             self._quiet(ns)
-            sh("ip", "-n", HUB, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", ns)
-            sh("ip", "-n", HUB, "link", "set", port, "master", BRIDGE, "up")
+            sh("ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", ns)
+            sh("ip", "-n", hub, "link", "set", port, "master", BRIDGE, "up")
             sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)
             sh("ip", "-n", ns, "link", "set", IFACE, "up")
         for ns in self.ns:  # a worker's outgoing TCP to the testbed goes to its delaying proxy
@@ -432,14 +439,14 @@ redirect to :{PROXY_PORT}
             "net.ipv6.conf.default.disable_ipv6=1",
         )
 
-    def shape(self, rate_mbit: float | None) -> None:
-        """rate_mbit each way on every worker's link (None: unshaped)."""
+    def shape(self, rate_mbit: float | None, queue: float = QUEUE) -> None:
+        """rate_mbit each way on every worker's link (None: unshaped), behind a queue of `queue` seconds."""
         for i, ns in enumerate(self.ns):
-            for where, dev in ((["-n", ns], IFACE), (["-n", HUB], f"p-w{i}")):
+            for where, dev in ((["-n", ns], IFACE), (["-n", self.hub], f"p-w{i}")):
                 if rate_mbit is None:
                     sh("tc", *where, "qdisc", "del", "dev", dev, "root", check=False)
                 else:
-                    burst, limit = tbf_params(rate_mbit)
+                    burst, limit = tbf_params(rate_mbit, queue)
                     sh(
                         *("tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf"),
                         *("rate", f"{int(rate_mbit * 1e6)}bit", "burst", str(burst), "limit", str(limit)),
@@ -610,7 +617,7 @@ class Sweep:
             model += ["--block-size", str(a.block_size)]
         argv = ["-m", "streamdiloco", "server", "--host", DC_ADDR, "--port", str(SHARD_PORT)]
         argv += ["--http-port", "0", "--ready-file", str(ready), "--min-workers", str(bed.workers)]
-        argv += ["--no-checkpoint", *model, *self.sync_flags(), *shlex.split(a.server_flags)]
+        argv += ["--no-checkpoint", "--insecure", *model, *self.sync_flags(), *shlex.split(a.server_flags)]
         shard = self.procs.start(f"{d.name}-shard", in_ns(DC, sys.executable, *argv), env_extra=self.env)
         deadline = time.monotonic() + 120
         while not ready.exists():
@@ -866,10 +873,10 @@ def results_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check_line(rate: float | None, delay_ms: float, c: dict) -> str:
+def check_line(rate: float | None, delay_ms: float, c: dict, queue: float = QUEUE) -> str:
     expect = ""
     if rate:
-        burst, limit = tbf_params(rate)
+        burst, limit = tbf_params(rate, queue)
         expect = (
             f" (expected ~{0.956 * rate:.3g} Mbit/s of TCP payload; tbf burst {burst} B, limit {limit} B)"
         )
@@ -1107,6 +1114,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--workers", type=int, default=2, help="worker namespaces (and DDP ranks) (default 2)")
     g.add_argument(
+        "--queue-ms",
+        type=float,
+        default=QUEUE * 1e3,
+        help="what each link's queue holds, in ms at its rate (default %(default)g; a home modem's: 1000 or "
+        "more, which delays everything behind a transfer)",
+    )
+    g.add_argument(
         "--check-seconds",
         type=float,
         default=2.0,
@@ -1191,6 +1205,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [x.strip() for x in a.systems.split(",") if x.strip()]
     if not set(systems) <= {"sdl", "ddp"} or not systems:
         p.error(f"--systems: choose from sdl, ddp; got {a.systems!r}")
+    if not 0 < a.queue_ms <= 60_000:
+        p.error(f"--queue-ms must be in (0, 60000], got {a.queue_ms:g}")
     if a.workers < 1 or a.steps < 1 or a.ref_steps < 4:
         p.error("--workers and --steps must be at least 1, --ref-steps at least 4")
     if os.geteuid() != 0:
@@ -1237,14 +1253,14 @@ def main(argv: list[str] | None = None) -> int:
         total = len(rates) * len(delays) * (0 if a.check_only else len(systems))
         for delay_ms in delays:
             for rate in rates:
-                bed.shape(rate)
+                bed.shape(rate, a.queue_ms / 1e3)
                 sweep.start_proxies(delay_ms / 1e3, rate)
                 point: dict = {
                     "rate_mbit": rate,
                     "delay_ms": delay_ms,
                     "check": sweep.self_check(rate, delay_ms),
                 }
-                say(check_line(rate, delay_ms, point["check"]))
+                say(check_line(rate, delay_ms, point["check"], a.queue_ms / 1e3))
                 if not a.check_only:
                     point["reference"] = sweep.reference()
                     t_ref = point["reference"]["step_seconds"]

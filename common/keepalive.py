@@ -4,8 +4,8 @@ A frozen process, or a laptop that sleeps with its TCP connection open, keeps it
 still acknowledges the bytes, so only a ping that goes unanswered tells. grpc-core (1.85) sends a keepalive
 ping only after `grpc.keepalive_time_ms` in which nothing was read from the peer (every read restarts that
 timer), and closes the connection when the ping's ack has not come within `grpc.http2.ping_timeout_ms`.
-Both are half of the bound: a peer silent for half of it is pinged, and a ping unanswered for the other half
-ends the connection. A link that is delivering bytes is never pinged, however slow it is.
+Here the silence is a third of the liveness bound and the wait the other two thirds: a peer that sends
+nothing is noticed within the bound, and a link that is delivering bytes is never pinged, however slow.
 
 What this must keep out is every other ping. grpc-core holds *every* ping to the same ping timeout (only
 the ack cancels it), and by default a receiver probes the bandwidth-delay product with pings while data
@@ -14,8 +14,14 @@ arrives (`grpc.http2.bdp_probe`); on a slow link their acks wait behind the data
 modem's buffer), so a healthy link was cut every few seconds. Probing is off here, and the window it would
 have grown is fixed instead (`receive_window`, each end's own for what it receives): a stream moves at most
 receive_window / RTT (4 MiB: 335 Mbit/s at 100 ms), and a peer can make us buffer at most that much per
-stream. TCP's own bound (TCP_USER_TIMEOUT, which grpc-core takes from `grpc.keepalive_timeout_ms`) is the
-whole bound: data unacknowledged that long means the path is gone.
+stream.
+
+What is left: an end that sends a long transfer hears from the receiver only its window updates (one per
+half window it reads: every 16 s at 1 Mbit/s), so it may ping mid-transfer, and that ping waits behind its
+own queued bytes (the socket's and the modem's: about 3 s at 1 Mbit/s behind a 1 s modem queue). Two
+thirds of the bound (6.7 s at the default 10 s) is that ping's room; a link whose queue holds more needs a
+longer --liveness-timeout. TCP's own bound (TCP_USER_TIMEOUT, which grpc-core takes from
+`grpc.keepalive_timeout_ms`) is the whole bound: sent data unacknowledged that long, the path is gone.
 
 Torch-free and without I/O (the command line reads LinkSettings for its flags): it only computes gRPC
 options; common/wire.py applies them to channels (a worker's), server/bounds.py to the shard's server.
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 LIVENESS_SECONDS = 10.0  # a stopped peer is noticed within this (a worker's and a shard's default)
 MIN_LIVENESS_SECONDS = 2.0  # below this, a ping every second would be too many for a shard
-MIN_PING_INTERVAL_MS = 1000  # the fastest pings a shard accepts (a peer pings after half its bound's silence)
+MIN_PING_INTERVAL_MS = 1000  # the fastest pings a shard accepts (a peer pings after a third of its bound)
 RECEIVE_WINDOW = 4 << 20  # bytes a peer may send on one stream before we read them (flow control)
 MIN_RECEIVE_WINDOW = 64 << 10  # HTTP/2's own initial window
 MAX_RECEIVE_WINDOW = 1 << 30  # grpc-core's largest
@@ -42,9 +48,10 @@ class LinkSettings:
         default=LIVENESS_SECONDS,
         metadata={
             "help": "a peer that stops answering (a frozen process, a machine asleep with its TCP connection "
-            "open) is noticed within this many seconds: a ping after half of it in which nothing arrived, "
-            "not answered within the other half (at least 2; a slow link that is delivering bytes is never "
-            "pinged). A shard then drops the member, a worker reconnects"
+            "open) is noticed within this many seconds: a ping after a third of it in which nothing arrived, "
+            "not answered within the rest (at least 2; a slow link that is delivering bytes is never "
+            "pinged; one whose modem queues seconds of data may need more). A shard then drops the "
+            "member, a worker reconnects"
         },
     )
     receive_window: int = field(
@@ -60,8 +67,8 @@ class LinkSettings:
     def __post_init__(self) -> None:
         if not MIN_LIVENESS_SECONDS <= self.liveness_timeout <= 3600:  # also refuses NaN
             raise ValueError(
-                f"--liveness-timeout must be at least {MIN_LIVENESS_SECONDS:g} seconds (a ping after half of "
-                f"it) and at most an hour, got {self.liveness_timeout:g}"
+                f"--liveness-timeout must be at least {MIN_LIVENESS_SECONDS:g} seconds (a ping after a third "
+                f"of it) and at most an hour, got {self.liveness_timeout:g}"
             )
         if not MIN_RECEIVE_WINDOW <= self.receive_window <= MAX_RECEIVE_WINDOW:
             raise ValueError(
@@ -71,13 +78,14 @@ class LinkSettings:
 
     def options(self) -> list[tuple[str, int]]:
         """gRPC's channel arguments for this end (see the module's docstring)."""
-        half = max(MIN_PING_INTERVAL_MS, round(self.liveness_timeout * 500))
+        bound = round(self.liveness_timeout * 1000)
+        silence = max(MIN_PING_INTERVAL_MS, bound // 3)
         return [
-            ("grpc.keepalive_time_ms", half),  # after this long without a read, a ping
-            ("grpc.http2.ping_timeout_ms", half),  # how long a ping's ack is waited for (else a minute)
+            ("grpc.keepalive_time_ms", silence),  # after this long without a read, a ping
+            ("grpc.http2.ping_timeout_ms", bound - silence),  # how long its ack is waited for (else a minute)
             # grpc-core's watchdog of this name never fires (the ping timeout does its job); it sets the
             # socket's TCP_USER_TIMEOUT: sent data unacknowledged this long, the path is gone
-            ("grpc.keepalive_timeout_ms", 2 * half),
+            ("grpc.keepalive_timeout_ms", bound),
             ("grpc.http2.bdp_probe", 0),  # no pings while data flows (their acks queue behind it)
             ("grpc.http2.lookahead_bytes", self.receive_window),  # the window that probing would have grown
         ]

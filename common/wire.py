@@ -1,9 +1,9 @@
 """The one place that builds gRPC servers and channels, and turns Encoded slices into wire chunks and back.
 
-Keepalive, and liveness (common/keepalive.py): an end that has read nothing from its peer for half of the
-liveness bound pings it, even without calls in flight, and closes the connection when the ping is not
-answered within the other half; no other pings are sent (no bandwidth probes), so a slow link that is
-delivering bytes is never taken for a dead peer. A peer that stopped answering (a frozen process, a laptop
+Keepalive, and liveness (common/keepalive.py): an end that has read nothing from its peer for a third of
+the liveness bound pings it, even without calls in flight, and closes the connection when the ping is not
+answered within the rest; no other pings are sent (no bandwidth probes), so a slow link that is delivering
+bytes is never taken for a dead peer. A peer that stopped answering (a frozen process, a laptop
 that sleeps with its TCP connection open: its kernel still acknowledges the bytes) is then noticed within
 the bound: its calls end with UNAVAILABLE (the worker reconnects) or are cancelled (the shard drops the
 member). The pings also keep NATs and firewalls from dropping a quiet WAN link between syncs. Servers
