@@ -176,6 +176,84 @@ def test_a_refused_fetch_is_not_tried_again_and_says_its_status(scripted):
         fetch_slices(stub, SIZES, where="shard 0 at here", attempts=3)
 
 
+def _unavailable(request, context):
+    context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)")
+    yield  # pragma: no cover
+
+
+def _busy(request, context):
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "4 Fetch calls at once from 127.0.0.1")
+    yield  # pragma: no cover
+
+
+def test_a_patient_fetch_resumes_a_stream_that_keeps_breaking_for_as_long_as_it_moves(scripted):
+    """A worker's (patience): a link that drops every chunk, or a shard still busy with our broken call's
+    twin, is tried again after a backoff, resuming, however often; `attempts` no longer counts."""
+    breaks = [broken_after(1), _busy, broken_after(1), _unavailable] * 3
+    script, stub = scripted(*breaks, lambda request, context: honest(request))
+    t0 = time.monotonic()
+    got = fetch_slices(stub, SIZES, where="shard 0 at here", attempts=3, patience=30)
+    assert all(torch.equal(got.slices[f], values(f, 4)) for f in SIZES)
+    assert len(script.requests) == len(breaks) + 1
+    # each call resumes where the last chunk ended: a break after one chunk moves on by one (300 values)
+    assert [(r.fragments[0], r.offset) for r in script.requests] == [
+        (0, 0), (0, 300), (0, 300), (0, 600), (0, 600), (0, 900), (0, 900),
+        (1, 0), (1, 0), (1, 300), (1, 300), (1, 600), (1, 600),
+    ]  # fmt: skip
+    # each chunk that came restarts the backoff: the waits stay short while the stream moves
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_patient_fetch_gives_up_after_its_patience_without_a_message_and_says_so(scripted):
+    script, stub = scripted(broken_after(2), _unavailable)
+    t0 = time.monotonic()
+    with pytest.raises(FetchError) as e:
+        fetch_slices(stub, SIZES, where="shard 0 at here", patience=1.5)
+    took = time.monotonic() - t0
+    assert str(e.value).startswith("Fetch from shard 0 at here: nothing received for 2 s (last: UNAVAILABLE")
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "\n" not in str(e.value)
+    assert 1.5 <= took < 10, took
+    assert len(script.requests) >= 3  # tried again, with backoff, until the patience ran out
+    # a refusal is final at once, patience or not
+    script, stub = scripted(lambda r, c: c.abort(grpc.StatusCode.UNAUTHENTICATED, "bad token"))
+    with pytest.raises(FetchError, match="failed: UNAUTHENTICATED: bad token"):
+        fetch_slices(stub, SIZES, where="shard 0 at here", patience=30)
+    assert len(script.requests) == 1
+
+
+def test_a_worker_link_fetch_is_patient_and_names_its_bound_when_it_gives_up(scripted):
+    """ShardConnection.fetch (a joiner's Fetch, a resync after a restart): patient for --reconnect-timeout;
+    the link closing ends its waits."""
+    import threading
+
+    from streamdiloco.worker.connection import ShardConnection
+
+    def link_to(server_stub, patience: float) -> ShardConnection:
+        conn = ShardConnection("127.0.0.1:1", "w", {}, patience=patience)
+        conn.stub, conn.slices = server_stub, [(0, SIZES[f]) for f in SIZES]
+        return conn
+
+    _, stub = scripted(*[broken_after(1)] * 5, lambda request, context: honest(request))
+    got = link_to(stub, 30).fetch()
+    assert all(torch.equal(got[f][0], values(f, 4)) and got[f][1] == 4 for f in SIZES)
+    _, stub = scripted(_unavailable)
+    gave_up = r"nothing received for 1 s .*; giving up after --reconnect-timeout 1 s"
+    with pytest.raises(SyncError, match=gave_up):
+        link_to(stub, 1.0).fetch()
+    # a reconnect's resync is not patient: three calls, then the reconnect tries again
+    script, stub = scripted(_unavailable)
+    with pytest.raises(SyncError, match="failed: UNAVAILABLE"):
+        link_to(stub, 30).fetch(patient=False)
+    assert len(script.requests) == 3
+    # closing the link ends a patient Fetch's wait at once
+    conn = link_to(scripted(_unavailable)[1], 60)
+    threading.Timer(0.5, conn.closed.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match="stopped: the link is closing"):
+        conn.fetch()
+    assert time.monotonic() - t0 < 10
+
+
 def test_in_describe_mode_the_sizes_come_from_the_shards_description(scripted):
     def described(request, context):
         chunks = honest(request)
