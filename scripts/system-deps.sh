@@ -3,7 +3,8 @@
 # (`wan`) need, installed when missing where it can (root with apt-get); otherwise it says what to install.
 #   tests: prometheus (prometheus, promtool) for the scrape test and the config and metrics checks, chromium
 #          for the dashboard's browser test, tcpdump for the capture that shows TLS hides the token,
-#          systemd (systemd-analyze) to verify deploy/systemd's units.
+#          systemd (systemd-analyze) to verify deploy/systemd's units, iproute2 and nftables for the slow-link
+#          test's network namespaces (tests/test_slow_link.py).
 #          `make test` and `.ci/run` run it.
 #   real:  fortunes (Debian's quotations: the corpus of benchmarks/real.py). `make bench-real` runs it.
 #   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
@@ -17,6 +18,8 @@ tests)
     command -v chromium >/dev/null || missing+=(chromium)
     command -v tcpdump >/dev/null || missing+=(tcpdump)
     command -v systemd-analyze >/dev/null || missing+=(systemd)
+    command -v ip >/dev/null && command -v tc >/dev/null || missing+=(iproute2)
+    command -v nft >/dev/null || missing+=(nftables)
     ;;
 real)
     [ -d /usr/share/games/fortunes ] || missing+=(fortunes)
