@@ -233,6 +233,11 @@ class ShardConnection:
                     log.info("shard at %s: %s; trying again", self.target, e.details())
                     self.closed.wait(1.0)
                     continue
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up - 1:
+                    # the connection dropped under the call (a slow or flaky link): the channel reconnects
+                    log.info("shard at %s: Join: %s; trying again", self.target, e.details())
+                    self.closed.wait(1.0)
+                    continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise SyncError(self._no_answer(timeout)) from None
                 raise SyncError(f"shard at {self.target} refused Join: {code.name}: {e.details()}") from None

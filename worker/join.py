@@ -127,7 +127,8 @@ def connect(
     so every few seconds. `reconnect_timeout`: how long a broken session, or a Fetch that keeps breaking,
     may go without an answer before the run fails. `link=LinkSettings(liveness_timeout=30)`
     (streamdiloco.common.keepalive): how soon a shard that stopped answering is noticed, and the receive
-    window (a link whose modem queues several seconds may need a longer bound). `loggers=[WandbLogger("my-project")]` (streamdiloco.worker.report; any object with
+    window (a link whose modem queues several seconds may need a longer bound).
+    `loggers=[WandbLogger("my-project")]` (streamdiloco.worker.report; any object with
     `log_scalars(step, scalars)` and `close()`): the engine gives them train/loss, perf/tokens_per_second,
     sync/blocked_seconds, sync/bytes_sent, sync/bytes_received (and perf/compute_utilization once reported)
     every `log_every` schedule steps, eval/loss whenever `engine.report(eval_loss=...)` is called, and

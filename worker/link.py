@@ -270,9 +270,13 @@ class ShardLink(Actor):
             self.state.load_state_dict(state, held)
         try:
             self._welcome = self.conn.open_session(self._tell)
-        except Retry as e:
-            raise SyncError(f"shard at {self.target}: {e}") from None
+        except Retry as e:  # the link dropped between Join and the session: join again, with backoff
+            log.warning("shard %d at %s: %s; joining again", self.shard, self.target, e)
+            self.conn.reconnect(self.reconnect_timeout, self._tell, self._opened)
         self._start(f"shard{self.shard}-link")
+
+    def _opened(self, welcome: pb.Welcome) -> None:
+        self._welcome = welcome
 
     # --- the link's thread -----------------------------------------------------------------------------
     def _failed(self, e: BaseException) -> None:
