@@ -74,8 +74,8 @@ class GrpcTransport:
                 )
             return cls(links)
         except BaseException:
-            for link in links:
-                link.close()
+            for opened in links:
+                opened.close()
             raise
 
     def join_run(
