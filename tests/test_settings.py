@@ -230,7 +230,7 @@ def test_command_line_over_config_file_over_default(tmp_path):
     [
         ("[sync]\nsync_evry = 6\n", "[sync] has no key 'sync_evry' (did you mean 'sync_every'?)"),
         # a key in another section than its own (the shard's liveness moved to [link], shared with workers)
-        ("[limits]\nliveness_timeout = 20\n", "[limits] has no key 'liveness_timeout' (it belongs under [link]"),
+        ("[limits]\nliveness_timeout = 20\n", "has no key 'liveness_timeout' (it belongs under [link]"),
         ("[synk]\nsync_every = 6\n", "unknown section [synk] (did you mean 'sync'?); the sections are model"),
         ("[sync]\nsync_every = '6'\n", '[sync] sync_every must be an integer, got "6"'),
         ("[sync]\nsync_every = 6.5\n", "[sync] sync_every must be an integer, got 6.5"),
