@@ -15,6 +15,7 @@ def nano_model():
 # not end with one process on a long file while the other has nothing left.
 LONG_FIRST = (
     "test_quickstart.py",
+    "test_slow_link.py",  # a minute, mostly waiting on a 1 Mbit/s link: beside the CPU-bound ones
     "test_hf_trainer.py",
     "test_cli.py",
     "test_export.py",
