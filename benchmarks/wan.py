@@ -51,6 +51,8 @@ stopped and reported from the steps it did (eval loss "—").
     python -m benchmarks.wan --rates 1,unlimited --delays 25 --systems sdl \\
         --sdl-flags "--fragment-sync-delay 3"         # flags for shard and workers both
     python -m benchmarks.wan --check-only             # the network and its self-checks, no training
+    GRPC_TRACE=http2_ping GRPC_VERBOSITY=debug python -m benchmarks.wan --workers 1 --rates 1 --delays 25 \\
+        --systems sdl --steps 40 --queue-ms 1000 --keep  # then: python -m benchmarks.wan pings KEPT/*.log
 
 Writes results.md, results.json (after every run), utilization.png and run.log under --out. Every process,
 namespace, qdisc and nftables table it makes is removed at the end, on an error, on Ctrl+C and on SIGTERM;
@@ -64,6 +66,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -74,6 +77,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks.harness import Procs, bench, machine, machine_line, say, wait_quiet, write_results
@@ -1017,6 +1021,46 @@ def predict_runs(runs: list[dict], settings: dict, policy: str) -> list[tuple[fl
     return out
 
 
+_PING = re.compile(  # grpc-core's http2_ping trace: a ping sent, or its ack received, by a client or server
+    r"^I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .* (CLIENT|SERVER)\[\w+\]: "
+    r"(?:Ping (\d+) sent|received ping ack (\d+))"
+)
+
+
+def ping_answers(lines: Iterable[str]) -> dict[str, list[float]]:
+    """Seconds from each HTTP/2 ping sent to its ack, by end (CLIENT: a worker, SERVER: a shard), read from
+    grpc-core's trace (a process run with GRPC_TRACE=http2_ping GRPC_VERBOSITY=debug); a ping never
+    answered is left out."""
+    sent: dict[tuple[str, str], float] = {}
+    out: dict[str, list[float]] = {}
+    for line in lines:
+        m = _PING.match(line)
+        if m is None:
+            continue
+        h, mi, s, end, ping, ack = m.groups()
+        t = int(h) * 3600 + int(mi) * 60 + float(s)
+        if ping is not None:
+            sent[(end, ping)] = t
+        elif (end, ack) in sent:
+            out.setdefault(end, []).append((t - sent.pop((end, ack))) % 86400)
+    return out
+
+
+def pings(logs: list[Path]) -> int:
+    """`python -m benchmarks.wan pings LOG ...`: how long each process's pings waited for their answers."""
+    for log in logs:
+        with open(log, errors="replace") as f:
+            answers = ping_answers(f)
+        if not answers:
+            print(f"{log}: no ping answered (none sent, or run without GRPC_TRACE=http2_ping)")
+        for end, xs in sorted(answers.items()):
+            print(
+                f"{log} ({end.lower()}): {len(xs)} pings answered in {min(xs):.2f}-{max(xs):.2f} s "
+                f"(median {statistics.median(xs):.2f} s)"
+            )
+    return 0
+
+
 def combine(dirs: list[Path], out: Path) -> int:
     """One table and one plot from several runs of this script (their results.json), with the event model's
     prediction beside streamdiloco's measured points."""
@@ -1185,6 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0].startswith("_"):
         return _internal(argv)
+    if argv and argv[0] == "pings":  # no network: ping answer times from kept logs with gRPC's ping trace
+        return pings([Path(x) for x in argv[1:]])
     if argv and argv[0] == "combine":  # no network: tables and a plot from earlier runs' results.json
         if len(argv) < 3:
             print("usage: python -m benchmarks.wan combine OUT DIR [DIR ...]", file=sys.stderr)

@@ -187,8 +187,8 @@ def read_config(path: str | Path) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for section, table in data.items():
         if not isinstance(table, dict):
-            home = [s for s, c in classes.items() if section in {f.name for f in dataclasses.fields(c)}]
-            where = f"put it under [{home[0]}]" if home else f"the sections are {', '.join(classes)}"
+            home = _home(classes, section)
+            where = f"put it under [{home}]" if home else f"the sections are {', '.join(classes)}"
             raise ValueError(f"{path}: {section} = ... is in no section: {where}")
         if section not in classes:
             hint = _close(section, classes)
@@ -200,15 +200,16 @@ def read_config(path: str | Path) -> dict[str, dict[str, Any]]:
         out[section] = {}
         for key, value in table.items():
             if key not in known:
-                home = [
-                    s
-                    for s, c in classes.items()
-                    if s != section and key in {f.name for f in dataclasses.fields(c)}
-                ]
-                where = f" (it belongs under [{home[0]}])" if home else _close(key, known)
+                home = _home(classes, key)
+                where = f" (it belongs under [{home}])" if home else _close(key, known)
                 raise ValueError(f"{path}: [{section}] has no key {key!r}{where}")
             out[section][key] = _check_value(path, section, key, value, *_kind(cls, known[key]))
     return out
+
+
+def _home(classes: dict[str, type], key: str) -> str | None:
+    """The section whose dataclass has a field named `key`, if one has."""
+    return next((s for s, c in classes.items() if key in {f.name for f in dataclasses.fields(c)}), None)
 
 
 def _close(name: str, choices) -> str:

@@ -223,9 +223,7 @@ def fetch_slices(
                     attempt,
                     patience,
                 )
-            if stop is None:
-                time.sleep(wait)
-            elif stop.wait(wait):
+            if (stop or threading.Event()).wait(wait):
                 raise FetchError(f"Fetch from {where} stopped: the link is closing") from None
             continue
         if not stream.order:

@@ -18,9 +18,9 @@ stream.
 
 What is left: an end that sends a long transfer hears from the receiver only its window updates (one per
 half window it reads: every 16 s at 1 Mbit/s), so it may ping mid-transfer, and that ping waits behind its
-own queued bytes (the socket's and the modem's: 3.1-3.9 s measured at 1 Mbit/s behind a 1 s modem queue). Two
-thirds of the bound (6.7 s at the default 10 s) is that ping's room; a link whose queue holds more needs a
-longer --liveness-timeout. TCP's own bound (TCP_USER_TIMEOUT, which grpc-core takes from
+own queued bytes (the socket's and the modem's: up to 3.9 s measured at 1 Mbit/s behind a 1 s modem
+queue). Two thirds of the bound (6.7 s at the default 10 s) is that ping's room; a link whose queue holds
+more needs a longer --liveness-timeout. TCP's own bound (TCP_USER_TIMEOUT, which grpc-core takes from
 `grpc.keepalive_timeout_ms`) is the whole bound: sent data unacknowledged that long, the path is gone.
 
 Torch-free and without I/O (the command line reads LinkSettings for its flags): it only computes gRPC

@@ -36,7 +36,7 @@ HTTP_PORT = 8080
 STEPS = 40  # H = 30, P = 5 (the defaults): a push every 6 steps, then the final sync of every fragment
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-pytestmark = pytest.mark.skipif(
+needs_namespaces = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "nft")),
     reason="network namespaces need root, iproute2 and nftables (scripts/system-deps.sh)",
 )
@@ -64,6 +64,7 @@ def _stamp(line: str) -> float:
     return datetime.fromisoformat(line.split()[0]).timestamp()
 
 
+@needs_namespaces
 def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
     wan.Testbed.remove_all(PREFIX)
     bed = wan.Testbed(1, prefix=PREFIX)
@@ -134,3 +135,20 @@ def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
                 p.wait(10)
         wan.Testbed.remove_all(PREFIX)
         assert not wan.Testbed.leftovers(PREFIX)
+
+
+def test_the_benchmark_reads_how_long_pings_waited_from_grpcs_trace():
+    """`python -m benchmarks.wan pings LOG`: each ping's wait for its ack, by end, from grpc-core's trace
+    (how BENCHMARKS.md's figures for pings behind a modem's queue were read)."""
+    trace = [
+        "I1128 23:59:58.500000 1 writing.cc:144] SERVER[0x7f01]: Ping 11 sent [ipv4:10.0.0.1:5]: ...",
+        "I1128 23:59:59.000000 1 writing.cc:144] CLIENT[0x7f02]: Ping 11 sent [ipv4:10.0.0.2:5]: ...",
+        "2026-11-28T23:59:59.100+00:00 INFO streamdiloco.shard: a line of the shard's own",
+        "I1128 23:59:59.250000 1 frame_ping.cc:96] CLIENT[0x7f02]: received ping ack 11",
+        "I1129 00:00:02.000000 1 frame_ping.cc:96] SERVER[0x7f01]: received ping ack 11",  # past midnight
+        # a ping never answered, then an ack of a ping that is not in the trace
+        "I1129 00:00:03.000000 1 writing.cc:144] SERVER[0x7f01]: Ping 12 sent [ipv4:10.0.0.1:5]: ...",
+        "I1129 00:00:04.000000 1 frame_ping.cc:96] SERVER[0x7f01]: received ping ack 99",
+    ]
+    got = wan.ping_answers(trace)
+    assert got == {"SERVER": [pytest.approx(3.5)], "CLIENT": [pytest.approx(0.25)]}

@@ -228,13 +228,11 @@ class ShardConnection:
                 code = e.code()
                 if reconnecting and code in JOIN_RETRYABLE:
                     raise Retry(f"Join: {code.name}: {e.details()}") from None
-                if code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < give_up - 1:
-                    # our own session from before a crash, not yet noticed by the shard (liveness: seconds)
-                    log.info("shard at %s: %s; trying again", self.target, e.details())
-                    self.closed.wait(1.0)
-                    continue
-                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < give_up - 1:
-                    # the connection dropped under the call (a slow or flaky link): the channel reconnects
+                # ALREADY_EXISTS: our own session from before a crash, not yet noticed by the shard (liveness:
+                # seconds); UNAVAILABLE: the connection dropped under the call (the channel reconnects)
+                if code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE) and (
+                    time.monotonic() < give_up - 1
+                ):
                     log.info("shard at %s: Join: %s; trying again", self.target, e.details())
                     self.closed.wait(1.0)
                     continue
