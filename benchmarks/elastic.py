@@ -56,8 +56,8 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.export import fetch_masters
-from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------

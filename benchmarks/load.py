@@ -83,7 +83,7 @@ WEIGHT = 1024.0  # tokens each push claims: the same for every session, so nothi
 # (--liveness-timeout): the figures are of the load, not of a ping that came late.
 LIVENESS = 60.0
 # every session on its own connection, as workers are: gRPC would otherwise share one connection between
-# channels to the same target (and one connection carries at most 100 streams: server/bounds.py)
+# channels to the same target (and one connection carries at most 100 streams: server/trust/bounds.py)
 OPTIONS = [*channel_options(LinkSettings(liveness_timeout=LIVENESS)), ("grpc.use_local_subchannel_pool", 1)]
 
 

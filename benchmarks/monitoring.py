@@ -40,9 +40,9 @@ from benchmarks.harness import RESULTS, Procs, Run, machine, machine_line, say, 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.launch import free_ports
-from streamdiloco.server import dashboard as dashboard_module
+from streamdiloco.server.edge.service import ShardService
 from streamdiloco.server.main import build_service
-from streamdiloco.server.service import ShardService
+from streamdiloco.server.observe import dashboard as dashboard_module
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------

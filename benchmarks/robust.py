@@ -1,5 +1,5 @@
-"""What the shard's defenses (server/robust.py) cost on its hot path: the norm of each chunk as it arrives
-(`sumsq`, on the event loop), and a round's close with the defaults, without them, and with the robust
+"""What the shard's defenses (server/rounds/robust.py) cost on its hot path: the norm of each chunk as it
+arrives (`sumsq`, on the event loop), and a round's close with the defaults, without them, and with the robust
 aggregators; M pushes of N values in E3M0, cut into 1 MiB chunks as workers send them.
 
     python -m benchmarks.robust                 # N = 4M values, M = 4
@@ -17,8 +17,8 @@ import torch.nn as nn
 from streamdiloco.common.codecs import accumulate, chunk_values, encode, split, sumsq, warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import ShardState
 
 
 class _Flat(nn.Module):

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from streamdiloco.common.atomic import atomic_write_bytes
-from streamdiloco.server.auth import new_token, token_hash
+from streamdiloco.server.trust.auth import new_token, token_hash
 
 WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # also a file name and a certificate CN
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # always in the server certificate: health checks, tests

@@ -3,8 +3,8 @@ credential files, ports and paths, each with the one-line ValueError that main()
 
 A bad invocation so answers in well under a second, where importing torch alone took seconds. This module
 and what it imports must stay torch-free (tests/test_help.py checks it): the settings' dataclasses, the
-shard's TLS and credential plan (server/auth.py), the model spec (its factory, or an hf: config file), the
-text file. What needs the model or the network (the blocks a fragment count needs, whether an hf: config
+shard's TLS and credential plan (server/trust/auth.py), the model spec (its factory, or an hf: config file),
+the text file. What needs the model or the network (the blocks a fragment count needs, whether an hf: config
 is a causal LM, a checkpoint's contents) is checked later, where the command runs.
 """
 
@@ -65,14 +65,14 @@ class ServerPlan:
     """A shard's flags, checked: what `server` hands to build_service and serve."""
 
     cfg: SyncConfig
-    robust: Any  # server/robust.py's RobustConfig
-    limits: Any  # server/bounds.py's Limits
+    robust: Any  # server/rounds/robust.py's RobustConfig
+    limits: Any  # server/trust/bounds.py's Limits
     link: Any  # common/keepalive.py's LinkSettings
     tls: Any  # common/tls.py's ServerTLS, or None
-    auth: Any  # server/auth.py's Auth
-    workers_file: Any  # server/auth.py's WorkersFile, or None
+    auth: Any  # server/trust/auth.py's Auth
+    workers_file: Any  # server/trust/auth.py's WorkersFile, or None
     http_host: str
-    peers: Any  # server/run_view.py's Peers
+    peers: Any  # server/observe/run_view.py's Peers
 
 
 def check_server(args: argparse.Namespace) -> ServerPlan:
@@ -120,9 +120,9 @@ def check_init_flags(args: argparse.Namespace) -> None:
 
 def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
     """(TLS, Auth, workers file, HTTP host) from a shard's flags; ValueError (one line) for a setup that
-    must not start: see server/auth.py's listen_plan."""
+    must not start: see server/trust/auth.py's listen_plan."""
     from streamdiloco.common.tls import ServerTLS, read_secret
-    from streamdiloco.server.auth import Auth, WorkersFile, listen_plan
+    from streamdiloco.server.trust.auth import Auth, WorkersFile, listen_plan
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together (the shard's certificate and its key)")
@@ -149,7 +149,7 @@ def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
 def _peers(args: argparse.Namespace, auth: Any) -> Any:
     """The run's shards for the dashboard's run view (--peers), read with this shard's read token."""
     from streamdiloco.common.tls import read_pem
-    from streamdiloco.server.run_view import Peers, check_peers, parse_peers
+    from streamdiloco.server.observe.run_view import Peers, check_peers, parse_peers
 
     ca = args.peers_ca or args.tls_client_ca
     if args.peers_ca:

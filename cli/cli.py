@@ -452,7 +452,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
         if args.no_checkpoint
         else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}"
     )
-    from streamdiloco.server.dirlock import lock_directory
+    from streamdiloco.server.storage.dirlock import lock_directory
 
     # held until this process ends: a second shard on the directory (--fresh or not) refuses, naming this one
     lock = lock_directory(checkpoint_dir) if checkpoint_dir else None

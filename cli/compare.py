@@ -46,7 +46,7 @@ SETUPS: dict[str, dict] = {
         "downlink_rounding": "stochastic",
     },
 }
-# The shards' defenses (server/robust.py) on the full method: off, and the two robust aggregators
+# The shards' defenses (server/rounds/robust.py) on the full method: off, and the two robust aggregators
 _FULL = SETUPS["full"]
 SETUPS["full-plain"] = {**_FULL, "weight_cap": 0.0, "clip_norm": 0.0}
 SETUPS["full-trimmed"] = {**_FULL, "aggregator": "trimmed"}

@@ -1,6 +1,6 @@
-"""`streamdiloco ledger`: merge the shards' contribution ledgers (server/credit.py) into CSV or JSON, so that
-a collective can credit its volunteers. Each shard keeps its own ledger of the pushes of its slice; the
-command reads every shard's, from the live shards' /api/status (`--status-url`, with the run's read token)
+"""`streamdiloco ledger`: merge the shards' contribution ledgers (server/storage/credits.py) into CSV or JSON,
+so that a collective can credit its volunteers. Each shard keeps its own ledger of the pushes of its slice;
+the command reads every shard's, from the live shards' /api/status (`--status-url`, with the run's read token)
 or from their checkpoint directories (`--checkpoint-dir`: credits.json, checked against meta.json's hash),
 and needs all of the run's S shards.
 
@@ -31,7 +31,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamdiloco.server.credit import COUNTS, MAX_IDENTITIES, REASONS, Credits, Row, checked_row, shown
+from streamdiloco.server.storage.credits import (
+    COUNTS,
+    MAX_IDENTITIES,
+    REASONS,
+    Credits,
+    Row,
+    checked_row,
+    shown,
+)
 
 MAX_STATUS_BYTES = 64 << 20  # a shard's /api/status with every ledger row: a few hundred bytes a worker
 TIMEOUT = 10.0  # seconds a shard has to answer
@@ -258,7 +266,7 @@ def to_csv(merged: dict) -> str:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from streamdiloco.server.run_view import check_peers, parse_peers
+    from streamdiloco.server.observe.run_view import check_peers, parse_peers
 
     if not args.status_url and not args.checkpoint_dir:
         raise ValueError("ledger: give every shard's --status-url or --checkpoint-dir")

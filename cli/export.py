@@ -147,8 +147,8 @@ def from_checkpoints(
     its slices put in place. ValueError (one line) when they are not one whole run."""
     from streamdiloco.common.config import SyncConfig
     from streamdiloco.common.fingerprint import fingerprint_diff
-    from streamdiloco.server.checkpoint import ShardCheckpoint
-    from streamdiloco.server.shard import ShardState
+    from streamdiloco.server.rounds.state import ShardState
+    from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 
     dirs = [Path(d) for d in directories]
     if not dirs:

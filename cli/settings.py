@@ -1,6 +1,6 @@
 """The run's settings as flags and as a config file: each section's dataclass (declared once, in
-common/config.py, or beside the code it configures: server/robust.py, server/bounds.py) gives both the
-command-line flags and the keys of one section of a TOML config file (`--config run.toml`).
+common/config.py, or beside the code it configures: server/rounds/robust.py, server/trust/bounds.py) gives
+both the command-line flags and the keys of one section of a TOML config file (`--config run.toml`).
 
 A field `sync_every` of the section [sync] (SyncConfig) is the flag `--sync-every` (its metadata's "flag"
 names another), with the field's metadata "help" and its default shown, and its "choices" listed (the
@@ -49,8 +49,8 @@ else:  # pragma: no cover (Python 3.10)
 
 def section_classes() -> dict[str, type]:
     """Every section of the config file and its dataclass, in the order the file lists them."""
-    from streamdiloco.server.bounds import Limits
-    from streamdiloco.server.robust import RobustConfig
+    from streamdiloco.server.rounds.robust import RobustConfig
+    from streamdiloco.server.trust.bounds import Limits
 
     return {
         "model": ModelSettings,

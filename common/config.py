@@ -156,7 +156,7 @@ class ShardSettings:
         },
     )
     # a quorum of the expected weight, then a grace from the run's pace: a member that is slow or stuck
-    # (alive, so liveness keeps it) holds a round no longer than the grace (server/roundrule.py); a grace of
+    # (alive, so liveness keeps it) holds a round no longer than the grace (server/rounds/rule.py); a grace of
     # one round's length costs nobody a wait (a worker needs a round's update only at its next send of the
     # fragment) and lost the fewest pushes in the measurements (docs/design.md)
     quorum: float = field(
@@ -295,7 +295,8 @@ class WorkerSettings:
 @dataclass(frozen=True)
 class PieceSettings:
     """Run-wide data assignment: shard 0 cuts the train split into numbered pieces and leases them to the
-    workers (server/ledger.py), so that each piece is trained once per epoch, in order, by whoever is here."""
+    workers (server/storage/ledger.py), so that each piece is trained once per epoch, in order, by whoever is
+    here."""
 
     piece_tokens: int = field(
         default=1 << 20,

@@ -24,7 +24,7 @@ more needs a longer --liveness-timeout. TCP's own bound (TCP_USER_TIMEOUT, which
 `grpc.keepalive_timeout_ms`) is the whole bound: sent data unacknowledged that long, the path is gone.
 
 Torch-free and without I/O (the command line reads LinkSettings for its flags): it only computes gRPC
-options; common/wire.py applies them to channels (a worker's), server/bounds.py to the shard's server.
+options; common/wire.py applies them to channels (a worker's), server/trust/bounds.py to the shard's server.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ the bound: its calls end with UNAVAILABLE (the worker reconnects) or are cancell
 member). The pings also keep NATs and firewalls from dropping a quiet WAN link between syncs. Servers
 accept pings down to every MIN_PING_INTERVAL_MS and never answer them with GOAWAY (no ping strikes). Each
 end sets its own bound and receive window (`--liveness-timeout`, `--receive-window`: the shard's in
-server/bounds.py, a worker's through `make_channel`'s `link`).
+server/trust/bounds.py, a worker's through `make_channel`'s `link`).
 
 Messages are about 1 MiB (chunks); the limits leave room for a bigger `--chunk-bytes`. A shard receives at
-most what its largest legitimate message needs (server/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
+most what its largest legitimate message needs (server/edge/slots.py's receive_limit), not MAX_MESSAGE_BYTES.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def make_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
     """An asyncio gRPC server with the run's message limits and keepalive, and the shard's `options`
-    (its bounds on connections and messages: server/bounds.py), which replace the defaults of the same
-    name; `interceptors`: its bounds on calls (server/slots.py)."""
+    (its bounds on connections and messages: server/trust/bounds.py), which replace the defaults of the same
+    name; `interceptors`: its bounds on calls (server/edge/slots.py)."""
     mine = {name for name, _ in options or []}
     return grpc.aio.server(
         options=[o for o in SERVER_OPTIONS if o[0] not in mine] + (options or []),

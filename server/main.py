@@ -1,7 +1,7 @@
 """The shard process: `streamdiloco server`. gRPC (grpc.aio) for workers, HTTP (FastAPI on uvicorn) for
 health, metrics, status and the dashboard page, both on one event loop. HTTP comes up first, so that
 /healthz answers while the model and the checkpoint load (/readyz says when they have). SIGINT/SIGTERM
-stop it cleanly; SIGHUP re-reads the workers file (server/auth.py)."""
+stop it cleanly; SIGHUP re-reads the workers file (server/trust/auth.py)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,18 @@ from streamdiloco.common.ports import bind_error, probe
 from streamdiloco.common.statefile import read_init_file
 from streamdiloco.common.tls import ServerTLS
 from streamdiloco.common.wire import make_server
-from streamdiloco.server.auth import Auth, WorkersFile
-from streamdiloco.server.bounds import (
+from streamdiloco.server.edge.initialize import INIT_TIMEOUT, InitRefused, PendingShard, shard_fingerprint
+from streamdiloco.server.edge.service import ShardService, add_to_server
+from streamdiloco.server.edge.slots import WaitingCalls, receive_limit
+from streamdiloco.server.observe.dashboard import HISTORY
+from streamdiloco.server.observe.metrics import loading_metrics
+from streamdiloco.server.observe.run_view import Peers, RunView
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
+from streamdiloco.server.storage.credits import MAX_IDENTITIES, STATUS_ROWS
+from streamdiloco.server.trust.auth import Auth, WorkersFile
+from streamdiloco.server.trust.bounds import (
     BoundedH11,
     HttpListener,
     Limits,
@@ -46,16 +56,6 @@ from streamdiloco.server.bounds import (
     grpc_options,
     throttle_library_logs,
 )
-from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.credit import MAX_IDENTITIES, STATUS_ROWS
-from streamdiloco.server.dashboard import HISTORY
-from streamdiloco.server.initialize import INIT_TIMEOUT, InitRefused, PendingShard, shard_fingerprint
-from streamdiloco.server.metrics import loading_metrics
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.run_view import Peers, RunView
-from streamdiloco.server.service import ShardService, add_to_server
-from streamdiloco.server.shard import ShardState
-from streamdiloco.server.slots import WaitingCalls, receive_limit
 
 if TYPE_CHECKING:
     from torch import nn
@@ -98,12 +98,12 @@ def build_service(
     from the `init` file alone (names, shapes, dtypes and values; the blocks from the file's fingerprint,
     else `blocks_path`, else detected from the names: common/statefile.py), so that the shard needs no
     model code; or, with `init` "from-worker" and no model, a PendingShard that takes the layout and the
-    values from the first worker's upload (server/initialize.py); or, when `checkpoint_dir` holds a
+    values from the first worker's upload (server/edge/initialize.py); or, when `checkpoint_dir` holds a
     checkpoint of this run (and not `fresh`), restored from it. `robust`: the defenses against workers'
     pushes (default: RobustConfig()'s, which are on). `blocks_path`, `fragments`: the layout, as the
     workers give it to connect() (--blocks-path, --fragments). `piece_tokens`: the pieces of shard 0's data
     ledger (--piece-tokens). `init_expect`, `init_timeout`: the pending shard's pinned init hash and its
-    upload's deadline (--init-expect, --init-timeout: server/initialize.py)."""
+    upload's deadline (--init-expect, --init-timeout: server/edge/initialize.py)."""
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"--chunk-bytes must be positive and at most 16 MiB, got {chunk_bytes}")
     if not math.isfinite(round_timeout):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from streamdiloco.common.config import InnerConfig, ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.pace import valid_step_seconds
-from streamdiloco.server.robust import RobustConfig
+from streamdiloco.server.rounds.robust import RobustConfig
 
 METHODS = ("streaming", "dp")
 

@@ -40,8 +40,8 @@ from streamdiloco.common.fragments import (
 )
 from streamdiloco.common.modelspec import build_model, model_block_size
 from streamdiloco.common.pace import pace_seconds
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.sim.config import SimConfig
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.engine import SyncEngine

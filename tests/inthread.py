@@ -19,9 +19,9 @@ from streamdiloco.common.tls import ClientTLS, ServerTLS
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.edge.service import ShardService
 from streamdiloco.server.main import serve
-from streamdiloco.server.run_view import Peers
-from streamdiloco.server.service import ShardService
+from streamdiloco.server.observe.run_view import Peers
 
 RPC_TIMEOUT = 10.0  # every call carries a deadline: nothing here can hang
 WAIT = 5.0  # seconds to wait for a message or a server-side condition

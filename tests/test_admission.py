@@ -1,4 +1,4 @@
-"""Admission in one place (server/admission.py): the pure decision, and that the pending shard of `--init
+"""Admission in one place (server/edge/admission.py): the pure decision, and that the pending shard of `--init
 from-worker` admits as the running shard does, before any upload (a real in-process gRPC server)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.admission import Credentials, Refusal, admit
-from streamdiloco.server.auth import Auth
-from streamdiloco.server.initialize import PendingShard
+from streamdiloco.server.edge.admission import Credentials, Refusal, admit
+from streamdiloco.server.edge.initialize import PendingShard
 from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,5 +1,5 @@
-"""The shard's authentication, admission and listening rules as pure code (server/auth.py,
-server/membership.py), without a network: what each kind of credential proves, that a name is bound to
+"""The shard's authentication, admission and listening rules as pure code (server/trust/auth.py,
+server/trust/membership.py), without a network: what each kind of credential proves, that a name is bound to
 its credential, that a session id is bound to the name and identity that joined, what a reload revokes,
 the read token, and when a shard refuses to listen."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamdiloco.server.auth import Auth, Identity, Refused, listen_plan, parse_workers, token_hash
-from streamdiloco.server.membership import Sessions
+from streamdiloco.server.trust.auth import Auth, Identity, Refused, listen_plan, parse_workers, token_hash
+from streamdiloco.server.trust.membership import Sessions
 
 ALICE, BOB = "alice-token", "bob-token"
 WORKERS = {"alice": token_hash(ALICE), "bob": token_hash(BOB)}
@@ -151,7 +151,7 @@ def test_listen_plan_refuses_beyond_loopback_without_tls_or_credentials():
     assert listen_plan("0.0.0.0", "0.0.0.0", False, creds, True) == "0.0.0.0"
 
 
-# --- session ids (server/membership.py) --------------------------------------------------------------------
+# --- session ids (server/trust/membership.py) ---------------------------------------------------------------
 def test_a_session_id_is_good_once_for_its_name_and_identity_and_for_a_while():
     auth = Auth(workers=WORKERS)
     alice, bob = auth.authenticate(ALICE, None, "alice"), auth.authenticate(BOB, None, "bob")

@@ -12,7 +12,7 @@ import pytest
 from procs import ROOT
 
 from benchmarks.load import Timings, close_times, proc_stats, shard_flags, table
-from streamdiloco.server.bounds import Limits
+from streamdiloco.server.trust.bounds import Limits
 
 
 def test_the_flags_hold_n_sessions_from_one_address():

@@ -7,8 +7,8 @@ shard never stops and its log stays small. Sessions that do not read share one u
 (tests/inthread.py's shard): the caps per address and in total refuse with a clear status, Fetch refuses
 repeated fragments and oversized requests, a 4 MiB codec name is not echoed, undecodable messages get a
 throttled line each and no traceback, weights below one token are refused. The pure pieces of
-server/bounds.py are pinned on their own. Attackers connect from other loopback addresses (127.0.0.2, ...)
-than the worker and the test's own status reads (127.0.0.1), as they would from other machines.
+server/trust/bounds.py are pinned on their own. Attackers connect from other loopback addresses (127.0.0.2,
+...) than the worker and the test's own status reads (127.0.0.1), as they would from other machines.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.wire import PROTOCOL
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.bounds import (
+from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.bounds import (
     LOG_BURST,
     RESERVE_FDS,
     Limits,
@@ -48,7 +49,6 @@ from streamdiloco.server.bounds import (
     UnreadBudget,
     peer_host,
 )
-from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 
 FILES = 256  # the open-file limit the shard processes run under
@@ -424,13 +424,13 @@ def test_a_file_limit_too_low_for_the_caps_is_refused_in_one_line(tmp_path):
     assert "not --max-connections 500: raise the limit or lower a cap" in lines[0]
 
 
-# The HTTP listener of server/bounds.py in a process of its own whose descriptors have all been taken
+# The HTTP listener of server/trust/bounds.py in a process of its own whose descriptors have all been taken
 # (something other than connections used them up): it must pause, not spin, and say so in a few lines.
 _FULL_PROCESS = """
 import asyncio, logging, os, socket, sys
 import uvicorn
 from fastapi import FastAPI
-from streamdiloco.server.bounds import BoundedH11, HttpListener, Limits, Throttled
+from streamdiloco.server.trust.bounds import BoundedH11, HttpListener, Limits, Throttled
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 app = FastAPI()

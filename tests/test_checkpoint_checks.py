@@ -25,9 +25,9 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.main import build_service
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(120)

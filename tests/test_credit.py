@@ -1,7 +1,7 @@
-"""The contribution ledger (server/credit.py): its rules under a fake clock, the checks of what it reads back,
-`streamdiloco ledger` merging shards' ledgers from checkpoint directories and from live shards, and a real
-shard with two workers whose ledger holds across a crash (SIGKILL: the rounds replayed from the logs are
-credited exactly once) and a stop."""
+"""The contribution ledger (server/storage/credits.py): its rules under a fake clock, the checks of what it
+reads back, `streamdiloco ledger` merging shards' ledgers from checkpoint directories and from live shards,
+and a real shard with two workers whose ledger holds across a crash (SIGKILL: the rounds replayed from the
+logs are credited exactly once) and a stop."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 
 from streamdiloco.credit_cmd import from_checkpoint, merge, to_csv
-from streamdiloco.server.credit import Credits
+from streamdiloco.server.edge.service import ShardService
 from streamdiloco.server.main import build_service
-from streamdiloco.server.service import ShardService
+from streamdiloco.server.storage.credits import Credits
 
 
 # --- the rules -------------------------------------------------------------------------------------------

@@ -360,7 +360,7 @@ def test_compose_runs_as_on_the_internet(compose, commands):
     environment there; shards serve gRPC over TLS with that token and HTTPS with the read token (which
     Prometheus carries); every replica of the worker service checks the shards' certificate and shows the
     token; no shard says --insecure (its flags pass the shard's own listen rule)."""
-    from streamdiloco.server.auth import Auth, listen_plan
+    from streamdiloco.server.trust.auth import Auth, listen_plan
 
     services = compose["services"]
     certs = services["certs"]

@@ -155,7 +155,7 @@ def test_a_worker_without_the_shards_token_is_told_to_give_one(tmp_path):
 
 
 def test_auth_refuses_a_token_it_does_not_check():
-    from streamdiloco.server.auth import Auth
+    from streamdiloco.server.trust.auth import Auth
 
     assert Auth().unchecked_token("") is None  # no token on either side: loopback's simple case
     assert Auth(token="t").unchecked_token("t") is None

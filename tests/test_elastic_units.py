@@ -35,9 +35,9 @@ from streamdiloco.common.schedule import (
 )
 from streamdiloco.common.wire import from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.checkpoint import ShardCheckpoint
 from streamdiloco.server.main import build_service
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
@@ -512,7 +512,7 @@ def _momentum(st: ShardState, f: int) -> str:
 def test_a_restart_replays_the_logged_rounds_after_the_whole_state_bit_for_bit(tmp_path, rounding):
     """Between whole states a round is logged as its encoded pushes; a restarted shard loads the last whole
     state and replays the logs: rounds, masters, residuals, momentum and the rounding stream as before."""
-    from streamdiloco.server import checkpoint as ckmod
+    from streamdiloco.server.storage import checkpoint as ckmod
 
     st = make_state(downlink_rounding=rounding)
     st.fold_bytes = [

@@ -51,7 +51,7 @@ from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.worker.connection import MAX_UPDATES_UNDER_WAY, ShardConnection, SyncError, Updates
 from streamdiloco.worker.model import build_gpt
 
@@ -95,7 +95,7 @@ GOOD_FP = json.dumps(fingerprint())
 
 
 def build():
-    from streamdiloco.server.auth import Auth
+    from streamdiloco.server.trust.auth import Auth
 
     auth = Auth(token=TOKEN, names_per_token=1 << 16)  # the fuzzer's many names share the run token
     return build_service(

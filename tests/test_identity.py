@@ -17,8 +17,8 @@ from test_service import CFG, CHUNK_BYTES, GOOD_FP
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.auth import Auth, WorkersFile, token_hash
 from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.auth import Auth, WorkersFile, token_hash
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
-"""The data ledger (server/ledger.py), pure: no piece leased twice, no done piece leased again in its epoch,
-no released piece lost, no piece skipped before an epoch ends; idempotent asks; bounds; a saved state that
-loads only when it keeps the rules."""
+"""The data ledger (server/storage/ledger.py), pure: no piece leased twice, no done piece leased again in its
+epoch, no released piece lost, no piece skipped before an epoch ends; idempotent asks; bounds; a saved state
+that loads only when it keeps the rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from streamdiloco.server.ledger import MAX_REPORT, Dataset, Ledger, LedgerError
+from streamdiloco.server.storage.ledger import MAX_REPORT, Dataset, Ledger, LedgerError
 
 SHA = "ab" * 32
 

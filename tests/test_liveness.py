@@ -14,7 +14,7 @@ from procs import Cluster, http_json, wait_until
 
 from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS, RECEIVE_WINDOW, LinkSettings
 from streamdiloco.common.wire import CHANNEL_OPTIONS, SERVER_OPTIONS, channel_options
-from streamdiloco.server.bounds import Limits, grpc_options
+from streamdiloco.server.trust.bounds import Limits, grpc_options
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
 LIVENESS = 2.0  # the shard's --liveness-timeout in these tests

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
 from streamdiloco.launch import free_ports
-from streamdiloco.server import dashboard as dashboard_module
 from streamdiloco.server.main import serve
+from streamdiloco.server.observe import dashboard as dashboard_module
 from streamdiloco.worker.metrics import WorkerMetrics
 
 

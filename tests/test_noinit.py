@@ -447,7 +447,7 @@ def test_a_worker_setting_that_is_wrong_on_its_own_is_said_before_any_shard_is_a
 
 
 def test_an_upload_is_checked_piece_by_piece_and_gives_the_shards_slices():
-    from streamdiloco.server.initialize import InitRefused, Upload, shard_fingerprint
+    from streamdiloco.server.edge.initialize import InitRefused, Upload, shard_fingerprint
 
     specs = [
         ParamSpec("b.0.w", (5,), "float32"),

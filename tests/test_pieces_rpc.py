@@ -14,8 +14,8 @@ from inthread import RPC_TIMEOUT, InThreadShard
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.auth import Auth
 from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.auth import Auth
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
-"""worker/pieces.py's PieceStream against a real ledger (server/ledger.py) behind a fake RPC: windows in
-order from the held pieces, each piece reported done once its last batch was trained, one piece asked
+"""worker/pieces.py's PieceStream against a real ledger (server/storage/ledger.py) behind a fake RPC: windows
+in order from the held pieces, each piece reported done once its last batch was trained, one piece asked
 ahead, a lost lease dropped, and the state carried through a checkpoint."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.ledger import Dataset, Ledger
+from streamdiloco.server.storage.ledger import Dataset, Ledger
 from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.data import BatchStream, TokenData
 from streamdiloco.worker.pieces import PieceStream, make_stream, token_sha256

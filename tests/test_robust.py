@@ -1,6 +1,6 @@
-"""Robust aggregation on the shard (server/robust.py, and ShardState applying it): the rules in closed form,
-ShardState without a network, and one attacker among 3 honest workers over a real gRPC channel, scored by
-the eval loss of the nano GPT the shard's master makes."""
+"""Robust aggregation on the shard (server/rounds/robust.py, and ShardState applying it): the rules in closed
+form, ShardState without a network, and one attacker among 3 honest workers over a real gRPC channel, scored
+by the eval loss of the nano GPT the shard's master makes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params, unflatten_into
 from streamdiloco.common.wire import from_chunk
 from streamdiloco.server.main import build_service
-from streamdiloco.server.robust import (
+from streamdiloco.server.rounds.robust import (
     RobustConfig,
     cap_weights,
     centered_clip,
@@ -26,7 +26,7 @@ from streamdiloco.server.robust import (
     trim_count,
     trimmed_mean,
 )
-from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.worker.data import BatchStream, ByteDataset, eval_batches
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.train import (

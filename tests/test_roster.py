@@ -1,5 +1,5 @@
-"""The roster (server/roster.py), pure: one truth for who is a member, what the rounds wait for, what status
-lists and what the pace counts; no network, the clock passed in."""
+"""The roster (server/trust/roster.py), pure: one truth for who is a member, what the rounds wait for, what
+status lists and what the pace counts; no network, the clock passed in."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 from test_shard import make_shard
 
-from streamdiloco.server.auth import Auth, Identity, Refused
-from streamdiloco.server.roster import Member, Roster
+from streamdiloco.server.trust.auth import Auth, Identity, Refused
+from streamdiloco.server.trust.roster import Member, Roster
 
 ANY = Identity(None, "nothing")
 

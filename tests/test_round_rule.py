@@ -11,9 +11,9 @@ import torch
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.roundrule import GRACE_MIN
-from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.rule import GRACE_MIN
+from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)
@@ -228,7 +228,7 @@ def test_the_pace_kept_between_reports_is_the_slowest_members_at_every_step():
     import random
 
     from streamdiloco.common.pace import pace_seconds
-    from streamdiloco.server.roundmembers import RoundMembers
+    from streamdiloco.server.rounds.members import RoundMembers
 
     roll, rng = RoundMembers(3), random.Random(0)
     names = [f"w{i}" for i in range(30)]

@@ -27,11 +27,11 @@ from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.launch import free_ports
-from streamdiloco.server import dashboard as dash
-from streamdiloco.server.auth import Auth
-from streamdiloco.server.dashboard import DashboardData, Report
 from streamdiloco.server.main import build_service
-from streamdiloco.server.run_view import PEER_TIMEOUT, Peers, parse_peers
+from streamdiloco.server.observe import dashboard as dash
+from streamdiloco.server.observe.dashboard import DashboardData, Report
+from streamdiloco.server.observe.run_view import PEER_TIMEOUT, Peers, parse_peers
+from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.report import Progress, TensorBoardLogger

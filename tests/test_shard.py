@@ -9,8 +9,8 @@ from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
 
 

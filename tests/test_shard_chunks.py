@@ -23,7 +23,7 @@ from streamdiloco.common.codecs import (
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import from_chunk, to_chunks
-from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
 
 pytestmark = pytest.mark.timeout(60)
@@ -292,7 +292,7 @@ def test_a_chunked_push_sums_exactly_like_a_whole_push(codec):
     assert torch.equal(total_of(whole, 0), total_of(chunked, 0))
     assert whole.bytes_received == chunked.bytes_received
     a, b = whole.close_round(0), chunked.close_round(0)
-    # b's 300 tokens count as the median, 200 (server/robust.py)
+    # b's 300 tokens count as the median, 200 (server/rounds/robust.py)
     assert a.weight == b.weight == 300.0 and a.mean_loss == b.mean_loss == pytest.approx((200 + 800) / 300)
     assert torch.equal(decode(a.update), decode(b.update))
     assert torch.equal(whole.master(0), chunked.master(0))

@@ -29,8 +29,8 @@ from streamdiloco.common.tls import ClientTLS, ServerTLS, certificate_name
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.auth import Auth, token_hash
 from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.auth import Auth, token_hash
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,9 +23,9 @@ from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.bounds import Limits
-from streamdiloco.server.initialize import PendingShard
+from streamdiloco.server.edge.initialize import PendingShard
 from streamdiloco.server.main import build_service
+from streamdiloco.server.trust.bounds import Limits
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 

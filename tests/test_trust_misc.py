@@ -21,11 +21,11 @@ from procs import Cluster, streamdiloco, wait_until
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.admission import short
-from streamdiloco.server.auth import Auth, token_hash
-from streamdiloco.server.dirlock import LOCK_NAME, lock_directory
+from streamdiloco.server.edge.admission import short
 from streamdiloco.server.main import build_service
-from streamdiloco.server.run_view import Peers, RunView
+from streamdiloco.server.observe.run_view import Peers, RunView
+from streamdiloco.server.storage.dirlock import LOCK_NAME, lock_directory
+from streamdiloco.server.trust.auth import Auth, token_hash
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,7 +191,7 @@ def test_a_peer_that_redirects_never_passes_the_read_token_on():
 
 
 def test_http_peers_are_refused_with_a_read_token():
-    from streamdiloco.server.run_view import check_peers
+    from streamdiloco.server.observe.run_view import check_peers
 
     with pytest.raises(ValueError, match=r"^--peers: http://10\.1\.2\.3:8080 .*https"):
         check_peers(("http://10.1.2.3:8080",), READ)

@@ -1,17 +1,19 @@
 """What a client can hold before or outside the shard's first bounds (issue 26, items 4, 5 and 8).
 
-- Calls before their request (server/slots.py): Join, Fetch and Initialize streams that send their headers
+- Calls before their request (server/edge/slots.py): Join, Fetch and Initialize streams that send their
+headers
   and never their request message held one of gRPC's concurrent-call slots each, for ever; 81 of them froze
   every new call of a shard with `--max-sessions 8`. Now they are ended at `--request-timeout`, counted per
   address and in total, and an honest Join is answered within a second while they are held. The attackers
   are raw HTTP/2 connections (`StalledStreams`) from other loopback addresses (127.0.0.2, ...) than the
   honest worker (127.0.0.1), as they would come from other machines. A request over its method's size, and
   any message over what the largest legitimate one needs, are refused before they are parsed.
-- Pushes arriving (server/staging.py): each staged push reserves its whole size from `--max-staged-bytes`
+- Pushes arriving (server/rounds/staging.py): each staged push reserves its whole size from
+`--max-staged-bytes`
   before its first chunk is copied; a worker stages one push at a time; 8 sessions that each stage every
   fragment but the last chunk keep the shard's staged bytes within the budget, and the pushes it took
   finish.
-- HTTP (server/bounds.py): a GET that announces a body and trickles it is closed at `--header-timeout`;
+- HTTP (server/trust/bounds.py): a GET that announces a body and trickles it is closed at `--header-timeout`;
   IPv6 peers are counted by their /64.
 """
 
@@ -32,9 +34,9 @@ from test_bounds import CFG, SLACK, _fingerprint_json
 from streamdiloco.common.codecs import encode, get_codec
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.bounds import Limits, PeerCounts, address_group, peer_host
+from streamdiloco.server.edge.slots import REQUEST_BYTES
 from streamdiloco.server.main import FROM_WORKER, build_service
-from streamdiloco.server.slots import REQUEST_BYTES
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, address_group, peer_host
 from streamdiloco.worker.model import build_gpt
 
 SERVICE = "/streamdiloco.v1.Shard/"

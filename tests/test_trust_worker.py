@@ -388,7 +388,7 @@ def test_a_shard_refuses_starting_values_no_worker_could_fetch():
     else the shard would take a model that every worker then refuses."""
     from streamdiloco.common.fragments import build_layout
     from streamdiloco.common.wire import values_to_bytes
-    from streamdiloco.server.initialize import InitRefused, Upload
+    from streamdiloco.server.edge.initialize import InitRefused, Upload
 
     layout = build_layout(torch.nn.Linear(4, 4), 1)
     for value, words in (

@@ -21,10 +21,10 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.intake import check_progress
+from streamdiloco.server.edge.intake import check_progress
 from streamdiloco.server.main import build_service
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.checkpoint import CHECKPOINT_FORMAT, checkpoint_key, load_checkpoint
 from streamdiloco.worker.engine import Pacer

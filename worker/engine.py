@@ -73,7 +73,9 @@ log = logging.getLogger("streamdiloco.worker")
 
 WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
-MAX_REPORTED_LOSS = 1e4  # the shards refuse a push that reports a loss beyond (server/robust.py MAX_LOSS)
+MAX_REPORTED_LOSS = (
+    1e4  # the shards refuse a push that reports a loss beyond (server/rounds/robust.py MAX_LOSS)
+)
 STEP_TIMES = 16  # inner steps whose durations the reported step time is the median of (adaptive schedule)
 # the reports a worker remembers to recognise the pace as its own: the latest, and the one before it (whose
 # push's answer may still be the latest pace it heard)

@@ -1,5 +1,6 @@
-"""The worker's side of run-wide data assignment (--data-pieces): shard 0's ledger (server/ledger.py) leases
-this worker numbered pieces of the train split; `PieceStream` trains them in order and reports each done.
+"""The worker's side of run-wide data assignment (--data-pieces): shard 0's ledger (server/storage/ledger.py)
+leases this worker numbered pieces of the train split; `PieceStream` trains them in order and reports each
+done.
 
 `PieceStream` has `BatchStream`'s interface (next() -> (x, y), state_dict/load_state_dict) over any 1-D
 integer token array (numpy, a memmap, or torch): batch_size windows of block_size+1 tokens per step, taken

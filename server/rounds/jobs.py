@@ -1,8 +1,8 @@
 """A shard's rounds as records, and the arithmetic jobs that fold and close them: split from
-server/shard.py (ShardState, which owns the rounds and hands these jobs out) by job. A `FoldJob` folds a
-group of a round's pushes into its fp64 sum ahead of the close; a `CloseJob` folds the rest, takes the
+server/rounds/state.py (ShardState, which owns the rounds and hands these jobs out) by job. A `FoldJob` folds
+a group of a round's pushes into its fp64 sum ahead of the close; a `CloseJob` folds the rest, takes the
 outer step, and encodes the update. Both own what they were handed (the pushes, the fragment's optimizer)
-until ShardState takes them back, so they may run on another thread (server/rounds.py runs them on its
+until ShardState takes them back, so they may run on another thread (server/runner.py runs them on its
 pool). Pure: no networking, no files, no clocks.
 """
 
@@ -17,7 +17,7 @@ import torch
 from streamdiloco.common.chunks import Assembly
 from streamdiloco.common.codecs import Encoded, divide_into, encode, in_parallel
 from streamdiloco.common.outer import OuterOptimizer
-from streamdiloco.server.robust import centered_clip, trimmed_mean
+from streamdiloco.server.rounds.robust import centered_clip, trimmed_mean
 
 # Values per block when folding pushes into a mean: the block's fp64 sum (512 KiB) stays in a core's L2.
 FOLD_VALUES = 1 << 16

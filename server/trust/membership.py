@@ -1,8 +1,8 @@
 """Who may open a session on a shard: the session ids that Join hands out, each bound to the name and the
 identity that joined, good once and for PENDING_SECONDS; one session per name; and what a revocation
 takes back. Pure (the clock is passed in), tested without a network (tests/test_auth.py). The roster
-(server/roster.py) holds the one Sessions of a shard, with the open sessions and the members; nothing else
-may change them."""
+(server/trust/roster.py) holds the one Sessions of a shard, with the open sessions and the members; nothing
+else may change them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import secrets
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
-from streamdiloco.server.auth import Auth, Identity, Refused
+from streamdiloco.server.trust.auth import Auth, Identity, Refused
 
 PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 

@@ -1,9 +1,9 @@
-"""Who is on a shard, in one place: the Joins not yet followed by a Session (server/membership.py's
+"""Who is on a shard, in one place: the Joins not yet followed by a Session (server/trust/membership.py's
 Sessions), the open sessions, and which of them are members. Every change of membership goes through the
 `Roster`, which changes ShardState's members (who the rounds wait for) with it, so that the rounds, the
 status page and the run's pace never disagree: a member whose credential is revoked, or that stops reading
 its updates, is gone from all three the moment it is dropped, while its session is still ending. The pace
-(answered with every accepted push) is the rounds' members' (server/roundmembers.py keeps it).
+(answered with every accepted push) is the rounds' members' (server/rounds/members.py keeps it).
 
 Pure (the clock is passed in; no I/O, no gRPC): tested without a network. The servicer keeps what a session
 needs to run (its queue and task live on the `Member`, but the roster never touches them); what this module
@@ -16,11 +16,11 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from streamdiloco.server.auth import Auth, Identity
-from streamdiloco.server.dashboard import Report
-from streamdiloco.server.ledger import Ledger
-from streamdiloco.server.membership import PENDING_SECONDS, Sessions
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.observe.dashboard import Report
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.ledger import Ledger
+from streamdiloco.server.trust.auth import Auth, Identity
+from streamdiloco.server.trust.membership import PENDING_SECONDS, Sessions
 
 
 @dataclass
@@ -142,7 +142,7 @@ class Roster:
     def pace(self) -> float:
         """The run's pace as this shard sees it: the slowest member's reported seconds per inner step (what
         a worker with sync_schedule "adaptive" sets its inner steps per schedule step against, and what the
-        round rule's grace counts from). Kept in one place, the rounds' members (server/roundmembers.py):
+        round rule's grace counts from). Kept in one place, the rounds' members (server/rounds/members.py):
         a member leaves it when it leaves them."""
         return self.state.pace()
 

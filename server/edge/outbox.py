@@ -1,5 +1,6 @@
 """What the shard has queued for its sessions to write, and the backpressure on it: one budget of unread
-bytes over all sessions (server/bounds.py's UnreadBudget). When it runs out, the session furthest behind is
+bytes over all sessions (server/trust/bounds.py's UnreadBudget). When it runs out, the session furthest behind
+is
 dropped (through the roster: it is no member from that moment) and its session is ended; one whose writer
 is stuck on a client that takes nothing is cut after STUCK_SECONDS.
 
@@ -14,8 +15,8 @@ import asyncio
 import logging
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.bounds import Throttled, UnreadBudget
-from streamdiloco.server.roster import Member, Roster
+from streamdiloco.server.trust.bounds import Throttled, UnreadBudget
+from streamdiloco.server.trust.roster import Member, Roster
 
 ShardMessage = pb.ShardMessage | bytes  # a message, or its bytes serialized once for every session
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut

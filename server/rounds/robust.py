@@ -12,7 +12,7 @@ or pushing 1e30 (either alone took the model). So, per fragment slice and round:
   are all alike (a cut would change no push's share). Honest workers of one run report the same weight, so
   this changes nothing for them; one attacker among M takes at most weight_cap / (weight_cap + M - 1) of
   the mean. Under the adaptive schedule each push's cap stretches by its own k, the inner steps per
-  schedule step of a worker of its reported speed (server/defenses.py);
+  schedule step of a worker of its reported speed (server/rounds/defenses.py);
 - each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm` times
   the median of the norms of this round's pushes and of the `history_rounds` rounds before (times its own k
   squared, at most max_steps_per_tick). Clipping scales the push down, direction kept: the worker stays a
@@ -137,8 +137,8 @@ def cap_weights(
     weights: Sequence[float], pool: Sequence[float], factor: float, stretch: Sequence[float] | None = None
 ) -> list[float]:
     """Each weight cut to `factor` times the median of `pool` (the weights the cap is relative to), times
-    its own `stretch` where given (a site k times as fast trains k times the tokens: server/defenses.py);
-    unchanged when factor is 0 or the pool is empty."""
+    its own `stretch` where given (a site k times as fast trains k times the tokens:
+    server/rounds/defenses.py); unchanged when factor is 0 or the pool is empty."""
     ref = median(pool)
     if not factor or ref is None:
         return list(weights)

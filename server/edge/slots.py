@@ -15,7 +15,8 @@ the server's `maximum_concurrent_rpcs` slots meanwhile: streams that never send 
   Fetches) never run out.
 
 What it must not do: look at what a request says (the servicer does), or hold a call once its request is
-in. Session is not here: its Hello has its own deadline and its streams their own caps (server/service.py).
+in. Session is not here: its Hello has its own deadline and its streams their own caps
+(server/edge/service.py).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from typing import Any
 
 import grpc
 
-from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, Throttled, peer_host
 
 log = logging.getLogger("streamdiloco.shard")
 
 # bytes of each method's request (Initialize: its first message): Join's and Initialize's carry a model
 # fingerprint (about 100 bytes per parameter tensor: well under 1 MiB for a 10B-parameter model), and
-# Initialize's up to 4 MiB of values beside it (server/initialize.py's MAX_INIT_CHUNK)
+# Initialize's up to 4 MiB of values beside it (server/edge/initialize.py's MAX_INIT_CHUNK)
 MAX_FINGERPRINT_BYTES = 4 << 20
 REQUEST_BYTES = {
     "Join": MAX_FINGERPRINT_BYTES,

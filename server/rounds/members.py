@@ -4,9 +4,10 @@ are dormant (they missed a round: not expected until a push of theirs arrives ag
 the members its checkpoint names, waited for as if they were here until they are back or their time is up
 (without them a round could close without a push it had acknowledged).
 
-Split from server/shard.py (ShardState, which fixes a round's expected members from these when the round
-starts, and tells this class who pushed and who missed a round) by job. server/roster.py is the only caller
-that adds or removes members. Pure: the clock is passed in; what it must not do: decide when a round closes.
+Split from server/rounds/state.py (ShardState, which fixes a round's expected members from these when the
+round starts, and tells this class who pushed and who missed a round) by job. server/trust/roster.py is the
+only caller that adds or removes members. Pure: the clock is passed in; what it must not do: decide when a
+round closes.
 """
 
 from __future__ import annotations

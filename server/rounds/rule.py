@@ -13,8 +13,8 @@ in docs/design.md ("Rounds that close on the run's pace"); in short, a round clo
   the moment a round opens never closes one that the others have not reached;
 - "empty": when every expected member has left.
 
-Split from server/shard.py (ShardState, which gathers the round's numbers and keeps `quorum_at`) by job.
-What it must not do: keep state, or read a clock.
+Split from server/rounds/state.py (ShardState, which gathers the round's numbers and keeps `quorum_at`) by
+job. What it must not do: keep state, or read a clock.
 """
 
 from __future__ import annotations

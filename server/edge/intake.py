@@ -18,15 +18,15 @@ from dataclasses import dataclass
 from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
 from streamdiloco.common.wire import from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.admission import Undecodable, short
-from streamdiloco.server.bounds import Throttled
-from streamdiloco.server.credit import Credits
-from streamdiloco.server.dashboard import DashboardData, Report
-from streamdiloco.server.metrics import ShardMetrics
-from streamdiloco.server.outbox import Outbox
-from streamdiloco.server.robust import MAX_LOSS, MIN_WEIGHT
-from streamdiloco.server.roster import Member, Roster
-from streamdiloco.server.shard import PushRejected, ShardState
+from streamdiloco.server.edge.admission import Undecodable, short
+from streamdiloco.server.edge.outbox import Outbox
+from streamdiloco.server.observe.dashboard import DashboardData, Report
+from streamdiloco.server.observe.metrics import ShardMetrics
+from streamdiloco.server.rounds.robust import MAX_LOSS, MIN_WEIGHT
+from streamdiloco.server.rounds.state import PushRejected, ShardState
+from streamdiloco.server.storage.credits import Credits
+from streamdiloco.server.trust.bounds import Throttled
+from streamdiloco.server.trust.roster import Member, Roster
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -140,7 +140,7 @@ class Intake:
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
                 self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
             return
-        # before its bytes are copied: a new push must fit in what staging may hold (server/staging.py)
+        # before its bytes are copied: a new push must fit in what staging may hold (server/rounds/staging.py)
         why = self.state.staging.admit(self.state.open, member.name, c.fragment, c.round, c.seq)
         if why is not None:
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "staging_full"):

@@ -7,7 +7,7 @@ names: no I/O, no state (tests/test_admission.py).
 The gRPC edge of admission is here too, so that both servicers share it: `credentials` (what a call's
 metadata and client certificate offer), `authenticate` and `abort` (a refusal as the call's status), the
 checks of a worker's name and of messages that do not parse (`parse`). What this module must not do: keep
-sessions or members (server/membership.py and the roster do), or read anything beyond the call.
+sessions or members (server/trust/membership.py and the roster do), or read anything beyond the call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from streamdiloco.common.fingerprint import fingerprint_diff, parse_fingerprint
 from streamdiloco.common.logs import escaped
 from streamdiloco.common.wire import PROTOCOL
-from streamdiloco.server.auth import Auth, Identity, Refused
+from streamdiloco.server.trust.auth import Auth, Identity, Refused
 
 MAX_NAME = 128
 
@@ -44,7 +44,7 @@ class Refusal(Exception):
 
     @classmethod
     def of(cls, refused: Refused, kind: str = "") -> Refusal:
-        """An auth or membership refusal (server/auth.py's codes) as a call's status."""
+        """An auth or membership refusal (server/trust/auth.py's codes) as a call's status."""
         return cls(_STATUS[refused.code], refused.message, kind)
 
 

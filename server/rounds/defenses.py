@@ -1,8 +1,8 @@
 """The robust checks of a shard's pushes, per fragment slice: the reported weight cut to --max-weight, and,
 when a push is handed to a fold, its share (capped weight) and clipping scale settled against the medians
-of the round's and the recent rounds' weights and norms (server/robust.py's rules). The recent rounds are
-this module's one truth: checkpointed with the fragment and logged with each round, so that a restart goes
-on bit for bit; a round leaves them only the lower half of its weights and norms (server/robust.py's
+of the round's and the recent rounds' weights and norms (server/rounds/robust.py's rules). The recent rounds
+are this module's one truth: checkpointed with the fragment and logged with each round, so that a restart goes
+on bit for bit; a round leaves them only the lower half of its weights and norms (server/rounds/robust.py's
 `lower_half`), which a liar can only tighten.
 
 Under the adaptive schedule a worker k times faster than the run's pace trains k inner steps per schedule
@@ -11,8 +11,9 @@ clip stretch by its own k, from the step time it reported and the pace when it i
 reports the pace's speed (or none) is held to the unstretched bounds (the clip stretches by k^2, at most
 max_steps_per_tick: a faster site's update grows faster than its tokens).
 
-Split from server/shard.py (ShardState, which owns the rounds and asks this class) by job. Pure: numbers in,
-decisions out; what it must not do: refuse a push (the header checks are server/staging.py's), fold or step.
+Split from server/rounds/state.py (ShardState, which owns the rounds and asks this class) by job. Pure:
+numbers in, decisions out; what it must not do: refuse a push (the header checks are
+server/rounds/staging.py's), fold or step.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections import deque
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.pace import steps_per_tick
-from streamdiloco.server.robust import RobustConfig, cap_weights, clip_scales, lower_half
-from streamdiloco.server.roundjobs import OpenRound, Push
+from streamdiloco.server.rounds.jobs import OpenRound, Push
+from streamdiloco.server.rounds.robust import RobustConfig, cap_weights, clip_scales, lower_half
 
 
 class Defenses:

@@ -48,10 +48,10 @@ from streamdiloco.common.statefile import opaque_keys
 from streamdiloco.common.wire import bytes_to_values
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.admission import Refusal, Undecodable, abort, admit, credentials, parse, short
-from streamdiloco.server.auth import Auth
-from streamdiloco.server.bounds import Limits
-from streamdiloco.server.service import ShardService, rpc_handlers
+from streamdiloco.server.edge.admission import Refusal, Undecodable, abort, admit, credentials, parse, short
+from streamdiloco.server.edge.service import ShardService, rpc_handlers
+from streamdiloco.server.trust.auth import Auth
+from streamdiloco.server.trust.bounds import Limits
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -183,7 +183,7 @@ class Upload:
 class PendingShard(pb_grpc.ShardServicer):
     """The shard before its first worker's upload; `make(layout, initial, fingerprint, init_hash)` builds the
     real service (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
-    with Initialize added; its Join admits as the real one does (server/admission.py), less the
+    with Initialize added; its Join admits as the real one does (server/edge/admission.py), less the
     fingerprint, which the upload brings. `init_expect`: the init hash an upload must have (--init-expect;
     None: any); `init_timeout`: seconds an upload may go without sending values (--init-timeout)."""
 

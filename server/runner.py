@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from streamdiloco.common.wire import to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.credit import Credits
-from streamdiloco.server.dashboard import DashboardData
-from streamdiloco.server.metrics import ShardMetrics
-from streamdiloco.server.roundjobs import Push
-from streamdiloco.server.shard import CloseJob, FoldJob, ShardState
+from streamdiloco.server.observe.dashboard import DashboardData
+from streamdiloco.server.observe.metrics import ShardMetrics
+from streamdiloco.server.rounds.jobs import Push
+from streamdiloco.server.rounds.state import CloseJob, FoldJob, ShardState
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
+from streamdiloco.server.storage.credits import Credits
 
 log = logging.getLogger("streamdiloco.shard")
 

@@ -6,7 +6,7 @@ The lock is `flock` on LOCK_NAME in the directory, taken before anything is read
 for the process's life; the file says who holds it (pid, host, start time), so that a second shard refuses
 with one line naming the holder. The kernel lets go of the lock when its process ends, however it ends: the
 file that a killed shard leaves behind blocks nobody. What this module must not do: read or write the
-checkpoint itself (server/checkpoint.py does), or wait for a lock (a second shard stops at once).
+checkpoint itself (server/storage/checkpoint.py does), or wait for a lock (a second shard stops at once).
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ checkpoint.
                                       downlink's error-feedback residual and the rounding generator
     rounds/fragment-<p>-round-<r>.pt  round r of fragment p's inputs: its pushes, still encoded, and what
                                       else its close used (server.shard.CloseJob.record)
-    ledger.json                       shard 0: the run's data ledger (server/ledger.py's to_state), written
+    ledger.json                       shard 0: the run's data ledger (server/storage/ledger.py's to_state),
+    written
                                       before each Pieces reply goes out, so a restart loses no assignment
-    credits.json                      the contribution ledger (server/credit.py's to_state): written before
+    credits.json                      the contribution ledger (server/storage/credits.py's to_state): written
+    before
                                       every whole state of a fragment (which drops round logs: the ledger
                                       has credited them), every CREDITS_SECONDS while it changes, and when
                                       the shard stops; the rounds a restart replays from their logs are
@@ -61,7 +63,7 @@ import torch
 from streamdiloco.common.atomic import atomic_write, atomic_write_text
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff
-from streamdiloco.server.shard import ShardState
+from streamdiloco.server.rounds.state import ShardState
 
 log = logging.getLogger("streamdiloco.shard")
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamdiloco.common.fingerprint import tensor_digest
-from streamdiloco.server.credit import STATUS_ROWS
-from streamdiloco.server.dashboard import DashboardData, Sample
-from streamdiloco.server.roster import Member
+from streamdiloco.server.observe.dashboard import DashboardData, Sample
+from streamdiloco.server.storage.credits import STATUS_ROWS
+from streamdiloco.server.trust.roster import Member
 
 if TYPE_CHECKING:
-    from streamdiloco.server.service import ShardService
+    from streamdiloco.server.edge.service import ShardService
 
 
 class ShardStatus:
@@ -128,7 +128,7 @@ class ShardStatus:
                 "weights_capped": st.weights_capped,
             },
             "bad_messages": self.svc.counters.bad_messages,
-            "bounds": {  # what clients hold of what the shard's limits allow (server/bounds.py)
+            "bounds": {  # what clients hold of what the shard's limits allow (server/trust/bounds.py)
                 "sessions": self.svc.peer_sessions.held,
                 "fetches": self.svc.fetches.held,
                 "unread_bytes": self.svc.unread.held,
@@ -149,12 +149,14 @@ class ShardStatus:
             "training_loss": self.dashboard.last_loss,
             "round_seconds": self.dashboard.round_seconds(),
             "recent_rounds": self.dashboard.recent_rounds(rounds),
-            "credits": self.svc.credits.status(self.svc.clock(), credits),  # who gave what (server/credit.py)
+            "credits": self.svc.credits.status(
+                self.svc.clock(), credits
+            ),  # who gave what (server/storage/credits.py)
         }
 
     def data(self) -> dict | None:
-        """Shard 0's ledger (server/ledger.py's status) and the epoch's ETA: the tokens of the pieces not
-        done, at the members' summed tokens/s (None until they tell)."""
+        """Shard 0's ledger (server/storage/ledger.py's status) and the epoch's ETA: the tokens of the pieces
+        not done, at the members' summed tokens/s (None until they tell)."""
         if self.svc.pieces is None:
             return None
         led = self.svc.pieces.ledger

@@ -1,5 +1,5 @@
 """The contribution ledger: what each worker identity gave a shard, so that a collective can credit its
-volunteers. One row per name a session proved (server/auth.py's `Identity`: under per-worker tokens or
+volunteers. One row per name a session proved (server/trust/auth.py's `Identity`: under per-worker tokens or
 client certificates the credential binds the name; under the run token the name is the worker's word, and
 the row's `via` says so). Per row:
 
@@ -21,11 +21,12 @@ least-contributing row (fewest tokens, then pushes, then rounds; one without an 
 
 Rounds are credited once: `through[f]` is the first round of fragment f not yet credited, kept with the
 ledger, so that rounds a restarted shard replays from its checkpoint's logs are credited exactly when the
-saved ledger had not counted them (server/checkpoint.py).
+saved ledger had not counted them (server/storage/checkpoint.py).
 
 Pure (the clock is passed in; no I/O): the shard's servicer, round runner and checkpoint call it, and the
 `streamdiloco ledger` command (cli/credit_cmd.py) checks and merges what shards saved or serve. It must not
-be mixed with server/ledger.py, the *data* ledger of pieces, nor log: callers pass names through `shown`.
+be mixed with server/storage/ledger.py, the *data* ledger of pieces, nor log: callers pass names through
+`shown`.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ MAX_IDENTITIES = 4096  # rows kept; beyond, the least-contributing idle ones fol
 STATUS_ROWS = 100  # rows /api/status lists by default (the most tokens first); the rest sum into others
 VERSION = 1
 MAX_COUNT = 1 << 53
-MAX_NAME = 128  # server/admission.py's bound on worker names
-# How a session's credential proved its name (server/auth.py's Identity.via), "" where unknown
+MAX_NAME = 128  # server/edge/admission.py's bound on worker names
+# How a session's credential proved its name (server/trust/auth.py's Identity.via), "" where unknown
 VIAS = ("", "worker token", "certificate", "worker token and certificate", "run token", "nothing")
-# The reasons intake and staging refuse a push for (server/intake.py, server/staging.py, common/chunks.py);
-# "late" has its own column
+# The reasons intake and staging refuse a push for (server/edge/intake.py, server/rounds/staging.py,
+# common/chunks.py); "late" has its own column
 REASONS = (
     "bad_chunk",
     "bad_codec",

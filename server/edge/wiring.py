@@ -1,7 +1,7 @@
 """How a shard's servicer sizes its traffic from the run's settings and its limits: the values per chunk in
 each direction, the budget of bytes queued for members and not read yet, the budget of pushes arriving, and
 the counts of calls per peer.
-The servicer (server/service.py) builds its parts from these; what this module must not do: hold state of
+The servicer (server/edge/service.py) builds its parts from these; what this module must not do: hold state of
 its own, or serve a call.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.bounds import (
+from streamdiloco.server.rounds.staging import Staging
+from streamdiloco.server.trust.bounds import (
     FETCHES_PER_PEER,
     MIN_STAGED_BYTES,
     MIN_UNREAD_BYTES,
@@ -17,7 +18,6 @@ from streamdiloco.server.bounds import (
     PeerCounts,
     UnreadBudget,
 )
-from streamdiloco.server.staging import Staging
 
 
 def chunk_sizes(cfg: SyncConfig, chunk_bytes: int) -> tuple[int, int, int]:

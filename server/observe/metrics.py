@@ -18,7 +18,7 @@ from streamdiloco.common.metrics import PAYLOAD_BYTES, PREFIX, PUSH_OUTCOMES, WA
 from streamdiloco.common.wire import PROTOCOL
 
 if TYPE_CHECKING:
-    from streamdiloco.server.service import ShardService
+    from streamdiloco.server.edge.service import ShardService
 
 P = f"{PREFIX}_shard"
 
@@ -203,8 +203,8 @@ class _Collector:
 
 
 def credit_metrics(svc: ShardService) -> Iterator[Metric]:
-    """The contribution ledger (server/credit.py): the CREDIT_LABELS identities with the most tokens by
-    `worker`, the rest under worker="". Gauges: a worker's series moves to the rest when others pass it."""
+    """The contribution ledger (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens
+    by `worker`, the rest under worker="". Gauges: a worker's series moves to the rest when others pass it."""
     tops, rest = svc.credits.top(CREDIT_LABELS, svc.clock())
     rows = [*tops, ("", rest, 0.0)]
     families = {

@@ -2,7 +2,7 @@
 `common.chunks.Assembly` per push that validates its chunks the moment they arrive, and the pushes refused
 before their last chunk (whose later chunks are dropped without a word). A refused push changes nothing.
 
-Split from server/shard.py (ShardState, which takes a push into its round once its last chunk is in) by
+Split from server/rounds/state.py (ShardState, which takes a push into its round once its last chunk is in) by
 job. Pure: no networking, no clocks; what it must not do: touch a round (it only reads the open one).
 
 What staging holds is bounded (`admit`, asked before a push's first chunk is even decoded): a worker
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded, get_codec, sumsq
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.defenses import Defenses
-from streamdiloco.server.robust import MAX_LOSS, MIN_WEIGHT
-from streamdiloco.server.roundjobs import OpenRound, Staged
+from streamdiloco.server.rounds.defenses import Defenses
+from streamdiloco.server.rounds.jobs import OpenRound, Staged
+from streamdiloco.server.rounds.robust import MAX_LOSS, MIN_WEIGHT
 
 # Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
 # overflow: values are bounded by the chunk assembler (MAX_ABS_VALUE); weights are token counts.
@@ -52,7 +52,7 @@ class Chunk:
     weight: float | None = None
     loss: float | None = None
     step_seconds: float | None = None  # the worker's reported seconds per inner step (header)
-    stretch: float = 1.0  # how far its weight's bound stretches (server/defenses.py)
+    stretch: float = 1.0  # how far its weight's bound stretches (server/rounds/defenses.py)
 
 
 class Staging:

@@ -1,14 +1,14 @@
 """The shard's gRPC servicer: it validates each call, translates it from and to protobuf, and hands off.
 
-Who is admitted: server/admission.py (every Join, the pending shard's too). Who is here: server/roster.py
-(Joins, sessions, members: one truth for the rounds, status and pace). What a session's worker sends after
-Hello: server/intake.py (Ready, pushes and their checks). What waits to be written, and the backpressure on
-it: server/outbox.py. Closing and folding rounds: server/rounds.py, on a small thread pool beside the loop.
-The status JSON and the dashboard's series: server/status.py. The sizes of its traffic (values per chunk,
-the unread budget, calls per peer): server/wiring.py. The rounds themselves: ShardState (server/shard.py),
-pure. Who gave what (pushes, rounds, tokens, time connected, per identity): server/credit.py, told by the
-sessions here, the intake and the round runner. Join's reply and Fetch's chunks are made by `join_reply` and
-`master_chunks` below.
+Who is admitted: server/edge/admission.py (every Join, the pending shard's too). Who is here:
+server/trust/roster.py (Joins, sessions, members: one truth for the rounds, status and pace). What a session's
+worker sends after Hello: server/edge/intake.py (Ready, pushes and their checks). What waits to be written,
+and the backpressure on it: server/edge/outbox.py. Closing and folding rounds: server/runner.py, on a small
+thread pool beside the loop. The status JSON and the dashboard's series: server/observe/status.py. The sizes
+of its traffic (values per chunk, the unread budget, calls per peer): server/edge/wiring.py. The rounds
+themselves: ShardState (server/rounds/state.py), pure. Who gave what (pushes, rounds, tokens, time connected,
+per identity): server/storage/credits.py, told by the sessions here, the intake and the round runner. Join's
+reply and Fetch's chunks are made by `join_reply` and `master_chunks` below.
 
 Threads. The asyncio event loop moves messages and owns ShardState: every call that reads or changes it
 runs on the loop, so ShardState needs no locks. The arithmetic of a closing round (fold, outer step,
@@ -37,7 +37,7 @@ import grpc
 from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.admission import (
+from streamdiloco.server.edge.admission import (
     Refusal,
     Undecodable,
     abort,
@@ -48,26 +48,26 @@ from streamdiloco.server.admission import (
     parse,
     short,
 )
-from streamdiloco.server.auth import Auth, Refused, WorkersFile
-from streamdiloco.server.bounds import Limits, PeerCounts, Throttled, peer_host
-from streamdiloco.server.checkpoint import ShardCheckpoint
-from streamdiloco.server.credit import STATUS_ROWS, Credits
-from streamdiloco.server.dashboard import DashboardData
-from streamdiloco.server.intake import Counters, Intake
-from streamdiloco.server.ledger import Ledger
-from streamdiloco.server.metrics import ShardMetrics
-from streamdiloco.server.outbox import Outbox
-from streamdiloco.server.pieces import PieceDesk, not_here
-from streamdiloco.server.roster import Member, Roster
-from streamdiloco.server.rounds import RoundRunner
-from streamdiloco.server.shard import ShardState
-from streamdiloco.server.status import ShardStatus
-from streamdiloco.server.wiring import chunk_sizes, peer_counts, staged_budget, unread_budget
+from streamdiloco.server.edge.intake import Counters, Intake
+from streamdiloco.server.edge.outbox import Outbox
+from streamdiloco.server.edge.pieces import PieceDesk, not_here
+from streamdiloco.server.edge.wiring import chunk_sizes, peer_counts, staged_budget, unread_budget
+from streamdiloco.server.observe.dashboard import DashboardData
+from streamdiloco.server.observe.metrics import ShardMetrics
+from streamdiloco.server.observe.status import ShardStatus
+from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.runner import RoundRunner
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint
+from streamdiloco.server.storage.credits import STATUS_ROWS, Credits
+from streamdiloco.server.storage.ledger import Ledger
+from streamdiloco.server.trust.auth import Auth, Refused, WorkersFile
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, Throttled, peer_host
+from streamdiloco.server.trust.roster import Member, Roster
 
 if TYPE_CHECKING:
     import torch
 
-    from streamdiloco.server.slots import WaitingCalls
+    from streamdiloco.server.edge.slots import WaitingCalls
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -112,7 +112,7 @@ class ShardService(pb_grpc.ShardServicer):
         self.dashboard = DashboardData()  # closed rounds, samples and workers' progress, over time
         self.view = ShardStatus(self, self.dashboard)  # the status JSON and the dashboard's series
         self.serving = False  # serve() sets it once gRPC listens: /readyz
-        self.credits = self._credits()  # the contribution ledger: who gave what (server/credit.py)
+        self.credits = self._credits()  # the contribution ledger: who gave what (server/storage/credits.py)
         self._credits_saved = clock()
         self._credits_saving: Future | None = None
         self.metrics = metrics = ShardMetrics(self)
@@ -127,7 +127,9 @@ class ShardService(pb_grpc.ShardServicer):
             credits,
         )  # fmt: skip
         self.pieces = self._piece_desk(piece_tokens) if state.shard == 0 else None  # the data ledger
-        self.init_hash = ""  # --init from-worker: the upload's init hash, said at Join (server/initialize.py)
+        self.init_hash = (
+            ""  # --init from-worker: the upload's init hash, said at Join (server/edge/initialize.py)
+        )
         self.sample()
 
     def _piece_desk(self, piece_tokens: int) -> PieceDesk:
@@ -425,7 +427,7 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- Pieces ----------------------------------------------------------------------------------------
     async def Pieces(self, request: pb.PiecesRequest, context: grpc.aio.ServicerContext) -> pb.PiecesReply:
-        """Shard 0's data ledger (server/pieces.py): authenticated as Fetch is, bound to the caller's
+        """Shard 0's data ledger (server/edge/pieces.py): authenticated as Fetch is, bound to the caller's
         session."""
         if isinstance(request, Undecodable):
             await self._undecodable(request, context)
@@ -441,8 +443,8 @@ class ShardService(pb_grpc.ShardServicer):
 
     # --- status ----------------------------------------------------------------------------------------
     def status(self, rounds: int = 20, hashes: bool = True, credits: int = STATUS_ROWS) -> dict:
-        """The shard's status as JSON data (server/status.py); `hashes`: each fragment's master hash too;
-        `credits`: the contribution ledger's rows listed."""
+        """The shard's status as JSON data (server/observe/status.py); `hashes`: each fragment's master hash
+        too; `credits`: the contribution ledger's rows listed."""
         return self.view.status(rounds, hashes, credits)
 
     def series(self, since: float = 0.0) -> dict:
@@ -499,7 +501,7 @@ def rpc_handlers(service: pb_grpc.ShardServicer) -> dict[str, grpc.RpcMethodHand
     """A servicer's Join, Session, Fetch and Pieces as the generated add_ShardServicer_to_server registers
     them, except that a Session reply may also be bytes already serialized (an update's chunks: serialized
     once per round, the same bytes written to every member). The one table: the pending shard of `--init
-    from-worker` (server/initialize.py) takes it for its own methods and adds Initialize."""
+    from-worker` (server/edge/initialize.py) takes it for its own methods and adds Initialize."""
     return {
         "Join": grpc.unary_unary_rpc_method_handler(
             service.Join,

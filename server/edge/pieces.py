@@ -1,4 +1,5 @@
-"""Shard 0's Pieces calls, between the gRPC servicer and the data ledger (server/ledger.py): a request is
+"""Shard 0's Pieces calls, between the gRPC servicer and the data ledger (server/storage/ledger.py): a request
+is
 checked (the caller has an open session with the id its Join gave, the data it names is the run's, every
 id and list within bounds), handed to the ledger, and the ledger is made durable in the shard's checkpoint
 before the reply goes out: a piece leased or reported done is never lost by a restart of the shard.
@@ -15,9 +16,9 @@ from collections.abc import Callable
 import grpc
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.admission import Refusal, check_name, short
-from streamdiloco.server.ledger import Dataset, Ledger, LedgerError
-from streamdiloco.server.roster import Roster
+from streamdiloco.server.edge.admission import Refusal, check_name, short
+from streamdiloco.server.storage.ledger import Dataset, Ledger, LedgerError
+from streamdiloco.server.trust.roster import Roster
 
 log = logging.getLogger("streamdiloco.shard")
 

@@ -21,9 +21,9 @@ norms, and both are settled when its pushes are handed to a fold: a group's when
 at the close. The master must come out of every outer step finite: a step that does not is undone (the
 round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
 
-Rounds close by server/roundrule.py's rule (every expected member pushed; or a quorum of the expected
+Rounds close by server/rounds/rule.py's rule (every expected member pushed; or a quorum of the expected
 weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
-an expected member that a round closed without is dormant (server/roundmembers.py) until a push of its
+an expected member that a round closed without is dormant (server/rounds/members.py) until a push of its
 arrives (accepted, or late: it is there). The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
@@ -32,10 +32,11 @@ pushes it took, so the caller may run it on another thread while it goes on taki
 `busy` meanwhile (no second job, and it is not due). `close_round` does all three at once. A master tensor
 is never changed in place (a close replaces it), so a reader may keep one while rounds go on.
 
-ShardState composes its collaborators, each the one truth of its job: server/staging.py (the pushes whose
-chunks are arriving, and their own checks), server/defenses.py (weight caps and norm clips, and the recent
-rounds they are relative to), server/roundmembers.py (who the rounds wait for), server/shardsave.py (what a
-checkpoint keeps of a fragment, and its checks), server/roundjobs.py (the rounds' records and the fold and
+ShardState composes its collaborators, each the one truth of its job: server/rounds/staging.py (the pushes
+whose chunks are arriving, and their own checks), server/rounds/defenses.py (weight caps and norm clips, and
+the recent rounds they are relative to), server/rounds/members.py (who the rounds wait for),
+server/rounds/records.py (what a checkpoint keeps of a fragment, and its checks), server/rounds/jobs.py (the
+rounds' records and the fold and
 close jobs). The gRPC servicer and the in-process simulator both drive this class; what it must not do:
 network, files, clocks or threads of its own.
 """
@@ -52,13 +53,13 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.outer import OuterOptimizer
 from streamdiloco.common.pace import valid_step_seconds
-from streamdiloco.server.defenses import Defenses
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.roundjobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
-from streamdiloco.server.roundmembers import RoundMembers
-from streamdiloco.server.roundrule import RoundRule
-from streamdiloco.server.shardsave import checked_fragment, checked_round, fragment_record
-from streamdiloco.server.staging import MAX_WEIGHT, Chunk, PushRejected, Staging
+from streamdiloco.server.rounds.defenses import Defenses
+from streamdiloco.server.rounds.jobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
+from streamdiloco.server.rounds.members import RoundMembers
+from streamdiloco.server.rounds.records import checked_fragment, checked_round, fragment_record
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.rule import RoundRule
+from streamdiloco.server.rounds.staging import MAX_WEIGHT, Chunk, PushRejected, Staging
 
 __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", "PushRejected", "ShardState"]
 
@@ -158,7 +159,7 @@ class ShardState:
         """Whether the open round has had a whole push (it is in progress)."""
         return self.open[fragment].started_at is not None
 
-    # --- checkpoints (their format: server/shardsave.py) ---------------------------------------------------
+    # --- checkpoints (their format: server/rounds/records.py) -----------------------------------------------
     def fragment_state(self, fragment: int) -> dict:
         """What a checkpoint keeps of a fragment: the open round's number and the outer optimizer (master,
         momentum, error-feedback residual, rounding generator). The open round's pushes are not kept."""
@@ -189,7 +190,7 @@ class ShardState:
         """After a restart: wait for the checkpoint's members as if they were here, until `until`."""
         self.roll.expect_back(until)
 
-    # --- members (server/roundmembers.py) ----------------------------------------------------------------
+    # --- members (server/rounds/members.py) ----------------------------------------------------------------
     def add_member(self, worker: str, from_rounds: list[int] | None = None) -> None:
         """Rounds that start from now on wait for this worker; with `from_rounds`, only rounds
         >= from_rounds[fragment] (a worker that joins a run in progress skips the rounds before)."""
@@ -200,7 +201,7 @@ class ShardState:
         self.roll.remove(worker)
         self.staging.forget_worker(worker)
 
-    # --- pushes (their chunks: server/staging.py) --------------------------------------------------------
+    # --- pushes (their chunks: server/rounds/staging.py) ----------------------------------------------------
     def push(
         self,
         worker: str,
@@ -285,7 +286,7 @@ class ShardState:
         return self.roll.pace()
 
     def grace(self, pace: float) -> float:
-        """How long a round that holds a quorum waits for the rest (server/roundrule.py)."""
+        """How long a round that holds a quorum waits for the rest (server/rounds/rule.py)."""
         return self.rule.grace(pace)
 
     def due(self, now: float, fragment: int | None = None) -> list[tuple[int, str]]:
@@ -384,8 +385,8 @@ class ShardState:
         return self.end_close(job.run())
 
     def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
-        """Settle pushes about to be folded (server/defenses.py); their shares are what later rounds count
-        on from their workers."""
+        """Settle pushes about to be folded (server/rounds/defenses.py); their shares are what later rounds
+        count on from their workers."""
         self.defenses.settle(fragment, rnd, pushes, self.pace())
         self.roll.pushed({p.worker: p.share for p in pushes})
 

@@ -3,9 +3,9 @@ state (`fragment_record`, checked by `checked_fragment`) and the log of a round 
 (CloseJob.record, checked by `checked_round`). One place for the format, so that a shard resumes from a
 checkpoint that an earlier version wrote.
 
-Split from server/shard.py (ShardState, which saves and restores through these) by job. Pure: dicts and
-tensors in, checked values or ValueError out; what it must not do: change a shard (server/checkpoint.py
-writes and reads the files).
+Split from server/rounds/state.py (ShardState, which saves and restores through these) by job. Pure: dicts and
+tensors in, checked values or ValueError out; what it must not do: change a shard
+(server/storage/checkpoint.py writes and reads the files).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.server.robust import RobustConfig
-from streamdiloco.server.roundjobs import Push, checked_history
-from streamdiloco.server.staging import MAX_WEIGHT
+from streamdiloco.server.rounds.jobs import Push, checked_history
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.staging import MAX_WEIGHT
 
 
 def fragment_record(
