@@ -25,9 +25,9 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import tensor_digest
 
 if TYPE_CHECKING:
+    from streamdiloco.worker.config import WorkerConfig
     from streamdiloco.worker.engine import SyncEngine
     from streamdiloco.worker.group import RankGroup
-    from streamdiloco.worker.run import WorkerConfig
 
 log = logging.getLogger("streamdiloco.worker")
 
