@@ -8,7 +8,6 @@ import json
 import grpc
 import pytest
 import torch
-from inthread import InThreadShard
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -21,6 +20,7 @@ from streamdiloco.server.edge.initialize import PendingShard
 from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import InThreadShard
 
 pytestmark = pytest.mark.timeout(60)
 

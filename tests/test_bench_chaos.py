@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT
 
 from benchmarks.chaos import METRIC, Counts, busy_share, goodput, ledger_goodput, reached_tokens
+from tests.support.procs import ROOT
 
 
 def test_goodput_counts_the_accepted_share_of_each_process_pushed_tokens_over_all_it_computed():

@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT
 
 from benchmarks.load import Timings, close_times, proc_stats, shard_flags, table
 from streamdiloco.server.trust.bounds import Limits
+from tests.support.procs import ROOT
 
 
 def test_the_flags_hold_n_sessions_from_one_address():

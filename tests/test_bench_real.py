@@ -14,10 +14,10 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT
 
 from benchmarks.real import fortunes
 from benchmarks.wan_ddp import DealtPieces
+from tests.support.procs import ROOT
 
 TINY = {"model_type": "gpt2", "vocab_size": 512, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2}
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT
 
 import benchmarks.sync_cost
+from tests.support.procs import ROOT
 
 
 def _module():

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT
+
+from tests.support.procs import ROOT
 
 pytestmark = pytest.mark.slow
 

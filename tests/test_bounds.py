@@ -4,7 +4,7 @@ Against real shard processes under an open-file limit of 256 (as the issue's pro
 streams that never send Hello and 600 silent TCP connections to the gRPC and HTTP ports are closed within
 their deadlines while a worker keeps training, rounds keep closing and checkpoints keep being written; the
 shard never stops and its log stays small. Sessions that do not read share one unread budget. In-process
-(tests/inthread.py's shard): the caps per address and in total refuse with a clear status, Fetch refuses
+(support/inthread.py's shard): the caps per address and in total refuse with a clear status, Fetch refuses
 repeated fragments and oversized requests, a 4 MiB codec name is not echoed, undecodable messages get a
 throttled line each and no traceback, weights below one token are refused. The pure pieces of
 server/trust/bounds.py are pinned on their own. Attackers connect from other loopback addresses (127.0.0.2,
@@ -29,8 +29,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, InThreadShard, push_messages
-from procs import ROOT, Cluster, http_json, wait_until
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
@@ -50,6 +48,8 @@ from streamdiloco.server.trust.bounds import (
     peer_host,
 )
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
+from tests.support.procs import ROOT, Cluster, http_json, wait_until
 
 FILES = 256  # the open-file limit the shard processes run under
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]

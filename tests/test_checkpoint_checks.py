@@ -15,8 +15,6 @@ import os
 
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, InThreadShard, Session, push_messages
-from procs import Cluster, http_json, wait_until
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
@@ -29,6 +27,8 @@ from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session, push_messages
+from tests.support.procs import Cluster, http_json, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

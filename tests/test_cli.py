@@ -280,7 +280,7 @@ def test_launch_stops_every_process_it_started(tmp_path, how):
 # (a real shard resumes its checkpoint) and test_export.py::test_bad_inputs_... (another run's is named)
 @pytest.mark.slow
 def test_a_shard_resumes_only_a_checkpoint_of_the_same_run_and_fresh_starts_over(tmp_path):
-    from procs import http_json, shard_process
+    from tests.support.procs import http_json, shard_process
 
     ckpt = tmp_path / "ckpt"
     flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--checkpoint-dir", str(ckpt)]

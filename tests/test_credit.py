@@ -13,14 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from inthread import InThreadShard, push_messages
-from procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 
 from streamdiloco.credit_cmd import from_checkpoint, merge, to_csv
 from streamdiloco.server.edge.service import ShardService
 from streamdiloco.server.main import build_service
 from streamdiloco.server.storage.credits import Credits
+from tests.support.inthread import InThreadShard, push_messages
+from tests.support.procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco
 
 
 # --- the rules -------------------------------------------------------------------------------------------

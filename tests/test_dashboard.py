@@ -9,9 +9,9 @@ import shutil
 from urllib.parse import urlsplit
 
 import pytest
-from procs import Cluster, http_json, wait_until
 
 from streamdiloco.launch import free_ports
+from tests.support.procs import Cluster, http_json, wait_until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import streamdiloco
 
 from streamdiloco.common.prepared import (
     DOCUMENTS,
@@ -33,6 +32,7 @@ from streamdiloco.common.prepared import (
     looks_prepared,
 )
 from streamdiloco.prepare import Progress, Stats, prepare, train_tokenizer
+from tests.support.procs import streamdiloco
 
 TEXT_A = "The first document.\nIt has two lines, and some unicode: héllo, 日本語, ∑.\n"
 TEXT_B = "# A markdown file\n\nIn a folder below the folder.\n"

@@ -20,7 +20,6 @@ from concurrent.futures import Future
 import pytest
 import torch
 import torch.nn as nn
-from procs import Cluster, http_json, shard_process
 
 from streamdiloco.common.codecs import decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -28,6 +27,7 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.worker.checkpoint import mirror_digests
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
+from tests.support.procs import Cluster, http_json, shard_process
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]

@@ -10,13 +10,13 @@ import urllib.request
 
 import pytest
 import torch
-from procs import shard_process, streamdiloco
 
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
+from tests.support.procs import shard_process, streamdiloco
 
 
 def test_two_shards_two_workers_equal_the_simulator_and_mirrors_equal_masters(tmp_path):

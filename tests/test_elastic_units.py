@@ -18,8 +18,6 @@ import time
 
 import pytest
 import torch
-from inthread import WAIT, InThreadShard, push_messages
-from nowire import NoWire
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -41,6 +39,8 @@ from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import WAIT, InThreadShard, push_messages
+from tests.support.nowire import NoWire
 
 pytestmark = pytest.mark.timeout(60)
 

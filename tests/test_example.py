@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from procs import ROOT, shard_process
+from tests.support.procs import ROOT, shard_process
 
 
 def test_own_model_and_loop_train_through_a_shard(tmp_path):

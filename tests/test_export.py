@@ -10,8 +10,6 @@ import signal
 
 import pytest
 import torch
-from inthread import InThreadShard, push_messages
-from procs import Cluster, http_json, streamdiloco
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
@@ -32,6 +30,8 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import InThreadShard, push_messages
+from tests.support.procs import Cluster, http_json, streamdiloco
 
 RUN = ["--sync-every", "6", "--num-fragments", "3"]
 TOKEN = "export-test-token"
@@ -216,7 +216,7 @@ def test_bad_inputs_give_one_line_errors_and_write_nothing(nano_run, tmp_path):
 @pytest.mark.slow
 def test_a_transformers_gpt2_comes_back_through_from_pretrained_bit_for_bit(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
-    spec = "tests.hf_gpt2:tiny_gpt2"
+    spec = "tests.support.hf_gpt2:tiny_gpt2"
     c, targets, _ = run(tmp_path, spec)
     try:
         masters = fetch_masters(targets, TOKEN)

@@ -7,11 +7,11 @@ import signal
 
 import pytest
 import torch
-from netproxy import ThrottledProxy
-from procs import Cluster, http_json, wait_until
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import next_send_after, send_step
+from tests.support.netproxy import ThrottledProxy
+from tests.support.procs import Cluster, http_json, wait_until
 
 # merges at exactly t + tau, one inner step per schedule step whatever the timing (the deterministic merge
 # policy and schedule): these runs are compared bit for bit with runs that nobody interrupted

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from inthread import WAIT, InThreadShard, push_messages
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
@@ -31,6 +30,7 @@ from streamdiloco.server.main import build_service
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import WAIT, InThreadShard, push_messages
 
 pytestmark = pytest.mark.timeout(60)
 

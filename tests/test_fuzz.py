@@ -2,7 +2,7 @@
 Session's Hello, Ready and Push chunks with their headers, FetchRequest), boundary and absurd values,
 wrong lengths, empty and (boundedly) huge strings and bytes, repeated and reordered messages, and raw
 bytes, truncated or random, sent through gRPC's generic calls with no serializer so that the shard sees
-exactly those bytes. Against a real in-process shard (tests/inthread.py) with two honest member workers.
+exactly those bytes. Against a real in-process shard (support/inthread.py) with two honest member workers.
 
 Invariants, checked after every case:
 - the shard neither crashes nor hangs: every call ends within its deadline and Fetch is still answered;
@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
 
 from streamdiloco.common.chunks import MAX_ABS_VALUE, out_of_bounds
 from streamdiloco.common.codecs import add_into, concat, encode
@@ -54,6 +53,7 @@ from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.worker.connection import MAX_UPDATES_UNDER_WAY, ShardConnection, SyncError, Updates
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)
 TOKEN = "fuzz-token"

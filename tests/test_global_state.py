@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from nowire import NoWire
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.worker.engine import SyncEngine
+from tests.support.nowire import NoWire
 
 
 class Tied(nn.Module):

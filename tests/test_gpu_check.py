@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import ROOT, wait_until
+from tests.support.procs import ROOT, wait_until
 
 SCRIPT = ROOT / "scripts" / "gpu-check.py"
 

@@ -1,5 +1,5 @@
 """deploy/helm/streamdiloco, checked offline for every values file: rendered as `helm template` renders it
-(tests/helm_render.py: Go templates and the Sprig functions the chart uses), every object validated against
+(support/helm_render.py: Go templates and the Sprig functions the chart uses), every object validated against
 the Kubernetes API's schemas (kubernetes-validate, strict: an unknown field fails) for the oldest and the
 newest Kubernetes the chart is checked for, every command line through the real CLI parser, and what ties
 the objects together (the shards' names in --servers, --peers and the certificate, the Secrets mounted
@@ -15,7 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helm_render import TemplateError, go_str, render_chart
+
+from tests.support.helm_render import TemplateError, go_str, render_chart
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[dev]'")
 
@@ -292,10 +293,10 @@ def test_the_renderer_keeps_go_semantics():
     """What a chart could depend on, as Go's text/template and Helm do it (so that the chart renders the
     same under helm): values' numbers are float64 (1e+06 printed raw), `eq` of a float and an int is an
     error, a field of nil is an error, an unknown function is an error, `{{-`/`-}}` trim."""
-    from helm_render import Renderer
+    from tests.support.helm_render import Renderer
 
     def run(src: str, values: dict | None = None) -> str:
-        from helm_render import floats
+        from tests.support.helm_render import floats
 
         return Renderer({"t": src}).render("t", {"Values": floats(values or {})})
 

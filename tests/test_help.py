@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from procs import refused_in_one_line
+from tests.support.procs import refused_in_one_line
 
 PROBE = r"""
 import contextlib, io, sys

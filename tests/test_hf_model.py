@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import Cluster, refused_in_one_line
 
 from streamdiloco.cli import main
 from streamdiloco.common.config import InnerConfig, RunSettings, SyncConfig, WorkerSettings
@@ -26,6 +25,7 @@ from streamdiloco.worker.data import BatchStream, ByteDataset
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import WorkerConfig
 from streamdiloco.worker.train import autocast, forward_backward, make_inner_optimizer, optimizer_step
+from tests.support.procs import Cluster, refused_in_one_line
 
 TOKEN = "hf-test-token"
 RUN = ["--sync-every", "6", "--num-fragments", "3", "--token", TOKEN]
@@ -33,7 +33,8 @@ RUN = ["--sync-every", "6", "--num-fragments", "3", "--token", TOKEN]
 
 def tiny(**changes) -> dict:
     """A tiny GPT-2 on bytes: the built-in text trains it (vocabulary 256, 32 positions)."""
-    from hf_gpt2 import tiny_config  # imports transformers: only the tests that have it get here
+    # imports transformers: only the tests that have it get here
+    from tests.support.hf_gpt2 import tiny_config
 
     return {**tiny_config(vocab=256, positions=32), **changes}
 

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from procs import ROOT, Cluster, http_json, wait_until
+
+from tests.support.procs import ROOT, Cluster, http_json, wait_until
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
@@ -32,7 +33,7 @@ def trainer_process(tmp, name: str, target: str, *flags: str) -> subprocess.Pope
 
 
 def test_a_trainer_is_one_worker_resumes_from_its_checkpoint_and_ends_with_the_masters(tmp_path):
-    from hf_gpt2 import tiny_gpt2
+    from tests.support.hf_gpt2 import tiny_gpt2
 
     config = tmp_path / "config"
     tiny_gpt2().config.save_pretrained(config)  # the shard's model, as a config the example builds from
@@ -42,7 +43,7 @@ def test_a_trainer_is_one_worker_resumes_from_its_checkpoint_and_ends_with_the_m
         *("--context", "32", "--save-steps", "6", "--out", str(out), "--summary", str(summary)),
     ]
     with Cluster(tmp_path) as c:
-        target, http = c.shard("shard", "--model", "tests.hf_gpt2:tiny_gpt2", *FLAGS)
+        target, http = c.shard("shard", "--model", "tests.support.hf_gpt2:tiny_gpt2", *FLAGS)
         first = trainer_process(tmp_path, "first", target, *run)
         try:
             saved = out / "checkpoint-12" / "streamdiloco.pt"
@@ -89,13 +90,13 @@ def test_a_trainer_resumed_without_the_engines_state_is_refused(tmp_path):
 # the same connect() and hook) and tests/test_example.py (your own loop through a shard)
 @pytest.mark.slow
 def test_an_accelerate_loop_is_one_worker_and_ends_with_the_masters(tmp_path):
-    from hf_gpt2 import tiny_gpt2
+    from tests.support.hf_gpt2 import tiny_gpt2
 
     config = tmp_path / "config"
     tiny_gpt2().config.save_pretrained(config)
     summary = tmp_path / "summary.json"
     with Cluster(tmp_path) as c:
-        target, http = c.shard("shard", "--model", "tests.hf_gpt2:tiny_gpt2", *FLAGS)
+        target, http = c.shard("shard", "--model", "tests.support.hf_gpt2:tiny_gpt2", *FLAGS)
         log = open(tmp_path / "loop.log", "a")  # noqa: SIM115 (the child holds it)
         proc = subprocess.Popen(
             [sys.executable, "examples/accelerate_loop.py", "--servers", target, "--name", "acc"]

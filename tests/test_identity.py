@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from inthread import RPC_TIMEOUT, InThreadShard, Session
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
@@ -19,6 +18,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth, WorkersFile, token_hash
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,8 @@ import re
 import signal
 
 import pytest
-from procs import Cluster, http_json, wait_until
+
+from tests.support.procs import Cluster, http_json, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

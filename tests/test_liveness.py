@@ -10,11 +10,11 @@ import signal
 import time
 
 import pytest
-from procs import Cluster, http_json, wait_until
 
 from streamdiloco.common.keepalive import LIVENESS_SECONDS, MIN_PING_INTERVAL_MS, RECEIVE_WINDOW, LinkSettings
 from streamdiloco.common.wire import CHANNEL_OPTIONS, SERVER_OPTIONS, channel_options
 from streamdiloco.server.trust.bounds import Limits, grpc_options
+from tests.support.procs import Cluster, http_json, wait_until
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--merge-policy", "fixed"]
 LIVENESS = 2.0  # the shard's --liveness-timeout in these tests

@@ -22,12 +22,12 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from nowire import NoWire
-from procs import ROOT, Cluster, streamdiloco
 
 from streamdiloco.common.logs import JsonFormatter, TextFormatter, asked_format, iso_time, setup_logging
 from streamdiloco.launch import echo_line
 from streamdiloco.worker.report import TrackedScalars, WandbLogger
+from tests.support.nowire import NoWire
+from tests.support.procs import ROOT, Cluster, streamdiloco
 
 # 2026-11-26T15:31:02.123+00:00 (any zone: the machine's own)
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"

@@ -19,8 +19,6 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from inthread import InThreadShard, push_messages
-from procs import Cluster, http_json, stop, streamdiloco, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
@@ -28,6 +26,8 @@ from streamdiloco.launch import free_ports
 from streamdiloco.server.main import serve
 from streamdiloco.server.observe import dashboard as dashboard_module
 from streamdiloco.worker.metrics import WorkerMetrics
+from tests.support.inthread import InThreadShard, push_messages
+from tests.support.procs import Cluster, http_json, stop, streamdiloco, wait_until
 
 
 def tool(name: str) -> str:

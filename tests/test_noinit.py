@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 import torch.nn as nn
-from procs import Cluster, http_json, shard_process, streamdiloco, wait_until
 from safetensors.torch import save_file
 
 from streamdiloco.common.config import SyncConfig
@@ -27,6 +26,7 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
+from tests.support.procs import Cluster, http_json, shard_process, streamdiloco, wait_until
 
 
 class Expert(nn.Module):

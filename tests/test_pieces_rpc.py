@@ -10,12 +10,12 @@ import shutil
 
 import grpc
 import pytest
-from inthread import RPC_TIMEOUT, InThreadShard
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard
 
 pytestmark = pytest.mark.timeout(60)
 

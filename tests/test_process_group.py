@@ -14,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from procs import ROOT, Cluster, http_json, wait_until
+
+from tests.support.procs import ROOT, Cluster, http_json, wait_until
 
 # fp32 codecs: the 4-bit ones round, and a round-off difference may move a value to the next level
 RUN = [
@@ -227,13 +228,13 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_step_with_a_checkpoint_a
 
 def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tmp_path):
     import torch.distributed as dist
-    from procs import shard_process
     from torch.nn.parallel import DistributedDataParallel
 
     from streamdiloco.common.config import SyncConfig
     from streamdiloco.worker.group import batch_slice, connect_group
     from streamdiloco.worker.join import connect
     from streamdiloco.worker.model import build_gpt
+    from tests.support.procs import shard_process
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # a group of one rank, in-process
@@ -269,7 +270,7 @@ def test_the_library_a_ddp_model_joins_with_connect_group_and_connect_says_so(tm
 
 @pytest.mark.slow
 def test_the_ddp_example_trains_as_one_worker_of_two_ranks(tmp_path):
-    from procs import shard_process
+    from tests.support.procs import shard_process
 
     flags = ["--model", "examples.own_loop:build", "--sync-every", "12", "--num-fragments", "3"]
     with shard_process(tmp_path, *flags) as (target, _, _):

@@ -12,7 +12,8 @@ import re
 import signal
 
 import pytest
-from procs import Cluster, http_json, streamdiloco, wait_until
+
+from tests.support.procs import Cluster, http_json, streamdiloco, wait_until
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed here")
@@ -41,7 +42,7 @@ def test_a_new_user_prepares_trains_an_hf_model_run_wide_kills_a_worker_exports_
     r = streamdiloco("data", "prepare", str(src), "--out", str(data), "--train-tokenizer", str(VOCAB))
     assert r.returncode == 0, r.stderr[-3000:]
     model.mkdir()
-    from hf_gpt2 import tiny_config  # after the skips above: it imports transformers
+    from tests.support.hf_gpt2 import tiny_config  # after the skips above: it imports transformers
 
     (model / "config.json").write_text(json.dumps(tiny_config(vocab=VOCAB, positions=64)))
     spec = f"hf:{model}"

@@ -11,7 +11,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from procs import shard_process
+
+from tests.support.procs import shard_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -10,7 +10,6 @@ import statistics
 
 import pytest
 import torch
-from inthread import InThreadShard, push_messages
 
 from streamdiloco.common.codecs import CODECS, Encoded, decode, encode, sumsq
 from streamdiloco.common.config import SyncConfig
@@ -36,6 +35,7 @@ from streamdiloco.worker.train import (
     make_inner_optimizer,
     optimizer_step,
 )
+from tests.support.inthread import InThreadShard, push_messages
 
 pytestmark = pytest.mark.timeout(300)  # the nano run the attacks are scored on is slow on a loaded machine
 

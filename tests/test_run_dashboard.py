@@ -17,9 +17,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from inthread import InThreadShard, push_messages
-from nowire import NoWire
-from procs import shard_process, streamdiloco
 from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 from test_tls import READ, https, server_tls
 
@@ -35,6 +32,9 @@ from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.report import Progress, TensorBoardLogger
+from tests.support.inthread import InThreadShard, push_messages
+from tests.support.nowire import NoWire
+from tests.support.procs import shard_process, streamdiloco
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 

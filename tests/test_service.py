@@ -17,7 +17,6 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from inthread import END, RPC_TIMEOUT, InThreadShard, push_messages
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
@@ -27,6 +26,7 @@ from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import END, RPC_TIMEOUT, InThreadShard, push_messages
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-from procs import ROOT, Cluster, http_json, streamdiloco
 
 from streamdiloco.cli import LAUNCH_SECTIONS, build_parser, main
 from streamdiloco.common.config import SyncConfig
@@ -18,6 +17,7 @@ from streamdiloco.common.fingerprint import fingerprint_diff, model_config_of, m
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.settings import _default, _kind, dump_toml, read_config, resolve, section_classes, tomllib
 from streamdiloco.worker.model import build_gpt
+from tests.support.procs import ROOT, Cluster, http_json, streamdiloco
 
 COMMANDS = {  # each command and the config file's sections it reads
     "server": ("model", "sync", "server", "robust", "limits", "link", "pieces"),

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from inthread import RPC_TIMEOUT, InThreadShard, Session
-from procs import Cluster, streamdiloco, wait_until
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.certs import make_certs
@@ -31,6 +29,8 @@ from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth, token_hash
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
+from tests.support.procs import Cluster, streamdiloco, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

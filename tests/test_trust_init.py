@@ -1,7 +1,7 @@
 """The bootstrap of a shard started with `--init from-worker`, as an attacker would use it (issue 26, items
 1 and 2): a second upload after the first, an operator-pinned init hash, two shards from two uploaders, an
 upload that holds the only slot, and an uploader that dies between shards. In-thread shards
-(tests/inthread.py) on loopback, workers through connect() and the upload's own function."""
+(tests/support/inthread.py) on loopback, workers through connect() and the upload's own function."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from inthread import InThreadShard
-from procs import Cluster, streamdiloco
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
@@ -28,6 +26,8 @@ from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.bounds import Limits
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import InThreadShard
+from tests.support.procs import Cluster, streamdiloco
 
 pytestmark = pytest.mark.timeout(120)
 

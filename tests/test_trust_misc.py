@@ -16,8 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from inthread import InThreadShard
-from procs import Cluster, streamdiloco, wait_until
 from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -26,6 +24,8 @@ from streamdiloco.server.main import build_service
 from streamdiloco.server.observe.run_view import Peers, RunView
 from streamdiloco.server.storage.dirlock import LOCK_NAME, lock_directory
 from streamdiloco.server.trust.auth import Auth, token_hash
+from tests.support.inthread import InThreadShard
+from tests.support.procs import Cluster, streamdiloco, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,8 +27,6 @@ import time
 import grpc
 import pytest
 import torch
-from inthread import RPC_TIMEOUT, InThreadShard, push_messages
-from procs import wait_until
 from test_bounds import CFG, SLACK, _fingerprint_json
 
 from streamdiloco.common.codecs import encode, get_codec
@@ -38,6 +36,8 @@ from streamdiloco.server.edge.slots import REQUEST_BYTES
 from streamdiloco.server.main import FROM_WORKER, build_service
 from streamdiloco.server.trust.bounds import Limits, PeerCounts, address_group, peer_host
 from streamdiloco.worker.model import build_gpt
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
+from tests.support.procs import wait_until
 
 SERVICE = "/streamdiloco.v1.Shard/"
 

@@ -11,8 +11,6 @@ import os
 
 import pytest
 import torch
-from inthread import InThreadShard, push_messages
-from procs import Cluster
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
@@ -30,6 +28,8 @@ from streamdiloco.worker.checkpoint import CHECKPOINT_FORMAT, checkpoint_key, lo
 from streamdiloco.worker.engine import Pacer
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import WorkerConfig
+from tests.support.inthread import InThreadShard, push_messages
+from tests.support.procs import Cluster
 
 ADAPTIVE = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
 

@@ -1,8 +1,8 @@
 """A tiny random-init HuggingFace GPT-2 for the export tests, as the worker CLI trains a model:
 `forward(idx, targets) -> (logits, loss)` on bytes (vocabulary 256). A subclass of GPT2LMHeadModel, so that
 its parameters keep GPT-2's names and `save_pretrained` / `GPT2LMHeadModel.from_pretrained` work as for
-the plain model. Used as `--model hf_gpt2:tiny_gpt2` from the tests' folder. And `tiny_config`: the config
-of a tiny GPT-2 that the tests write as a `--model hf:PATH` folder's config.json."""
+the plain model. Used as `--model tests.support.hf_gpt2:tiny_gpt2` from the repository's root. And
+`tiny_config`: the config of a tiny GPT-2 that the tests write as a `--model hf:PATH` folder's config.json."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Real processes for end-to-end tests: shards, workers and other `python -m streamdiloco` commands on
 loopback, stopped (SIGTERM, then SIGKILL) however the test ends.
 
-They start through tests/forkserver.py: one interpreter per test process imports torch and the rest once,
-and forks each command from there (a real process that skips the ~4 s of imports). STREAMDILOCO_TEST_FORK=0
-starts every one as a fresh interpreter instead."""
+They start through tests/support/forkserver.py: one interpreter per test process imports torch and the
+rest once, and forks each command from there (a real process that skips the ~4 s of imports).
+STREAMDILOCO_TEST_FORK=0 starts every one as a fresh interpreter instead."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # settings that the imports read: a command whose environment differs here gets a fresh interpreter
 IMPORT_ENV = ("PYTHONPATH", "STREAMDILOCO_CODECS_NUMBA", "PYTHONHASHSEED")
 TEST_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class ForkServer:
-    """The client of one tests/forkserver.py process."""
+    """The client of one forkserver.py process (beside this file)."""
 
     def __init__(self, env: dict[str, str]):
         self.env = env
