@@ -7,7 +7,7 @@ and `Limits` live beside
 the code they configure, in server/). Each field's metadata carries its flag's help (and "choices", "flag",
 "metavar"): cli/settings.py makes the flags and the TOML keys from them, so a field, its flag and its key
 cannot drift apart. A process's config is composed of sections, never re-declares their fields
-(worker/run.py's WorkerConfig, sim/simulator.py's SimConfig); `compose` builds one from flat setting names.
+(worker/config.py's WorkerConfig, sim/config.py's SimConfig); `compose` builds one from flat setting names.
 
 SyncConfig's names follow the paper and torchft: sync_every = H, num_fragments = P, fragment_sync_delay =
 tau, fragment_update_alpha = alpha (the weight of the LOCAL parameters in the merge).
@@ -39,6 +39,18 @@ def _at_least_one(cfg: Any, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+
+
+def parse_groups(text: str, flag: str = "--fragments") -> tuple[tuple[str, ...], ...]:
+    """The CLI's spelling of fragments=: groups separated by `;`, names in a group by `,`
+    ("embed,head;blocks.0,blocks.1;blocks.2,blocks.3")."""
+    groups = tuple(tuple(n.strip() for n in g.split(",") if n.strip()) for g in text.split(";"))
+    if not groups or any(not g for g in groups):
+        raise ValueError(
+            f"{flag} {text!r}: give groups of parameter or module names, the groups separated by ';' and "
+            "the names by ',' (embed,head;blocks.0,blocks.1)"
+        )
+    return groups
 
 
 @dataclass(frozen=True)
@@ -92,8 +104,6 @@ class ModelSettings:
         """--fragments as groups of names (common/fragments.py), or None: split the blocks."""
         if not self.fragments:
             return None
-        from streamdiloco.common.fragments import parse_groups  # local: fragments imports torch
-
         return parse_groups(self.fragments)
 
 

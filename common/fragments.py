@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from streamdiloco.common.modelconfig import model_config_of
+
 
 @dataclass(frozen=True)
 class ParamEntry:
@@ -52,7 +54,7 @@ class FragmentLayout:
     pattern: str
     # the user's own grouping (fragments=, --fragments): each group's name prefixes; None for blocks
     groups: tuple[tuple[str, ...], ...] | None = None
-    # the model's architectural hyperparameters, which shapes cannot show (fingerprint.model_config_of): they
+    # the model's architectural hyperparameters, which shapes cannot show (common/modelconfig.py): they
     # go into the model fingerprint with the layout
     model_config: dict = field(default_factory=dict, compare=False)
 
@@ -142,7 +144,7 @@ def build_layout(
     params = list(model.named_parameters())
     if num_fragments == 1:
         return FragmentLayout(
-            (_fragment(0, params, ()),), blocks_path or "", pattern, model_config=_model_config(model)
+            (_fragment(0, params, ()),), blocks_path or "", pattern, model_config=model_config_of(model)
         )
     path = blocks_path or find_block_list(model)
     try:
@@ -166,25 +168,7 @@ def build_layout(
         _fragment(i, group, tuple(groups[i]) if i < num_block_fragments else ())
         for i, group in enumerate(members)
     )
-    return FragmentLayout(fragments, path, pattern, model_config=_model_config(model))
-
-
-def _model_config(model: nn.Module) -> dict:
-    from streamdiloco.common.fingerprint import model_config_of  # fingerprint imports this module
-
-    return model_config_of(model)
-
-
-def parse_groups(text: str, flag: str = "--fragments") -> tuple[tuple[str, ...], ...]:
-    """The CLI's spelling of fragments=: groups separated by `;`, names in a group by `,`
-    ("embed,head;blocks.0,blocks.1;blocks.2,blocks.3")."""
-    groups = tuple(tuple(n.strip() for n in g.split(",") if n.strip()) for g in text.split(";"))
-    if not groups or any(not g for g in groups):
-        raise ValueError(
-            f"{flag} {text!r}: give groups of parameter or module names, the groups separated by ';' and "
-            "the names by ',' (embed,head;blocks.0,blocks.1)"
-        )
-    return groups
+    return FragmentLayout(fragments, path, pattern, model_config=model_config_of(model))
 
 
 def group_layout(model: nn.Module, groups: Sequence[Sequence[str]], num_fragments: int) -> FragmentLayout:
@@ -232,7 +216,7 @@ def group_layout(model: nn.Module, groups: Sequence[Sequence[str]], num_fragment
         "",
         "custom",
         groups=names,
-        model_config=_model_config(model),
+        model_config=model_config_of(model),
     )
 
 

@@ -11,7 +11,8 @@ import socket
 
 import pytest
 import torch
-from procs import Cluster, streamdiloco, wait_until
+
+from tests.support.procs import Cluster, streamdiloco, wait_until
 
 
 @contextlib.contextmanager
@@ -310,7 +311,7 @@ def test_fragments_that_do_not_fit_the_model_are_one_line_errors(groups, P, word
 
 
 def test_the_cli_spelling_of_fragments():
-    from streamdiloco.common.fragments import parse_groups
+    from streamdiloco.common.config import parse_groups
 
     assert parse_groups(" embed, head ;layers.0") == (("embed", "head"), ("layers.0",))
     for bad in ("", "a;;b", ";"):
@@ -393,13 +394,13 @@ def test_a_shard_refuses_malformed_fragment_groups_with_a_status_not_a_crash(tmp
     """fragment_groups crosses the network in a worker's fingerprint: whatever shape a client gives it, the
     shard answers with a status and one line, and keeps serving."""
     import grpc
-    from inthread import InThreadShard
 
     from streamdiloco.common.config import SyncConfig
     from streamdiloco.common.fingerprint import model_fingerprint
     from streamdiloco.common.fragments import build_layout
     from streamdiloco.common.modelspec import build_model
     from streamdiloco.server.main import build_service
+    from tests.support.inthread import InThreadShard
 
     cfg = SyncConfig(sync_every=6, num_fragments=3)
     good = model_fingerprint(build_layout(build_model("nano"), 3), cfg)
