@@ -23,15 +23,16 @@ from test_tls import READ, https, server_tls
 from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.progress import Progress
 from streamdiloco.launch import free_ports
 from streamdiloco.server.main import build_service
 from streamdiloco.server.observe import dashboard as dash
-from streamdiloco.server.observe.dashboard import DashboardData, Report
+from streamdiloco.server.observe.dashboard import DashboardData
 from streamdiloco.server.observe.run_view import PEER_TIMEOUT, Peers, parse_peers
 from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
-from streamdiloco.worker.report import Progress, TensorBoardLogger
+from streamdiloco.worker.report import TensorBoardLogger
 from tests.support.inthread import InThreadShard, push_messages
 from tests.support.nowire import NoWire
 from tests.support.procs import shard_process, streamdiloco
@@ -52,17 +53,16 @@ def test_a_workers_reports_give_its_pace_and_one_eval_point_per_evaluation(clock
     d = DashboardData()
     for k in range(5):  # a push every 2 s, 10 steps of 1000 tokens apart; evaluated at steps 0 and 30
         clock[0] = 1000.0 + 2 * k
-        report = Report(
+        report = Progress(
             step=10 * k,
-            loss=3.0 - 0.1 * k,
-            blocked=0.5 * k,
+            blocked_seconds=0.5 * k,
             total_steps=100,
             tokens=10_000 * k,
-            utilization=0.9,
+            compute_utilization=0.9,
             eval_loss=2.5 if k >= 3 else 3.1,
             eval_step=30 if k >= 3 else 0,
         )
-        d.record_progress("a", report.step, report.loss, report.blocked, report)
+        d.record_progress("a", report.step, 3.0 - 0.1 * k, report.blocked_seconds, report)
     assert d.rates("a") == {"steps_per_second": 5.0, "tokens_per_second": 5000.0}
     assert d.rates("nobody") == {"steps_per_second": None, "tokens_per_second": None}
     series = d.series(0.0, (clock[0], 0, 0, 0, 0))
@@ -84,16 +84,16 @@ def test_a_workers_reports_give_its_pace_and_one_eval_point_per_evaluation(clock
 
 def test_the_pace_is_over_the_last_minute_and_unknown_without_progress(clock):
     d = DashboardData()
-    d.record_progress("a", 0, None, 0.0, Report(step=0, tokens=0))
+    d.record_progress("a", 0, None, 0.0, Progress(step=0, tokens=0))
     assert d.rates("a")["steps_per_second"] is None  # one report: no pace yet
     clock[0] += 100
-    d.record_progress("a", 100, None, 0.0, Report(step=100, tokens=100))  # 1 step/s, long ago
+    d.record_progress("a", 100, None, 0.0, Progress(step=100, tokens=100))  # 1 step/s, long ago
     for k in range(1, 7):
         clock[0] += 10
-        d.record_progress("a", 100 + 30 * k, None, 0.0, Report(step=100 + 30 * k, tokens=100 + 30 * k))
+        d.record_progress("a", 100 + 30 * k, None, 0.0, Progress(step=100 + 30 * k, tokens=100 + 30 * k))
     assert d.rates("a")["steps_per_second"] == pytest.approx(3.0)  # the last minute's pace only
     clock[0] += 10
-    d.record_progress("a", 280, None, 0.0, Report(step=280, tokens=0))  # counters went back: no rate
+    d.record_progress("a", 280, None, 0.0, Progress(step=280, tokens=0))  # counters went back: no rate
     assert d.rates("a")["tokens_per_second"] is None
 
 
@@ -101,13 +101,13 @@ def test_what_a_worker_reports_is_bounded_per_worker_and_in_workers(clock):
     d = DashboardData()
     for k in range(dash.PROGRESS_POINTS + 50):
         clock[0] += 1
-        d.record_progress("a", k, 1.0, 0.0, Report(step=k, eval_loss=1.0, eval_step=k))
+        d.record_progress("a", k, 1.0, 0.0, Progress(step=k, eval_loss=1.0, eval_step=k))
     assert len(d.progress["a"]) == dash.PROGRESS_POINTS
     assert len(d.evals["a"]) == dash.EVAL_POINTS
     assert d.evals["a"][-1][1] == dash.PROGRESS_POINTS + 49  # the newest kept
     for w in range(dash.PROGRESS_WORKERS + 10):  # new names: the longest silent are forgotten, evals too
         clock[0] += 1
-        d.record_progress(f"w{w}", 1, None, 0.0, Report(step=1, eval_loss=2.0, eval_step=1))
+        d.record_progress(f"w{w}", 1, None, 0.0, Progress(step=1, eval_loss=2.0, eval_step=1))
     assert len(d.progress) == dash.PROGRESS_WORKERS and "a" not in d.progress
     assert set(d.evals) <= set(d.progress)
 

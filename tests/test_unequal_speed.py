@@ -17,9 +17,9 @@ from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
+from streamdiloco.common.progress import check_progress
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.edge.intake import check_progress
 from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.robust import RobustConfig
 from streamdiloco.server.rounds.state import ShardState

@@ -65,9 +65,10 @@ from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params
 from streamdiloco.common.pace import MAX_STEP_SECONDS, PACE_TOLERANCE, TickClock, steps_per_tick
+from streamdiloco.common.progress import Progress
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.fragment import FragmentSync, Placement, global_state_dict
-from streamdiloco.worker.report import Progress, ScalarLogger, TrackedScalars
+from streamdiloco.worker.report import ScalarLogger, TrackedScalars
 
 log = logging.getLogger("streamdiloco.worker")
 

@@ -29,13 +29,13 @@ from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.metrics import PUSH_OUTCOMES, push_outcome
 from streamdiloco.common.pace import valid_step_seconds
+from streamdiloco.common.progress import Progress, progress_to_proto
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.worker.connection import Retry, ShardConnection, SyncError
 from streamdiloco.worker.engine import settle
 from streamdiloco.worker.linkstate import Kept, LinkState, ShardBehind, Update
-from streamdiloco.worker.report import Progress
 
 log = logging.getLogger("streamdiloco.worker")
 
@@ -44,25 +44,6 @@ _STOP = object()  # ends the link's thread
 # floods it): past this, the fragment's master is fetched in their place, as after a reconnect.
 MAX_WAITING_UPDATES = 16
 WARN_EVERY = 60.0  # seconds between warnings that updates were replaced by a master (debug lines between)
-
-
-def push_header(push: Kept, p: Progress) -> pb.PushHeader:
-    """A push's header: its weight and loss, and the worker's progress (for the shard's dashboards)."""
-    return pb.PushHeader(
-        weight=push.weight,
-        has_loss=push.loss is not None,
-        loss=push.loss or 0.0,
-        step=p.step,
-        blocked_seconds=p.blocked_seconds,
-        total_steps=p.total_steps,
-        tokens=p.tokens,
-        has_utilization=p.compute_utilization is not None,
-        compute_utilization=p.compute_utilization or 0.0,
-        has_eval_loss=p.eval_loss is not None,
-        eval_loss=p.eval_loss or 0.0,
-        eval_step=p.eval_step,
-        step_seconds=p.step_seconds or 0.0,
-    )
 
 
 class Actor:
@@ -453,7 +434,7 @@ class ShardLink(Actor):
 
     def _send_push(self, fragment: int, round: int, push: Kept) -> None:
         assert self.state is not None
-        header = push_header(push, self.progress())
+        header = progress_to_proto(self.progress(), push.weight, push.loss)
         for chunk in to_chunks(push.enc, fragment, round, self.conn.chunk_values):
             self.conn.send(
                 pb.WorkerMessage(push=pb.Push(chunk=chunk, header=header if chunk.seq == 0 else None))

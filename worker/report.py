@@ -1,10 +1,9 @@
-"""What a worker reports about its training, and to whom. `Progress` goes up with every push (the shards'
-dashboards show it: step of total, tokens, compute utilization, the latest eval loss of the global
-parameters). `ScalarLogger` is the hook for experiment trackers: the sync engine (`TrackedScalars`) calls
-`log_scalars` with the training loss, eval loss, tokens/s, utilization, bytes and blocked time, for the
-`streamdiloco worker` command and for `connect(model, servers, loggers=[...])` alike. Two are built in:
-`TensorBoardLogger` (`--tensorboard DIR`) and `WandbLogger` (`--wandb-project NAME`), each importing its
-package only when made. Nothing here talks to a shard.
+"""What a worker reports about its training to experiment trackers (what its pushes report to the shards'
+dashboards is common/progress.py's `Progress`). `ScalarLogger` is the hook: the sync engine
+(`TrackedScalars`) calls `log_scalars` with the training loss, eval loss, tokens/s, utilization, bytes and
+blocked time, for the `streamdiloco worker` command and for `connect(model, servers, loggers=[...])` alike.
+Two are built in: `TensorBoardLogger` (`--tensorboard DIR`) and `WandbLogger` (`--wandb-project NAME`), each
+importing its package only when made. Nothing here talks to a shard.
 """
 
 from __future__ import annotations
@@ -12,22 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A push header's progress fields (protos/streamdiloco.proto, PushHeader); the shard checks each."""
-
-    step: int = 0  # inner steps done (by the run, for a worker that joined late)
-    blocked_seconds: float = 0.0  # waited for updates so far
-    total_steps: int = 0  # the steps it will do in all; 0: not said
-    tokens: int = 0  # trained on so far
-    compute_utilization: float | None = None  # compute time over training time, 0..1
-    eval_loss: float | None = None  # the global parameters' latest eval loss, measured at eval_step
-    eval_step: int = 0
-    step_seconds: float | None = None  # median of its recent seconds per inner step, waits not counted
 
 
 class ScalarLogger(Protocol):

@@ -17,12 +17,12 @@ import torch
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.metrics import PUSH_OUTCOMES
+from streamdiloco.common.progress import Progress
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.engine import settle
 from streamdiloco.worker.link import ShardLink
-from streamdiloco.worker.report import Progress
 
 
 class GrpcTransport:

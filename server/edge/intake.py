@@ -1,8 +1,8 @@
 """What a worker sends on its session after Hello, read and handed off: Ready (the member joins the rounds,
 through the roster) and pushes, whose chunks are checked here for what ShardState does not check (the codec's
-scales, the weight's minimum, the progress a header reports) and handed to ShardState; every push is
-answered with a PushResult (through the outbox), and an accepted push's progress goes to the member's
-record, the dashboard and the metrics.
+scales, the weight's minimum, the progress a header reports: common/progress.py's check_progress) and handed
+to ShardState; every push is answered with a PushResult (through the outbox), and an accepted push's
+progress goes to the member's record, the dashboard and the metrics.
 
 What it must not do: write to the network (the outbox queues, the servicer writes), or close rounds itself
 (it asks the round runner, `close_due`).
@@ -15,14 +15,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from streamdiloco.common.pace import MAX_STEP_SECONDS, valid_step_seconds
+from streamdiloco.common.progress import Progress, check_progress, progress_from_proto
 from streamdiloco.common.wire import from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.edge.admission import Undecodable, short
 from streamdiloco.server.edge.outbox import Outbox
-from streamdiloco.server.observe.dashboard import DashboardData, Report
+from streamdiloco.server.observe.dashboard import DashboardData
 from streamdiloco.server.observe.metrics import ShardMetrics
-from streamdiloco.server.rounds.robust import MAX_LOSS, MIN_WEIGHT
+from streamdiloco.server.rounds.robust import MIN_WEIGHT
 from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.server.storage.credits import Credits
 from streamdiloco.server.trust.bounds import Throttled
@@ -31,7 +31,6 @@ from streamdiloco.server.trust.roster import Member, Roster
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_ROUND = 1 << 53
-MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 
 
 @dataclass
@@ -67,8 +66,8 @@ class Intake:
         self.close_due, self.clock = close_due, clock
         # the contribution ledger: pushes accepted and refused, per worker
         self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
-        # (worker, fragment) -> when a push's first chunk came, and the progress its header reported
-        self.started: dict[tuple[str, int], tuple[float, Report]] = {}
+        # (worker, fragment) -> when a push's first chunk came, and the progress and loss its header reported
+        self.started: dict[tuple[str, int], tuple[float, Progress, float | None]] = {}
 
     def forget(self, worker: str | None = None, fragment: int | None = None) -> None:
         """Forget the pushes under way of a worker whose session ended, or of a fragment whose round is
@@ -175,6 +174,7 @@ class Intake:
                 )
             return
         before = self.state.bytes_received
+        loss = h.loss if c.seq == 0 and h.has_loss else None
         try:
             done = self.state.push_chunk(
                 member.name,
@@ -186,7 +186,7 @@ class Intake:
                 part,
                 c.last,
                 weight=h.weight if c.seq == 0 else None,
-                loss=h.loss if c.seq == 0 and h.has_loss else None,
+                loss=loss,
                 now=self.clock(),
                 step_seconds=h.step_seconds or None if c.seq == 0 else None,
             )
@@ -195,19 +195,22 @@ class Intake:
             return
         now = self.clock()
         if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
-            self.started[(member.name, c.fragment)] = (now, report_of(h))
+            self.started[(member.name, c.fragment)] = (now, progress_from_proto(h), loss)
         if done:
             member.pushes += 1
             self.credits.accepted(member.name)
             self.metrics.push_size.observe(self.state.bytes_received - before)
             started = self.started.pop((member.name, c.fragment), None)
             if started is not None:  # the worker's progress, reported with an accepted push
-                t0, report = started
+                t0, report, push_loss = started
                 self.metrics.push_transfer.observe(max(0.0, now - t0))
-                member.step, member.blocked_seconds, member.report = report.step, report.blocked, report
-                if report.loss is not None:
-                    member.last_loss = report.loss
-                self.dashboard.record_progress(member.name, report.step, report.loss, report.blocked, report)
+                member.step, member.blocked_seconds = report.step, report.blocked_seconds
+                member.report = report
+                if push_loss is not None:
+                    member.last_loss = push_loss
+                self.dashboard.record_progress(
+                    member.name, report.step, push_loss, report.blocked_seconds, report
+                )
             result = pb.PushResult(
                 fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.roster.pace()
             )
@@ -222,45 +225,3 @@ class Intake:
         self.throttled.log(level, reason, "refused a push from %s: %s", member.name, message)
         result = pb.PushResult(fragment=fragment, round=round, accepted=False, reason=reason, message=message)
         self.outbox.send(member, pb.ShardMessage(result=result))
-
-
-def check_progress(h: pb.PushHeader) -> str | None:
-    """The progress a push reports (step, blocked time, total steps, tokens, utilization, eval loss): what
-    the dashboard plots must be numbers in range; a push with one that is not is refused as a whole."""
-    for what, value in (
-        ("step", h.step),
-        ("total steps", h.total_steps),
-        ("token count", h.tokens),
-        ("eval step", h.eval_step),
-    ):
-        if value > MAX_ROUND:
-            return f"the reported {what} must be at most 2^53, got {value}"
-    if not (0.0 <= h.blocked_seconds <= MAX_BLOCKED_SECONDS):  # also refuses NaN
-        return (
-            f"the reported blocked time must be 0..{MAX_BLOCKED_SECONDS:g} seconds, got {h.blocked_seconds}"
-        )
-    if h.has_utilization and not (0.0 <= h.compute_utilization <= 1.0):
-        return f"the reported compute utilization must be a fraction in [0, 1], got {h.compute_utilization}"
-    if h.has_eval_loss and not (0.0 <= h.eval_loss <= MAX_LOSS):
-        return f"the reported eval loss must be a cross-entropy in [0, {MAX_LOSS:g}], got {h.eval_loss}"
-    if h.step_seconds != 0.0 and not valid_step_seconds(h.step_seconds):  # NaN too
-        return (
-            f"the reported step time must be 0 (not measured) or in (0, {MAX_STEP_SECONDS:g}] seconds, "
-            f"got {h.step_seconds}"
-        )
-    return None
-
-
-def report_of(h: pb.PushHeader) -> Report:
-    """A push header's progress, once check_progress has passed it."""
-    return Report(
-        step=h.step,
-        loss=h.loss if h.has_loss else None,
-        blocked=h.blocked_seconds,
-        total_steps=h.total_steps,
-        tokens=h.tokens,
-        utilization=h.compute_utilization if h.has_utilization else None,
-        eval_loss=h.eval_loss if h.has_eval_loss else None,
-        eval_step=h.eval_step,
-        step_seconds=h.step_seconds or None,
-    )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+
+from streamdiloco.common.progress import Progress
 
 HISTORY = 500  # closed rounds kept for /api/status
 SAMPLES = 900  # the shard's samples, one a second: the last 15 minutes
@@ -22,21 +23,6 @@ Sample = tuple[float, int, int, int, int]  # time.time(), bytes in, bytes out, m
 # time.time(), step, training loss, blocked seconds, tokens, compute utilization
 Point = tuple[float, int, float | None, float, int, float | None]
 EvalPoint = tuple[float, int, int, float]  # time.time() it was reported, step, tokens (estimated), eval loss
-
-
-@dataclass(frozen=True)
-class Report:
-    """What a worker reported with an accepted push (the servicer checked every field)."""
-
-    step: int
-    loss: float | None = None  # mean training loss since its previous push of the fragment
-    blocked: float = 0.0  # seconds it has waited for updates so far
-    total_steps: int = 0  # 0: not said
-    tokens: int = 0
-    utilization: float | None = None  # compute time over training time, 0..1
-    eval_loss: float | None = None  # its latest eval loss of the global parameters, measured at eval_step
-    eval_step: int = 0
-    step_seconds: float | None = None  # median seconds per inner step, not counting waits (common/pace.py)
 
 
 class DashboardData:
@@ -54,9 +40,11 @@ class DashboardData:
         self.history.append(record)
 
     def record_progress(
-        self, name: str, step: int, loss: float | None, blocked: float, report: Report | None = None
+        self, name: str, step: int, loss: float | None, blocked: float, report: Progress | None = None
     ) -> None:
-        r = report or Report(step, loss, blocked)
+        """An accepted push's report: its step, mean training loss and blocked seconds, and all of the
+        progress it reported (common/progress.py) when given."""
+        r = report or Progress(step=step, blocked_seconds=blocked)
         now = time.time()
         # the dict is kept in the order of the workers' last reports (each report moves its worker to the
         # end), so the worker silent the longest is the first: O(1) per push with any number of members
@@ -68,7 +56,7 @@ class DashboardData:
                 self.evals.pop(gone, None)
             series = deque(maxlen=PROGRESS_POINTS)
         self.progress[name] = series
-        series.append((now, r.step, r.loss, r.blocked, r.tokens, r.utilization))
+        series.append((now, r.step, loss, r.blocked_seconds, r.tokens, r.compute_utilization))
         if r.eval_loss is not None:
             evals = self.evals.setdefault(name, deque(maxlen=EVAL_POINTS))
             if not evals or evals[-1][1] != r.eval_step:  # one point per evaluation, not per push

@@ -177,7 +177,7 @@ class ShardStatus:
         return {
             "total_steps": r.total_steps if r is not None and r.total_steps else None,
             "tokens": r.tokens if r is not None else None,
-            "compute_utilization": r.utilization if r is not None else None,
+            "compute_utilization": r.compute_utilization if r is not None else None,
             "eval_loss": r.eval_loss if r is not None else None,
             "eval_step": r.eval_step if r is not None and r.eval_loss is not None else None,
             "step_seconds": r.step_seconds if r is not None else None,  # its speed (sync_schedule adaptive)

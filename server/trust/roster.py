@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from streamdiloco.server.observe.dashboard import Report
+from streamdiloco.common.progress import Progress
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.storage.ledger import Ledger
 from streamdiloco.server.trust.auth import Auth, Identity
@@ -42,7 +42,7 @@ class Member:
     step: int | None = None  # the progress it reported with its latest push
     blocked_seconds: float | None = None
     # all of the report of its latest accepted push (total steps, tokens, utilization, eval loss, step time)
-    report: Report | None = None
+    report: Progress | None = None
     revoked: bool = False  # its credential was revoked: its session is ended
     call: asyncio.Task | None = None  # the task that runs its session (ended if its writer is stuck)
     ender: asyncio.TimerHandle | None = None  # once it overflowed: ends the call if it has not ended
