@@ -8,50 +8,12 @@ import sys
 from pathlib import Path
 
 from streamdiloco import __version__
-from streamdiloco.compare import SETUPS, add_sim_flags, cmd_compare, cmd_simulate
+from streamdiloco.compare import add_compare_parser, add_simulate_parser
+from streamdiloco.flags import add_own_flags, add_settings, add_token_file_flag, own_values
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
 LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "link", "worker", "pieces")
 WORKER_SECTIONS = ("model", "run", "sync", "inner", "link", "worker", "pieces")
-
-# Each section of the config file (cli/settings.py) as a group of flags in --help
-_TITLES = {
-    "model": "model (the same on shards and workers)",
-    "run": "run",
-    "sync": "Streaming DiLoCo (shards and workers must agree)",
-    "inner": "inner optimizer (AdamW)",
-    "server": "rounds (every shard of a run alike)",
-    "robust": "defenses against workers' pushes (on by default)",
-    "limits": "limits: what clients may make the shard hold",
-    "link": "liveness and flow control (each end's own: shards and workers)",
-    "worker": "worker (every worker of a run alike)",
-    "pieces": "run-wide data assignment (shard 0's ledger of pieces)",
-}
-
-
-def _add_settings(
-    p: argparse.ArgumentParser,
-    sections: tuple[str, ...],
-    titles: dict[str, str] | None = None,
-    help_for: dict[str, str] | None = None,
-) -> None:
-    """--config and one group of flags per section (each field of its dataclass, cli/settings.py); main()
-    resolves them (command line > config file > default) before the command runs."""
-    from streamdiloco.settings import add_flags, section_classes
-
-    p.add_argument(
-        "--config",
-        default=None,
-        metavar="TOML",
-        help="read the run's settings from this file (sections "
-        + ", ".join(f"[{s}]" for s in sections)
-        + "; `streamdiloco config` writes one); flags given here override it",
-    )
-    classes = section_classes()
-    for section in sections:
-        title = (titles or {}).get(section) or _TITLES[section]
-        add_flags(p.add_argument_group(f"{title} [{section}]"), classes[section], help_for=help_for)
-    p.set_defaults(sections=sections)
 
 
 def _layout(args: argparse.Namespace):
@@ -127,23 +89,12 @@ def _add_server_security_flags(g) -> None:
     )
 
 
-def _add_worker_security_flags(g) -> None:
+def _add_metrics_insecure_flag(g) -> None:
     g.add_argument(
-        "--token-file",
-        default=None,
-        metavar="PATH",
-        help="read the token from this file (workers/NAME.token): not on the command line, where ps shows it",
+        "--insecure",
+        action="store_true",
+        help="allow --metrics-host beyond loopback: plain HTTP, no token (a private network only)",
     )
-    g.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="PEM",
-        help="connect over TLS, trusting the run's CA (ca.pem) for the shards' certificates",
-    )
-    g.add_argument(
-        "--tls-cert", default=None, metavar="PEM", help="mutual TLS: this worker's certificate (NAME.pem)"
-    )
-    g.add_argument("--tls-key", default=None, metavar="PEM", help="mutual TLS: its private key (NAME.key)")
 
 
 def _pick(cls, v: dict) -> dict:
@@ -151,7 +102,13 @@ def _pick(cls, v: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from streamdiloco.common.logs import ArgumentParser
+    """`streamdiloco`'s parser: one subcommand per command, each declared by its own function (the light
+    modules only: a command imports what it runs when it runs)."""
+    from streamdiloco.common.logs import ArgumentParser, add_log_flags
+    from streamdiloco.credit_cmd import add_credits_parser
+    from streamdiloco.data import add_data_parser
+    from streamdiloco.export_flags import add_export_parser
+    from streamdiloco.init_hash import add_init_hash_parser
 
     p = ArgumentParser(
         prog="streamdiloco",
@@ -159,36 +116,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"streamdiloco {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in (
+        add_simulate_parser,
+        add_compare_parser,
+        _add_server_parser,
+        _add_worker_parser,
+        _add_launch_parser,
+        _add_config_parser,
+        _add_certs_parser,
+        _add_token_parser,
+        add_init_hash_parser,
+        add_export_parser,
+        add_data_parser,
+        add_credits_parser,
+    ):
+        add_parser(sub)
+    # every command logs alike (each process its own way); a command under two names (an alias) once
+    for command in {id(c): c for c in sub.choices.values()}.values():
+        add_log_flags(command)
+    return p
 
-    sp = sub.add_parser(
-        "simulate",
-        help="run M workers and the server's aggregation in one process",
-        description="Run M workers and the server's aggregation in one process "
-        "(--method dp: the data-parallel baseline).",
-    )
-    sp.add_argument(
-        "--method",
-        default="streaming",
-        choices=["streaming", "dp"],
-        help="streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) or dp (data-parallel)",
-    )
-    add_sim_flags(sp)
-    sp.add_argument("--json", default=None, metavar="PATH", help="write the final figures to this JSON file")
-    sp.set_defaults(func=cmd_simulate)
 
-    cp = sub.add_parser(
-        "compare",
-        help="run several setups side by side; print a table, save a plot",
-        description="Run named setups at equal tokens and seed; print a table of eval loss and "
-        "traffic against data-parallel, and save a plot of eval loss vs tokens.",
-    )
-    cp.add_argument("--setups", default="dp,full", help=f"comma-separated, from: {', '.join(SETUPS)}")
-    add_sim_flags(cp)
-    cp.set_defaults(method="streaming")
-    cp.add_argument("--workers-list", default=None, help="comma-separated M values (default: --workers)")
-    cp.add_argument("--out", default="runs/compare", help="folder for results.md, results.json, loss.png")
-    cp.set_defaults(func=cmd_compare)
-
+def _add_server_parser(sub: argparse._SubParsersAction) -> None:
+    """`server`: one shard; its own flags, its security and the settings sections it reads."""
     sv = sub.add_parser(
         "server",
         help="run one shard of the outer-optimizer server",
@@ -262,8 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_shard_flags(g)
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
-    _add_settings(sv, ("model", "sync", "server", "robust", "limits", "link", "pieces"))
+    add_settings(sv, ("model", "sync", "server", "robust", "limits", "link", "pieces"))
     sv.set_defaults(func=_cmd_server)
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    """`worker`: its own flags, made from WorkerConfig's own fields (worker/config.py), and the settings
+    sections it reads."""
+    from streamdiloco.worker.config import WorkerConfig
 
     wk = sub.add_parser(
         "worker",
@@ -271,57 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Join every shard, fetch the global parameters, then train; fragments are pushed in "
         "the background and their updates merged tau steps later.",
     )
-    g = wk.add_argument_group("worker")
-    g.add_argument("--servers", required=True, help="every shard as HOST:PORT, comma-separated")
-    g.add_argument("--name", default=None, help="a unique name for this worker (default: host-pid)")
-    g.add_argument("--rank", type=int, default=None, help="seeds the data stream (default: from the name)")
-    g.add_argument("--token", default="", help="this worker's token, or the run's shared one (--token-file)")
-    _add_worker_security_flags(g)
-    g.add_argument("--summary", default=None, metavar="PATH", help="write the final figures (JSON) here")
-    g.add_argument("--save-global", default=None, metavar="PATH", help="torch.save the global fragments here")
-    g.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="PATH",
-        help="this worker's checkpoint (default: checkpoints/NAME.pt), written every --checkpoint-every "
-        "steps and when it stops",
+    add_own_flags(
+        wk.add_argument_group("worker"),
+        WorkerConfig,
+        then={"token": add_token_file_flag, "metrics_host": _add_metrics_insecure_flag},
     )
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the checkpoint (with the same --name, or --checkpoint PATH)",
-    )
-    g.add_argument(
-        "--auto-resume",
-        action="store_true",
-        help="resume if the checkpoint exists, else join as a new worker (for restart policies)",
-    )
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port at /metrics (default: none; 0 picks a free port)",
-    )
-    g.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address for --metrics-port (0.0.0.0: every interface, with --insecure: the metrics are served "
-        "without TLS or a token)",
-    )
-    g.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow --metrics-host beyond loopback: plain HTTP, no token (a private network only)",
-    )
-    g.add_argument(
-        "--wandb-run-name",
-        default=None,
-        metavar="NAME",
-        help="with --wandb-project: this worker's W&B run name (default: its --name)",
-    )
-    _add_settings(wk, WORKER_SECTIONS)
+    add_settings(wk, WORKER_SECTIONS)
     wk.set_defaults(func=_cmd_worker)
 
+
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    """`launch`: S shards and M workers on this machine, with every settings section."""
     la = sub.add_parser(
         "launch",
         help="run S shards and M workers as processes on this machine",
@@ -361,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the run's settings as a config file (what launch writes to OUT/run.toml) and exit",
     )
-    _add_settings(
+    add_settings(
         la,
         LAUNCH_SECTIONS,
         titles={"robust": "the shards' defenses (as `server`)"},
@@ -373,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     la.set_defaults(func=_cmd_launch)
 
+
+def _add_config_parser(sub: argparse._SubParsersAction) -> None:
+    """`config`: write the run's settings as a config file."""
     cf = sub.add_parser(
         "config",
         help="write a config file of the run's settings (the defaults, a --config file and flags)",
@@ -384,9 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument(
         "--print", action="store_true", help="print the file (the default when --out is not given)"
     )
-    _add_settings(cf, LAUNCH_SECTIONS)
+    add_settings(cf, LAUNCH_SECTIONS)
     cf.set_defaults(func=_cmd_config)
 
+
+def _add_certs_parser(sub: argparse._SubParsersAction) -> None:
+    """`certs`: a run's credentials."""
     ce = sub.add_parser(
         "certs",
         help="make a run's CA, server and worker certificates, worker tokens and read token",
@@ -408,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--days", type=int, default=365, help="certificates' validity (default %(default)s days)")
     ce.set_defaults(func=_cmd_certs)
 
+
+def _add_token_parser(sub: argparse._SubParsersAction) -> None:
+    """`token`: one worker's token."""
     tk = sub.add_parser(
         "token",
         help="make one worker's token and print its line for the workers file",
@@ -421,90 +346,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tk.set_defaults(func=_cmd_token)
 
-    from streamdiloco.init_hash import add_init_hash_parser
-
-    add_init_hash_parser(sub, _add_settings)
-
-    from streamdiloco.export_flags import add_export_parser
-
-    add_export_parser(sub)
-    from streamdiloco.data import add_data_parser
-
-    add_data_parser(sub)
-    from streamdiloco.credit_cmd import add_ledger_parser
-
-    add_ledger_parser(sub)
-
-    from streamdiloco.common.logs import add_log_flags
-
-    for command in sub.choices.values():  # every command logs alike (each process its own way)
-        add_log_flags(command)
-    return p
-
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_server
 
-    plan = check_server(args)  # one-line errors before torch is imported and anything listens
-    blocks_path, fragments = _layout(args)
-    checkpoint_dir = (
-        None
-        if args.no_checkpoint
-        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}"
-    )
+    config = check_server(args)  # one-line errors before torch is imported and anything listens
     from streamdiloco.server.storage.dirlock import lock_directory
 
     # held until this process ends: a second shard on the directory (--fresh or not) refuses, naming this one
-    lock = lock_directory(checkpoint_dir) if checkpoint_dir else None
+    lock = lock_directory(config.checkpoint_dir) if config.checkpoint_dir else None
 
     import asyncio
 
-    from streamdiloco.server.main import build_service, serve
+    from streamdiloco.server.main import serve
+    from streamdiloco.server.startup import build_shard
 
-    def build():  # in serve()'s thread, while HTTP already answers /healthz
-        return build_service(
-            plan.cfg,
-            # with --init (a file, or from-worker) and no --model given: no model code on the shard
-            args.model if "model" in args.settings.given["model"] or not args.init else None,
-            args.shard,
-            args.num_shards,
-            seed=args.seed,
-            block_size=args.block_size,
-            min_workers=args.min_workers,
-            round_timeout=args.round_timeout,
-            quorum=args.quorum,
-            round_grace=args.round_grace,
-            token=args.token,
-            chunk_bytes=args.chunk_bytes,
-            init=args.init,
-            checkpoint_dir=checkpoint_dir,
-            fresh=args.fresh,
-            robust=plan.robust,
-            auth=plan.auth,
-            workers_file=plan.workers_file,
-            limits=plan.limits,
-            blocks_path=blocks_path,
-            fragments=fragments,
-            piece_tokens=args.piece_tokens,
-            init_expect=args.init_expect,
-            init_timeout=args.init_timeout,
-        )
-
-    asyncio.run(
-        serve(
-            build,
-            args.host,
-            args.port,
-            args.http_port,
-            args.ready_file,
-            http_host=plan.http_host,
-            tls=plan.tls,
-            auth=plan.auth,
-            limits=plan.limits,
-            link=plan.link,
-            peers=plan.peers,
-        )
-    )
+    # built in serve()'s thread, while HTTP already answers /healthz
+    asyncio.run(serve(lambda: build_shard(config), config))
     if lock is not None:
         lock.release()
     return 0
@@ -555,37 +413,29 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from streamdiloco.checks import check_worker, read_token_file
     from streamdiloco.common.logs import error_line
 
-    servers = check_worker(args)  # one-line errors before torch is imported
-
-    from streamdiloco.worker.connection import SyncError
-    from streamdiloco.worker.group import GroupError
-    from streamdiloco.worker.run import WorkerConfig, run_worker
-
-    v = vars(args)
-    # WorkerConfig's fields beside its sections: this process's own
-    top = {
-        k: x for k, x in _pick(WorkerConfig, v).items() if k not in (*WORKER_SECTIONS, "servers", "sync_set")
-    }
-    if top.get("name") is None:
-        if args.resume or (args.auto_resume and Path(args.checkpoint).exists()):
-            from streamdiloco.worker.checkpoint import checkpoint_name
-
-            flag = "--resume" if args.resume else "--auto-resume"
-            top["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
-        else:
-            top.pop("name", None)
-    top["token"] = read_token_file(args)
+    check_worker(args)  # one-line errors before torch is imported
     from streamdiloco.common.config import SyncConfig
+    from streamdiloco.worker.config import WorkerConfig
 
+    own = own_values(WorkerConfig, args)  # this process's own fields: --servers, --name, ...
+    if "name" not in own and (args.resume or (args.auto_resume and Path(args.checkpoint).exists())):
+        from streamdiloco.worker.checkpoint import checkpoint_name
+
+        flag = "--resume" if args.resume else "--auto-resume"
+        own["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
+    own["token"] = read_token_file(args)
     # the [sync] settings given by flag or --config file; the rest: the shard's
-    given = {k: x for k, x in _pick(SyncConfig, v).items() if k in args.sync_set}
+    given = {k: x for k, x in _pick(SyncConfig, vars(args)).items() if k in args.sync_set}
     cfg = WorkerConfig(
-        servers=servers,
-        **top,
+        **own,
         sync=SyncConfig.given(given),
         sync_set=frozenset(args.sync_set),
         **{s: args.settings.build(s) for s in WORKER_SECTIONS if s != "sync"},
     )
+    from streamdiloco.worker.connection import SyncError
+    from streamdiloco.worker.group import GroupError
+    from streamdiloco.worker.run import run_worker
+
     try:
         run_worker(cfg)
     except (SyncError, GroupError) as e:

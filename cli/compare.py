@@ -1,12 +1,15 @@
 """`streamdiloco simulate` and `streamdiloco compare`: the in-process simulator from the command line, and
 the named setups (data-parallel, DiLoCo, Streaming DiLoCo and its steps) that `compare` and the quality
 benchmarks run side by side. It builds SimConfigs from flags and prints and writes results; it must not
-simulate anything itself (sim/ does) nor hold another command's flags (cli/cli.py builds the parser)."""
+simulate anything itself (sim/ does) nor hold another command's flags (cli/cli.py builds the parser from
+`add_simulate_parser` and `add_compare_parser`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from streamdiloco.flags import add_settings
 
 # Setups that `compare` and the quality benchmark run; each is a set of overrides on the flags' values.
 SETUPS: dict[str, dict] = {
@@ -90,13 +93,46 @@ def add_sim_flags(p: argparse.ArgumentParser) -> None:
         help="sites of unequal speed: each worker's emulated seconds per inner step (e.g. 0.5,1.0 with "
         "--sync-schedule adaptive or fixed); the results then have the emulated wall time (default: equal)",
     )
-    from streamdiloco.cli import _add_settings  # the parser's own helper (cli.py imports this module)
-
-    _add_settings(
+    add_settings(
         p,
         ("model", "run", "sync", "inner", "robust"),
         titles={"robust": "the simulated shards' defenses (as `server`)"},
     )
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    """The `simulate` subcommand, under `streamdiloco`'s subparsers."""
+    sp = sub.add_parser(
+        "simulate",
+        help="run M workers and the server's aggregation in one process",
+        description="Run M workers and the server's aggregation in one process "
+        "(--method dp: the data-parallel baseline).",
+    )
+    sp.add_argument(
+        "--method",
+        default="streaming",
+        choices=["streaming", "dp"],
+        help="streaming (Streaming DiLoCo; P=1, tau=0 is DiLoCo) or dp (data-parallel)",
+    )
+    add_sim_flags(sp)
+    sp.add_argument("--json", default=None, metavar="PATH", help="write the final figures to this JSON file")
+    sp.set_defaults(func=cmd_simulate)
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    """The `compare` subcommand, under `streamdiloco`'s subparsers."""
+    cp = sub.add_parser(
+        "compare",
+        help="run several setups side by side; print a table, save a plot",
+        description="Run named setups at equal tokens and seed; print a table of eval loss and "
+        "traffic against data-parallel, and save a plot of eval loss vs tokens.",
+    )
+    cp.add_argument("--setups", default="dp,full", help=f"comma-separated, from: {', '.join(SETUPS)}")
+    add_sim_flags(cp)
+    cp.set_defaults(method="streaming")
+    cp.add_argument("--workers-list", default=None, help="comma-separated M values (default: --workers)")
+    cp.add_argument("--out", default="runs/compare", help="folder for results.md, results.json, loss.png")
+    cp.set_defaults(func=cmd_compare)
 
 
 def sim_config(args: argparse.Namespace | dict, **overrides):

@@ -1,5 +1,6 @@
-"""`streamdiloco ledger`: merge the shards' contribution ledgers (server/storage/credits.py) into CSV or JSON,
-so that a collective can credit its volunteers. Each shard keeps its own ledger of the pushes of its slice;
+"""`streamdiloco credits` (alias `ledger`, its old name): merge the shards' contribution credits
+(server/storage/credits.py) into CSV or JSON, so that a collective can credit its volunteers. Each shard
+keeps its own credits of the pushes of its slice;
 the command reads every shard's, from the live shards' /api/status (`--status-url`, with the run's read token)
 or from their checkpoint directories (`--checkpoint-dir`: credits.json, checked against meta.json's hash),
 and needs all of the run's S shards.
@@ -41,18 +42,19 @@ from streamdiloco.server.storage.credits import (
     shown,
 )
 
-MAX_STATUS_BYTES = 64 << 20  # a shard's /api/status with every ledger row: a few hundred bytes a worker
+MAX_STATUS_BYTES = 64 << 20  # a shard's /api/status with every credits row: a few hundred bytes a worker
 TIMEOUT = 10.0  # seconds a shard has to answer
 MEAN = ("tokens", "pushes", "clipped", "capped", "late", "rounds")  # merged as the mean over the shards
 LARGEST = ("sessions", "connected_seconds")  # merged as the largest
 
 
-def add_ledger_parser(sub: argparse._SubParsersAction) -> None:
-    """The `ledger` subcommand, under `streamdiloco`'s subparsers."""
+def add_credits_parser(sub: argparse._SubParsersAction) -> None:
+    """The `credits` subcommand (and its old name `ledger`), under `streamdiloco`'s subparsers."""
     lp = sub.add_parser(
-        "ledger",
-        help="merge the shards' contribution ledgers into CSV or JSON",
-        description="Read every shard's contribution ledger (per worker: tokens that reached the model, "
+        "credits",
+        aliases=["ledger"],
+        help="merge the shards' contribution credits into CSV or JSON",
+        description="Read every shard's contribution credits (per worker: tokens that reached the model, "
         "pushes accepted, clipped, capped, late and refused by reason, rounds contributed, time connected) "
         "from the live shards or their checkpoint directories, and merge them: counts are the mean over "
         "the run's shards (a push every shard took counts 1), time connected the largest; tokens per shard "
@@ -82,12 +84,12 @@ def add_ledger_parser(sub: argparse._SubParsersAction) -> None:
     )
     lp.add_argument("--format", choices=("csv", "json"), default="csv", help="output format (default csv)")
     lp.add_argument("--out", default=None, metavar="PATH", help="write here (default: standard output)")
-    lp.set_defaults(func=_cmd_ledger)
+    lp.set_defaults(func=_cmd_credits)
 
 
 @dataclass
-class ShardLedger:
-    """One shard's ledger, checked: its rows by name and its others row."""
+class ShardCredits:
+    """One shard's credits, checked: its rows by name and its others row."""
 
     shard: int
     num_shards: int
@@ -97,8 +99,8 @@ class ShardLedger:
     folded: int = 0  # identities its others row holds
 
 
-def from_checkpoint(directory: str) -> ShardLedger:
-    """A shard's ledger from its checkpoint directory: credits.json, as meta.json lists its hash."""
+def from_checkpoint(directory: str) -> ShardCredits:
+    """A shard's credits from its checkpoint directory: credits.json, as meta.json lists its hash."""
     where = f"--checkpoint-dir {directory}"
     try:
         meta = json.loads((Path(directory) / "meta.json").read_text())
@@ -107,7 +109,7 @@ def from_checkpoint(directory: str) -> ShardLedger:
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or "credits.json" not in files:
         raise ValueError(
-            f"{where}: its meta.json lists no credits.json (no contribution ledger was saved there yet: a "
+            f"{where}: its meta.json lists no credits.json (no contribution credits were saved there yet: a "
             "shard writes it every few seconds while it changes, and when it stops)"
         )
     try:
@@ -122,7 +124,7 @@ def from_checkpoint(directory: str) -> ShardLedger:
     except ValueError as e:
         raise ValueError(f"{where}: credits.json: {e}") from None
     shard, num_shards = _place(meta, where)
-    return ShardLedger(shard, num_shards, directory, credits.rows, credits.others, credits.folded)
+    return ShardCredits(shard, num_shards, directory, credits.rows, credits.others, credits.folded)
 
 
 def _place(d: dict, where: str) -> tuple[int, int]:
@@ -133,14 +135,14 @@ def _place(d: dict, where: str) -> tuple[int, int]:
     return shard, num_shards  # type: ignore[return-value]
 
 
-def from_status(status: object, source: str, where: str) -> ShardLedger:
-    """A shard's ledger from its /api/status (with every row: ?credits=MAX_IDENTITIES)."""
+def from_status(status: object, source: str, where: str) -> ShardCredits:
+    """A shard's credits from its /api/status (with every row: ?credits=MAX_IDENTITIES)."""
     if not isinstance(status, dict) or not isinstance(credits := status.get("credits"), dict):
-        raise ValueError(f"{where}: its status has no contribution ledger (a shard of an older version?)")
+        raise ValueError(f"{where}: its status has no contribution credits (a shard of an older version?)")
     shard, num_shards = _place(status, where)
     workers, others = credits.get("workers"), credits.get("others")
     if not isinstance(workers, list) or not isinstance(others, dict):
-        raise ValueError(f"{where}: its contribution ledger is malformed")
+        raise ValueError(f"{where}: its contribution credits are malformed")
     rows: dict[str, Row] = {}
     try:
         for d in workers:
@@ -154,8 +156,8 @@ def from_status(status: object, source: str, where: str) -> ShardLedger:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if not isinstance(folded, int) or isinstance(folded, bool) or folded < 0:
-        raise ValueError(f"{where}: its ledger's others row has no count of identities")
-    return ShardLedger(shard, num_shards, source, rows, rest, folded)
+        raise ValueError(f"{where}: its credits' others row has no count of identities")
+    return ShardCredits(shard, num_shards, source, rows, rest, folded)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -165,8 +167,8 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def fetch(url: str, read_token: str, ca: str | None) -> ShardLedger:
-    """A live shard's ledger over HTTP(S); ValueError (one line) when it cannot be read."""
+def fetch(url: str, read_token: str, ca: str | None) -> ShardCredits:
+    """A live shard's credits over HTTP(S); ValueError (one line) when it cannot be read."""
     import ssl
 
     where = f"--status-url {url}"
@@ -193,22 +195,22 @@ def fetch(url: str, read_token: str, ca: str | None) -> ShardLedger:
     return from_status(status, url, where)
 
 
-def merge(ledgers: list[ShardLedger]) -> dict:
-    """The run's ledger from every shard's (see the module's docstring); ValueError (one line) unless they
+def merge(shards_credits: list[ShardCredits]) -> dict:
+    """The run's credits from every shard's (see the module's docstring); ValueError (one line) unless they
     are exactly the S shards of one run."""
-    if not ledgers:
+    if not shards_credits:
         raise ValueError("give every shard's --status-url or --checkpoint-dir")
-    n = ledgers[0].num_shards
-    if any(x.num_shards != n for x in ledgers):
-        raise ValueError("the ledgers are of runs with different numbers of shards: " + ", ".join(
-            f"{x.source} is shard {x.shard} of {x.num_shards}" for x in ledgers))  # fmt: skip
-    by_shard: dict[int, ShardLedger] = {}
-    for x in ledgers:
+    n = shards_credits[0].num_shards
+    if any(x.num_shards != n for x in shards_credits):
+        raise ValueError("the credits are of runs with different numbers of shards: " + ", ".join(
+            f"{x.source} is shard {x.shard} of {x.num_shards}" for x in shards_credits))  # fmt: skip
+    by_shard: dict[int, ShardCredits] = {}
+    for x in shards_credits:
         if x.shard in by_shard:
             raise ValueError(f"{by_shard[x.shard].source} and {x.source} are both shard {x.shard}")
         by_shard[x.shard] = x
     if missing := sorted(set(range(n)) - set(by_shard)):
-        raise ValueError(f"the run has {n} shards; shard(s) {missing} missing: give every shard's ledger")
+        raise ValueError(f"the run has {n} shards; shard(s) {missing} missing: give every shard's credits")
     shards = [by_shard[s] for s in range(n)]
     names = sorted({name for x in shards for name in x.rows})
     workers = [_merged([x.rows.get(name) for x in shards], n) | {"worker": name} for name in names]
@@ -245,7 +247,7 @@ def _merged(rows: list[Row | None], n: int) -> dict:
 
 
 def to_csv(merged: dict) -> str:
-    """The merged ledger as CSV: one line per worker (row "worker"), the others last (row "others")."""
+    """The merged credits as CSV: one line per worker (row "worker"), the others last (row "others")."""
     n = merged["num_shards"]
     rows = [*merged["workers"], {**merged["others"], "worker": ""}]
     reasons = [r for r in REASONS if any(r in w["refused"] for w in rows)]
@@ -265,11 +267,11 @@ def to_csv(merged: dict) -> str:
     return out.getvalue()
 
 
-def _cmd_ledger(args: argparse.Namespace) -> int:
+def _cmd_credits(args: argparse.Namespace) -> int:
     from streamdiloco.server.observe.run_view import check_peers, parse_peers
 
     if not args.status_url and not args.checkpoint_dir:
-        raise ValueError("ledger: give every shard's --status-url or --checkpoint-dir")
+        raise ValueError("credits: give every shard's --status-url or --checkpoint-dir")
     if args.read_token and args.read_token_file:
         raise ValueError("give --read-token or --read-token-file, not both")
     token = args.read_token
@@ -279,9 +281,9 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
         token = read_secret(args.read_token_file, "--read-token-file")
     urls = parse_peers(",".join(args.status_url), "--status-url") if args.status_url else ()
     check_peers(urls, token, args.insecure, "--status-url")
-    ledgers = [from_checkpoint(d) for d in args.checkpoint_dir]
-    ledgers += [fetch(url, token, args.ca) for url in urls]
-    merged = merge(ledgers)
+    shards_credits = [from_checkpoint(d) for d in args.checkpoint_dir]
+    shards_credits += [fetch(url, token, args.ca) for url in urls]
+    merged = merge(shards_credits)
     text = to_csv(merged) if args.format == "csv" else json.dumps(merged, indent=1) + "\n"
     if args.out is None:
         sys.stdout.write(text)

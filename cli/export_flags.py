@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from streamdiloco.flags import add_own_flags, add_token_file_flag
+from streamdiloco.worker.config import WorkerConfig
+
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     """The `export` subcommand, under `streamdiloco`'s subparsers."""
@@ -68,9 +71,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     g = ex.add_argument_group("a live run (--servers): a worker's credentials")
     g.add_argument("--token", default="", help="a worker's token, or the run's shared one")
-    from streamdiloco.cli import _add_worker_security_flags
-
-    _add_worker_security_flags(g)
+    add_token_file_flag(g)
+    add_own_flags(g, WorkerConfig, only=("tls_ca", "tls_cert", "tls_key"))  # as the workers' flags
     g.add_argument(
         "--timeout", type=float, default=120.0, help="seconds for each shard's Fetch (default %(default)s)"
     )

@@ -6,12 +6,12 @@ start or reach any process."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+
+from streamdiloco.flags import add_settings
 
 
-def add_init_hash_parser(sub: argparse._SubParsersAction, add_settings: Callable[..., None]) -> None:
-    """The `init-hash` subcommand, under `streamdiloco`'s subparsers; `add_settings(parser, sections)` adds
-    the settings sections' flags (cli.py's)."""
+def add_init_hash_parser(sub: argparse._SubParsersAction) -> None:
+    """The `init-hash` subcommand, under `streamdiloco`'s subparsers."""
     ih = sub.add_parser(
         "init-hash",
         help="print the init hash of a model's starting parameters (for server --init-expect)",

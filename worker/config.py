@@ -1,7 +1,8 @@
 """One worker process's config, `WorkerConfig`: the run's settings sections and this process's own fields.
 
-Torch-free (the CLI builds its flags from it, worker/checkpoint.py types with it): it must not import
-torch, the training loop (worker/run.py) or the wire; `__post_init__` checks addresses and TLS files only.
+Torch-free and light (the CLI builds the worker's flags from its fields' metadata, worker/checkpoint.py types
+with it): it must not import torch, the training loop (worker/run.py) or the wire; `__post_init__` checks
+addresses and TLS files only.
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from streamdiloco.common.config import (
 )
 from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.ports import parse_target
-from streamdiloco.common.tls import client_tls
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process's config: the run's settings sections (common/config.py: each a section of the
     config file, its fields flags) and this process's own fields, which differ from one worker to the next
-    and stay out of the file (cli/cli.py declares their flags)."""
+    and stay out of the file (their flags are made from the fields' metadata: cli/flags.py)."""
 
-    servers: tuple[str, ...]
+    servers: tuple[str, ...] = field(metadata={"help": "every shard as HOST:PORT, comma-separated"})
     model: ModelSettings = field(default_factory=ModelSettings)
     run: RunSettings = field(default_factory=RunSettings)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -42,20 +42,76 @@ class WorkerConfig:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     link: LinkSettings = field(default_factory=LinkSettings)  # this end of every connection to the shards
     pieces: PieceSettings = field(default_factory=PieceSettings)  # --data-pieces: shard 0 assigns the data
-    name: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    rank: int | None = None  # seeds this worker's data stream; default: derived from the name
-    token: str = ""
-    summary: str | None = None  # write the summary JSON here
-    save_global: str | None = None  # torch.save the final global fragments (the mirror) here
-    checkpoint: str | None = None  # where this worker's checkpoint goes (default: checkpoints/<name>.pt)
-    resume: bool = False  # start from the checkpoint instead of joining as a new worker
-    auto_resume: bool = False  # resume if the checkpoint exists, else join as a new worker (restarts)
-    metrics_port: int | None = None  # serve Prometheus /metrics on this port (0: any free port)
-    metrics_host: str = "127.0.0.1"
-    tls_ca: str | None = None  # TLS to the shards, trusting this CA (PEM); None: plaintext (loopback)
-    tls_cert: str | None = None  # mutual TLS: this worker's certificate and key (PEM)
-    tls_key: str | None = None
-    wandb_run_name: str | None = None  # with --wandb-project: this worker's run's name (default: its name)
+    # this process's own fields, each a flag of `streamdiloco worker` (cli/flags.py's add_own_flags), in
+    # this order, with the help below
+    name: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        metadata={"help": "a unique name for this worker (default: host-pid)"},
+    )
+    rank: int | None = field(
+        default=None, metadata={"help": "seeds the data stream (default: from the name)"}
+    )
+    token: str = field(
+        default="", metadata={"help": "this worker's token, or the run's shared one (--token-file)"}
+    )
+    tls_ca: str | None = field(  # None: plaintext (loopback)
+        default=None,
+        metadata={
+            "help": "connect over TLS, trusting the run's CA (ca.pem) for the shards' certificates",
+            "metavar": "PEM",
+        },
+    )
+    tls_cert: str | None = field(
+        default=None,
+        metadata={"help": "mutual TLS: this worker's certificate (NAME.pem)", "metavar": "PEM"},
+    )
+    tls_key: str | None = field(
+        default=None, metadata={"help": "mutual TLS: its private key (NAME.key)", "metavar": "PEM"}
+    )
+    summary: str | None = field(
+        default=None, metadata={"help": "write the final figures (JSON) here", "metavar": "PATH"}
+    )
+    save_global: str | None = field(
+        default=None, metadata={"help": "torch.save the global fragments here", "metavar": "PATH"}
+    )
+    checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "this worker's checkpoint (default: checkpoints/NAME.pt), written every "
+            "--checkpoint-every steps and when it stops",
+            "metavar": "PATH",
+        },
+    )
+    resume: bool = field(
+        default=False,
+        metadata={"help": "continue from the checkpoint (with the same --name, or --checkpoint PATH)"},
+    )
+    auto_resume: bool = field(
+        default=False,
+        metadata={
+            "help": "resume if the checkpoint exists, else join as a new worker (for restart policies)"
+        },
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "serve Prometheus metrics on this port at /metrics (default: none; 0 picks a free port)"
+        },
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "address for --metrics-port (0.0.0.0: every interface, with --insecure: the metrics are "
+            "served without TLS or a token)"
+        },
+    )
+    wandb_run_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --wandb-project: this worker's W&B run name (default: its --name)",
+            "metavar": "NAME",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -64,6 +120,8 @@ class WorkerConfig:
             parse_target(target)  # one-line error for a malformed address
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {self.metrics_port}")
+        from streamdiloco.common.tls import client_tls  # here: grpc and cryptography stay out of --help
+
         client_tls(self.tls_ca, self.tls_cert, self.tls_key)  # one-line errors for missing or bad files
 
     @property
