@@ -47,14 +47,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -67,14 +63,14 @@ from benchmarks.harness import (
     RESULTS,
     Procs,
     Run,
+    Session,
+    free_port,
     http_json,
     loadavg,
-    machine,
-    machine_line,
+    netns,
     say,
     sd,
     wait_quiet,
-    write_results,
 )
 
 SPEEDS = (0.05, 0.08, 0.1, 0.13, 0.16, 0.2)  # --step-delay of w0..w5: seconds of emulated accelerator step
@@ -84,7 +80,7 @@ POLL = 0.25  # seconds between two readings of every worker's /metrics and the s
 SYNC = ["--model", "nano", "--sync-every", "12", "--num-fragments", "3", "--sync-schedule", "adaptive"]
 NETNS, HOST_IF, NS_IF = "sdchaos-w", "sdchaos-h", "chaos0"  # the dropped worker's namespace and veth pair
 HOST_ADDR, NS_ADDR = "10.213.79.1", "10.213.79.2"  # a /30 that exists only on this veth pair
-NS_EXEC = ["ip", "netns", "exec", NETNS]
+NS_EXEC = netns.in_ns(NETNS)
 
 
 # --- goodput: pure ------------------------------------------------------------------------------------------
@@ -150,12 +146,6 @@ def read_metrics(url: str, timeout: float = 1.0) -> dict[str, float] | None:
     return {f"{n}.{label}" if label else n: float(v) for n, label, v in METRIC.findall(text)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Proc:
     """One worker process and what the poller read of it (a restarted worker is a second Proc)."""
@@ -216,41 +206,29 @@ class Poller(threading.Thread):
 
 
 # --- the network namespace of the dropped worker ----------------------------------------------------------
-def sh(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
 def netns_down() -> None:
-    sh("ip", "link", "del", HOST_IF)
-    sh("ip", "netns", "del", NETNS)
+    netns.remove(NETNS)  # and so the veth pair
 
 
 def netns_up() -> str | None:
     """A namespace with one veth pair to this one (HOST_ADDR here, NS_ADDR there); None when it works, else
     why not (not root, no iproute2, no namespaces in this container)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "network namespaces need root and iproute2"
+    if why := netns.missing():
+        return why
     netns_down()  # an interrupted run's
-    for cmd in (
-        ("ip", "netns", "add", NETNS),
-        ("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF, "netns", NETNS),
-        ("ip", "addr", "add", f"{HOST_ADDR}/30", "dev", HOST_IF),
-        ("ip", "link", "set", HOST_IF, "up"),
-        ("ip", "-n", NETNS, "addr", "add", f"{NS_ADDR}/30", "dev", NS_IF),
-        ("ip", "-n", NETNS, "link", "set", NS_IF, "up"),
-        ("ip", "-n", NETNS, "link", "set", "lo", "up"),
-    ):
-        r = sh(*cmd)
-        if r.returncode != 0:
-            netns_down()
-            return f"`{' '.join(cmd)}` failed: {r.stderr.strip()}"
+    try:
+        netns.add(NETNS)
+        netns.add_veth(HOST_IF, NS_IF, NETNS)
+        netns.address(HOST_IF, f"{HOST_ADDR}/30")
+        netns.address(NS_IF, f"{NS_ADDR}/30", ns=NETNS)
+    except RuntimeError as e:
+        netns_down()
+        return str(e)
     return None
 
 
 def set_link(up: bool) -> None:
-    r = sh("ip", "link", "set", HOST_IF, "up" if up else "down")
-    if r.returncode != 0:
-        raise RuntimeError(f"cannot set {HOST_IF} {'up' if up else 'down'}: {r.stderr.strip()}")
+    netns.set_link(HOST_IF, up)
 
 
 # --- one run ------------------------------------------------------------------------------------------------
@@ -510,13 +488,16 @@ def fmt_busy(busy: dict[str, float | None]) -> str:
 
 # --- the report ---------------------------------------------------------------------------------------------
 def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
-    names = sorted(set(calm["freeze"]["busy"]) | set(chaos["freeze"]["busy"]), key=lambda n: int(n[1:]))
-    healthy = set(chaos["healthy"])
+    """results.md's body: the setting, goodput, the busy shares, what each fault cost, the processes."""
+    return [
+        *_goodput_table(calm, chaos, sizes),
+        *_busy_table(calm, chaos, sizes),
+        *_fault_lines(calm, chaos),
+        *_process_table(chaos),
+    ]
 
-    def b(run: dict, key: str, n: str) -> str:
-        v = run[key].get(n) if key == "busy_run" else run["freeze"]["busy"].get(n)
-        return f"{v:.3f}" if v is not None else "-"
 
+def _goodput_table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
     lines = [
         f"One shard, workers w0-w5 at {', '.join(f'{s:g}' for s in SPEEDS)} s emulated steps (nano GPT, "
         f"H = 12, P = 3, --sync-schedule adaptive, --liveness-timeout 5), {sizes.steps} schedule steps; "
@@ -540,7 +521,18 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
             f"{p['accepted']} / {p['late']} / {p['refused']} | "
             f"{mean_busy(r['busy_run']):.3f} | {r['wall_seconds']:.0f} |"
         )
-    lines += [
+    return lines
+
+
+def _busy_table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
+    names = sorted(set(calm["freeze"]["busy"]) | set(chaos["freeze"]["busy"]), key=lambda n: int(n[1:]))
+    healthy = set(chaos["healthy"])
+
+    def b(run: dict, key: str, n: str) -> str:
+        v = run[key].get(n) if key == "busy_run" else run["freeze"]["busy"].get(n)
+        return f"{v:.3f}" if v is not None else "-"
+
+    lines = [
         "",
         f"Busy share (compute / wall) through the {sizes.freeze:g} s freeze (from SIGSTOP to SIGCONT; the "
         "undisturbed run: as long a window from the same point), and over the whole run for the workers no "
@@ -555,7 +547,11 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
             f"| {n}{mark} | {SPEEDS[int(n[1:])]:g} | {b(calm, 'freeze', n)} | {b(chaos, 'freeze', n)} | "
             + (f"{b(calm, 'busy_run', n)} | {b(chaos, 'busy_run', n)} |" if n in healthy else "- | - |")
         )
-    lines += [
+    return lines
+
+
+def _fault_lines(calm: dict, f: dict) -> list[str]:
+    lines = [
         "",
         "What each fault cost: the healthy workers' (w0, w1, w5) mean busy share from the fault until the "
         "worker it hit had a push accepted again (the freeze: until after the SIGCONT; undisturbed: "
@@ -565,28 +561,28 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         "| fault | seconds | healthy busy | idle s beyond undisturbed |",
         "|---|---:|---:|---:|",
     ]
-    for w in chaos["windows"]:
+    for w in f["windows"]:
         share = mean_busy(w["busy"])
         idle = max(0.0, mean_busy(calm["busy_run"]) - share) * w["seconds"]
         lines.append(f"| {w['fault']} | {w['seconds']:.1f} | {share:.3f} | {idle:.1f} |")
-    lines += ["", "Seconds from each fault until the worker it hit pushed again:", ""]
-    f = chaos
-    lines.append(
+    return lines + [
+        "",
+        "Seconds from each fault until the worker it hit pushed again:",
+        "",
         f"- freeze: dropped by the shard after {f['freeze']['dropped_after']:.1f} s, accepted again "
-        f"{f['freeze']['back_after']:.1f} s after SIGCONT"
-    )
-    lines.append(f"- kill: the restart accepted {f['kill']['back_after']:.1f} s after the SIGKILL")
-    lines.append(f"- join: first push accepted {f['join']['first_push_after']:.1f} s after its start")
-    lines.append(
+        f"{f['freeze']['back_after']:.1f} s after SIGCONT",
+        f"- kill: the restart accepted {f['kill']['back_after']:.1f} s after the SIGKILL",
+        f"- join: first push accepted {f['join']['first_push_after']:.1f} s after its start",
         f"- shard: serving again {f['shard_restart']['serving_after']:.1f} s after the SIGKILL, every worker "
-        f"accepted {f['shard_restart']['back_after']:.1f} s after it"
-    )
-    lines.append(
+        f"accepted {f['shard_restart']['back_after']:.1f} s after it",
         f"- link: accepted again {f['link']['back_after']:.1f} s after the link came back"
         if f["link"]
-        else "- link: skipped (no network namespaces)"
-    )
-    lines += ["", "Per process (tokens computed, and those that reached the model):", ""]
+        else "- link: skipped (no network namespaces)",
+    ]
+
+
+def _process_table(chaos: dict) -> list[str]:
+    lines = ["", "Per process (tokens computed, and those that reached the model):", ""]
     lines += ["| process | tokens | reached | accepted | late | refused | duplicate | resent |"]
     lines += ["|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in chaos["processes"]:
@@ -598,53 +594,37 @@ def table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="toy size: shorter faults, fewer steps")
     ap.add_argument("--no-netns", action="store_true", help="skip the link drop (no network namespace)")
     ap.add_argument("--out", default=str(RESULTS / "chaos"))
     ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     sizes = QUICK if a.quick else FULL
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="chaos-"))
-    procs = Procs(tmp)
-    results: dict = {"machine": machine(), "argv": sys.argv[1:], "sizes": asdict(sizes)}
-    md = [f"Machine: {machine_line(results['machine'])}", ""]
-    say(md[0])
-    why = "--no-netns" if a.no_netns else netns_up()
-    netns = why is None
-    if not netns:
-        say(f"the link drop is skipped: {why}")
-    try:
+    md: list[str] = []
+    with Session("chaos", argv, Path(a.out)) as s:
+        s.results["sizes"] = asdict(sizes)
+        why = "--no-netns" if a.no_netns else netns_up()
+        if why is None:
+            s.cleanup(netns_down)
+        else:
+            say(f"the link drop is skipped: {why}")
         for tag, faults in (("calm", False), ("chaos", True)):
             wait_quiet(tag, a.max_wait)
             load = loadavg()
             say(f"[{tag}] load average {load}")
-            results[tag] = ChaosRun(procs, tmp, tag, sizes, netns and faults).execute(faults)
-            results[tag]["loadavg"] = [load, loadavg()]
-        md += table(results["calm"], results["chaos"], sizes)
+            s.results[tag] = ChaosRun(s.procs, s.tmp, tag, sizes, why is None and faults).execute(faults)
+            s.results[tag]["loadavg"] = [load, loadavg()]
+        md += table(s.results["calm"], s.results["chaos"], sizes)
+        calm_load, chaos_load = (" -> ".join(s.results[tag]["loadavg"]) for tag in ("calm", "chaos"))
         md += [
             "",
-            f"Load average (1, 5, 15 min) at the start and end of each run: undisturbed "
-            f"{' -> '.join(results['calm']['loadavg'])}, chaos {' -> '.join(results['chaos']['loadavg'])}.",
+            f"Load average (1, 5, 15 min) at the start and end of each run: undisturbed {calm_load}, "
+            f"chaos {chaos_load}.",
         ]
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    except Exception:
-        say(f"failed: the processes' logs are kept in {tmp}")
-        tmp = None  # type: ignore[assignment]
-        raise
-    finally:
-        procs.stop_all()
-        if netns:
-            netns_down()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    write_results(out, results, md)
-    return 0
+    return s.finish(md)
 
 
 if __name__ == "__main__":

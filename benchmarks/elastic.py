@@ -28,28 +28,16 @@ it starts is stopped at the end, on an error and on Ctrl+C.
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.harness import (
-    RESULTS,
-    Procs,
-    Run,
-    http_json,
-    machine,
-    machine_line,
-    say,
-    wait_quiet,
-    write_results,
-)
+from benchmarks.harness import RESULTS, Procs, Run, Session, http_json, say, wait_quiet
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -320,21 +308,18 @@ def table_d(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b,d", help="a, b (b includes c), d")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "elastic"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="elastic-", dir=out))  # on the same disk as the results: real fsyncs
-    procs = Procs(tmp)
-    results: dict = {"machine": machine(), "argv": sys.argv[1:]}
-    md = [f"Machine: {machine_line(results['machine'])}", ""]
-    try:
+    md: list[str] = []
+    with Session("elastic", argv, Path(a.out), scratch_in_out=True) as s:
+        procs, tmp, results = s.procs, s.tmp, s.results
         if "a" in parts:
             results["a"] = part_a(
                 ["nano", "tiny", "small"] if a.quick else ["nano", "tiny", "small", "medium"],
@@ -352,14 +337,7 @@ def main() -> int:
                 wait_quiet(f"join{k}", a.max_wait)
                 results["d"].append(joining_run(procs, tmp, k, steps))
             md += ["## (d) workers joining at once", "", table_d(results["d"]), ""]
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-    write_results(out, results, md)
-    return 0
+    return s.finish(md)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,8 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,14 +54,12 @@ import torch
 from benchmarks.harness import (
     RESULTS,
     Procs,
-    code_under_test,
+    Session,
     http_json,
     loadavg,
-    machine,
-    machine_line,
+    proc_stats,
     say,
     start_shards,
-    write_results,
 )
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
@@ -87,7 +83,7 @@ LIVENESS = 60.0
 OPTIONS = [*channel_options(LinkSettings(liveness_timeout=LIVENESS)), ("grpc.use_local_subchannel_pool", 1)]
 
 
-# --- the shard's side: flags and /proc ---------------------------------------------------------------------
+# --- the shard's side: its flags ---------------------------------------------------------------------------
 def shard_flags(sessions: int, model: str, extra: list[str]) -> list[str]:
     """What a shard needs to hold `sessions` members from one address: the run token for that many names,
     and room for that many Session streams in all and from 127.0.0.1 (defaults: 1 name, 512 and 8)."""
@@ -98,18 +94,6 @@ def shard_flags(sessions: int, model: str, extra: list[str]) -> list[str]:
         "--liveness-timeout", f"{LIVENESS:g}",
         *extra,
     ]  # fmt: skip
-
-
-def proc_stats(pid: int) -> dict[str, float]:
-    """A process's memory (MiB: VmRSS now, VmHWM its peak) and CPU seconds (utime + stime, all threads)."""
-    out: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key.lower()] = int(value.split()[0]) / 1024
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    out["cpu"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
 
 
 # --- the load: N sessions on every shard ------------------------------------------------------------------
@@ -507,6 +491,7 @@ def slopes(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 and 10 sessions, the nano model, 3 rounds")
     ap.add_argument("--sessions", default=None, help="comma-separated N (default 1,10,100,1000)")
@@ -535,39 +520,26 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or ("nano" if args.quick else "tiny")
     if args.profile and shards != [1]:
         ap.error("--profile runs one shard under cProfile: give --shards 1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    say(f"machine: {machine_line(info)}; load average {loadavg()}")
-    tmp = Path(tempfile.mkdtemp(prefix="sd-load-"))
-    procs = Procs(tmp)
     rows: list[dict] = []
+    md: list[str] = []
+    with Session("load", argv, args.out) as s:
+        say(f"load average {loadavg()}")
 
-    async def every_point() -> None:  # one event loop for all: grpc.aio keeps its poller on the first one
-        for s in shards:
-            for n in sessions:
-                rows.append(await point(procs, tmp, args, s, n))
+        async def every_point() -> None:  # one event loop for all: grpc.aio keeps its poller on the first one
+            for n_shards in shards:
+                for n in sessions:
+                    rows.append(await point(s.procs, s.tmp, args, n_shards, n))
 
-    t0 = time.monotonic()
-    try:
         asyncio.run(every_point())
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-    cmd = "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = [f"Command: `{cmd.strip()}` ({args.model}, {args.rounds} rounds per point)", "", *table(rows)]
-    md += ["", *slopes(rows)]
-    results = {
-        "machine": info,
-        "code": code_under_test(),
-        "command": cmd.strip(),
-        "model": args.model,
-        "rounds": args.rounds,
-        "flags": shard_flags(0, args.model, args.shard_flag or []),
-        "seconds": time.monotonic() - t0,
-        "rows": rows,
-    }
-    write_results(args.out, results, md)
-    return 0 if all(not r["timed_out"] for r in rows) else 1
+        s.results.update(
+            model=args.model,
+            rounds=args.rounds,
+            flags=shard_flags(0, args.model, args.shard_flag or []),
+            rows=rows,
+        )
+        md += [f"Command: `{s.command}` ({args.model}, {args.rounds} rounds per point)", "", *table(rows)]
+        md += ["", *slopes(rows)]
+    return s.finish(md, status=1 if any(r["timed_out"] for r in rows) else 0)
 
 
 if __name__ == "__main__":

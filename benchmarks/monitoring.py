@@ -22,10 +22,8 @@ Writes results.md, results.json and run.log under --out (default benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -36,12 +34,13 @@ import torch
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from benchmarks.harness import RESULTS, Procs, Run, machine, machine_line, say, wait_quiet, write_results
+from benchmarks.harness import RESULTS, Procs, Run, Session, free_ports, say, wait_quiet
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.launch import free_ports
 from streamdiloco.server.edge.service import ShardService
-from streamdiloco.server.main import build_service
+from streamdiloco.common.config import ModelSettings
+from streamdiloco.server.config import ShardConfig
+from streamdiloco.server.startup import build_shard
 from streamdiloco.server.observe import dashboard as dashboard_module
 
 
@@ -57,7 +56,7 @@ def _median_ms(fn, reps: int) -> tuple[float, int]:
 
 def part_a(reps: int) -> dict:
     cfg = SyncConfig()
-    svc = build_service(cfg, "tiny", 0, 2, min_workers=1)
+    svc = build_shard(ShardConfig(model=ModelSettings("tiny"), sync=cfg, shard=0, num_shards=2))
     assert isinstance(svc, ShardService)  # a model, not --init from-worker
     st = svc.state
     now = time.time()
@@ -86,13 +85,13 @@ def part_a(reps: int) -> dict:
     rows: list[dict[str, Any]] = []
     for name, fn in [
         ("/metrics", svc.metrics.render),
-        ("/api/status", lambda: JSONResponse(svc.status(20)).body),
-        ("/api/series (all)", lambda: JSONResponse(svc.series(0.0)).body),
-        ("/api/series (last 2 s)", lambda: JSONResponse(svc.series(since)).body),
+        ("/api/status", lambda: JSONResponse(svc.view.status(20)).body),
+        ("/api/series (all)", lambda: JSONResponse(svc.view.series(0.0)).body),
+        ("/api/series (last 2 s)", lambda: JSONResponse(svc.view.series(since)).body),
         # what FastAPI does with a returned dict (the first version did that): jsonable_encoder, then dumps
         (
             "/api/series (all), FastAPI's encoder",
-            lambda: JSONResponse(jsonable_encoder(svc.series(0.0))).body,
+            lambda: JSONResponse(jsonable_encoder(svc.view.series(0.0))).body,
         ),
     ]:
         ms, size = _median_ms(fn, reps)
@@ -223,36 +222,25 @@ def table_b(b: dict) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="a,b", help="a, b")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "monitoring"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="monitoring-"))
-    procs = Procs(tmp)
-    results: dict = {"machine": machine(), "argv": sys.argv[1:]}
-    md = [f"Machine: {machine_line(results['machine'])}", ""]
-    try:
+    md: list[str] = []
+    with Session("monitoring", argv, Path(a.out)) as s:
         if "a" in parts:
-            results["a"] = part_a(20 if a.quick else 50)
-            md += ["## (a) endpoint cost on a shard with full buffers", "", table_a(results["a"]), ""]
-            say(table_a(results["a"]))
+            s.results["a"] = part_a(20 if a.quick else 50)
+            md += ["## (a) endpoint cost on a shard with full buffers", "", table_a(s.results["a"]), ""]
+            say(table_a(s.results["a"]))
         if "b" in parts:
-            results["b"] = part_b(procs, tmp, 120 if a.quick else 240, 1 if a.quick else 3, a.max_wait)
-            md += ["## (b) training watched every second vs not watched", "", table_b(results["b"]), ""]
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-    write_results(out, results, md)
-    return 0
+            s.results["b"] = part_b(s.procs, s.tmp, 120 if a.quick else 240, 1 if a.quick else 3, a.max_wait)
+            md += ["## (b) training watched every second vs not watched", "", table_b(s.results["b"]), ""]
+    return s.finish(md)
 
 
 if __name__ == "__main__":

@@ -26,24 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from benchmarks.harness import (
-    RESULTS,
-    Procs,
-    machine,
-    machine_line,
-    say,
-    sd,
-    start_shards,
-    wait_quiet,
-    write_results,
-)
-from streamdiloco.launch import free_ports
+from benchmarks.harness import RESULTS, Procs, Session, free_port, say, sd, start_shards, wait_quiet
 
 # fragments every 2 steps at H=8, P=4: the merges (and their broadcasts) come often
 SYNC = ["--sync-every", "8", "--num-fragments", "4"]
@@ -68,7 +55,7 @@ def one_run(procs: Procs, tmp: Path, tag: str, kind: str, ranks: int, steps: int
         cmd = sd(*argv)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)[0])]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd += ["-m", "streamdiloco", *argv]
     p = procs.start(tag, cmd, env_extra={"OMP_NUM_THREADS": "1"})
     code = p.wait(600)
@@ -130,43 +117,30 @@ def per_step_tokens(row: dict) -> int:
 STEPS: dict[str, int] = {}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default="cpu,emulated")
     ap.add_argument("--out", default=str(RESULTS / "process_group"))
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     for k in kinds:
         if k not in KINDS:
             raise SystemExit(f"process_group.py: error: --kinds: unknown {k!r} (cpu, emulated)")
     repeats = 1 if a.quick else a.repeats
     STEPS.update({"cpu": 40 if a.quick else 80, "emulated": 40 if a.quick else 80})
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="pg-", dir=out))
-    procs = Procs(tmp)
-    info = machine()
-    results: dict = {"machine": info, "argv": sys.argv[1:], "runs": []}
-    say(f"machine: {machine_line(info)}")
-    try:
+    with Session("process_group", argv, Path(a.out), scratch_in_out=True) as s:
+        s.results["runs"] = []
         for rep in range(repeats):
             for kind in kinds:
                 for ranks in (1, 2):
                     wait_quiet(f"{kind}-{ranks}", a.max_wait)
                     tag = f"{kind}-r{ranks}-{rep}"
-                    results["runs"].append(one_run(procs, tmp, tag, kind, ranks, STEPS[kind]))
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-    md = [f"Machine: {machine_line(info)}", "", table(results["runs"]), ""]
-    write_results(out, results, md)
-    return 0
+                    s.results["runs"].append(one_run(s.procs, s.tmp, tag, kind, ranks, STEPS[kind]))
+    return s.finish([table(s.results["runs"]), ""])
 
 
 if __name__ == "__main__":

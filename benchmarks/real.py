@@ -30,28 +30,24 @@ import argparse
 import json
 import random
 import re
-import socket
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 from benchmarks.harness import (
     RESULTS,
-    ROOT,
     Procs,
     Run,
+    Session,
     bench,
-    code_under_test,
     fortune_files,
+    free_port,
     http_json,
     loadavg,
-    machine,
-    machine_line,
     say,
     sd,
     start_shards,
-    write_results,
 )
 
 PROMPT = "The "
@@ -81,12 +77,6 @@ def write_corpus(folder: Path, seed: int) -> dict:
             f.write(json.dumps({"text": d}) + "\n")
     chars = sum(len(d) for d in docs)
     return {"fortunes": len(cookies), "play_parts": len(acts), "documents": len(docs), "characters": chars}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def training_flags(a: argparse.Namespace, spec: str) -> list[str]:
@@ -196,7 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     model_dir = Path(a.model_dir).resolve()
     spec = f"hf:{model_dir}"
@@ -207,30 +198,26 @@ def main(argv: list[str] | None = None) -> None:
         fortune_files()  # the corpus is there, before anything starts
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    info = machine()
-    say(machine_line(info))
-    with tempfile.TemporaryDirectory(prefix="bench-real-") as tmpdir:
-        tmp = Path(tmpdir)
-        procs = Procs(tmp, cwd=ROOT)
-        try:
-            corpus = write_corpus(tmp / "corpus", seed=0)
-            say(f"corpus: {corpus['fortunes']:,} fortunes and {corpus['play_parts']:,} parts of the plays")
-            data = tmp / "prepared"
-            prep = ["data", "prepare", str(tmp / "corpus"), "--out", str(data), "--val-fraction", "0.03"]
-            prep += ["--train-tokenizer", str(a.vocab), "--block-size", str(a.block_size)]
-            p = procs.start("prepare", sd(*prep))
-            if p.wait(1800) != 0:
-                raise RuntimeError(f"data prepare failed:\n{procs.tail('prepare')}")
-            manifest = json.loads((data / "manifest.json").read_text())
-            say(f"prepared: {manifest['tokens']:,} tokens ({manifest['train_tokens']:,} to train)")
-            s = streaming(procs, tmp, a, spec, data)
-            d = data_parallel(procs, tmp, a, spec, data)
-            s_score, d_score = score(s["hf"], data, a), score(d["hf"], data, a)
-        finally:
-            procs.stop_all()
-    results = summarize(a, params, corpus, manifest, s, d, s_score, d_score)
-    results.update(machine=info, code=code_under_test(), load=loadavg())
-    write_results(Path(a.out), results, table(results))
+    md: list[str] = []
+    with Session("real", argv, Path(a.out)) as session:
+        procs, tmp = session.procs, session.tmp
+        corpus = write_corpus(tmp / "corpus", seed=0)
+        say(f"corpus: {corpus['fortunes']:,} fortunes and {corpus['play_parts']:,} parts of the plays")
+        data = tmp / "prepared"
+        prep = ["data", "prepare", str(tmp / "corpus"), "--out", str(data), "--val-fraction", "0.03"]
+        prep += ["--train-tokenizer", str(a.vocab), "--block-size", str(a.block_size)]
+        p = procs.start("prepare", sd(*prep))
+        if p.wait(1800) != 0:
+            raise RuntimeError(f"data prepare failed:\n{procs.tail('prepare')}")
+        manifest = json.loads((data / "manifest.json").read_text())
+        say(f"prepared: {manifest['tokens']:,} tokens ({manifest['train_tokens']:,} to train)")
+        s = streaming(procs, tmp, a, spec, data)
+        d = data_parallel(procs, tmp, a, spec, data)
+        s_score, d_score = score(s["hf"], data, a), score(d["hf"], data, a)
+        session.results.update(summarize(a, params, corpus, manifest, s, d, s_score, d_score))
+        session.results["load"] = loadavg()
+        md = table(session.results)
+    return session.finish(md)
 
 
 def summarize(
@@ -319,4 +306,4 @@ def table(r: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,11 +12,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from benchmarks.harness import Procs, machine, machine_line, say, start_shards, write_results
+from benchmarks.harness import Session, say, start_shards
 
 
 def measure(target: str, model: str, repeats: int, tls, token: str) -> dict:
@@ -62,66 +62,68 @@ def measure(target: str, model: str, repeats: int, tls, token: str) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results/tls")
-    args = p.parse_args()
-    from streamdiloco.certs import make_certs
-    from streamdiloco.common.tls import ClientTLS
-
-    results = {}
+    args = p.parse_args(argv)
     load = os.getloadavg()[0]  # other work on the machine moves these numbers: said beside them
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        certs = tmp / "certs"
-        make_certs(certs, None, ["w0"])
-        token = (certs / "workers" / "w0.token").read_text().strip()
-        setups = {
-            "plaintext, run token": (["--token", token], None),
-            "mutual TLS, worker token": (
-                [
-                    *("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")),
-                    *("--tls-client-ca", str(certs / "ca.pem"), "--workers-file", str(certs / "workers.txt")),
-                ],
-                ClientTLS(
-                    str(certs / "ca.pem"),
-                    str(certs / "workers" / "w0.pem"),
-                    str(certs / "workers" / "w0.key"),
-                ),
-            ),
-        }
-        procs = Procs(tmp)
-        try:
-            for label, (flags, tls) in setups.items():
-                tag = label.split(",")[0].replace(" ", "-")
-                flags = ["--model", args.model, *flags]
-                [(_, proc, ports)] = start_shards(procs, tmp, tag, 1, flags, checkpoint=False, timeout=120)
-                target = f"127.0.0.1:{ports['grpc_port']}"
-                try:
-                    results[label] = measure(target, args.model, args.repeats, tls, token)
-                finally:
-                    procs.stop(proc, timeout=30)
-                say(f"{label} {json.dumps(results[label])}")
-        finally:
-            procs.stop_all()
-    info = machine()
-    summary = {"model": args.model, "load_average": load, "machine": info, "results": results}
-    lines = [
+    with Session("tls", argv, Path(args.out)) as s:
+        results = {}
+        for label, (flags, tls) in setups(s.tmp / "certs").items():
+            tag = label.split(",")[0].replace(" ", "-")
+            flags = ["--model", args.model, *flags]
+            [(_, proc, ports)] = start_shards(s.procs, s.tmp, tag, 1, flags, checkpoint=False, timeout=120)
+            target = f"127.0.0.1:{ports['grpc_port']}"
+            try:
+                results[label] = measure(target, args.model, args.repeats, tls, token(s.tmp / "certs"))
+            finally:
+                s.procs.stop(proc, timeout=30)
+            say(f"{label} {json.dumps(results[label])}")
+        s.results.update(model=args.model, load_average=load, results=results)
+    md = [
         f"TLS cost on loopback, model {args.model}, median of {args.repeats}; load average {load:.1f} when "
-        f"it started. Machine: {machine_line(info)}",
+        "it started.",
         "",
         "| setup | Join, new connection (ms) | Join, open channel (ms) | Fetch of all masters (MB/s) |",
         "|---|---:|---:|---:|",
     ]
-    for label, r in results.items():
-        lines.append(
+    for label, r in s.results.get("results", {}).items():
+        md.append(
             f"| {label} | {r['join_new_connection_ms']:.1f} | {r['join_open_channel_ms']:.1f} | "
             f"{r['fetch_mb_per_s']:.0f} ({r['fetch_bytes'] / 1e6:.1f} MB) |"
         )
-    write_results(Path(args.out), summary, lines)
-    return 0
+    return s.finish(md)
+
+
+def token(certs: Path) -> str:
+    """Worker w0's token, as `setups` made it."""
+    return (certs / "workers" / "w0.token").read_text().strip()
+
+
+def setups(certs: Path) -> dict[str, tuple[list[str], Any]]:
+    """The two setups measured, by label: the shard's flags and the worker's TLS (None: plaintext); makes
+    the certificates (and w0's token) in `certs`."""
+    from streamdiloco.certs import make_certs
+    from streamdiloco.common.tls import ClientTLS
+
+    make_certs(certs, None, ["w0"])
+    return {
+        "plaintext, run token": (["--token", token(certs)], None),
+        "mutual TLS, worker token": (
+            [
+                *("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")),
+                *("--tls-client-ca", str(certs / "ca.pem"), "--workers-file", str(certs / "workers.txt")),
+            ],
+            ClientTLS(
+                str(certs / "ca.pem"),
+                str(certs / "workers" / "w0.pem"),
+                str(certs / "workers" / "w0.key"),
+            ),
+        ),
+    }
 
 
 if __name__ == "__main__":

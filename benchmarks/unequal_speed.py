@@ -24,26 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (
-    RESULTS,
-    Procs,
-    machine,
-    machine_line,
-    say,
-    sd,
-    start_shards,
-    wait_quiet,
-    write_results,
-)
+from benchmarks.harness import RESULTS, Procs, Session, say, sd, start_shards, wait_quiet
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
@@ -184,47 +172,40 @@ def table_b(rows: list[dict], steps: int, model: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="a,b", help="a (processes), b (simulator)")
     ap.add_argument("--out", default=str(RESULTS / "unequal_speed"))
     ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="unequal-"))  # logs and summaries of the runs, removed at the end
-    procs = Procs(tmp)
-    results: dict = {"machine": machine(), "argv": sys.argv[1:]}
-    md = [f"Machine: {machine_line(results['machine'])}", ""]
-    say(md[0])
     steps_a, reps = (120, 1) if a.quick else (240, 3)
     steps_b, model = (240, "nano") if a.quick else (600, "nano")
-    try:
+    md: list[str] = []
+    with Session("unequal_speed", argv, Path(a.out)) as s:
         if "a" in parts:
-            results["a"] = []
+            s.results["a"] = []
             for rep in range(reps):
                 for schedule in SCHEDULES:  # alternated: a load that comes and goes hits both alike
                     wait_quiet(f"{schedule}{rep}", a.max_wait)
-                    results["a"].append(process_run(procs, tmp, schedule, steps_a, rep))
-            md += ["## (a) two sites, one twice as slow (processes)", "", table_a(results["a"], steps_a), ""]
+                    s.results["a"].append(process_run(s.procs, s.tmp, schedule, steps_a, rep))
+            md += [
+                "## (a) two sites, one twice as slow (processes)",
+                "",
+                table_a(s.results["a"], steps_a),
+                "",
+            ]
         if "b" in parts:
-            results["b"] = sim_runs(steps_b, model)
+            s.results["b"] = sim_runs(steps_b, model)
             md += [
                 "## (b) the same in the simulator, at equal wall time",
                 "",
-                table_b(results["b"], steps_b, model),
+                table_b(s.results["b"], steps_b, model),
+                "",
             ]
-            md.append("")
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    finally:
-        procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
-    write_results(out, results, md)
-    return 0
+    return s.finish(md)
 
 
 if __name__ == "__main__":

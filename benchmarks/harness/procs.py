@@ -1,185 +1,49 @@
-"""The benchmarks' harness: the processes a benchmark starts, the machine it runs on, what it writes.
+"""The processes a benchmark starts: `Procs` starts every child in its own session (its log in
+LOGDIR/NAME.log) and stops it with its children (SIGTERM to the group, then SIGKILL), also on an error and on
+Ctrl+C (`stop_all`, which session.py's `Session` calls). `sd(...)` is a `python -m streamdiloco ...` command
+line and `bench(...)` one of a benchmark module's (its internal subcommands); `start_shards` starts S shard
+processes and waits until they serve, `Run` a run's shards and workers by name; `wait_files` waits for ready
+files while watching that their processes still run; `free_port` is a loopback port to give a child.
 
-- Output: `say` prints a line and keeps it for run.log; `write_results` writes a benchmark's results.json,
-  results.md and run.log (each atomically) and prints the tables.
-- The machine: `machine()` (CPUs, memory, Python, torch, grpcio), `machine_line()` for the head of the
-  output, `code_under_test()` (where the package was imported from, its git commit); `wait_quiet()` waits
-  for the CPUs to be nearly idle before a timed run, `system_busy_seconds()` and `loadavg()` say how busy
-  they were.
-- Data: `fortune_files()`, Debian's fortunes (the second corpus of quality_long.py and real.py).
-- Processes: `Procs` starts every child process of a benchmark in its own session (its log in
-  LOGDIR/NAME.log) and stops it with its children (SIGTERM to the group, then SIGKILL), also on an error
-  and on Ctrl+C (`stop_all` in a `finally`). `sd(...)` is a `python -m streamdiloco ...` command line and
-  `bench(...)` one of a benchmark module's (its internal subcommands); `start_shards` starts S shard
-  processes and waits until they serve, `Run` a run's shards and workers by name; `wait_files` waits for
-  ready files while watching that their processes still run.
-
-The benchmarks are modules of the package `benchmarks` (this folder) and run from the repository's root:
-`python -m benchmarks.wire`. They import this module; it imports the installed package (never the other
-way: the package knows nothing of the benchmarks) and no other benchmark.
-
-tests/procs.py is the tests' own harness for the same job (a shard or a worker as a process, stopped however
-the test ends); it stays apart: tests kill their processes at once (SIGKILL, no wait for a clean exit) and
-fail with AssertionError, where a benchmark stops its children cleanly and keeps their logs to report.
+tests/procs.py is the tests' own harness for the same job; it stays apart: tests kill their processes at
+once (SIGKILL, no wait for a clean exit) and fail with AssertionError, where a benchmark stops its children
+cleanly and keeps their logs to report.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from streamdiloco.common.atomic import atomic_write_text
-
-ROOT = Path(__file__).resolve().parent.parent  # the repository: benchmarks run from here
-RESULTS = ROOT / "benchmarks" / "results"  # each benchmark's default --out is a folder of this
-FORTUNES = Path(
-    "/usr/share/games/fortunes"
-)  # Debian's fortunes: a second corpus (scripts/system-deps.sh real)
+from benchmarks.harness.paths import ROOT
 
 
-# --- output: print and keep a copy for run.log ------------------------------------------------------------
-class Tee:
-    """print() that keeps every line (for run.log); safe from several threads."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, line: str = "") -> None:
-        with self._lock:
-            print(line, flush=True)
-            self.lines.append(line)
-
-
-say = Tee()
-
-
-def write_results(
-    out: Path, results: dict, md: Sequence[str], log: Tee | None = None, echo: bool = True
-) -> None:
-    """A benchmark's outputs, each written atomically: results.json, results.md (the lines `md`), run.log
-    (what `log`, `say` by default, printed); then, with `echo`, the tables to stdout."""
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "results.json", json.dumps(results, indent=2, default=str))
-    atomic_write_text(out / "results.md", "\n".join(md) + "\n")
-    atomic_write_text(out / "run.log", "\n".join((log or say).lines) + "\n")
-    if echo:
-        print("\n".join(md))
-
-
-def fortune_files() -> list[Path]:
-    """The fortune files of Debian's `fortunes` (quotations between lines of a single %), sorted; their
-    index files (.dat) and links (.u8) left out. ValueError (one line) when the package is missing."""
-    files = sorted(p for p in FORTUNES.glob("*") if p.is_file() and not p.is_symlink() and p.suffix != ".dat")
-    if not files:
-        raise ValueError(
-            f"no fortunes under {FORTUNES}: install Debian's fortunes (scripts/system-deps.sh real)"
-        )
-    return files
-
-
-# --- the machine ------------------------------------------------------------------------------------------
-def machine() -> dict:
-    """The machine and the software a benchmark ran on (results.json's "machine")."""
-    import grpc
-    import torch
-
-    cpu = "unknown"
+def free_ports(n: int) -> list[int]:
+    """n different ports on 127.0.0.1 that nothing listens on now (the children given them bind them a
+    moment later)."""
+    socks = [socket.socket() for _ in range(n)]
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": cpu,
-        "memory_gib": round(mem, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "grpcio": grpc.__version__,
-    }
+        for s in socks:  # all held open until all are picked: no port comes twice
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
-def machine_line(info: dict) -> str:
-    """What `machine()` found, for the head of a benchmark's output and results."""
-    return (
-        f"{info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}, grpcio {info['grpcio']}"
-    )
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    return free_ports(1)[0]
 
 
-def code_under_test() -> dict:
-    """Where the package was imported from and the repository's commit (and whether tracked files differ
-    from it): which code the figures are of."""
-    import streamdiloco
-
-    def git(*args: str) -> str:
-        try:
-            r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    return {
-        "code": str(Path(streamdiloco.__file__).resolve().parent.parent),
-        "commit": git("rev-parse", "HEAD") or "unknown",
-        "tracked_files_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
-
-
-def loadavg() -> str:
-    """The 1, 5 and 15 minute load averages, as /proc/loadavg has them."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
-def system_busy_seconds() -> float:
-    """CPU seconds that all processes of the machine have used (all cores, non-idle time), from /proc/stat."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(label: str, max_wait: float, threshold: float = 0.15) -> float:
-    """Wait (up to max_wait s) until the machine is nearly idle: the figures are timings, and other work on
-    a 2-core machine (tests, builds) skews them. Returns the busy fraction of all cores measured last."""
-    t_start = time.monotonic()
-    said = -1e9
-    while True:
-        b0, t0 = system_busy_seconds(), time.monotonic()
-        time.sleep(1.0)
-        busy = (system_busy_seconds() - b0) / (time.monotonic() - t0) / (os.cpu_count() or 1)
-        waited = time.monotonic() - t_start
-        if busy <= threshold:
-            if waited > 2:
-                say(f"[{label}] the machine is quiet ({busy:.0%} busy) after {waited:.0f}s")
-            return busy
-        if waited > max_wait:
-            say(f"[{label}] the machine is still {busy:.0%} busy with other processes: timings may suffer")
-            return busy
-        if waited - said >= 30:
-            said = waited
-            say(f"[{label}] the machine is {busy:.0%} busy with other processes; waiting for it to calm down")
-        time.sleep(2.0)
-
-
-# --- child processes --------------------------------------------------------------------------------------
 def sd(*args: str) -> list[str]:
     """The command line of `streamdiloco ARGS` with this interpreter."""
     return [sys.executable, "-m", "streamdiloco", *args]
@@ -194,9 +58,10 @@ def bench(module: str, *args: str) -> list[str]:
 
 class Procs:
     """Every process the benchmark starts, each in its own session (process group), so that stop() ends it
-    and its children (launch's shards and workers, torchrun's ranks) by the group's id."""
+    and its children (launch's shards and workers, torchrun's ranks) by the group's id. They run in `cwd`,
+    the repository's root by default (where `python -m benchmarks.NAME` finds its package)."""
 
-    def __init__(self, logdir: Path, cwd: Path | None = None):
+    def __init__(self, logdir: Path, cwd: Path = ROOT):
         self.logdir, self.cwd = logdir, cwd
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
