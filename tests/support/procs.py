@@ -230,6 +230,9 @@ def http_json(port: int, path: str = "/api/status") -> dict:
         return json.loads(r.read())
 
 
+SLACK = 10.0  # seconds a loaded machine may add to a deadline
+
+
 def wait_until(what: str, pred, timeout: float = 60.0, every: float = 0.05):
     """Poll `pred()` until it returns something truthy (returned); AssertionError naming `what` on timeout."""
     deadline = time.monotonic() + timeout
