@@ -34,10 +34,7 @@ log = logging.getLogger("streamdiloco.worker")
 
 def mirror_digests(engine: SyncEngine) -> list[list[str]]:
     """Hash of each (fragment, shard slice) of the mirror: equal to the shards' master_hash when in sync."""
-    return [
-        [tensor_digest(engine.mirrors[f][lo:hi]) for lo, hi in engine.ranges[f]]
-        for f in range(engine.layout.num_fragments)
-    ]
+    return [[tensor_digest(f.mirror[lo:hi]) for lo, hi in f.ranges] for f in engine.fragments]
 
 
 def params_digest(model: torch.nn.Module) -> str:

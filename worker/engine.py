@@ -48,6 +48,7 @@ the training thread for sync work beyond a snapshot, a lerp and a merge's wait f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -56,7 +57,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -65,7 +67,7 @@ from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, fragment_params
 from streamdiloco.common.pace import MAX_STEP_SECONDS, PACE_TOLERANCE, TickClock, steps_per_tick
-from streamdiloco.common.progress import Progress
+from streamdiloco.common.progress import MAX_REPORTED_LOSS, Progress
 from streamdiloco.common.schedule import Event, events, merge_deadline, sends_early, sends_through
 from streamdiloco.worker.fragment import FragmentSync, Placement, global_state_dict
 from streamdiloco.worker.report import ScalarLogger, TrackedScalars
@@ -74,13 +76,12 @@ log = logging.getLogger("streamdiloco.worker")
 
 WAIT_LOG_SECONDS = 30.0  # log while a merge waits this long for its update
 INTERRUPT_CHECK_SECONDS = 1.0  # how often a wait looks at an `interrupt` Event (request_stop() is at once)
-MAX_REPORTED_LOSS = (
-    1e4  # the shards refuse a push that reports a loss beyond (server/rounds/robust.py MAX_LOSS)
-)
 STEP_TIMES = 16  # inner steps whose durations the reported step time is the median of (adaptive schedule)
 # the reports a worker remembers to recognise the pace as its own: the latest, and the one before it (whose
 # push's answer may still be the latest pace it heard)
 REPORTS_KEPT = 2
+
+T = TypeVar("T")
 
 
 class StopRequested(Exception):
@@ -108,10 +109,10 @@ class Transport(Protocol):
         """Send one fragment's outer gradient (one Encoded per shard slice); must not block on the round."""
 
     def update(self, fragment: int, round: int) -> Future:
-        """A future of the round's update, one entry per shard slice. Each is what to do to the mirror's
-        slice: an Encoded update to add (or a list of (offset, Encoded) parts of it), a fetched master (an
-        object with `.values` and `.round`, after a resync) to take instead, or None: the mirror has that
-        round already. The future fails with an error when the transport cannot deliver it."""
+        """A future of the round's update: a list of one `SliceUpdate` (worker/fragment.py) per shard slice,
+        what to do to the mirror's slice: an Encoded update to add (or its (offset, Encoded) parts), a
+        fetched `Master` (after a resync) to take instead, or None: the mirror has that round already. The
+        future fails with an error when the transport cannot deliver it."""
 
     def skip_to(self, next_rounds: Callable[[], list[int]]) -> tuple[int, list[int]] | None:
         """When this worker fell whole rounds behind the run (the rounds it would push next, `next_rounds()`,
@@ -218,25 +219,176 @@ class Pacer:
         self._last_end = time.perf_counter()
 
 
-class SyncEngine:
-    """The fragments of one worker (`fragments`, one FragmentSync each) and the schedule that sends and
-    merges them; see the module's docstring for how to drive it."""
+@dataclass
+class SyncCounters:
+    """What the engine counts, for the summary, the metrics and the dashboards. Kept in checkpoints (its
+    state_dict is its fields), so that a resumed worker counts on from where it stopped."""
 
-    COUNTERS = (
-        "bytes_sent",
-        "bytes_received",
-        "peak_push_bytes",
-        "pushes",
-        "blocked_seconds",
-        "merges",
-        "waits",
-        "late_merges",
-        "merge_delay_steps",
-        "tokens",
-        "inner_steps",
-        "skips",
-        "skipped_steps",
-    )
+    bytes_sent: int = 0  # encoded bytes of the pushes (payload and scales)
+    bytes_received: int = 0  # encoded bytes of the updates added to the mirror
+    peak_push_bytes: int = 0  # the largest push's
+    pushes: int = 0
+    blocked_seconds: float = 0.0  # the training thread's waits for updates, at merges
+    merges: int = 0
+    waits: int = 0  # merges whose update had not arrived yet
+    late_merges: int = 0  # merges done later than tau steps after their send (adaptive)
+    merge_delay_steps: int = 0  # steps from send to merge, summed over merges (mean tau = this / merges)
+    tokens: int = 0  # tokens trained on, as step() was told
+    inner_steps: int = 0  # inner steps this engine was told of (step() calls), in this run
+    skips: int = 0  # times it fell whole rounds behind and went on where the run is
+    skipped_steps: int = 0  # the schedule steps those skips passed over
+
+    def state_dict(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's counters; one that it lacks (written before that counter was) stays as it is."""
+        names = {f.name for f in dataclasses.fields(self)}
+        for name, value in state.items():
+            if name in names:
+                setattr(self, name, value)
+
+
+class _Counter(Generic[T]):
+    """`engine.pushes` reads `engine.counters.pushes`: each counter, read-only, under the engine's own
+    name, as the library's users (and the examples) read it before the counters were one object."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> _Counter[T]: ...
+    @overload
+    def __get__(self, engine: _CountersByName, owner: type) -> T: ...
+    def __get__(self, engine: _CountersByName | None, owner: type) -> _Counter[T] | T:
+        return self if engine is None else getattr(engine.counters, self.name)
+
+    def __set__(self, engine: _CountersByName, value: T) -> None:
+        raise AttributeError(f"{self.name} is counted by the engine (engine.counters.{self.name})")
+
+
+@dataclass
+class MergeHooks:
+    """Who hears of each merge: `waited` gets its wait for the update in seconds (the worker's /metrics),
+    `merged` the fragment merged (worker/group.py broadcasts its parameters to the other ranks)."""
+
+    waited: Callable[[float], None] = lambda seconds: None
+    merged: Callable[[int], None] = lambda fragment: None
+
+
+class Reports:
+    """What a trainer reports through the engine: the eval loss of the global parameters (and the step it
+    was measured at) and the compute utilization, which every push carries to the shards' dashboards with
+    the engine's counters (`progress`); and the scalars for the experiment trackers (`scalars`)."""
+
+    def __init__(self, loggers: Sequence[ScalarLogger], log_every: int) -> None:
+        self.scalars = TrackedScalars(loggers, log_every)  # experiment trackers (worker/report.py)
+        self.eval_loss: float | None = None
+        self.eval_step = 0
+        self.compute_utilization: float | None = None
+
+    def report(self, step: int, eval_loss: float | None, compute_utilization: float | None) -> None:
+        """SyncEngine.report, at schedule step `step`."""
+        if eval_loss is not None and not 0.0 <= eval_loss <= MAX_REPORTED_LOSS:  # NaN too
+            log.warning("eval loss %s is not reported to the shards: not a loss in [0, 1e4]", eval_loss)
+        elif eval_loss is not None:
+            self.eval_loss, self.eval_step = float(eval_loss), step
+            self.scalars.log(step, {"eval/loss": self.eval_loss})
+        if compute_utilization is not None:
+            self.compute_utilization = min(1.0, max(0.0, float(compute_utilization)))
+
+    def stepped(self, step: int, total_steps: int | None, counters: SyncCounters) -> None:
+        """A schedule step ended: the trackers' scalars, at the steps they are logged at."""
+        if not self.scalars.loggers:
+            return
+        sync = {"sync/blocked_seconds": counters.blocked_seconds, "sync/bytes_sent": counters.bytes_sent}
+        sync["sync/bytes_received"] = counters.bytes_received
+        if self.compute_utilization is not None:
+            sync["perf/compute_utilization"] = self.compute_utilization
+        self.scalars.stepped(step, total_steps, sync)
+
+    def progress(
+        self, step: int, total_steps: int | None, counters: SyncCounters, step_seconds: float | None
+    ) -> Progress:
+        return Progress(
+            step=step,
+            blocked_seconds=counters.blocked_seconds,
+            total_steps=total_steps or 0,
+            tokens=counters.tokens,
+            compute_utilization=self.compute_utilization,
+            eval_loss=self.eval_loss,
+            eval_step=self.eval_step,
+            step_seconds=step_seconds,
+        )
+
+
+class UpdateFeed:
+    """The rounds' updates into the fragments' mirrors. Each (fragment, round) has one future that says its
+    update is in the mirror (FragmentSync.update_future); the first ask for it asks the transport for the
+    update, and once that comes the sync thread adds it (FragmentSync.apply) and settles the future.
+    `stop()` cancels every such future, now and from then on: a merge waiting on one gets StopRequested."""
+
+    def __init__(self, transport: Transport, jobs: SyncThread, counters: SyncCounters) -> None:
+        self.transport, self.jobs, self.counters = transport, jobs, counters
+        self.stopping = False
+
+    def applied(self, frag: FragmentSync, round: int) -> Future:
+        fut, new = frag.update_future(round)
+        if new and self.stopping:
+            fut.cancel()
+        elif new:
+            update = self.transport.update(frag.index, round)
+            update.add_done_callback(lambda u: self._run_apply(frag, round, u, fut))
+        return fut
+
+    def _run_apply(self, frag: FragmentSync, round: int, update: Future, done: Future) -> None:
+        try:
+            self.jobs.run(self._apply, frag, round, update, done)
+        except BaseException as e:  # inline (no sync thread): _apply has put it into `done`
+            if not done.done():
+                settle(done, exc=e)
+
+    def _apply(self, frag: FragmentSync, round: int, update: Future, done: Future) -> None:
+        """Sync thread: add the round's update to the mirror (or take a fetched master), then tell `done`."""
+        try:
+            if update.cancelled():
+                raise StopRequested()
+            self.counters.bytes_received += frag.apply(round, update.result())
+            settle(done, result=True)
+        except BaseException as e:
+            settle(done, exc=e)
+            raise
+
+    def stop(self, fragments: Sequence[FragmentSync]) -> None:
+        self.stopping = True
+        for frag in fragments:
+            frag.cancel_waits()
+
+
+class _CountersByName:
+    """The engine's counters read by their own names (`engine.pushes` is `engine.counters.pushes`), as the
+    library's users and the examples read them before they were one object."""
+
+    counters: SyncCounters
+    bytes_sent = _Counter[int]()
+    bytes_received = _Counter[int]()
+    peak_push_bytes = _Counter[int]()
+    pushes = _Counter[int]()
+    blocked_seconds = _Counter[float]()
+    merges = _Counter[int]()
+    waits = _Counter[int]()
+    late_merges = _Counter[int]()
+    merge_delay_steps = _Counter[int]()
+    tokens = _Counter[int]()
+    inner_steps = _Counter[int]()
+    skips = _Counter[int]()
+    skipped_steps = _Counter[int]()
+
+
+class SyncEngine(_CountersByName):
+    """The fragments of one worker (`fragments`, one FragmentSync each) and the schedule that sends and
+    merges them; see the module's docstring for how to drive it. What it counts is `counters` (each also
+    read as the engine's own attribute: `engine.pushes`)."""
 
     def __init__(
         self,
@@ -260,13 +412,7 @@ class SyncEngine:
         self.model, self.layout, self.cfg, self.transport = model, layout, cfg, transport
         self.total_steps = total_steps
         self.interrupt = interrupt
-        params = [[p.detach() for p in fragment_params(model, f)] for f in layout.fragments]
-        device = params[0][0].device if params and params[0] else torch.device("cpu")
-        place = Placement(device)
-        self.fragments = [
-            FragmentSync(spec, ps, cfg, transport.num_shards, place)
-            for spec, ps in zip(layout.fragments, params, strict=True)
-        ]
+        self.fragments = _fragments(model, layout, cfg, transport.num_shards)
         self.generator = torch.Generator().manual_seed(seed * 7_919 + rank)  # stochastic rounding only
         self.step_count = start_step  # schedule steps taken (by the run, for a worker that joined late)
         self.pacer = Pacer()
@@ -274,56 +420,39 @@ class SyncEngine:
         # step has passed without their update, oldest first (merged once in, or at their deadline)
         self.pending: list[Event] = []
         self.deferred: list[tuple[int, int]] = []
-        # counters for the summary and the metrics (COUNTERS are kept in checkpoints)
-        self.bytes_sent = self.bytes_received = self.peak_push_bytes = self.pushes = 0
-        self.merges = 0
-        self.waits = 0  # merges whose update had not arrived yet
-        self.late_merges = 0  # merges done later than tau steps after their send (adaptive)
-        self.merge_delay_steps = 0  # steps from send to merge, summed over merges (mean tau = this / merges)
-        self.tokens = 0  # tokens trained on, as step() was told
-        self.inner_steps = 0  # inner steps this engine was told of (step() calls), in this run
-        self.skips = self.skipped_steps = 0  # times it fell whole rounds behind and went on where the run is
-        self.blocked_seconds = 0.0
+        self.counters = SyncCounters()  # kept in checkpoints
         self.send_seconds = 0.0  # training thread's time in sends (snapshots) and merges (lerps), for
         self.merge_seconds = 0.0  # the benchmarks: what the sync path costs the GPU
-        # what the trainer reports for the shards' dashboards (report()): sent with the next pushes
-        self.eval_loss: float | None = None
-        self.eval_step = 0
-        self.compute_utilization: float | None = None
-        self.on_merge_wait: Callable[[float], None] | None = None  # gets each merge's wait (/metrics)
-        self.on_merged: Callable[[int], None] | None = None  # gets each merged fragment (worker/group.py)
-        self.scalars = TrackedScalars(loggers, log_every)  # experiment trackers (worker/report.py)
+        self.reports = Reports(loggers, log_every)  # what the trainer reports, sent with the next pushes
+        self.hooks = MergeHooks()
         self._jobs = SyncThread(background)
-        self._stopping = False
+        self._updates = UpdateFeed(transport, self._jobs, self.counters)
 
-    # --- the fragments, as lists (what callers and checkpoints read) -----------------------------------
+    # --- the fragments, as lists, and who hears of merges ----------------------------------------------
     @property
     def mirrors(self) -> list[torch.Tensor]:
         """Each fragment's mirror: fp32, on the CPU, the global parameters as of the updates merged."""
         return [f.mirror for f in self.fragments]
 
     @property
-    def ranges(self) -> list[list[tuple[int, int]]]:
-        """Each fragment's shard slices, (lo, hi) of its flat vector."""
-        return [f.ranges for f in self.fragments]
-
-    @property
     def in_flight(self) -> dict[int, int]:
         """fragment -> the round it sent and has not merged yet."""
         return {f.index: f.in_flight for f in self.fragments if f.in_flight is not None}
 
-    @property
-    def step_seconds(self) -> float | None:
-        return self.pacer.step_seconds
+    def on_merge(
+        self, waited: Callable[[float], None] | None = None, merged: Callable[[int], None] | None = None
+    ) -> None:
+        """Be told of each merge: `waited` gets its wait for the update in seconds, `merged` its fragment."""
+        self.hooks = MergeHooks(waited or self.hooks.waited, merged or self.hooks.merged)
 
     # --- the hook ------------------------------------------------------------------------------------
     def step(self, tokens: int = 0, loss: float | None = None, seconds: float | None = None) -> list[Event]:
         """Call after every inner optimizer step: counts it and, when it completes a schedule step, does
         what the schedule says; returns that step's events ([] for an inner step within one). `seconds`:
         the inner step's duration, for a driver that emulates it (the simulator); else it is measured."""
-        self.inner_steps += 1
-        self.tokens += tokens
-        self.scalars.count(tokens, loss)
+        self.counters.inner_steps += 1
+        self.counters.tokens += tokens
+        self.reports.scalars.count(tokens, loss)
         for frag in self.fragments:
             frag.count(tokens, loss)
         if self.cfg.sync_schedule != "adaptive":
@@ -346,12 +475,7 @@ class SyncEngine:
         self.deferred = []
         self.step_count += 1
         self.finish_step()
-        if self.scalars.loggers:
-            sync = {"sync/blocked_seconds": self.blocked_seconds, "sync/bytes_sent": self.bytes_sent}
-            sync["sync/bytes_received"] = self.bytes_received
-            if self.compute_utilization is not None:
-                sync["perf/compute_utilization"] = self.compute_utilization
-            self.scalars.stepped(self.step_count, self.total_steps, sync)
+        self.reports.stepped(self.step_count, self.total_steps, self.counters)
         return evs
 
     def finish_step(self) -> None:
@@ -398,7 +522,7 @@ class SyncEngine:
         t0 = time.perf_counter()
         frag = self.fragments[fragment]
         snapshot, weight, loss = frag.prepare_send(round, self.step_count)
-        frag.send_job = self._jobs.run(self._push, frag, round, snapshot, weight, loss)
+        frag.sending(self._jobs.run(self._push, frag, round, snapshot, weight, loss))
         self._applied(fragment, round)  # its update is added to the mirror as soon as it comes
         self.send_seconds += time.perf_counter() - t0
 
@@ -407,42 +531,15 @@ class SyncEngine:
         slices = frag.encode(snapshot, self.generator)
         self.transport.push(frag.index, round, slices, weight, loss)
         nbytes = sum(s.nbytes for s in slices)
-        self.bytes_sent += nbytes
-        self.peak_push_bytes = max(self.peak_push_bytes, nbytes)
-        self.pushes += 1
+        self.counters.bytes_sent += nbytes
+        self.counters.peak_push_bytes = max(self.counters.peak_push_bytes, nbytes)
+        self.counters.pushes += 1
 
     # --- merge: the update into the mirror on the sync thread, a lerp here ---------------------------
     def _applied(self, fragment: int, round: int) -> Future:
-        """The future that says the round's update is in the mirror; asks the transport for the update the
-        first time (at the send, or at the merge of a round this process did not send)."""
-        frag = self.fragments[fragment]
-        fut = frag.applied.get(round)
-        if fut is None:
-            fut = frag.applied[round] = Future()
-            if self._stopping:
-                fut.cancel()
-                return fut
-            update = self.transport.update(fragment, round)
-            update.add_done_callback(lambda u: self._run_apply(frag, round, u, fut))
-        return fut
-
-    def _run_apply(self, frag: FragmentSync, round: int, update: Future, done: Future) -> None:
-        try:
-            self._jobs.run(self._apply, frag, round, update, done)
-        except BaseException as e:  # inline (no sync thread): _apply has put it into `done`
-            if not done.done():
-                settle(done, exc=e)
-
-    def _apply(self, frag: FragmentSync, round: int, update: Future, done: Future) -> None:
-        """Sync thread: add the round's update to the mirror (or take a fetched master), then tell `done`."""
-        try:
-            if update.cancelled():
-                raise StopRequested()
-            self.bytes_received += frag.apply(round, update.result())
-            settle(done, result=True)
-        except BaseException as e:
-            settle(done, exc=e)
-            raise
+        """The future that says the round's update is in the mirror (asked for at the send, or at the merge
+        of a round this process did not send)."""
+        return self._updates.applied(self.fragments[fragment], round)
 
     def merge(self, fragment: int, round: int) -> None:
         self._jobs.check()
@@ -453,26 +550,24 @@ class SyncEngine:
         t0 = time.perf_counter()
         _wait(fut, f"fragment {fragment} round {round}", self.interrupt, self.request_stop)  # may raise
         t1 = time.perf_counter()  # (a stop request: the parameters are untouched)
-        self.blocked_seconds += t1 - t0
-        if self.on_merge_wait is not None:
-            self.on_merge_wait(t1 - t0)
-        self.merges += 1
-        self.waits += waited
+        counts = self.counters
+        counts.blocked_seconds += t1 - t0
+        self.hooks.waited(t1 - t0)
+        counts.merges += 1
+        counts.waits += waited
         sent = self.fragments[fragment].merge(round)
         if sent is not None:
             delay = self.step_count - sent
-            self.merge_delay_steps += delay
-            self.late_merges += delay > self.cfg.fragment_sync_delay
+            counts.merge_delay_steps += delay
+            counts.late_merges += delay > self.cfg.fragment_sync_delay
         self.merge_seconds += time.perf_counter() - t1
-        if self.on_merged is not None:
-            self.on_merged(fragment)
+        self.hooks.merged(fragment)
 
     # --- joining, the end, stopping --------------------------------------------------------------------
     def set_mirror_rounds(self, rounds: list[list[int]]) -> None:
         """What the mirror holds as it is set up (a joiner's fetch): rounds[f][s] per fragment and slice."""
         for frag, held in zip(self.fragments, rounds, strict=True):
-            with frag.lock:
-                frag.mirror_rounds = list(held)
+            frag.hold_rounds(held)
 
     def catch_up(self, first_rounds: list[int]) -> None:
         """For a worker that starts at step > 0: merge the rounds from `first_rounds` (the first round of
@@ -485,25 +580,15 @@ class SyncEngine:
 
     def _skip_ahead(self) -> None:
         """Go on from where the run is when this worker fell whole rounds behind it (a freeze, a sleep, a
-        link down or a restart long enough for rounds to close without it: `Transport.skip_to`). Pushed,
-        its next sends would be for rounds closed already, and it would stay as far behind as it fell:
-        instead it merges what it has in flight, jumps its step count to where a joiner would start now,
-        merges the rounds whose merge step that passes (their updates, or the masters fetched in their
-        place), and its parameters become its mirror, the run's global ones, as a joiner's. What it trained
-        since its last send, from parameters the run has left behind, is dropped (it would be late)."""
+        link down or a restart long enough for rounds to close without it: `Transport.skip_to`), rather
+        than push for closed rounds and stay as far behind: merge what is in flight, jump to the step a
+        joiner would start at, merge the rounds whose merge step that passes (updates, or the masters
+        fetched in their place), and take the mirror, the run's parameters, as a joiner does. What it
+        trained since its last send, from parameters the run has left, is dropped (it would be late)."""
         ahead = self.transport.skip_to(self.next_rounds)
-        if ahead is None:
-            return  # no fetch since the last look, or none that passed the rounds it pushes next
-        start, fetched = ahead
-        if start - self.step_count < self.cfg.sync_every:
-            return  # less than a round behind: within the grace that rounds give a member (server/roundrule)
-        if self.total_steps is not None and start >= self.total_steps:
-            log.warning(
-                "the run is at step %d, past this worker's last step %d: it goes on where it is",
-                start,
-                self.total_steps,
-            )
+        if ahead is None or not _skips_to(ahead[0], self.step_count, self.cfg, self.total_steps):
             return
+        start, fetched = ahead
         behind = start - self.step_count
         self.drain()
         self.step_count = start
@@ -512,19 +597,14 @@ class SyncEngine:
             # rounds in the masters whose merge step is still to come (tau longer than the steps between
             # two sends): into the mirror now, merged at their step
             for r in range(min(frag.mirror_rounds), upto):
-                _wait(
-                    self._applied(frag.index, r),
-                    f"fragment {frag.index} round {r}",
-                    self.interrupt,
-                    self.request_stop,
-                )
+                what = f"fragment {frag.index} round {r}"
+                _wait(self._applied(frag.index, r), what, self.interrupt, self.request_stop)
         self.quiesce()
         for frag in self.fragments:
             frag.take_mirror()
-            if self.on_merged is not None:
-                self.on_merged(frag.index)
-        self.skips += 1
-        self.skipped_steps += behind
+            self.hooks.merged(frag.index)
+        self.counters.skips += 1
+        self.counters.skipped_steps += behind
         log.warning(
             "this worker was %d steps behind the run (rounds closed without it while it was away): it goes "
             "on from step %d with the run's parameters, as a joiner would",
@@ -547,16 +627,13 @@ class SyncEngine:
     def request_stop(self) -> None:
         """Make a merge that waits (or will wait) for its update give up with StopRequested; safe to call
         from a signal handler or another thread."""
-        self._stopping = True
-        for frag in self.fragments:
-            for fut in list(frag.applied.values()):
-                fut.cancel()
+        self._updates.stop(self.fragments)
 
     def close(self) -> None:
         """End the sync thread and the transport's sessions, and close the loggers."""
         self._jobs.close()
         self.transport.close()
-        self.scalars.close()
+        self.reports.scalars.close()
 
     # --- the global model, checkpoints ---------------------------------------------------------------
     def global_state_dict(self) -> dict[str, torch.Tensor]:
@@ -570,95 +647,106 @@ class SyncEngine:
         """The engine's part of a worker checkpoint (the transport keeps its unanswered pushes; call its
         state_dict after this one, so that it holds the pushes of every send done here). Each mirror is
         copied with the rounds it holds, as one: updates may arrive and be added meanwhile."""
-        return _checkpoint(self)
+        frags = [f.state_dict() for f in self.fragments]  # each after its send job: its push is made
+        return {
+            "step": self.step_count,
+            **_by_fragment(frags),
+            "pending": [(e.kind, e.fragment, e.round) for e in self.pending],
+            "deferred": [list(x) for x in self.deferred],
+            "generator": self.generator.get_state(),
+            "tick_credit": self.pacer.clock.credit,
+            "counters": self.counters.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        _restore(self, state)
+        """What state_dict wrote (and checkpoints from before deferred merges, send steps, snapshots and the
+        adaptive schedule were kept)."""
+        if [m.shape for m in state["mirrors"]] != [f.mirror.shape for f in self.fragments]:
+            raise ValueError("the checkpoint's mirror does not fit this model's fragments")
+        frags = _fragment_states(state, len(self.fragments))
+        self.step_count = int(state["step"])
+        for frag, frag_state in zip(self.fragments, frags, strict=True):
+            frag.load_state_dict(frag_state)
+        self.pending = [Event(k, int(f), int(r)) for k, f, r in state["pending"]]
+        self.deferred = [(int(f), int(r)) for f, r in state.get("deferred", [])]
+        self.generator.set_state(state["generator"])
+        self.pacer.clock.credit = float(state.get("tick_credit", 0.0))
+        self.counters.load_state_dict(state["counters"])
 
     # --- what the dashboards show --------------------------------------------------------------------
     def report(self, eval_loss: float | None = None, compute_utilization: float | None = None) -> None:
         """Tell the shards (with the next pushes; their dashboards show it) the eval loss of the global
         parameters measured now (the engine's loggers get it at once, as eval/loss), and the fraction of the
-        training time spent computing (0..1). An eval loss
-        the shards would refuse (not a cross-entropy in [0, 1e4]: they refuse the push that carries it) is
-        left out, with a warning."""
-        if eval_loss is not None and not 0.0 <= eval_loss <= MAX_REPORTED_LOSS:  # NaN too
-            log.warning("eval loss %s is not reported to the shards: not a loss in [0, 1e4]", eval_loss)
-        elif eval_loss is not None:
-            self.eval_loss, self.eval_step = float(eval_loss), self.step_count
-            self.scalars.log(self.step_count, {"eval/loss": self.eval_loss})
-        if compute_utilization is not None:
-            self.compute_utilization = min(1.0, max(0.0, float(compute_utilization)))
+        training time spent computing (0..1). An eval loss the shards would refuse (not a cross-entropy in
+        [0, 1e4]: they refuse the push that carries it) is left out, with a warning."""
+        self.reports.report(self.step_count, eval_loss, compute_utilization)
 
     def progress(self) -> Progress:
         """What every push's header reports, as of now."""
-        return Progress(
-            step=self.step_count,
-            blocked_seconds=self.blocked_seconds,
-            total_steps=self.total_steps or 0,
-            tokens=self.tokens,
-            compute_utilization=self.compute_utilization,
-            eval_loss=self.eval_loss,
-            eval_step=self.eval_step,
-            step_seconds=self.pacer.reported(),
+        return self.reports.progress(self.step_count, self.total_steps, self.counters, self.pacer.reported())
+
+
+def _skips_to(start: int, step: int, cfg: SyncConfig, total_steps: int | None) -> bool:
+    """Whether a worker at `step` goes on from the run's step `start` (Transport.skip_to's) or stays."""
+    if start - step < cfg.sync_every:
+        return False  # less than a round behind: within the grace that rounds give (server/rounds/rule.py)
+    if total_steps is not None and start >= total_steps:
+        log.warning(
+            "the run is at step %d, past this worker's last step %d: it goes on where it is",
+            start,
+            total_steps,
         )
+        return False
+    return True
 
 
-def _checkpoint(engine: SyncEngine) -> dict:
-    """SyncEngine.state_dict: the schedule's state and counters, and the fragments' as lists by fragment."""
-    frags = engine.fragments
-    held = [f.checkpoint() for f in frags]  # after each fragment's send job: its push is in the transport
+def _fragments(
+    model: nn.Module, layout: FragmentLayout, cfg: SyncConfig, num_shards: int
+) -> list[FragmentSync]:
+    """One FragmentSync per fragment of the layout, all on the parameters' device."""
+    params = [[p.detach() for p in fragment_params(model, f)] for f in layout.fragments]
+    place = Placement(params[0][0].device if params and params[0] else torch.device("cpu"))
+    return [
+        FragmentSync(spec, ps, cfg, num_shards, place)
+        for spec, ps in zip(layout.fragments, params, strict=True)
+    ]
+
+
+def _by_fragment(frags: list[dict]) -> dict:
+    """The fragments' states (FragmentSync.state_dict) as a checkpoint holds them: lists by fragment."""
     return {
-        "step": engine.step_count,
-        "mirrors": [mirror for mirror, _ in held],
-        "mirror_rounds": [rounds for _, rounds in held],
-        "in_flight": engine.in_flight,
-        "pending": [(e.kind, e.fragment, e.round) for e in engine.pending],
-        "deferred": [list(x) for x in engine.deferred],
-        "sent_at": [[f.index, r, t] for f in frags for r, t in f.sent_at.items()],
+        "mirrors": [f["mirror"] for f in frags],
+        "mirror_rounds": [f["mirror_rounds"] for f in frags],
+        "in_flight": {i: f["in_flight"] for i, f in enumerate(frags) if f["in_flight"] is not None},
+        "sent_at": [[i, r, t] for i, f in enumerate(frags) for r, t in f["sent_at"].items()],
         # the send snapshots of rounds not merged yet: a resumed worker rebases them as it would have
-        "snapshots": {
-            f.index: (f.snapshot_round, f.snapshot.clone())  # type: ignore[union-attr]
-            for f in frags
-            if f.snapshot_round is not None
-        },
-        "tokens_since_sync": [f.tokens for f in frags],
-        "loss_since_sync": [list(f.loss) for f in frags],
-        "generator": engine.generator.get_state(),
-        "tick_credit": engine.pacer.clock.credit,
-        "counters": {k: getattr(engine, k) for k in engine.COUNTERS},
+        "snapshots": {i: f["snapshot"] for i, f in enumerate(frags) if f["snapshot"] is not None},
+        "tokens_since_sync": [f["tokens"] for f in frags],
+        "loss_since_sync": [f["loss"] for f in frags],
     }
 
 
-def _restore(engine: SyncEngine, state: dict) -> None:
-    """SyncEngine.load_state_dict: what _checkpoint wrote (and checkpoints from before deferred merges,
-    send steps, snapshots and the adaptive schedule were kept)."""
-    mirrors, frags = state["mirrors"], engine.fragments
-    if [m.shape for m in mirrors] != [f.mirror.shape for f in frags]:
-        raise ValueError("the checkpoint's mirror does not fit this model's fragments")
+def _fragment_states(state: dict, count: int) -> list[dict]:
+    """A checkpoint's lists by fragment (what _by_fragment wrote, or a checkpoint from before send steps and
+    snapshots were kept) as one FragmentSync state per fragment."""
+    lists = (state["mirrors"], state["mirror_rounds"], state["tokens_since_sync"], state["loss_since_sync"])
+    frags: list[dict] = [
+        {"mirror": m, "mirror_rounds": r, "tokens": t, "loss": loss, "sent_at": {}}
+        for m, r, t, loss in zip(*lists, strict=True)
+    ]
 
-    def fragment(f: Any, what: str) -> FragmentSync:
-        if not 0 <= int(f) < len(frags):
+    def fragment(f: Any, what: str) -> dict:
+        if not 0 <= int(f) < count:
             raise ValueError(f"the checkpoint's {what} of fragment {f} does not fit this model")
         return frags[int(f)]
 
-    engine.step_count = int(state["step"])
-    per_fragment = (mirrors, state["mirror_rounds"], state["tokens_since_sync"], state["loss_since_sync"])
-    for frag, *parts in zip(frags, *per_fragment, strict=True):
-        frag.restore(*parts)
     for f, r in state["in_flight"].items():
-        fragment(f, "round in flight").in_flight = int(r)
-    engine.pending = [Event(k, int(f), int(r)) for k, f, r in state["pending"]]
-    engine.deferred = [(int(f), int(r)) for f, r in state.get("deferred", [])]
+        fragment(f, "round in flight")["in_flight"] = r
     for f, r, t in state.get("sent_at", []):
-        fragment(f, "send step").sent_at[int(r)] = int(t)
-    for f, (r, snap) in state.get("snapshots", {}).items():
-        fragment(f, "send snapshot").restore_snapshot(int(r), snap)
-    engine.generator.set_state(state["generator"])
-    engine.pacer.clock.credit = float(state.get("tick_credit", 0.0))
-    for k, v in state["counters"].items():
-        if k in engine.COUNTERS:
-            setattr(engine, k, v)
+        fragment(f, "send step")["sent_at"][r] = t
+    for f, snapshot in state.get("snapshots", {}).items():
+        fragment(f, "send snapshot")["snapshot"] = snapshot
+    return frags
 
 
 def _wait(fut: Future, what: str, interrupt: threading.Event | None, stop: Callable[[], None]) -> None:

@@ -10,7 +10,11 @@ mechanics of one sync, each on the thread that runs it:
 - sync thread: `encode` (the outer gradient, mirror - snapshot, encoded per shard slice) and `apply` (the
   round's update added into the mirror; on CUDA also staged on the device for the lerp).
 On CUDA the snapshot is a device-side copy that the sync thread brings to a pinned host buffer on its own
-stream, and what the lerp reads is copied to the device there too (`Placement`).
+stream, and what the lerp reads is copied to the device there too (`Placement`). It saves and loads its own
+part of a worker checkpoint (`state_dict`, `load_state_dict`), as torchft's fragment does.
+
+What an update brings for one shard slice is a `SliceUpdate`: the parts of an update to add, a fetched
+`Master` to take instead, or None (the mirror holds that round already).
 
 What it must not do: decide when (the schedule, the merge policy, the waits and the engine's counters are
 worker/engine.py's) or talk to a transport.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn as nn
@@ -30,6 +34,15 @@ from streamdiloco.common.codecs import Encoded, add_into, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import Fragment, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
+from streamdiloco.worker.linkstate import Master
+
+# What a round's update brings for one shard slice of a fragment (an entry of the list that
+# engine.Transport.update's future gives; FragmentSync.apply takes one per slice):
+# - an Encoded update to add into the mirror's slice (the simulator's), or its (offset, Encoded) parts as
+#   they came over the wire (the link's: added part by part, never joined);
+# - a Master fetched after a reconnect: its values replace the slice (they hold this round and any missed);
+# - None: the mirror holds this round already (fetched when the worker joined).
+SliceUpdate: TypeAlias = Encoded | list[tuple[int, Encoded]] | Master | None
 
 
 class Placement:
@@ -111,6 +124,10 @@ class FragmentSync:
         self.snapshot_round = round
         return snapshot, weight, loss
 
+    def sending(self, job: Future) -> None:
+        """The send's job on the sync thread (encode, push): the snapshot buffer is its until it is done."""
+        self.send_job = job
+
     def _snapshot(self) -> Any:
         """The parameters as of now. On the CPU, copied into the fragment's buffer; on CUDA, a device-side
         copy (the sync thread brings it to the host) and the event that marks it done."""
@@ -159,9 +176,9 @@ class FragmentSync:
         ]
 
     # --- merge: the update into the mirror on the sync thread, a lerp on the training thread ----------
-    def apply(self, round: int, slices: Sequence[Any]) -> int:
-        """Sync thread: the round's update into the mirror, slice by slice (see engine.Transport.update for
-        what a slice's entry may be); returns the bytes of the updates added."""
+    def apply(self, round: int, slices: Sequence[SliceUpdate]) -> int:
+        """Sync thread: the round's update into the mirror, one SliceUpdate per shard slice; returns the
+        bytes of the updates added."""
         if len(slices) != len(self.ranges):
             raise RuntimeError(f"update for fragment {self.index} has {len(slices)} slices")
         received = 0
@@ -170,28 +187,29 @@ class FragmentSync:
             for s, ((lo, hi), part) in enumerate(zip(self.ranges, slices, strict=True)):
                 if part is None:  # the mirror holds this round already (fetched when we joined)
                     held[s] = max(held[s], round + 1)
-                    continue
-                parts = _parts(part)
-                if parts is not None:
-                    n = sum(p.numel for _, p in parts)
-                    if n != hi - lo:
-                        raise RuntimeError(
-                            f"update for fragment {self.index} has {n} values in a slice of {hi - lo}"
-                        )
-                    for off, p in parts:
-                        add_into(p, mirror[lo + off : lo + off + p.numel])  # the master's fp32 addition
-                        received += p.nbytes
-                    held[s] = max(held[s], round + 1)
-                else:  # a master fetched after a reconnect: it holds this round's update (and any missed)
+                elif isinstance(part, Master):  # it holds this round's update (and any missed)
                     if part.values.numel() != hi - lo:
                         raise RuntimeError(
                             f"fetched master of fragment {self.index} has {part.values.numel()} values"
                         )
                     mirror[lo:hi] = part.values
                     held[s] = max(held[s], part.round)
+                else:
+                    received += self._add(round, s, [(0, part)] if isinstance(part, Encoded) else part)
         if self.place.cuda:
             self._stage(round)
         return received
+
+    def _add(self, round: int, s: int, parts: list[tuple[int, Encoded]]) -> int:
+        """The parts of an update's slice `s`, added into the mirror (the lock held); returns their bytes."""
+        lo, hi = self.ranges[s]
+        n = sum(p.numel for _, p in parts)
+        if n != hi - lo:
+            raise RuntimeError(f"update for fragment {self.index} has {n} values in a slice of {hi - lo}")
+        for off, p in parts:
+            add_into(p, self.mirror[lo + off : lo + off + p.numel])  # the master's fp32 addition
+        self.mirror_rounds[s] = max(self.mirror_rounds[s], round + 1)
+        return sum(p.nbytes for _, p in parts)
 
     def rebases(self, round: int) -> bool:
         """Whether the merge of `round` is a rebase: merge_rule "rebase", and the snapshot of its send is
@@ -250,32 +268,70 @@ class FragmentSync:
         self.tokens, self.loss = 0, (0.0, 0)
         self._staged = None
 
+    # --- the rounds the mirror holds, and the futures that say an update is in --------------------------
+    def hold_rounds(self, rounds: list[int]) -> None:
+        """What the mirror holds as it is set up (a joiner's fetch): rounds[s] per shard slice."""
+        with self.lock:
+            self.mirror_rounds = list(rounds)
+
+    def update_future(self, round: int) -> tuple[Future, bool]:
+        """The future that says the round's update is in the mirror, and whether it was made just now (the
+        engine then asks the transport for the update)."""
+        fut = self.applied.get(round)
+        if fut is not None:
+            return fut, False
+        fut = self.applied[round] = Future()
+        return fut, True
+
+    def cancel_waits(self) -> None:
+        """A stop request: every merge that waits (or would wait) for an update of this fragment gives up."""
+        for fut in list(self.applied.values()):
+            fut.cancel()
+
     # --- checkpoints -----------------------------------------------------------------------------------
-    def checkpoint(self) -> tuple[torch.Tensor, list[int]]:
-        """A copy of the mirror and the rounds it holds, taken as one (updates may be added meanwhile),
-        once the latest send's push is in the transport."""
+    def state_dict(self) -> dict[str, Any]:
+        """This fragment's part of a worker checkpoint, once the latest send's push is in the transport: a
+        copy of the mirror and the rounds it holds (taken as one: updates may be added meanwhile), the round
+        in flight and the steps that sent its rounds, the snapshot of the send not merged yet (round,
+        copy), and the tokens and losses since the last send."""
         if self.send_job is not None:
             self.send_job.result()
         with self.lock:
-            return self.mirror.clone(), list(self.mirror_rounds)
+            mirror, rounds = self.mirror.clone(), list(self.mirror_rounds)
+        snapshot = None
+        if self.snapshot_round is not None:
+            assert self.snapshot is not None, "a send's snapshot is in its buffer once its job is done"
+            snapshot = (self.snapshot_round, self.snapshot.clone())
+        return {
+            "mirror": mirror,
+            "mirror_rounds": rounds,
+            "in_flight": self.in_flight,
+            "sent_at": dict(self.sent_at),
+            "snapshot": snapshot,
+            "tokens": self.tokens,
+            "loss": list(self.loss),
+        }
 
-    def restore(self, mirror: torch.Tensor, rounds: list[int], tokens: int, loss: Sequence[float]) -> None:
-        """A checkpoint's mirror, its rounds, and the tokens and loss since the last send; nothing in flight
-        until the checkpoint says (the engine sets in_flight, sent_at, restore_snapshot)."""
-        with self.lock:
-            self.mirror.copy_(mirror)
-            self.mirror_rounds = [int(x) for x in rounds]
-        self.tokens, self.loss = tokens, (float(loss[0]), int(loss[1]))
-        self.in_flight, self.sent_at, self.snapshot_round = None, {}, None
-
-    def restore_snapshot(self, round: int, snapshot: torch.Tensor) -> None:
-        """A checkpoint's snapshot of the send of `round`, not merged yet (a rebase mixes against it)."""
-        if snapshot.shape != (self.spec.numel,):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """What state_dict wrote (a checkpoint written before send steps and snapshots were kept lacks them:
+        nothing sent, none kept)."""
+        snapshot = state.get("snapshot")
+        if snapshot is not None and snapshot[1].shape != (self.spec.numel,):
             raise ValueError(
                 f"the checkpoint's send snapshot of fragment {self.index} does not fit this model"
             )
-        self._host_buffer().copy_(snapshot)
-        self.snapshot_round = round
+        with self.lock:
+            self.mirror.copy_(state["mirror"])
+            self.mirror_rounds = [int(x) for x in state["mirror_rounds"]]
+        loss = state["loss"]
+        self.tokens, self.loss = state["tokens"], (float(loss[0]), int(loss[1]))
+        in_flight = state.get("in_flight")
+        self.in_flight = None if in_flight is None else int(in_flight)
+        self.sent_at = {int(r): int(t) for r, t in state.get("sent_at", {}).items()}
+        self.snapshot_round = None
+        if snapshot is not None:
+            self._host_buffer().copy_(snapshot[1])
+            self.snapshot_round = int(snapshot[0])
 
 
 def global_state_dict(model: nn.Module, fragments: Sequence[FragmentSync]) -> dict[str, torch.Tensor]:
@@ -294,14 +350,6 @@ def global_state_dict(model: nn.Module, fragments: Sequence[FragmentSync]) -> di
                 for key in names_of.get(id(params[e.name]), [e.name]):
                     out[key] = value.to(out[key].dtype, copy=True)
     return out
-
-
-def _parts(update: Any) -> list[tuple[int, Encoded]] | None:
-    if isinstance(update, Encoded):
-        return [(0, update)]
-    if isinstance(update, list):
-        return update
-    return None
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

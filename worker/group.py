@@ -220,7 +220,7 @@ class GroupEngine:
         self.params = [fragment_params(model, f) for f in layout.fragments]
         self._merged: list[int] = []
         if engine is not None:
-            engine.on_merged = self._merged.append
+            engine.on_merge(merged=self._merged.append)
         self.broadcast_bytes = 0  # parameters sent (rank 0) or received over the group's links
         self.group_seconds = 0.0  # in the group's collectives (waiting for the other ranks included)
 

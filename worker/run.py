@@ -163,7 +163,7 @@ class Lead:
         assert isinstance(transport, GrpcTransport)
         self._engine, self._transport = engine, transport
         transport.on_push_answered(self.metrics.push_answer.observe)
-        engine.on_merge_wait = self.metrics.merge_wait.observe
+        engine.on_merge(waited=self.metrics.merge_wait.observe)
         stop.on_stop = engine.request_stop
         self.metrics.engine, self.metrics.transport = engine, transport
         if self.resume is None:
@@ -652,7 +652,7 @@ def _finish(t: Training, stopped: bool) -> dict:
         "inner_steps": stats["inner_steps"],
         "inner_steps_per_tick": (stats["inner_steps"] - lead.inner_before)
         / max(1, cfg.run.steps - lead.first),
-        "step_seconds": engine.step_seconds,  # median seconds per inner step (adaptive schedule only)
+        "step_seconds": engine.pacer.step_seconds,  # median seconds per inner step (adaptive schedule only)
         "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
         "params_hash": params_digest(t.model),  # the local parameters: every rank of a group has the same
         "optimizer_hash": optimizer_digest(t.opt),
