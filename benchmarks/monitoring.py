@@ -36,12 +36,11 @@ from fastapi.responses import JSONResponse
 
 from benchmarks.harness import RESULTS, Procs, Run, Session, free_ports, say, wait_quiet
 from streamdiloco.common.codecs import encode
-from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.edge.service import ShardService
-from streamdiloco.common.config import ModelSettings
+from streamdiloco.common.config import ModelSettings, SyncConfig
 from streamdiloco.server.config import ShardConfig
-from streamdiloco.server.startup import build_shard
 from streamdiloco.server.observe import dashboard as dashboard_module
+from streamdiloco.server.shard import Shard
+from streamdiloco.server.startup import build_shard
 
 
 # --- (a) ----------------------------------------------------------------------------------------------------
@@ -57,7 +56,7 @@ def _median_ms(fn, reps: int) -> tuple[float, int]:
 def part_a(reps: int) -> dict:
     cfg = SyncConfig()
     svc = build_shard(ShardConfig(model=ModelSettings("tiny"), sync=cfg, shard=0, num_shards=2))
-    assert isinstance(svc, ShardService)  # a model, not --init from-worker
+    assert isinstance(svc, Shard)  # a model, not --init from-worker
     st = svc.state
     now = time.time()
     dash = svc.dashboard

@@ -11,12 +11,9 @@ is a causal LM, a checkpoint's contents) is checked later, where the command run
 from __future__ import annotations
 
 import argparse
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.modelspec import check_spec
 
 
@@ -60,62 +57,44 @@ def read_token_file(args: argparse.Namespace) -> str:
     return read_secret(args.token_file, "--token-file")
 
 
-@dataclass(frozen=True)
-class ServerPlan:
-    """A shard's flags, checked: what `server` hands to build_service and serve."""
+def check_server(args: argparse.Namespace) -> Any:
+    """A shard's flags and settings as its ShardConfig (server/config.py), checked before anything is
+    imported that needs torch or listens."""
+    from streamdiloco.server.config import ShardConfig
 
-    cfg: SyncConfig
-    robust: Any  # server/rounds/robust.py's RobustConfig
-    limits: Any  # server/trust/bounds.py's Limits
-    link: Any  # common/keepalive.py's LinkSettings
-    tls: Any  # common/tls.py's ServerTLS, or None
-    auth: Any  # server/trust/auth.py's Auth
-    workers_file: Any  # server/trust/auth.py's WorkersFile, or None
-    http_host: str
-    peers: Any  # server/observe/run_view.py's Peers
-
-
-def check_server(args: argparse.Namespace) -> ServerPlan:
-    """A shard's flags and settings, checked before anything is imported that needs torch or listens."""
     sections = check_sections(args)
-    if not 0 <= args.shard < args.num_shards:
-        raise ValueError(f"shard index {args.shard} is outside [0, {args.num_shards - 1}]")
-    if args.min_workers < 1:
-        raise ValueError(f"--min-workers must be at least 1, got {args.min_workers}")
-    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
-        if not 0 <= port <= 65535:
-            raise ValueError(f"{flag} must be 0..65535, got {port}")
     if "model" in args.settings.given["model"] or not args.init:  # the shard builds the model
         check_model(args)
-    check_init_flags(args)
     args.token = read_token_file(args)
     tls, auth, workers_file, http_host = server_security(args)
-    peers = _peers(args, auth)
-    return ServerPlan(
-        sections["sync"],
-        sections["robust"],
-        sections["limits"],
-        sections["link"],
-        tls,
-        auth,
-        workers_file,
-        http_host,
-        peers,
+    checkpoint_dir = (
+        None
+        if args.no_checkpoint
+        else args.checkpoint_dir or f"checkpoints/shard-{args.shard}-of-{args.num_shards}"
     )
-
-
-def check_init_flags(args: argparse.Namespace) -> None:
-    """--init-expect (an init hash: 64 hex digits) and --init-timeout go with --init from-worker."""
-    if args.init_expect is not None:
-        if args.init != "from-worker":
-            raise ValueError("--init-expect pins the first worker's upload: it goes with --init from-worker")
-        if not re.fullmatch(r"[0-9a-fA-F]{64}", args.init_expect.strip()):
-            raise ValueError(
-                "--init-expect takes an init hash, 64 hex digits (`streamdiloco init-hash` prints it), "
-                f"got {args.init_expect[:80]!r}"
-            )
-    if not 0 < args.init_timeout < float("inf"):
-        raise ValueError(f"--init-timeout must be a positive number of seconds, got {args.init_timeout}")
+    return ShardConfig(
+        **{
+            name: sections[name] for name in ("model", "sync", "server", "robust", "limits", "link", "pieces")
+        },
+        shard=args.shard,
+        num_shards=args.num_shards,
+        # with --init (a file, or from-worker) and no --model given: no model code on the shard
+        has_model="model" in args.settings.given["model"] or not args.init,
+        init=args.init,
+        init_expect=args.init_expect,
+        init_timeout=args.init_timeout,
+        checkpoint_dir=checkpoint_dir,
+        fresh=args.fresh,
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        http_host=http_host,
+        ready_file=args.ready_file,
+        tls=tls,
+        peers=_peers(args, auth),
+        auth=auth,
+        workers_file=workers_file,
+    )
 
 
 def server_security(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:

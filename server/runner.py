@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from streamdiloco.common.wire import to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -48,6 +48,7 @@ class RoundRunner:
         closing: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
         credits: Credits | None = None,
+        pool: Executor | None = None,
     ) -> None:
         self.state, self.checkpoint, self.metrics, self.dashboard = state, checkpoint, metrics, dashboard
         self.down_chunk, self.deliver, self.on_closing, self.clock = down_chunk, deliver, closing, clock
@@ -57,10 +58,15 @@ class RoundRunner:
         self.folded: dict[tuple[int, int], dict[str, float]] = {}
         self.stopping = False  # shutting down: sessions end, but no round closes because of that
         self.fatal: str | None = None  # why the shard must stop (a checkpoint it could not write)
-        self.on_fatal: Callable[[], None] = lambda: None  # serve() sets this to stop the shard
-        self.pool = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
+        self.failed = asyncio.Event()  # set with `fatal`: the shard stops serving
+        self.pool = pool or ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="shard-compute")
         self._jobs: set[asyncio.Task] = set()  # fold and close jobs out (awaited before a final checkpoint)
         self.closing: dict[int, asyncio.Task] = {}  # fragment -> its close job, while it runs
+
+    def stop(self) -> None:
+        """The shard is on its way down: sessions end now, and that must not close rounds with partial
+        pushes."""
+        self.stopping = True
 
     @property
     def down(self) -> bool:
@@ -105,7 +111,7 @@ class RoundRunner:
         log.error("%s failed", what, exc_info=error)
         if not self.fatal:
             self.fatal = f"{what} failed ({type(error).__name__}: {error}): stopping the shard"
-            self.on_fatal()
+            self.failed.set()
 
     async def _fold(self, job: FoldJob) -> None:
         try:
@@ -156,7 +162,7 @@ class RoundRunner:
             # their pushes and send them again to the shard restarted from its last good checkpoint
             self.fatal = f"cannot write the checkpoint ({self.checkpoint.last_error}): stopping the shard"
             log.critical(self.fatal)
-            self.on_fatal()
+            self.failed.set()
             return
         self.deliver(messages, c.update.nbytes)  # the same bytes for every member
         void = c.why == "nonfinite"  # a zero update: nothing reached the model

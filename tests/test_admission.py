@@ -17,10 +17,10 @@ from streamdiloco.common.wire import PROTOCOL, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.edge.admission import Credentials, Refusal, admit
 from streamdiloco.server.edge.initialize import PendingShard
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ def test_admit_refuses_what_join_refuses_in_its_order():
 def test_the_pending_shard_refuses_a_token_it_would_not_check_before_any_upload(tmp_path):
     """A token offered to a shard that checks none is refused at the pending shard's Join, as at the running
     shard's, and an upload that offers one is refused before its values are taken."""
-    pending = build_service(CFG, None, 0, 1, init="from-worker")
+    pending = shard_of(CFG, None, 0, 1, init="from-worker")
     assert isinstance(pending, PendingShard)
     torch.manual_seed(0)
     model = build_gpt("nano")

@@ -32,12 +32,9 @@ import torch
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.wire import PROTOCOL
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.bounds import (
     LOG_BURST,
     RESERVE_FDS,
@@ -47,13 +44,13 @@ from streamdiloco.server.trust.bounds import (
     UnreadBudget,
     peer_host,
 )
-from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
-from tests.support.procs import ROOT, Cluster, http_json, wait_until
+from tests.support.nano_shard import CFG, GOOD_FP, fingerprint
+from tests.support.procs import ROOT, SLACK, Cluster, http_json, wait_until
+from tests.support.shards import shard_of
 
 FILES = 256  # the open-file limit the shard processes run under
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
-SLACK = 10.0  # seconds a loaded machine may add to a deadline
 
 
 class LimitedCluster(Cluster):
@@ -314,7 +311,7 @@ def test_sessions_that_do_not_read_share_one_budget(tmp_path):
         )
         wait_until("the worker's rounds to close", lambda: http_json(http)["rounds_closed"] >= 3, timeout=120)
         rss_before = _rss_mib(shard)
-        fp = _fingerprint_json(SyncConfig(sync_every=6, num_fragments=3, downlink_codec="fp32"))
+        fp = json.dumps(fingerprint(SyncConfig(sync_every=6, num_fragments=3, downlink_codec="fp32")))
         readers = NonReaders(target, fp, 4)
         try:
             peak = [0]
@@ -348,12 +345,6 @@ def test_sessions_that_do_not_read_share_one_budget(tmp_path):
             f"RSS {rss_before:.0f} -> {rss_after:.0f} MiB; peak unread {peak[0]:,} of {budget:,} bytes; "
             f"the readers saw {readers.ended}"
         )
-
-
-def _fingerprint_json(cfg: SyncConfig) -> str:
-    """The model fingerprint a worker with the nano model and these settings sends at Join."""
-    torch.manual_seed(0)
-    return json.dumps(model_fingerprint(build_layout(build_gpt("nano"), cfg.num_fragments), cfg))
 
 
 class NonReaders:
@@ -524,32 +515,22 @@ def test_the_http_listener_out_of_descriptors_pauses_without_spinning_and_serves
 
 
 # === in-process shard: refusals over a real channel ======================================================
-CFG = SyncConfig(sync_every=6, num_fragments=3)
-
-
 def _shard(tmp_path, http: bool = False, **limits) -> InThreadShard:
-    service = build_service(CFG, "nano", 0, 1, min_workers=2, chunk_bytes=256, limits=Limits(**limits))
-    return InThreadShard(service, tmp_path, _fingerprint_json(CFG), http=http)
+    service = shard_of(CFG, "nano", 0, 1, min_workers=2, chunk_bytes=256, limits=Limits(**limits))
+    return InThreadShard(service, tmp_path, GOOD_FP, http=http)
 
 
 @pytest.fixture
-def make_shard(tmp_path):
-    started: list[InThreadShard] = []
-
-    def make(**kw) -> InThreadShard:
-        started.append(_shard(tmp_path, **kw))
-        return started[-1]
-
-    yield make
-    for s in started:
-        s.shutdown()
+def make_shard(tmp_path, shards):
+    """In-process shards of one shard with these limits (the nano run's), shut down after the test."""
+    return lambda **kw: shards.add(_shard(tmp_path, **kw))
 
 
 def test_a_session_without_hello_is_ended_at_its_deadline_and_sessions_over_the_cap_are_refused(make_shard):
     s = make_shard(hello_timeout=1.0, max_sessions_per_peer=2, max_sessions=4)
     t0 = time.monotonic()
     quiet = [s.open_session(None) for _ in range(2)]
-    s.wait_for(lambda: s.service.peer_sessions.held == 2, "two sessions to be counted")
+    s.wait_for(lambda: s.service.gates.sessions.held == 2, "two sessions to be counted")
     over = s.open_session(None).error()
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert over.details() == "sessions from 127.0.0.1 are at their limit of 2 per address"
@@ -558,7 +539,7 @@ def test_a_session_without_hello_is_ended_at_its_deadline_and_sessions_over_the_
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert e.details() == "a session must start with Hello within 1 s"
     assert 1.0 <= time.monotonic() - t0 <= 1.0 + SLACK
-    s.wait_for(lambda: s.service.peer_sessions.held == 0, "the sessions to be let go")
+    s.wait_for(lambda: s.service.gates.sessions.held == 0, "the sessions to be let go")
     w = s.worker("a")  # room again: a worker that says Hello at once is not held to anything
     assert w.welcome is not None
     assert s.status()["bounds"]["refused"] == {"sessions": 1, "no_hello": 2}
@@ -597,7 +578,7 @@ def test_fetch_refuses_repeated_fragments_and_more_fragments_than_the_run_has(ma
             s.fetch(fragments)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == words
     assert len(s.fetch([2, 0, 1])) > 3  # each once, in any order: served
-    assert s.service.fetches.held == 0
+    assert s.service.gates.fetches.held == 0
 
 
 def test_a_4_mib_codec_name_is_not_echoed_into_the_reply_or_the_log(make_shard, caplog):

@@ -23,12 +23,12 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session, push_messages
 from tests.support.procs import Cluster, http_json, wait_until
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,13 +65,13 @@ def key(st: ShardState) -> list:
     """What a load must restore: each fragment's round, master, residual and momentum."""
     out = []
     for f in range(3):
-        sgd = st.outer[f].state_dict()["sgd"]["state"]
+        sgd = st.fragments[f].outer.state_dict()["sgd"]["state"]
         momentum = sgd[0]["momentum_buffer"] if sgd else None
         out.append(
             (
                 st.round_of(f),
                 tensor_digest(st.master(f)),
-                tensor_digest(st.outer[f].residual),
+                tensor_digest(st.fragments[f].outer.residual),
                 None if momentum is None else tensor_digest(momentum),
             )
         )
@@ -304,7 +304,7 @@ def test_a_checkpoint_without_hashes_is_still_checked_finite(saved):
 def test_a_shard_started_on_a_checkpoint_without_hashes_writes_them_before_it_serves(saved, tmp_path):
     ck, st = saved
     _as_format_1(ck)
-    service = build_service(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(ck.dir))
+    service = shard_of(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(ck.dir))
     shard = InThreadShard(service, tmp_path, json.dumps(FP))
     try:
         m = meta(ck)  # written before the shard said it serves, with its contribution ledger

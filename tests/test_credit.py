@@ -13,14 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 
 from streamdiloco.credit_cmd import from_checkpoint, merge, to_csv
-from streamdiloco.server.edge.service import ShardService
-from streamdiloco.server.main import build_service
+from streamdiloco.server.shard import Shard
 from streamdiloco.server.storage.credits import Credits
 from tests.support.inthread import InThreadShard, push_messages
+from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP
 from tests.support.procs import Cluster, http_json, refused_in_one_line, stop, streamdiloco
+from tests.support.shards import shard_of
 
 
 # --- the rules -------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def test_ledger_refuses_bad_input_in_one_line_without_torch(tmp_path):
 
 # --- a shard in a thread: the hooks, status, metrics, and a stop and a start from its checkpoint ---------
 def in_thread_shard(tmp_path: Path) -> InThreadShard:
-    service = build_service(
+    service = shard_of(
         CFG, "nano", shard=0, num_shards=2, min_workers=2, round_timeout=30.0,
         checkpoint_dir=str(tmp_path / "ck"),
     )  # fmt: skip
@@ -306,8 +306,8 @@ def test_a_shard_counts_pushes_rounds_and_tokens_and_keeps_them_across_a_restart
         shutil.copytree(tmp_path / "ck", tmp_path / "crashed")
     finally:
         shard.shutdown()  # the sessions end, then the shard stops: its checkpoint has the ledger
-    crashed = build_service(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(tmp_path / "crashed"))
-    assert isinstance(crashed, ShardService)
+    crashed = shard_of(CFG, "nano", shard=0, num_shards=2, checkpoint_dir=str(tmp_path / "crashed"))
+    assert isinstance(crashed, Shard)
     replayed = {w["worker"]: w for w in crashed.credits.status(now=0.0)["workers"]}
     for name, row in rows.items():  # what the round's log says: tokens, rounds, caps (not pushes: no log)
         assert replayed[name]["tokens"] == pytest.approx(row["tokens"])

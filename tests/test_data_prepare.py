@@ -1,4 +1,4 @@
-"""Prepared data: `streamdiloco data prepare` (cli/prepare.py) writes what common/prepared.py reads.
+"""Prepared data: `streamdiloco data prepare` (worker/prepare.py) writes what common/prepared.py reads.
 
 The round trip through the real command (text, JSON Lines and a folder, a trained tokenizer): the tokens
 decode back to the documents with EOS after each, the manifest's counts and hash are right, and the pieces
@@ -31,7 +31,8 @@ from streamdiloco.common.prepared import (
     dtype_for,
     looks_prepared,
 )
-from streamdiloco.prepare import Progress, Stats, prepare, train_tokenizer
+from streamdiloco.common.tokenizer import train_tokenizer
+from streamdiloco.worker.prepare import Progress, Stats, prepare
 from tests.support.procs import streamdiloco
 
 TEXT_A = "The first document.\nIt has two lines, and some unicode: héllo, 日本語, ∑.\n"

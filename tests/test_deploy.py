@@ -765,10 +765,11 @@ def exported() -> dict[str, set[str]]:
     """What a shard serves at /metrics (through the app's real route) and what a worker's registry serves,
     each with every conditional gauge present."""
     from streamdiloco.common.config import SyncConfig
-    from streamdiloco.server.main import build_service, make_app
+    from streamdiloco.server.main import make_app
     from streamdiloco.worker.metrics import WorkerMetrics
+    from tests.support.shards import shard_of
 
-    service = build_service(SyncConfig(), "nano", 0, 1)
+    service = shard_of(SyncConfig(), "nano", 0, 1)
     service.dashboard.last_loss = 2.0  # the round mean loss appears once a round has closed with a loss
     service.metrics.round_closed("all", 0.5, 1024)
     route = next(r for r in make_app(service).routes if getattr(r, "path", None) == "/metrics")

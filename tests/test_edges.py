@@ -399,12 +399,12 @@ def test_a_shard_refuses_malformed_fragment_groups_with_a_status_not_a_crash(tmp
     from streamdiloco.common.fingerprint import model_fingerprint
     from streamdiloco.common.fragments import build_layout
     from streamdiloco.common.modelspec import build_model
-    from streamdiloco.server.main import build_service
     from tests.support.inthread import InThreadShard
+    from tests.support.shards import shard_of
 
     cfg = SyncConfig(sync_every=6, num_fragments=3)
     good = model_fingerprint(build_layout(build_model("nano"), 3), cfg)
-    shard = InThreadShard(build_service(cfg, "nano", 0, 1), tmp_path, json.dumps(good))
+    shard = InThreadShard(shard_of(cfg, "nano", 0, 1), tmp_path, json.dumps(good))
     try:
         for bad in (5, "x" * 100_000, [[1, [2]], None], {"a": 1}, [[]] * 10_000):
             with pytest.raises(grpc.RpcError) as e:

@@ -3,9 +3,9 @@ that skip rounds (ShardState.add_member with from_rounds), fragment state that a
 (fragment_state, ShardCheckpoint), passive sessions and Ready on a real gRPC shard, and a worker's link that
 keeps its pushes across a shard restarted from its checkpoint.
 
-The gRPC tests start their own shard (nano model, 2 shards, 3 fragments, 256-byte chunks) on 127.0.0.1 in a
-background thread with its own event loop, as tests/test_service.py does, and talk to it with the blocking
-gRPC client. Every wait has a timeout.
+The gRPC tests start their own shard (nano model, 2 shards, 3 fragments, 256-byte chunks: conftest's
+`make_shard`, tests/support/nano_shard.py) on 127.0.0.1 in a background thread with its own event loop, and
+talk to it with the blocking gRPC client. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from streamdiloco.common.schedule import (
 )
 from streamdiloco.common.wire import from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
-from tests.support.inthread import WAIT, InThreadShard, push_messages
+from tests.support.inthread import WAIT, push_messages
+from tests.support.nano_shard import GOOD_FP, delta
 from tests.support.nowire import NoWire
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,6 @@ pytestmark = pytest.mark.timeout(60)
 CFG = SyncConfig(sync_every=6, num_fragments=3)  # first sends: fragment 1 at 2, 2 at 4, 0 at 6
 CFG30 = SyncConfig(sync_every=30, num_fragments=5, fragment_sync_delay=1)  # 1 at 6, 2 at 12, ... 0 at 30
 CFG_TAU3 = SyncConfig(sync_every=6, num_fragments=3, fragment_sync_delay=3)  # two sends in flight
-CHUNK_BYTES = 256  # e3m0: 512 values a chunk; shard 0's slice of fragment 0 spans 25 chunks
 
 torch.manual_seed(0)
 _MODEL = build_gpt("nano")
@@ -311,7 +310,7 @@ def test_fragment_state_round_trip_continues_bit_identically():
     assert [b.round_of(f) for f in range(3)] == [a.round_of(f) for f in range(3)] == [3, 1, 1]
     for f in range(3):
         assert torch.equal(b.master(f), a.master(f))
-        assert torch.equal(b.outer[f].residual, a.outer[f].residual)
+        assert torch.equal(b.fragments[f].outer.residual, a.fragments[f].outer.residual)
     assert not torch.equal(b.master(0), fresh.master(0))
     plan = [(0, 10), (1, 11), (2, 12), (0, 13)]
     ca, cb, cf = _run_rounds(a, plan), _run_rounds(b, plan), _run_rounds(fresh, plan)
@@ -341,7 +340,8 @@ def test_fragment_state_is_a_snapshot_that_later_rounds_do_not_change():
 
 def _state_key(st: ShardState) -> list:
     return [
-        (st.round_of(f), tensor_digest(st.master(f)), tensor_digest(st.outer[f].residual)) for f in range(3)
+        (st.round_of(f), tensor_digest(st.master(f)), tensor_digest(st.fragments[f].outer.residual))
+        for f in range(3)
     ]
 
 
@@ -505,7 +505,7 @@ def _close_logged(st: ShardState, ck: ShardCheckpoint, f: int) -> None:
 
 
 def _momentum(st: ShardState, f: int) -> str:
-    return tensor_digest(st.outer[f].state_dict()["sgd"]["state"][0]["momentum_buffer"])
+    return tensor_digest(st.fragments[f].outer.state_dict()["sgd"]["state"][0]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -515,9 +515,8 @@ def test_a_restart_replays_the_logged_rounds_after_the_whole_state_bit_for_bit(t
     from streamdiloco.server.storage import checkpoint as ckmod
 
     st = make_state(downlink_rounding=rounding)
-    st.fold_bytes = [
-        1000
-    ] * 3  # fragment 0's pushes are folded ahead of the close too: logged as a partial sum
+    for fr in st.fragments:  # fragment 0's pushes are folded ahead of the close too: logged as a partial sum
+        fr.fold_bytes = 1000
     ck = ShardCheckpoint(tmp_path / "ck", FP)
     assert ck.save_all(st)
     for i in range(ckmod.FULL_EVERY + 3):  # past one whole state of each fragment, and 2 logs after it
@@ -531,7 +530,8 @@ def test_a_restart_replays_the_logged_rounds_after_the_whole_state_bit_for_bit(t
     logs = {p.name for p in (ck.dir / "rounds").iterdir()}
     assert logs == {f"fragment-{f}-round-{r}.pt" for f in range(3) for r in (8, 9, 10)}  # older ones dropped
     fresh = make_state(downlink_rounding=rounding)
-    fresh.fold_bytes = st.fold_bytes  # the same shard: its pushes are settled and folded at the same points
+    for fr in fresh.fragments:  # the same shard: its pushes are settled and folded at the same points
+        fr.fold_bytes = 1000
     ShardCheckpoint(ck.dir, FP).load(fresh)
     assert _state_key(fresh) == _state_key(st)
     assert [_momentum(fresh, f) for f in range(3)] == [_momentum(st, f) for f in range(3)]
@@ -695,49 +695,6 @@ def test_save_fragment_returns_false_and_counts_the_error_when_the_directory_can
 
 
 # === 4. the servicer over a real gRPC channel: passive sessions and Ready ================================
-def fingerprint_json() -> str:
-    torch.manual_seed(0)
-    return json.dumps(model_fingerprint(build_layout(build_gpt("nano"), 3), CFG))
-
-
-GOOD_FP = fingerprint_json()
-
-
-class Shard(InThreadShard):
-    """A shard serving in a thread of its own (port 0 unless given), optionally with a checkpoint dir."""
-
-    def __init__(self, tmp_path, min_workers=1, round_timeout=30.0, checkpoint_dir=None, port=0):
-        service = build_service(
-            CFG,
-            "nano",
-            shard=0,
-            num_shards=2,
-            min_workers=min_workers,
-            round_timeout=round_timeout,
-            chunk_bytes=CHUNK_BYTES,
-            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
-        )
-        super().__init__(service, tmp_path, GOOD_FP, port=port)
-
-
-@pytest.fixture
-def make_shard(tmp_path):
-    started: list[Shard] = []
-
-    def make(**kw) -> Shard:
-        started.append(Shard(tmp_path, **kw))
-        return started[-1]
-
-    yield make
-    for s in started:
-        s.shutdown()
-
-
-def delta(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g) * 1e-2
-
-
 SLICE_LEN = [hi - lo for lo, hi in make_state().ranges]
 ENC = {(f, s): encode(delta(s + 10 * f, SLICE_LEN[f]), "e3m0", 128) for f in range(3) for s in range(4)}
 

@@ -15,23 +15,17 @@ from safetensors.torch import load_file, load_model
 
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import model_fingerprint
+from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
 from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.globalmodel import ROUNDS_KEY, agree_rounds, fetch_masters, from_servers
 from streamdiloco.common.modelspec import build_model
-from streamdiloco.export import (
-    FINGERPRINT_KEY,
-    ROUNDS_KEY,
-    agree_rounds,
-    fetch_masters,
-    from_servers,
-    layout_from_fingerprint,
-)
+from streamdiloco.common.statefile import FINGERPRINT_KEY
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard, push_messages
 from tests.support.procs import Cluster, http_json, streamdiloco
+from tests.support.shards import shard_of
 
 RUN = ["--sync-every", "6", "--num-fragments", "3"]
 TOKEN = "export-test-token"
@@ -136,6 +130,23 @@ def test_export_from_checkpoints_round_trips_into_a_fresh_model_bit_for_bit(nano
     fp = json.loads(meta[FINGERPRINT_KEY])
     assert fp["num_fragments"] == 3 and fp["sync_every"] == 6
     assert json.loads(meta[ROUNDS_KEY]) == nano_run["rounds"]  # the shards' open rounds at the end
+
+
+def test_the_library_reads_the_checkpoints_as_the_command_does(nano_run):
+    """server/storage/export.py's from_checkpoints (the library under `export --checkpoints`): the masters,
+    the rounds and the fingerprint's layout; `streamdiloco.export` still names the library's objects."""
+    import streamdiloco.export as command
+    from streamdiloco.common import globalmodel, tokenizer
+    from streamdiloco.server.storage.export import from_checkpoints
+
+    said: list[str] = []
+    gm = from_checkpoints(nano_run["dirs"][::-1], progress=said.append)
+    assert [torch.equal(a, b) for a, b in zip(gm.vectors, nano_run["masters"], strict=True)] == [True] * 3
+    assert gm.rounds == nano_run["rounds"] and len(said) == 2
+    assert gm.layout == layout_from_fingerprint(gm.fingerprint)
+    assert command.from_checkpoints is from_checkpoints and command.GlobalModel is globalmodel.GlobalModel
+    assert command.fetch_masters is globalmodel.fetch_masters
+    assert command.read_tokenizer is tokenizer.read_tokenizer
 
 
 def test_export_from_a_live_run_over_fetch_equals_the_masters(nano_run):
@@ -343,7 +354,7 @@ def test_a_live_export_waits_for_a_round_that_closed_on_one_shard_to_close_on_th
     cfg = SyncConfig(sync_every=6, num_fragments=3)
     fp = json.dumps(model_fingerprint(build_layout(build_model("nano", 0), 3), cfg))
     shards = [
-        InThreadShard(build_service(cfg, "nano", s, 2, min_workers=1, token=TOKEN), tmp_path, fp, token=TOKEN)
+        InThreadShard(shard_of(cfg, "nano", s, 2, min_workers=1, token=TOKEN), tmp_path, fp, token=TOKEN)
         for s in range(2)
     ]
     try:

@@ -26,11 +26,11 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import WAIT, InThreadShard, push_messages
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -324,7 +324,7 @@ class Hostile(pb_grpc.ShardServicer):
 @pytest.fixture
 def hostile(tmp_path):
     fp = model_fingerprint(build_layout(build_gpt("nano"), 3), CFG)
-    shard = InThreadShard(build_service(CFG, "nano", 0, 1), tmp_path, json.dumps(fp))
+    shard = InThreadShard(shard_of(CFG, "nano", 0, 1), tmp_path, json.dumps(fp))
     servers = []
 
     def start(lie) -> str:

@@ -49,11 +49,12 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.state import ShardState
-from streamdiloco.worker.connection import MAX_UPDATES_UNDER_WAY, ShardConnection, SyncError, Updates
+from streamdiloco.worker.connection import ShardConnection
 from streamdiloco.worker.model import build_gpt
+from streamdiloco.worker.session import MAX_UPDATES_UNDER_WAY, SyncError, Updates
 from tests.support.inthread import RPC_TIMEOUT, WAIT, InThreadShard, Session, Worker, push_messages
+from tests.support.shards import shard_of
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)
 TOKEN = "fuzz-token"
@@ -98,7 +99,7 @@ def build():
     from streamdiloco.server.trust.auth import Auth
 
     auth = Auth(token=TOKEN, names_per_token=1 << 16)  # the fuzzer's many names share the run token
-    return build_service(
+    return shard_of(
         CFG, "nano", shard=0, num_shards=2, min_workers=1, round_timeout=3600.0, auth=auth, chunk_bytes=256
     )
 
@@ -327,7 +328,8 @@ class Fuzzer:
         case.say(kind)
         name = f"fz{i}"
         getattr(self, f"case_{kind}")(case, name)
-        self.shard.wait_for(lambda: name not in self.shard.service.members, f"{name}'s session to end {case}")
+        sessions = self.shard.service.roster.open
+        self.shard.wait_for(lambda: name not in sessions, f"{name}'s session to end {case}")
         assert self.shard.failure is None and self.shard.thread.is_alive(), f"the shard died {case}"
         self.check_health(case)
         after = self.snapshot()
@@ -490,7 +492,7 @@ class Fuzzer:
         deadline = time.monotonic() + WAIT
 
         def done() -> bool:
-            m = svc.members.get(name)
+            m = svc.roster.open.get(name)
             return m is not None and m.msg_in >= sent and m.queue.empty()
 
         while time.monotonic() < deadline and s.thread.is_alive():
@@ -789,7 +791,7 @@ _RANGES = pure_state().ranges  # shard 0 of 2: its slice of each fragment
 
 
 def pending_shard(tmp_path) -> InThreadShard:
-    service = build_service(
+    service = shard_of(
         CFG, None, 0, 2, min_workers=1, round_timeout=3600.0, token=TOKEN, chunk_bytes=256, init="from-worker"
     )
     return InThreadShard(service, tmp_path, GOOD_FP, token=TOKEN)
@@ -964,7 +966,8 @@ def test_fuzzed_uploads_many_more_cases(tmp_path, seed):
 
 # --- the worker's side: what a hostile shard sends ---------------------------------------------------------
 # Join replies, the session's Welcome and update chunks, and Fetch streams, mutated, through the worker's own
-# readers (worker/connection.py's take_reply and Updates, common/fetch.py's fetch_slices): each either
+# readers (worker/connection.py's take_reply, worker/session.py's Updates, common/fetch.py's fetch_slices):
+# each either
 # raises the project's clear error (SyncError, FetchError: one bounded line) or accepts, never anything
 # else; what is accepted is sane (a Join's shard index and chunk size, an update's or a master's values
 # finite and within MAX_ABS_VALUE), and a mirror that takes every accepted update stays finite. The buffers

@@ -176,8 +176,7 @@ def test_bad_hf_specs_and_step_settings_are_refused_in_one_line_without_torch(tm
 def test_export_tokenizer_is_checked_before_anything_is_fetched_or_written(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from streamdiloco.export import read_tokenizer
-    from streamdiloco.prepare import train_tokenizer
+    from streamdiloco.common.tokenizer import read_tokenizer, train_tokenizer
     from streamdiloco.worker.text import load_text
 
     folder = write_config(tmp_path / "tiny", vocab_size=300)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth, WorkersFile, token_hash
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
+from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +35,7 @@ def write_workers(path: Path, tokens: dict[str, str]) -> None:
 class Shard(InThreadShard):
     def __init__(self, tmp: Path, min_workers: int = 2, checkpoint: bool = False):
         workers = WorkersFile(str(tmp / "workers.txt"))
-        service = build_service(
+        service = shard_of(
             CFG,
             "nano",
             shard=0,
@@ -85,7 +85,7 @@ def test_a_name_cannot_be_taken_by_another_credential_even_after_its_owner_left(
     alice = shard.worker("alice", token=TOKENS["alice"])
     assert shard.members() == ["alice"]
     alice.session.cancel()  # its link breaks
-    shard.wait_for(lambda: not shard.service.members, "alice to leave")
+    shard.wait_for(lambda: not shard.service.roster.open, "alice to leave")
     e = refused(shard.join, "alice", token=TOKENS["bob"])  # the name is free, but not for bob
     assert e.code() == grpc.StatusCode.PERMISSION_DENIED
     assert refused(shard.join, "alice", token="alice-secret-tokeN").code() == grpc.StatusCode.UNAUTHENTICATED
@@ -115,14 +115,14 @@ def test_a_sniffed_session_id_is_refused_without_its_credential(shard):
     ):
         err = shard.open_session(hello("alice", reply.session), token=token).error()
         assert err.code() == code, (token, err)
-    assert shard.on_loop(lambda: dict(shard.service.members)) == {}
+    assert shard.on_loop(lambda: dict(shard.service.roster.open)) == {}
     # the session id is still good for its owner: the refusals did not use it up
     s = shard.open_session(hello("alice", reply.session), token=TOKENS["alice"])
     assert s.next_message("welcome").welcome.member
 
 
 def test_with_the_run_token_a_session_needs_it_too(tmp_path):
-    service = build_service(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, token="run-token")
+    service = shard_of(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, token="run-token")
     s = InThreadShard(service, tmp_path, GOOD_FP, token="run-token")
     try:
         reply = s.join("w0")
@@ -146,7 +146,7 @@ def test_a_revoked_worker_is_cut_off_and_refused_at_its_next_join(shard, workers
     err = shard.open_session(hello("bob", pending), token=TOKENS["bob"]).error()
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
     # a changed token revokes too; alice's session was never touched until then
-    assert shard.on_loop(lambda: shard.service.members["alice"].revoked) is False
+    assert shard.on_loop(lambda: shard.service.roster.open["alice"].revoked) is False
     write_workers(workers_file, {"alice": "alice-new-token"})
     assert alice.session.error().code() == grpc.StatusCode.UNAUTHENTICATED
     assert shard.worker("alice", token="alice-new-token").welcome.member
@@ -155,7 +155,7 @@ def test_a_revoked_worker_is_cut_off_and_refused_at_its_next_join(shard, workers
 def test_a_workers_file_that_does_not_parse_changes_nothing(shard, workers_file):
     shard.worker("alice", token=TOKENS["alice"])
     workers_file.write_text("alice not-a-hash\n")
-    shard.wait_for(lambda: not shard.service.workers_file.changed(), "the shard to read the file")
+    shard.wait_for(lambda: not shard.service.config.workers_file.changed(), "the shard to read the file")
     assert shard.members() == ["alice"]
     assert shard.join("bob", token=TOKENS["bob"]).session  # the old table is still in force
 

@@ -20,13 +20,14 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_service import CFG, ENC_A, ENC_B, GOOD_FP, build
 
 from streamdiloco.launch import free_ports
+from streamdiloco.server.config import ShardConfig
 from streamdiloco.server.main import serve
 from streamdiloco.server.observe import dashboard as dashboard_module
 from streamdiloco.worker.metrics import WorkerMetrics
 from tests.support.inthread import InThreadShard, push_messages
+from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP, build
 from tests.support.procs import Cluster, http_json, stop, streamdiloco, wait_until
 
 
@@ -164,6 +165,12 @@ def test_progress_is_kept_for_a_bounded_number_of_workers(shard):
     assert kept[f"w{n + 4}"] == dashboard_module.PROGRESS_POINTS
 
 
+def where(http_port: int, ready_file) -> ShardConfig:
+    """The test's shard config for serve(): gRPC on any port, HTTP on `http_port`."""
+    ready = str(ready_file) if ready_file is not None else None
+    return ShardConfig(sync=CFG, port=0, http_port=http_port, ready_file=ready)
+
+
 def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
     """HTTP answers while the model and checkpoint load (ready: no); ready once serving; not while stopping;
     a build that fails ends serve() with its error."""
@@ -181,7 +188,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
 
     def run() -> None:
         try:
-            loop.run_until_complete(serve(slow_build, "127.0.0.1", 0, http_port, str(ready_file), stop_event))
+            loop.run_until_complete(serve(slow_build, where(http_port, ready_file), stop_event))
         except BaseException as e:  # noqa: BLE001
             failure.append(e)
 
@@ -208,7 +215,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
         assert get(http_port, "/")[0] == 200
 
         async def begin_stopping():
-            built[0].rounds.stopping = True
+            built[0].runner.stop()
 
         asyncio.run_coroutine_threadsafe(begin_stopping(), loop).result(5)
         code, body = get(http_port, "/readyz")
@@ -230,7 +237,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
     async def stop_during_load():
         stopping = asyncio.Event()
         stopping.set()
-        await serve(build_then_stop, "127.0.0.1", 0, http_port, str(tmp_path / "ready2.json"), stopping)
+        await serve(build_then_stop, where(http_port, tmp_path / "ready2.json"), stopping)
 
     asyncio.run(stop_during_load())
     assert loaded and not (tmp_path / "ready2.json").exists() and not loaded[0].serving
@@ -240,7 +247,7 @@ def test_health_and_readiness_through_loading_serving_and_stopping(tmp_path):
         raise ValueError("--init x: no such file")
 
     with pytest.raises(ValueError, match="no such file"):
-        asyncio.run(serve(broken_build, "127.0.0.1", 0, http_port, None, asyncio.Event()))
+        asyncio.run(serve(broken_build, where(http_port, None), asyncio.Event()))
     nobody_listens(http_port)  # the HTTP server was stopped
 
 

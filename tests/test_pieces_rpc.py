@@ -13,9 +13,9 @@ import pytest
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ TOKEN = "sekrit"
 
 
 def service(tmp_path, shard: int = 0, num_shards: int = 1):
-    return build_service(
+    return shard_of(
         CFG,
         "nano",
         shard=shard,
@@ -107,7 +107,7 @@ def test_a_member_that_goes_gives_its_pieces_back(shard):
     a, b = shard.worker("a"), shard.worker("b")
     assert ids(ask(shard, a, want=2)) == [0, 1]
     a.session.close()
-    shard.wait_for(lambda: "a" not in shard.service.members, "a's session to end")
+    shard.wait_for(lambda: "a" not in shard.service.roster.open, "a's session to end")
     assert shard.status()["data"]["held"] == {}
     assert ids(ask(shard, b, want=3)) == [0, 1, 2]
     e = refused(lambda: ask(shard, a))  # no session any more

@@ -16,7 +16,6 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params, unflatten_into
 from streamdiloco.common.wire import from_chunk
-from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.robust import (
     RobustConfig,
     cap_weights,
@@ -36,6 +35,7 @@ from streamdiloco.worker.train import (
     optimizer_step,
 )
 from tests.support.inthread import InThreadShard, push_messages
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(300)  # the nano run the attacks are scored on is slow on a loaded machine
 
@@ -260,7 +260,7 @@ def test_pushes_folded_ahead_of_the_close_are_clipped_too():
     names = [f"w{i:02d}" for i in range(24)]
     st = make_state(members=names)
     n = st.ranges[0][1]
-    st.fold_bytes[0] = 1  # every push forms a group of its own at once (the memory bound, made small)
+    st.fragments[0].fold_bytes = 1  # every push forms a group of its own at once (the memory bound, small)
     for i, name in enumerate(names):
         scale = 1000.0 if name == "w05" else 1.0
         st.push(name, 0, 0, encode(scale * delta(n, i), "e3m0", 128), 100.0, 3.0)
@@ -296,8 +296,9 @@ def test_a_step_that_comes_out_non_finite_is_undone_and_the_optimizer_restarts()
     assert closed.why == "nonfinite" and closed.mean_loss is None
     assert torch.equal(decode(closed.update), torch.zeros_like(before))  # workers apply nothing
     assert st.master(0) is before and torch.isfinite(st.master(0)).all()
-    assert st.outer[0].sgd.state.get(st.outer[0]._param, {}) == {}  # no momentum left from the failed step
-    assert torch.equal(st.outer[0].residual, torch.zeros_like(before))
+    outer = st.fragments[0].outer
+    assert outer.sgd.state.get(outer._param, {}) == {}  # no momentum left from the failed step
+    assert torch.equal(outer.residual, torch.zeros_like(before))
     assert st.round_of(0) == 1  # the run goes on
 
 
@@ -361,7 +362,7 @@ def _round(tmp_path, run: dict, robust: RobustConfig, attack: str | None) -> tup
     """One round on an in-process shard over loopback gRPC: the honest workers (and the attacker) push;
     returns the master as an honest worker rebuilds it from the update it received, and its eval loss."""
     members = 3 + (attack is not None)
-    service = build_service(
+    service = shard_of(
         SYNC, "nano", 0, 1, min_workers=members, round_timeout=60.0, init=run["init"], robust=robust
     )
     fp = json.dumps(model_fingerprint(run["layout"], SYNC))

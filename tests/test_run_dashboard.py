@@ -17,7 +17,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from test_service import CFG, ENC_A, ENC_B, GOOD_FP
 from test_tls import READ, https, server_tls
 
 from streamdiloco.certs import make_certs
@@ -25,7 +24,6 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.common.progress import Progress
 from streamdiloco.launch import free_ports
-from streamdiloco.server.main import build_service
 from streamdiloco.server.observe import dashboard as dash
 from streamdiloco.server.observe.dashboard import DashboardData
 from streamdiloco.server.observe.run_view import PEER_TIMEOUT, Peers, parse_peers
@@ -34,8 +32,10 @@ from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.report import TensorBoardLogger
 from tests.support.inthread import InThreadShard, push_messages
+from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP
 from tests.support.nowire import NoWire
 from tests.support.procs import shard_process, streamdiloco
+from tests.support.shards import shard_of
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 
@@ -126,7 +126,7 @@ def test_a_worker_that_reports_again_is_not_the_one_forgotten(clock):
 
 # --- the shard: status per worker, and the run view ----------------------------------------------------
 def _shard(tmp_path, shard: int = 0, peers: Peers | None = None) -> InThreadShard:
-    service = build_service(CFG, "nano", shard=shard, num_shards=2, min_workers=2, chunk_bytes=256)
+    service = shard_of(CFG, "nano", shard=shard, num_shards=2, min_workers=2, chunk_bytes=256)
     return InThreadShard(service, tmp_path, GOOD_FP, http=True, peers=peers)
 
 
@@ -315,7 +315,7 @@ def test_the_run_view_reads_its_peers_over_tls_with_the_read_token(tmp_path):
 
     def tls_shard(shard: int, peers: Peers | None = None, read: str = READ) -> InThreadShard:
         auth = Auth(read_token=read)
-        service = build_service(CFG, "nano", shard=shard, num_shards=2, chunk_bytes=256, auth=auth)
+        service = shard_of(CFG, "nano", shard=shard, num_shards=2, chunk_bytes=256, auth=auth)
         return InThreadShard(service, tmp_path, GOOD_FP, http=True, tls=server_tls(certs), peers=peers)
 
     s1 = tls_shard(1)

@@ -2,8 +2,8 @@
 status code or PushResult reason and a message that names the problem, and a refused push changes nothing.
 
 Each test starts its own shard (nano model, 2 shards, 3 fragments, chunks of 256 bytes so that a slice
-spans many chunks) on 127.0.0.1, port 0, in a background thread with its own event loop, and talks to it
-with the blocking gRPC client, as a worker does.
+spans many chunks: tests/support/nano_shard.py, conftest's `shard`) on 127.0.0.1, port 0, in a background
+thread with its own event loop, and talks to it with the blocking gRPC client, as a worker does.
 """
 
 from __future__ import annotations
@@ -20,78 +20,18 @@ import torch
 
 from streamdiloco.common.codecs import Encoded, concat, decode, encode
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fingerprint import model_fingerprint, tensor_digest
+from streamdiloco.common.fingerprint import tensor_digest
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import PROTOCOL, bytes_to_values, from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.main import build_service
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import END, RPC_TIMEOUT, InThreadShard, push_messages
+from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP, SLICE_LEN, build, delta, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = SyncConfig(sync_every=6, num_fragments=3)
-CHUNK_BYTES = 256  # e3m0: 512 values a chunk, so shard 0's 12352-value slice of fragment 0 is 25 chunks
-
-
-def fingerprint(cfg: SyncConfig = CFG, **model_kw) -> dict:
-    torch.manual_seed(0)
-    return model_fingerprint(build_layout(build_gpt("nano", **model_kw), cfg.num_fragments), cfg)
-
-
-GOOD_FP = json.dumps(fingerprint())
-
-
-def build(token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
-    return build_service(
-        CFG,
-        "nano",
-        shard=0,
-        num_shards=2,
-        min_workers=min_workers,
-        round_timeout=round_timeout,
-        token=token,
-        chunk_bytes=CHUNK_BYTES,
-    )
-
-
-# --- the shard, in a thread of its own ------------------------------------------------------------------
-class Shard(InThreadShard):
-    def __init__(self, tmp_path, token: str = "", min_workers: int = 2, round_timeout: float = 30.0):
-        super().__init__(build(token, min_workers, round_timeout), tmp_path, GOOD_FP, token=token)
-
-
-@pytest.fixture
-def shard(tmp_path):
-    s = Shard(tmp_path)
-    yield s
-    s.shutdown()
-
-
-@pytest.fixture
-def make_shard(tmp_path):
-    started: list[Shard] = []
-
-    def make(**kw) -> Shard:
-        started.append(Shard(tmp_path, **kw))
-        return started[-1]
-
-    yield make
-    for s in started:
-        s.shutdown()
-
 
 # --- what a round should give ---------------------------------------------------------------------------
-def delta(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g) * 1e-2
-
-
-SLICE_LEN = [hi - lo for lo, hi in build().state.ranges]
-ENC_A = encode(delta(1, SLICE_LEN[0]), "e3m0", 128)
-ENC_B = encode(delta(2, SLICE_LEN[0]), "e3m0", 128)
-
-
 def reference_round(pushes: list[tuple[str, Encoded, float, float | None]], fragment: int = 0):
     """The closed round and master that ShardState gives for these whole pushes, without any wire."""
     st = build().state
@@ -226,10 +166,10 @@ def test_a_name_with_a_session_cannot_join_or_open_another(shard):
     s2 = shard.open_session(pb.WorkerMessage(hello=pb.Hello(worker="w0", session=second.session)))
     err = s2.error()
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "'w0' already has a session" in err.details()
-    assert shard.on_loop(lambda: sorted(shard.service.members)) == ["w0"]
+    assert shard.on_loop(lambda: sorted(shard.service.roster.open)) == ["w0"]
     # the first session is unharmed; once it ends, the name is free again
     s1.close()
-    shard.wait_for(lambda: not shard.service.members, "w0 to leave")
+    shard.wait_for(lambda: not shard.service.roster.open, "w0 to leave")
     assert shard.worker("w0").session
 
 
@@ -251,13 +191,13 @@ def test_session_needs_a_hello_with_a_session_from_join(shard):
         assert ("call Join first" if code == grpc.StatusCode.UNAUTHENTICATED else "starts with Hello") in (
             err.details()
         )
-    assert shard.on_loop(lambda: dict(shard.service.members)) == {}
+    assert shard.on_loop(lambda: dict(shard.service.roster.open)) == {}
     # the session id from Join is still good (none of the above used it up) and is good only once
     hello = pb.WorkerMessage(hello=pb.Hello(worker="w0", session=reply.session))
     s = shard.open_session(hello)
     s.next_message("welcome")
     s.close()
-    shard.wait_for(lambda: not shard.service.members, "w0 to leave")
+    shard.wait_for(lambda: not shard.service.roster.open, "w0 to leave")
     err = shard.open_session(hello).error()
     assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
@@ -266,14 +206,14 @@ def test_a_session_that_sends_nothing_ends_quietly(shard):
     s = shard.open_session(None)
     s.close()
     assert s.next() is END
-    assert shard.on_loop(lambda: dict(shard.service.members)) == {}
+    assert shard.on_loop(lambda: dict(shard.service.roster.open)) == {}
 
 
 def test_a_session_is_the_membership_lease(shard):
     a = shard.worker("a")
     assert shard.on_loop(lambda: sorted(shard.service.state.members)) == ["a"]
     a.session.cancel()
-    shard.wait_for(lambda: not shard.service.state.members and not shard.service.members, "a to leave")
+    shard.wait_for(lambda: not shard.service.state.members and not shard.service.roster.open, "a to leave")
 
 
 def test_a_broken_session_leaves_no_task_behind(shard):
@@ -287,7 +227,7 @@ def test_a_broken_session_leaves_no_task_behind(shard):
         shard.quiesce(w)
         assert shard.on_loop(tasks) > base
         w.session.cancel()  # the worker dies
-        shard.wait_for(lambda: not shard.service.members, f"{name} to leave")
+        shard.wait_for(lambda: not shard.service.roster.open, f"{name} to leave")
     shard.wait_for(lambda: tasks() <= base, "the sessions' tasks to end")
 
 
@@ -599,7 +539,7 @@ def test_a_push_that_breaks_off_leaves_nothing_half_applied(make_shard):
     s.quiesce(a)
     assert s.on_loop(lambda: sorted(s.service.state.staged)) == [("a", 0)]
     a.session.cancel()
-    s.wait_for(lambda: "a" not in s.service.members, "a to leave")
+    s.wait_for(lambda: "a" not in s.service.roster.open, "a to leave")
     after = s.snapshot()
     assert after == {**before, "members": ["b"]}  # nothing of a's push stayed
     b.push(push_messages(ENC_B, weight=300.0, loss=3.5))
@@ -691,7 +631,7 @@ def test_a_member_whose_unread_messages_pass_the_bound_is_dropped_and_its_sessio
     a, b = shard.worker("a"), shard.worker("b")
     # the real budget (over all sessions) is 256 MiB or four rounds of updates; here no update chunk (~300 B)
     # fits in it, as if neither worker read its updates
-    shard.service.unread.limit = 100
+    shard.service.outbox.unread.limit = 100
     a.push(push_messages(ENC_A))
     b.push(push_messages(ENC_B))
     for w in (a, b):
@@ -702,7 +642,7 @@ def test_a_member_whose_unread_messages_pass_the_bound_is_dropped_and_its_sessio
         assert (
             item.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes of messages unread" in item.details()
         )
-    shard.wait_for(lambda: not shard.service.members, "both sessions to end")
+    shard.wait_for(lambda: not shard.service.roster.open, "both sessions to end")
     assert shard.on_loop(lambda: (shard.service.state.members, shard.service.state.round_of(0))) == (set(), 1)
 
 
@@ -719,14 +659,14 @@ def test_health_status_and_pushes_are_answered_while_a_round_closes(tmp_path):
     s = InThreadShard(build(), tmp_path, GOOD_FP, http=True)
     try:
         entered, release = threading.Event(), threading.Event()
-        compute = s.service.rounds._compute_close
+        compute = s.service.runner._compute_close
 
         def held(job):
             entered.set()
             assert release.wait(RPC_TIMEOUT), "the test never let the close job go on"
             return compute(job)
 
-        s.service.rounds._compute_close = held
+        s.service.runner._compute_close = held
         a, b = s.worker("a"), s.worker("b")
         a.push(push_messages(ENC_A, weight=100.0, loss=2.5))
         b.push(push_messages(ENC_B, weight=300.0, loss=3.5))
@@ -769,19 +709,19 @@ def test_a_revoked_or_overflowed_member_leaves_status_and_pace_at_once(shard):
             svc.state.roll.heard(name, seconds)
 
         def seen() -> tuple[list[str], float, list[str]]:
-            names = [m["name"] for m in svc.status(0, hashes=False)["members"]]
-            return names, svc.pace(), sorted(svc.state.members)
+            names = [m["name"] for m in svc.view.status(0, hashes=False)["members"]]
+            return names, svc.roster.pace(), sorted(svc.state.members)
 
         before = seen()
         svc.revoke(["a"])
         revoked = seen()
-        svc.unread.limit = 100  # b has the most unread: it is dropped when the budget runs out
-        svc.outbox.send(svc.members["b"], b"x" * 80)
-        svc.outbox.send(svc.members["c"], b"x" * 40)
+        svc.outbox.unread.limit = 100  # b has the most unread: it is dropped when the budget runs out
+        svc.outbox.send(svc.roster.open["b"], b"x" * 80)
+        svc.outbox.send(svc.roster.open["c"], b"x" * 40)
         return before, revoked, seen()
 
     before, revoked, overflowed = shard.on_loop(drop)
     assert before == (["a", "b", "c"], 3.0, ["a", "b", "c"])
     assert revoked == (["b", "c"], 2.0, ["b", "c"])
     assert overflowed == (["c"], 0.5, ["c"])
-    shard.wait_for(lambda: sorted(shard.service.members) == ["c"], "a's and b's sessions to end")
+    shard.wait_for(lambda: sorted(shard.service.roster.open) == ["c"], "a's and b's sessions to end")

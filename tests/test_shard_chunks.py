@@ -508,7 +508,7 @@ def test_pushes_beyond_an_fp64_sum_fold_early_to_the_same_result_whenever_the_fo
 
     def run(fold_after: set[int]) -> tuple:
         st = make_state(members=names)
-        st.fold_bytes[0] = 2 * encs["w0"].nbytes  # every two pushes make a group
+        st.fragments[0].fold_bytes = 2 * encs["w0"].nbytes  # every two pushes make a group
         for i, n in enumerate(names):
             push_chunks(st, "w" + str(i), 0, 0, encs[n], weight=10.0 + i)
             if i in fold_after:
@@ -527,11 +527,11 @@ def test_pushes_beyond_an_fp64_sum_fold_early_to_the_same_result_whenever_the_fo
 
 def test_a_fold_job_out_keeps_the_round_open_and_pushes_coming():
     st = make_state(members=("a", "b", "c"))
-    st.fold_bytes[0] = 1  # every push is a group of its own
+    st.fragments[0].fold_bytes = 1  # every push is a group of its own
     push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
     assert st.fold_due() == [0]
     job = st.begin_fold(0)
-    assert st.fold_due() == [] and 0 in st.busy
+    assert st.fold_due() == [] and st.fragments[0].busy
     push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
     push_chunks(st, "c", 0, 0, enc_for(st, 0, 3))
     assert st.due(0.0) == []  # complete, but the fold is out
@@ -550,7 +550,7 @@ def test_a_close_job_out_takes_pushes_for_the_next_round_and_publishes_the_maste
     push_chunks(st, "a", 0, 0, enc)
     before = st.master(0)
     job = st.begin_close(0)
-    assert st.round_of(0) == 1 and 0 in st.busy
+    assert st.round_of(0) == 1 and st.fragments[0].busy
     with pytest.raises(PushRejected) as e:  # the closed round's pushes are late at once
         push_chunks(st, "a", 0, 0, enc)
     assert e.value.reason == "late"
@@ -563,7 +563,7 @@ def test_a_close_job_out_takes_pushes_for_the_next_round_and_publishes_the_maste
     job.run()
     assert st.master(0) is before  # readers see the old master until the job is taken back
     closed = st.end_close(job)
-    assert closed.round == 0 and closed.contributors == ("a",) and not st.busy
+    assert closed.round == 0 and closed.contributors == ("a",) and not any(fr.busy for fr in st.fragments)
     assert not torch.equal(st.master(0), before) and job.fragment_state()["round"] == 1
     assert st.due(0.0) == [(0, "all")]
     ref = make_state(members=("a",))

@@ -14,6 +14,7 @@ from test_merge_policy import P, make, params, train_step
 from streamdiloco.common.codecs import decode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import joining_step, send_step
+from streamdiloco.worker.linkstate import MastersFetched, RoundsView
 from streamdiloco.worker.transport import GrpcTransport
 
 
@@ -74,8 +75,8 @@ CFG = SyncConfig(sync_every=4, num_fragments=2, fragment_sync_delay=1)
 
 
 def _link(shard: int, covered: list[int] | None, rounds: list[int], fetches: int = 1) -> SimpleNamespace:
-    view = (rounds, [False] * len(rounds), [False] * len(rounds))
-    fetched = None if covered is None else (covered, view)
+    view = RoundsView(rounds, [False] * len(rounds), [False] * len(rounds))
+    fetched = None if covered is None else MastersFetched(covered, view)
     return SimpleNamespace(
         shard=shard, num_shards=2, fetches=fetches if fetched else 0, fetched=fetched, config=CFG
     )
@@ -86,7 +87,7 @@ def test_the_transport_skips_only_after_a_fetch_that_covers_the_rounds_the_worke
     transport = GrpcTransport([b, a])
     # the next rounds it pushes are open still: no skip, and the fetch is not looked at twice
     assert transport.skip_to(lambda: [3, 2]) is None
-    a.fetched = ([3, 2], ([3, 2], [False, False], [False, False]))
+    a.fetched = MastersFetched([3, 2], RoundsView([3, 2], [False, False], [False, False]))
     assert transport.skip_to(lambda: [0, 0]) is None  # no new fetch since
     # a new fetch covers round 1 of fragment 1, which this worker would push next: go on as a joiner
     a.fetches += 1
@@ -94,11 +95,12 @@ def test_the_transport_skips_only_after_a_fetch_that_covers_the_rounds_the_worke
     assert want > 0
     assert transport.skip_to(lambda: [3, 1]) == (want, [3, 2])
     # both shards fetched: the one behind counts (a round that one of them still needs is pushed)
-    b.fetched, b.fetches = ([2, 2], ([2, 2], [True, False], [False, False])), 1
+    b.fetched, b.fetches = MastersFetched([2, 2], RoundsView([2, 2], [True, False], [False, False])), 1
     a.fetches += 1
     want = joining_step([([2, 2], [True, False], [False, False])], CFG)
     assert transport.skip_to(lambda: [0, 0]) == (want, [2, 2])
     # later only shard 0 fetches again, the run far ahead: shard 1's older fetch does not hold the start back
-    a.fetched, a.fetches = ([9, 8], ([9, 8], [False, False], [False, False])), a.fetches + 1
+    a.fetched = MastersFetched([9, 8], RoundsView([9, 8], [False, False], [False, False]))
+    a.fetches += 1
     want = joining_step([([9, 8], [False, False], [False, False])], CFG)
     assert transport.skip_to(lambda: [2, 2]) == (want, [9, 8])

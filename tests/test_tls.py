@@ -20,17 +20,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.certs import make_certs
 from streamdiloco.common.tls import ClientTLS, ServerTLS, certificate_name
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.auth import Auth, token_hash
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
+from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
 from tests.support.procs import Cluster, streamdiloco, wait_until
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,7 +60,7 @@ def client_tls(certs: Path, name: str | None = None) -> ClientTLS:
 
 
 def shard(tmp: Path, certs: Path | None, auth: Auth, mutual: bool = False, http: bool = False, client=None):
-    service = build_service(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
+    service = shard_of(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
     tls = server_tls(certs, mutual) if certs is not None else None
     if client is None and certs is not None:
         client = client_tls(certs, "alice" if mutual else None)
@@ -209,7 +209,7 @@ def _talk(s: InThreadShard, name: str) -> str:
     assert session.next_message("welcome").welcome.member
     assert s.fetch([2], token=TOKEN)
     session.close()
-    s.wait_for(lambda: not s.service.members, f"{name} to leave")
+    s.wait_for(lambda: not s.service.roster.open, f"{name} to leave")
     return reply.session
 
 

@@ -22,12 +22,12 @@ from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.edge.initialize import PendingShard
-from streamdiloco.server.main import build_service
 from streamdiloco.server.trust.bounds import Limits
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard
 from tests.support.procs import Cluster, streamdiloco
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,7 +85,7 @@ def _pending(
     """A pending shard (shard s of S) with a checkpoint directory, serving in a thread; `made` lists every
     ShardService it builds."""
     where = str(tmp_path / name)
-    pending = build_service(CFG, None, *shard, init="from-worker", checkpoint_dir=where, **kw)
+    pending = shard_of(CFG, None, *shard, init="from-worker", checkpoint_dir=where, **kw)
     assert isinstance(pending, PendingShard)
     made: list = []
     make = pending.make
@@ -172,7 +172,7 @@ def test_a_pinned_shard_takes_the_pinned_values_alone_and_no_other_layout(tmp_pa
     finally:
         shard.shutdown()
     # restarted from its checkpoint: the same init hash at Join
-    again = build_service(CFG, None, 0, 1, init="from-worker", checkpoint_dir=str(tmp_path / "s"))
+    again = shard_of(CFG, None, 0, 1, init="from-worker", checkpoint_dir=str(tmp_path / "s"))
     shard = InThreadShard(again, tmp_path, fp)  # type: ignore[arg-type]
     try:
         assert shard.join("w").init_hash == pin

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from test_service import CFG, CHUNK_BYTES, GOOD_FP
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.edge.admission import short
-from streamdiloco.server.main import build_service
 from streamdiloco.server.observe.run_view import Peers, RunView
 from streamdiloco.server.storage.dirlock import LOCK_NAME, lock_directory
 from streamdiloco.server.trust.auth import Auth, token_hash
 from tests.support.inthread import InThreadShard
+from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
 from tests.support.procs import Cluster, streamdiloco, wait_until
+from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ READ = "the-read-token-of-this-test"
 
 
 def shard_with(tmp: Path, auth: Auth, http: bool = False) -> InThreadShard:
-    service = build_service(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
+    service = shard_of(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
     return InThreadShard(service, tmp, GOOD_FP, token=auth.token, http=http)
 
 

@@ -27,17 +27,18 @@ import time
 import grpc
 import pytest
 import torch
-from test_bounds import CFG, SLACK, _fingerprint_json
 
 from streamdiloco.common.codecs import encode, get_codec
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
+from streamdiloco.server.config import FROM_WORKER
 from streamdiloco.server.edge.slots import REQUEST_BYTES
-from streamdiloco.server.main import FROM_WORKER, build_service
 from streamdiloco.server.trust.bounds import Limits, PeerCounts, address_group, peer_host
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
-from tests.support.procs import wait_until
+from tests.support.nano_shard import CFG, GOOD_FP
+from tests.support.procs import SLACK, wait_until
+from tests.support.shards import shard_of
 
 SERVICE = "/streamdiloco.v1.Shard/"
 
@@ -160,20 +161,17 @@ def attackers():
 
 
 @pytest.fixture
-def make_shard(tmp_path):
-    started: list[InThreadShard] = []
+def make_shard(tmp_path, shards):
+    """In-process shards of one shard with these limits (the nano run's), shut down after the test."""
 
     def make(chunk_bytes: int = 256, init: str | None = None, **limits) -> InThreadShard:
         model = None if init == FROM_WORKER else "nano"
-        service = build_service(
+        service = shard_of(
             CFG, model, 0, 1, min_workers=2, chunk_bytes=chunk_bytes, init=init, limits=Limits(**limits)
         )
-        started.append(InThreadShard(service, tmp_path, _fingerprint_json(CFG)))  # type: ignore[arg-type]
-        return started[-1]
+        return shards.add(InThreadShard(service, tmp_path, GOOD_FP))  # type: ignore[arg-type]
 
-    yield make
-    for s in started:
-        s.shutdown()
+    return make
 
 
 def _timed_join(s: InThreadShard, name: str) -> float:
@@ -217,10 +215,10 @@ def test_calls_waiting_for_their_request_are_capped_per_address_and_end_at_the_d
     fetches = attackers(s.port, "127.0.0.2", "Fetch", 6)  # 2 over the cap: refused at once
     assert fetches.pinged.wait(RPC_TIMEOUT)
     wait_until("two Fetches refused", lambda: len(fetches.ended) >= 2, timeout=SLACK)
-    s.wait_for(lambda: s.service.waiting_calls.held == 4, "four Fetches waiting")
+    s.wait_for(lambda: s.service.gates.waiting.held == 4, "four Fetches waiting")
     joins = attackers(s.port, "127.0.0.3", "Join", 4)  # another address has its own 4
     assert joins.pinged.wait(RPC_TIMEOUT)
-    s.wait_for(lambda: s.service.waiting_calls.held == 8, "eight calls waiting")
+    s.wait_for(lambda: s.service.gates.waiting.held == 8, "eight calls waiting")
     assert _timed_join(s, "honest") < 1.0  # from 127.0.0.1
     wait_until("every stalled call to end", lambda: fetches.open_streams + joins.open_streams == 0, SLACK + 1)
     lives = fetches.lifetimes()
@@ -319,8 +317,8 @@ def test_the_staged_budget_defaults_to_one_push_of_the_largest_fragment_per_sess
 
 # === item 8: HTTP ========================================================================================
 def test_a_get_whose_body_never_ends_is_closed_at_the_header_deadline(tmp_path):
-    service = build_service(CFG, "nano", 0, 1, chunk_bytes=256, limits=Limits(header_timeout=1.0))
-    s = InThreadShard(service, tmp_path, _fingerprint_json(CFG), http=True)
+    service = shard_of(CFG, "nano", 0, 1, chunk_bytes=256, limits=Limits(header_timeout=1.0))
+    s = InThreadShard(service, tmp_path, GOOD_FP, http=True)
     try:
         with socket.create_connection(("127.0.0.1", s.http_port), timeout=RPC_TIMEOUT) as c:
             t0 = time.monotonic()

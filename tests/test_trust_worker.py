@@ -32,8 +32,8 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.wire import to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.worker.connection import MAX_UPDATES_UNDER_WAY, SyncError
 from streamdiloco.worker.link import ShardLink
+from streamdiloco.worker.session import MAX_UPDATES_UNDER_WAY, SyncError
 
 pytestmark = pytest.mark.timeout(60)
 

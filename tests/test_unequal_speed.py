@@ -20,7 +20,6 @@ from streamdiloco.common.pace import TickClock, pace_seconds, steps_per_tick
 from streamdiloco.common.progress import check_progress
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.main import build_service
 from streamdiloco.server.rounds.robust import RobustConfig
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.sim.simulator import SimConfig, simulate
@@ -30,6 +29,7 @@ from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.run import WorkerConfig
 from tests.support.inthread import InThreadShard, push_messages
 from tests.support.procs import Cluster
+from tests.support.shards import shard_of
 
 ADAPTIVE = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
 
@@ -111,7 +111,7 @@ def test_each_accepted_push_is_answered_with_the_slowest_members_step_time(tmp_p
     cfg = SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive")
     model = build_gpt("nano")
     fp = json.dumps(model_fingerprint(build_layout(model, cfg.num_fragments), cfg))
-    service = build_service(cfg, "nano", shard=0, num_shards=1, min_workers=2)
+    service = shard_of(cfg, "nano", shard=0, num_shards=1, min_workers=2)
     shard = InThreadShard(service, tmp_path, fp)
     try:
         a, b = shard.worker("a"), shard.worker("b")

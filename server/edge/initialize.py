@@ -10,7 +10,7 @@ that a refused or broken upload changes nothing, and what an upload holds grows 
 Then the shard's state is built and written to its checkpoint (whose meta.json keeps the fingerprint and
 the init hash) before the worker hears back: a restart takes the layout and the values from there, without
 the uploader. Once that is done, every later upload gets ALREADY_EXISTS, whenever it was opened: one
-ShardService, ever.
+Shard, ever.
 
 The first message also names the upload's init hash and every slice's hash (common/inithash.py): the shard
 checks that they make the init hash and, with `--init-expect`, that it is the pinned one, before it takes a
@@ -20,7 +20,7 @@ shards that took two different uploads. The only upload slot has a deadline: `--
 without a message that carries values (empty ones do not count) and the upload is refused, the slot free.
 
 `PendingShard.dispatch` is the gRPC server's handler: it routes calls to the pending shard until the upload
-is in, then to the real ShardService, so the port stays the same and nobody reconnects.
+is in, then to the running Shard's servicer, so the port stays the same and nobody reconnects.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -48,16 +49,19 @@ from streamdiloco.common.statefile import opaque_keys
 from streamdiloco.common.wire import bytes_to_values
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.server.config import ShardConfig
 from streamdiloco.server.edge.admission import Refusal, Undecodable, abort, admit, credentials, parse, short
+from streamdiloco.server.edge.gates import Gates
 from streamdiloco.server.edge.service import ShardService, rpc_handlers
-from streamdiloco.server.trust.auth import Auth
-from streamdiloco.server.trust.bounds import Limits
+
+if TYPE_CHECKING:
+    from streamdiloco.server.shard import Shard
 
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_INIT_VALUES = 1 << 34  # values in one shard's slices that an upload may declare (64 GiB of fp32)
 MAX_INIT_CHUNK = 4 << 20  # bytes of values in one InitChunk (workers send about 1 MiB)
-INIT_TIMEOUT = 30.0  # --init-timeout: seconds an upload may go without sending values before it is refused
+MAX_CHUNK_BYTES = 16 << 20  # --chunk-bytes at most (ShardSettings)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 WAITING = "the shard is waiting for its first worker's parameters (server --init from-worker)"
@@ -182,31 +186,23 @@ class Upload:
 
 class PendingShard(pb_grpc.ShardServicer):
     """The shard before its first worker's upload; `make(layout, initial, fingerprint, init_hash)` builds the
-    real service (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
-    with Initialize added; its Join admits as the real one does (server/edge/admission.py), less the
-    fingerprint, which the upload brings. `init_expect`: the init hash an upload must have (--init-expect;
-    None: any); `init_timeout`: seconds an upload may go without sending values (--init-timeout)."""
+    running Shard (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
+    with Initialize added; its Join admits as the running one does (server/edge/admission.py), less the
+    fingerprint, which the upload brings. The config's `init_expect`: the init hash an upload must have
+    (--init-expect; None: any); `init_timeout`: seconds an upload may go without sending values. It is
+    served as the running shard is (serve()): `attach`, `push_bytes`, `started`."""
 
     def __init__(
-        self,
-        cfg: SyncConfig,
-        shard: int,
-        num_shards: int,
-        auth: Auth,
-        limits: Limits,
-        make: Callable[[FragmentLayout, list[torch.Tensor], dict, str], ShardService],
-        init_expect: str | None = None,
-        init_timeout: float = INIT_TIMEOUT,
+        self, config: ShardConfig, gates: Gates, make: Callable[[FragmentLayout, list, dict, str], Shard]
     ):
-        self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
-        self.auth, self.limits, self.make = auth, limits, make
-        self.init_expect = None if init_expect is None else parse_init_hash(init_expect)
-        if not 0 < init_timeout < float("inf"):
-            raise ValueError(f"--init-timeout must be a positive number of seconds, got {init_timeout}")
-        self.init_timeout = init_timeout
+        self.config, self.gates, self.make = config, gates, make
+        self.cfg, self.shard, self.num_shards = config.sync, config.shard, config.num_shards
+        self.auth, self.limits = config.auth, config.limits
+        self.init_expect = None if config.init_expect is None else parse_init_hash(config.init_expect)
+        self.init_timeout = config.init_timeout
         self.uploader: str | None = None  # the worker whose upload is in progress
-        self.service: ShardService | None = None
-        self.ready: asyncio.Future | None = None  # the service, once built and checkpointed (set by serve)
+        self.running: Shard | None = None  # the shard, once built from the upload and checkpointed
+        self.arrived = asyncio.Event()  # set with `running`
         self.handlers = {
             **rpc_handlers(self),
             "Initialize": grpc.stream_unary_rpc_method_handler(
@@ -216,6 +212,29 @@ class PendingShard(pb_grpc.ShardServicer):
             ),
         }
         self.dispatch = _Dispatch(self)
+
+    # --- served as the running shard is (serve()) ------------------------------------------------------
+    def attach(self, server: grpc.aio.Server) -> None:
+        """Serve the pending shard's calls on `server`, then the running shard's (`_Dispatch`)."""
+        server.add_generic_rpc_handlers((self.dispatch,))
+
+    @property
+    def push_bytes(self) -> int:
+        """The largest push chunk any --chunk-bytes may give: the running shard is not built yet."""
+        return 2 * MAX_CHUNK_BYTES
+
+    async def started(self, stop: asyncio.Event, waiting: Callable[[], Awaitable[None]]) -> Shard | None:
+        """The running shard once the first upload built it (None: stopped before one came); `waiting` is
+        awaited first (gRPC starts, the ready file, the log line)."""
+        await waiting()
+        stopped = asyncio.ensure_future(stop.wait())
+        arrived = asyncio.ensure_future(self.arrived.wait())
+        try:
+            await asyncio.wait({arrived, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            arrived.cancel()
+        return self.running
 
     def _reply(self) -> pb.JoinReply:
         return pb.JoinReply(
@@ -248,7 +267,7 @@ class PendingShard(pb_grpc.ShardServicer):
     async def Initialize(
         self, request_iterator: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
     ) -> pb.InitReply:
-        if self.service is not None:
+        if self.running is not None:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         it = request_iterator.__aiter__()
         try:
@@ -264,7 +283,7 @@ class PendingShard(pb_grpc.ShardServicer):
             admit(self.auth, credentials(context, first.token), first.worker, None)
         except Refusal as r:
             await abort(context, r)
-        if self.service is not None:  # taken while this call waited for its first message: the first stays
+        if self.running is not None:  # taken while this call waited for its first message: the first stays
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         if self.uploader is not None:
             await context.abort(
@@ -319,15 +338,15 @@ class PendingShard(pb_grpc.ShardServicer):
                 ) from None
             if isinstance(msg, Undecodable):
                 raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} does not parse")
-        if self.service is not None:  # not reached (one upload at a time); never a second service
+        if self.running is not None:  # not reached (one upload at a time); never a second service
             raise InitRefused(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         try:  # the state, then its checkpoint, before the worker hears back
-            service = await asyncio.to_thread(self.make, layout, upload.initial(), fingerprint, init_hash)
+            shard = await asyncio.to_thread(self.make, layout, upload.initial(), fingerprint, init_hash)
         except (OSError, ValueError) as e:
             raise InitRefused(
                 grpc.StatusCode.INTERNAL, f"the shard could not take the parameters: {e}"
             ) from None
-        self.service = service
+        self.running = shard
         log.info(
             "shard %d: took the layout (%d fragments, %s values in this shard's slices) and the starting "
             "parameters from %s (init hash %s)",
@@ -337,9 +356,8 @@ class PendingShard(pb_grpc.ShardServicer):
             short(first.worker, 60),
             init_hash,
         )
-        self.dispatch.to(service)
-        if self.ready is not None and not self.ready.done():
-            self.ready.set_result(service)
+        self.dispatch.to(ShardService(shard))
+        self.arrived.set()
         return pb.InitReply()
 
     def _claimed(self, first: pb.InitChunk, layout: FragmentLayout) -> tuple[str, list[bytes]]:
@@ -379,7 +397,7 @@ class _Dispatch(grpc.GenericRpcHandler):
         self.pending = pending
         self.handlers = {f"/{SERVICE}/{name}": h for name, h in pending.handlers.items()}
 
-    def to(self, service: ShardService) -> None:
+    def to(self, service: pb_grpc.ShardServicer) -> None:
         handlers = {f"/{SERVICE}/{name}": h for name, h in rpc_handlers(service).items()}
         handlers[f"/{SERVICE}/Initialize"] = self.handlers[f"/{SERVICE}/Initialize"]
         self.handlers = handlers  # one assignment: a call sees the old table or the new

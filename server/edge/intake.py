@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from streamdiloco.common.progress import Progress, check_progress, progress_from_proto
 from streamdiloco.common.wire import from_chunk
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.edge.admission import Undecodable, short
 from streamdiloco.server.edge.outbox import Outbox
+from streamdiloco.server.observe.counters import Counters
 from streamdiloco.server.observe.dashboard import DashboardData
 from streamdiloco.server.observe.metrics import ShardMetrics
 from streamdiloco.server.rounds.robust import MIN_WEIGHT
@@ -31,18 +31,6 @@ from streamdiloco.server.trust.roster import Member, Roster
 log = logging.getLogger("streamdiloco.shard")
 
 MAX_ROUND = 1 << 53
-
-
-@dataclass
-class Counters:
-    """The servicer's byte and message counters (status, metrics, the dashboard's samples)."""
-
-    codec_out: int = 0  # payload + scales of updates, summed over the members they went to
-    msg_in: int = 0  # serialized protobuf bytes of every message received on sessions
-    msg_out: int = 0
-    fetch_out: int = 0
-    bad_messages: int = 0  # session messages that were not pushes (refused pushes: ShardState counts them)
-    fetch_waits: int = 0  # times a Fetch waited for a closing round's new master
 
 
 class Intake:
@@ -140,7 +128,7 @@ class Intake:
                 self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
             return
         # before its bytes are copied: a new push must fit in what staging may hold (server/rounds/staging.py)
-        why = self.state.staging.admit(self.state.open, member.name, c.fragment, c.round, c.seq)
+        why = self.state.staging.check_start(member.name, c.fragment, c.round, c.seq)
         if why is not None:
             if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "staging_full"):
                 self._refuse(member, c.fragment, c.round, "staging_full", f"round {c.round}: {why}")

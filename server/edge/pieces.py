@@ -39,7 +39,7 @@ class PieceDesk:
     def __init__(self, ledger: Ledger, roster: Roster, save: Callable[[dict], bool] | None = None):
         self.ledger, self.roster, self.save = ledger, roster, save
         self.saved_changes = ledger.changes
-        roster.ledger = ledger  # a member that goes gives its pieces back
+        roster.when_leaving(ledger.release)  # a member that goes gives its pieces back
 
     def answer(self, request: pb.PiecesRequest, now: float) -> pb.PiecesReply:
         """The reply to a Pieces call whose credentials were checked for `request.worker`; Refusal when the

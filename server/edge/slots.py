@@ -152,7 +152,7 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
         """The call's first message, within the deadline and its method's size, and the iterator of the
         rest; or the call is ended."""
         peer = peer_host(context.peer())
-        waiter = await self._admit(peer, context)
+        waiter = await self._take_slot(peer, context)
         it = requests.__aiter__()  # not before: gRPC's reader of the stream starts with it
         recv = asyncio.ensure_future(it.__anext__())
         recv.add_done_callback(_retrieve)  # one given up on may still end (the stream's end) later
@@ -195,7 +195,9 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
             )
         return data, it
 
-    async def _admit(self, peer: str, context: grpc.aio.ServicerContext) -> _Waiter:
+    async def _take_slot(self, peer: str, context: grpc.aio.ServicerContext) -> _Waiter:
+        """A waiting call's slot for the peer (the one waiting longest is ended past the total), or the call
+        is refused (past the peer's own limit)."""
         if (why := self.counts.acquire(peer)) is not None:
             await self._refuse(context, self.counts.what, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         waiter = _Waiter(peer)

@@ -18,7 +18,7 @@ from streamdiloco.common.metrics import PAYLOAD_BYTES, PREFIX, PUSH_OUTCOMES, WA
 from streamdiloco.common.wire import PROTOCOL
 
 if TYPE_CHECKING:
-    from streamdiloco.server.edge.service import ShardService
+    from streamdiloco.server.observe.status import Observed
 
 P = f"{PREFIX}_shard"
 
@@ -38,8 +38,7 @@ ROUND_OUTCOMES = {
 
 
 class ShardMetrics:
-    def __init__(self, service: ShardService):
-        self.service = service
+    def __init__(self, parts: Observed):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.round_duration = Histogram(
@@ -73,7 +72,7 @@ class ShardMetrics:
             registry=r,
         )
         self.rounds: dict[str, int] = dict.fromkeys(ROUND_OUTCOMES.values(), 0)
-        r.register(_Collector(service, self))
+        r.register(_Collector(parts, self))
         ProcessCollector(registry=r)  # the standard process_* names
 
     def round_closed(self, why: str, seconds: float | None, update_bytes: int) -> None:
@@ -110,11 +109,11 @@ class _Static:
 class _Collector:
     """Reads the shard's counters at scrape time."""
 
-    def __init__(self, service: ShardService, metrics: ShardMetrics):
-        self.service, self.metrics = service, metrics
+    def __init__(self, parts: Observed, metrics: ShardMetrics):
+        self.parts, self.metrics = parts, metrics
 
     def collect(self) -> Iterator[Metric]:
-        svc, st = self.service, self.service.state
+        parts, st = self.parts, self.parts.state
         info = InfoMetricFamily(P, "This shard and the run it serves")
         info.add_metric(
             [],
@@ -127,14 +126,14 @@ class _Collector:
             },
         )
         yield info
-        yield ready_gauge(svc.ready)
+        yield ready_gauge(parts.ready())
         yield GaugeMetricFamily(
             f"{P}_members", "Workers in the member set (rounds wait for them)", value=len(st.members)
         )
         yield GaugeMetricFamily(
             f"{P}_passive_sessions",
             "Connected workers that receive updates but are not members yet (joining)",
-            value=svc.passive_sessions,
+            value=parts.roster.passive,
         )
         yield GaugeMetricFamily(
             f"{P}_returning_members",
@@ -164,9 +163,9 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_bad_messages",
             "Session messages that were neither pushes nor Ready",
-            value=svc.counters.bad_messages,
+            value=parts.counters.bad_messages,
         )
-        c = svc.counters
+        c = parts.counters
         yield CounterMetricFamily(
             f"{P}_received_bytes", "Bytes of protobuf messages received from workers", value=c.msg_in
         )
@@ -186,14 +185,14 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_payload_sent_bytes", "Encoded update bytes sent, summed over members", value=c.codec_out
         )
-        if svc.dashboard.last_loss is not None:
+        if parts.dashboard.last_loss is not None:
             yield GaugeMetricFamily(
                 f"{P}_training_loss",
                 "Token-weighted mean training loss reported with the pushes of the latest closed round",
-                value=svc.dashboard.last_loss,
+                value=parts.dashboard.last_loss,
             )
-        yield from credit_metrics(svc)
-        ckpt = svc.checkpoint
+        yield from credit_metrics(parts)
+        ckpt = parts.checkpoint
         yield CounterMetricFamily(
             f"{P}_checkpoint_writes", "Checkpoint files written", value=ckpt.writes if ckpt else 0
         )
@@ -202,10 +201,10 @@ class _Collector:
         )
 
 
-def credit_metrics(svc: ShardService) -> Iterator[Metric]:
+def credit_metrics(parts: Observed) -> Iterator[Metric]:
     """The contribution ledger (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens
     by `worker`, the rest under worker="". Gauges: a worker's series moves to the rest when others pass it."""
-    tops, rest = svc.credits.top(CREDIT_LABELS, svc.clock())
+    tops, rest = parts.credits.top(CREDIT_LABELS, parts.clock())
     rows = [*tops, ("", rest, 0.0)]
     families = {
         "tokens": GaugeMetricFamily(
@@ -238,5 +237,5 @@ def credit_metrics(svc: ShardService) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         f"{P}_credit_identities",
         "Worker identities the contribution ledger counted (those folded into its others too)",
-        value=svc.credits.identities,
+        value=parts.credits.identities,
     )

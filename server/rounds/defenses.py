@@ -19,6 +19,7 @@ server/rounds/staging.py's), fold or step.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.pace import steps_per_tick
@@ -26,16 +27,41 @@ from streamdiloco.server.rounds.jobs import OpenRound, Push
 from streamdiloco.server.rounds.robust import RobustConfig, cap_weights, clip_scales, lower_half
 
 
-class Defenses:
-    """Weight caps and norm clips of one shard's pushes, with the recent rounds they are relative to."""
+@dataclass
+class RecentRounds:
+    """One fragment's recent closed rounds, each the lower half of its weights and of its used norms: what the
+    caps and clips of the fragment's next rounds are relative to. A checkpoint keeps them (`saved`), and a
+    round's log its own (`Defenses.closing`), so that a restart goes on bit for bit."""
 
-    def __init__(self, robust: RobustConfig, cfg: SyncConfig, num_fragments: int):
+    weights: deque[list[float]]
+    norms: deque[list[float]]
+
+    def remember(self, history: dict) -> None:
+        """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""
+        if history["weights"]:
+            self.weights.append(list(history["weights"]))
+        if history["norms"]:
+            self.norms.append(list(history["norms"]))
+
+    def saved(self) -> dict:
+        """The recent rounds, as a checkpoint keeps them."""
+        return {"weights": [list(ws) for ws in self.weights], "norms": [list(xs) for xs in self.norms]}
+
+
+class Defenses:
+    """Weight caps and norm clips of one shard's pushes (each fragment's recent rounds: `RecentRounds`)."""
+
+    def __init__(self, robust: RobustConfig, cfg: SyncConfig):
         self.robust, self.cfg = robust, cfg
-        keep = robust.history_rounds
-        self.weight_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
-        self.norm_history: list[deque[list[float]]] = [deque(maxlen=keep) for _ in range(num_fragments)]
         self.pushes_clipped = 0  # pushes scaled down to the norm bound
         self.weights_capped = 0  # pushes whose weight was cut (to --max-weight or the median's multiple)
+
+    def recent(self, history: dict | None = None) -> RecentRounds:
+        """A fragment's recent rounds: none yet, or a checkpoint's (checked) history of them."""
+        keep = self.robust.history_rounds
+        if history is None:
+            return RecentRounds(deque(maxlen=keep), deque(maxlen=keep))
+        return RecentRounds(deque(history["weights"], maxlen=keep), deque(history["norms"], maxlen=keep))
 
     @property
     def measures_norms(self) -> bool:
@@ -68,28 +94,28 @@ class Defenses:
         return weight
 
     def shares(
-        self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float, mean: bool = True
+        self, recent: RecentRounds, rnd: OpenRound, pushes: list[Push], pace: float, mean: bool = True
     ) -> list[float]:
         """The weights these pushes of the round count with in the mean (`mean`; else against the members'
         that have not pushed, for a quorum): each cut to --weight-cap times its stretch times the median of
         the round's weights (and the recent rounds', with fewer than 3)."""
         weights = list(rnd.weights)
         if len(weights) < 3:  # too few for a median that one liar cannot move: the last rounds' too
-            weights += [w for ws in self.weight_history[fragment] for w in ws]
+            weights += [w for ws in recent.weights for w in ws]
         if mean and len(set(rnd.weights)) == 1:  # the round's weights are all alike (honest workers' are,
             # also when they have more tokens than the last round's): a cut would change no push's share
             return [p.weight for p in pushes]
         stretch = [self.stretch(pace, p.step_seconds) for p in pushes]
         return cap_weights([p.weight for p in pushes], weights, self.robust.weight_cap, stretch)
 
-    def settle(self, fragment: int, rnd: OpenRound, pushes: list[Push], pace: float = 0.0) -> None:
+    def settle(self, recent: RecentRounds, rnd: OpenRound, pushes: list[Push], pace: float = 0.0) -> None:
         """Fix the share (capped weight) and clipping scale of pushes about to be folded, relative to the
         medians of the round's pushes so far and the recent rounds' (scalars: microseconds), each stretched
         by its own k at the run's `pace`."""
         if not pushes:
             return
-        shares = self.shares(fragment, rnd, pushes, pace)
-        norms = rnd.norms + [x for xs in self.norm_history[fragment] for x in xs]
+        shares = self.shares(recent, rnd, pushes, pace)
+        norms = rnd.norms + [x for xs in recent.norms for x in xs]
         # a site k times as fast pushes k times the tokens, but its update's norm grows faster than k (5x at
         # k = 2 on the simulator's embeddings): the clip stretches by k^2, at most max_steps_per_tick (what
         # the rule before this one gave every push)
@@ -114,23 +140,3 @@ class Defenses:
         """What a closing round leaves to later rounds' caps and clips (its log's "history")."""
         norms = rnd.used_norms if self.robust.clip_norm else []
         return {"weights": lower_half(rnd.weights), "norms": lower_half(norms)}
-
-    def remember(self, fragment: int, history: dict) -> None:
-        """A closed round's weights and used norms join what later rounds' caps and clips are relative to."""
-        if history["weights"]:
-            self.weight_history[fragment].append(list(history["weights"]))
-        if history["norms"]:
-            self.norm_history[fragment].append(list(history["norms"]))
-
-    def history(self, fragment: int) -> dict:
-        """The fragment's recent rounds, as a checkpoint keeps them."""
-        return {
-            "weights": [list(ws) for ws in self.weight_history[fragment]],
-            "norms": [list(xs) for xs in self.norm_history[fragment]],
-        }
-
-    def load(self, fragment: int, history: dict) -> None:
-        """Restore the fragment's recent rounds from a checkpoint's (checked) history."""
-        keep = self.robust.history_rounds
-        self.weight_history[fragment] = deque(history["weights"], maxlen=keep)
-        self.norm_history[fragment] = deque(history["norms"], maxlen=keep)

@@ -75,12 +75,35 @@ class OpenRound:
         self.weight += push.weight
         self.contributors.add(push.worker)
 
+    def start(self, now: float, expected: frozenset[str]) -> None:
+        """The round starts with its first whole push (at `now`): who it expects is fixed now."""
+        self.started_at = now
+        if self.opened_at is None:  # open since the shard started (or was restored): its members may need H
+            self.opened_at = now  # steps to their first push, so its deadlines count from that push
+        self.expected = expected
+
     def group(self) -> list[Push]:
         """The kept pushes become a group to fold, in the order of the workers' names."""
         group = ordered(self.kept)
         self.groups.append(group)
         self.kept, self.kept_bytes = [], 0
         return group
+
+    def closing(self, why: str, aggregator: tuple[str, float, int], history: dict) -> ClosingRound:
+        """The round as it closes (its kept pushes settled): what its close job folds and steps with."""
+        return ClosingRound(
+            number=self.number,
+            why=why,
+            pushes=[p for g in self.groups for p in g] + ordered(self.kept),
+            partial=self.partial,
+            weight=self.settled,
+            contributors=tuple(sorted(self.contributors)),
+            mean_loss=self.loss_sum / self.loss_weight if self.loss_weight else None,
+            aggregator=aggregator,
+            history=history,
+            clipped=tuple(sorted(self.clipped)),
+            capped=tuple(sorted(self.capped)),
+        )
 
 
 @dataclass
@@ -207,62 +230,77 @@ class FoldJob:
 
 
 @dataclass
-class CloseJob:
-    """A closed round's arithmetic: the weighted mean of its pushes, the outer step, the encoded update.
-    Holds everything it needs: `run` may go on another thread while the shard takes other pushes."""
+class ClosingRound:
+    """A round as it closes: the pushes its close folds (those not folded ahead) and what it steps with, as
+    its log keeps them (CloseJob.record; server/rounds/records.py's `checked_round` reads a log back into
+    one)."""
 
-    fragment: int
-    round: int
-    why: str
-    n: int
+    number: int
+    why: str  # ClosedRound.why; the close job may turn it into "nonfinite"
     pushes: list[Push]  # groups not folded yet, then the kept pushes, in folding order
-    partial: torch.Tensor | None
-    weight: float
+    partial: torch.Tensor | None  # fp64 sum of the groups folded ahead of the close
+    weight: float  # the sum of the pushes' shares: the mean's divisor
     contributors: tuple[str, ...]
     mean_loss: float | None
-    opt: OuterOptimizer
-    downlink: tuple[str, int]  # codec, block size: the zero update's
-    saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
     aggregator: tuple[str, float, int] = ("mean", 0.0, 1)  # name, trim, centered-clip iterations
-    clipped: tuple[str, ...] = ()
-    capped: tuple[str, ...] = ()
     history: dict = field(default_factory=dict)  # the round's weights and used norms (what medians keep)
+    clipped: tuple[str, ...] = ()  # workers whose push was clipped, or weight capped (none in a replay)
+    capped: tuple[str, ...] = ()
+
+
+@dataclass
+class CloseJob:
+    """A closed round's arithmetic: the weighted mean of its pushes, the outer step, the encoded update.
+    Holds everything it needs (the round, the fragment's optimizer): `run` may go on another thread while
+    the shard takes other pushes."""
+
+    fragment: int
+    opt: OuterOptimizer  # the fragment's, the job's until ShardState takes it back
+    saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
+    closing: ClosingRound
     # worker -> the shares of its pushes in the round, those folded ahead included (the round runner sets
     # it: the contribution ledger's tokens, logged with the round)
     tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
 
+    @property
+    def round(self) -> int:
+        return self.closing.number
+
+    @property
+    def pushes(self) -> list[Push]:
+        return self.closing.pushes
+
     def run(self) -> CloseJob:
-        partial = self.partial
-        old = self.opt.master
+        c, opt = self.closing, self.opt
+        old = opt.master
         if (
-            self.weight > 0
-            and partial is not None
-            and not all(torch.isfinite(x) for x in torch.aminmax(partial))
+            c.weight > 0
+            and c.partial is not None
+            and not all(torch.isfinite(x) for x in torch.aminmax(c.partial))
         ):
             # cannot happen: validated pushes (bounded values and weights) have a finite fp64 sum, and so a
             # finite mean; the caller logs it
-            self.why = "nonfinite"
-        elif self.weight > 0:
+            c.why = "nonfinite"
+        elif c.weight > 0:
             try:
-                self.update = self._step(partial)
+                self.update = self._step(c)
             except ValueError:  # the step met non-finite values (it may have written part of its state)
                 self.update = None
-            if self.update is None or not _finite(self.opt.master):
+            if self.update is None or not _finite(opt.master):
                 # no NaN or inf may reach a worker: the round's update is not applied, and the optimizer
                 # starts again from the master before it (the caller logs it loudly)
-                self.opt.restart(old)
-                self.update, self.why = None, "nonfinite"
+                opt.restart(old)
+                self.update, c.why = None, "nonfinite"
         if self.update is None:  # nobody pushed (or the step was not finite): a zero update; nobody waits
-            self.mean_loss = None
-            codec, block_size = self.downlink
-            self.update = encode(torch.zeros_like(self.opt.master), codec, block_size)
-        self.pushes, self.partial = [], None  # let the pushes' bytes go
+            c.mean_loss = None
+            self.update = encode(torch.zeros_like(opt.master), opt.codec, opt.block_size)
+        c.pushes, c.partial = [], None  # let the pushes' bytes go
         return self
 
-    def _step(self, partial: torch.Tensor | None) -> Encoded:
-        pushes, weight = self.pushes, self.weight
-        name, trim, iters = self.aggregator
+    def _step(self, c: ClosingRound) -> Encoded:
+        pushes, partial, weight, n = c.pushes, c.partial, c.weight, self.opt.master.numel()
+        name, trim, iters = c.aggregator
         if name == "mean":
             # the mean is folded block by block and each block stepped while it is in cache (on the CPU)
             def fill(lo: int, hi: int, out: torch.Tensor) -> None:
@@ -279,11 +317,27 @@ class CloseJob:
         # the options need every push at once (no groups were folded ahead): the whole gradient is built
         g, step = self.opt.gradient_buffer(), _fold_values(pushes)
         if name == "trimmed":
-            trimmed_mean(self.n, len(pushes), read, trim, g, step)
+            trimmed_mean(n, len(pushes), read, trim, g, step)
         else:  # centered clipping, from the clipped weighted mean
-            fold(self.n, pushes, g, None, weight)
-            centered_clip(self.n, len(pushes), read, [p.share for p in pushes], iters, g, step)
+            fold(n, pushes, g, None, weight)
+            centered_clip(n, len(pushes), read, [p.share for p in pushes], iters, g, step)
         return self.opt.step(g)[0]
+
+    def closed(self) -> ClosedRound:
+        """The round as it closed (call after `run`)."""
+        assert self.update is not None, "the close job has not run"
+        c = self.closing
+        return ClosedRound(
+            fragment=self.fragment,
+            round=c.number,
+            update=self.update,
+            contributors=c.contributors,
+            weight=c.weight,
+            mean_loss=c.mean_loss,
+            why=c.why,
+            clipped=c.clipped,
+            capped=c.capped,
+        )
 
     def fragment_state(self) -> dict:
         """The fragment as a checkpoint keeps it once the round has closed (call after `run`)."""
@@ -293,16 +347,17 @@ class CloseJob:
         """The round's inputs, as a checkpoint logs them (call before `run`, which lets the pushes go):
         replayed on the fragment's state before the round (ShardState.replay_round) they give the state
         after it bit for bit. The pushes stay encoded: about 0.53 bytes per value and push for E3M0."""
+        c = self.closing
         return {
-            "round": self.round,
-            "why": self.why,
-            "weight": self.weight,
-            "contributors": list(self.contributors),
-            "mean_loss": self.mean_loss,
-            "partial": self.partial,
-            "aggregator": list(self.aggregator),
-            "history": self.history,
-            "credit": {"tokens": self.tokens, "clipped": list(self.clipped), "capped": list(self.capped)},
+            "round": c.number,
+            "why": c.why,
+            "weight": c.weight,
+            "contributors": list(c.contributors),
+            "mean_loss": c.mean_loss,
+            "partial": c.partial,
+            "aggregator": list(c.aggregator),
+            "history": c.history,
+            "credit": {"tokens": self.tokens, "clipped": list(c.clipped), "capped": list(c.capped)},
             "pushes": [
                 {
                     "worker": p.worker,
@@ -322,6 +377,6 @@ class CloseJob:
                         for offset, e in p.asm.parts
                     ],
                 }
-                for p in self.pushes
+                for p in c.pushes
             ],
         }

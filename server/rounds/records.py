@@ -11,13 +11,12 @@ tensors in, checked values or ValueError out; what it must not do: change a shar
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded
-from streamdiloco.server.rounds.jobs import Push, checked_history
+from streamdiloco.server.rounds.jobs import ClosingRound, Push, checked_history
 from streamdiloco.server.rounds.robust import RobustConfig
 from streamdiloco.server.rounds.staging import MAX_WEIGHT
 
@@ -75,25 +74,12 @@ def checked_fragment(
     return outer, rnd, members, history
 
 
-@dataclass
-class LoggedRound:
-    """A closed round as its log (CloseJob.record) holds it, checked: what a CloseJob is made of again."""
-
-    pushes: list[Push]
-    partial: torch.Tensor | None
-    weight: float
-    contributors: tuple[str, ...]
-    mean_loss: float | None
-    why: str
-    history: dict
-    aggregator: tuple[str, float, int]
-
-
 def checked_round(
     record: object, fragment: int, number: int, numel: int, assembly: Callable[[], Assembly]
-) -> LoggedRound:
-    """The log of round `number` of the fragment's slice of `numel` values, its pushes assembled again
-    (`assembly`: an empty one) and checked; ValueError when the record is damaged or is of another round."""
+) -> ClosingRound:
+    """The log of round `number` of the fragment's slice of `numel` values (CloseJob.record), its pushes
+    assembled again (`assembly`: an empty one) and checked: what a CloseJob is made of again. ValueError when
+    the record is damaged or is of another round."""
     if not isinstance(record, dict):
         raise ValueError(f"it is a {type(record).__name__}, not a round's record")
     try:
@@ -104,7 +90,7 @@ def checked_round(
         ) from None
 
 
-def _logged_round(record: dict, number: int, numel: int, assembly: Callable[[], Assembly]) -> LoggedRound:
+def _logged_round(record: dict, number: int, numel: int, assembly: Callable[[], Assembly]) -> ClosingRound:
     if int(record["round"]) != number:
         raise ValueError(f"it is of round {record['round']}, the open round is {number}")
     pushes = []
@@ -146,4 +132,14 @@ def _logged_round(record: dict, number: int, numel: int, assembly: Callable[[], 
     name, trim, iters = record.get("aggregator", ("mean", 0.0, 1))
     aggregator = (str(name), float(trim), int(iters))
     RobustConfig(aggregator=aggregator[0], trim=aggregator[1], center_iters=aggregator[2])  # checks
-    return LoggedRound(pushes, partial, weight, contributors, mean_loss, why, history, aggregator)
+    return ClosingRound(
+        number=number,
+        why=why,
+        pushes=pushes,
+        partial=partial,
+        weight=weight,
+        contributors=contributors,
+        mean_loss=mean_loss,
+        aggregator=aggregator,
+        history=history,
+    )

@@ -20,6 +20,10 @@ job. What it must not do: keep state, or read a clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamdiloco.common.config import ShardSettings
 
 # The least grace a round gives the rest once it holds a quorum (seconds): what a push's transfer and the
 # sites' step times may vary by even when a round's length at the pace is shorter.
@@ -28,7 +32,9 @@ GRACE_MIN = 5.0
 
 @dataclass(frozen=True)
 class RoundRule:
-    """A shard's round policy (--min-workers, --round-timeout, --quorum, --round-grace; H)."""
+    """A shard's round policy: the [server] section's --min-workers, --round-timeout, --quorum and
+    --round-grace (ShardSettings declares and checks them; `of` builds the rule from it) and H. The pure
+    logic and the simulator may also give a round timeout of inf: no deadline."""
 
     min_workers: int
     round_timeout: float
@@ -36,17 +42,15 @@ class RoundRule:
     round_grace: float
     sync_every: int
 
-    def __post_init__(self) -> None:
-        checks = (
-            ("min_workers", self.min_workers >= 1, "at least 1"),
-            ("round_timeout", self.round_timeout > 0, "positive seconds"),
-            ("quorum", 0 < self.quorum <= 1, "a fraction in (0, 1]"),
-            ("round_grace", 0 <= self.round_grace <= 100, "0..100 (a fraction of a round's length)"),
-        )
-        for name, ok, want in checks:
-            if not ok:  # the flags' own words (ShardSettings checks them where they are flags)
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be {want}, got {getattr(self, name)}")
+    @classmethod
+    def of(cls, settings: ShardSettings, sync_every: int) -> RoundRule:
+        """The rule of a shard's [server] section (checked there) and H."""
+        s = settings
+        return cls(s.min_workers, s.round_timeout, s.quorum, s.round_grace, sync_every)
+
+    def __post_init__(self) -> None:  # the section allows 0 (launch's "all M workers"); a shard needs one
+        if self.min_workers < 1:
+            raise ValueError(f"--min-workers must be at least 1, got {self.min_workers}")
 
     def grace(self, pace: float) -> float:
         """How long a round that holds a quorum waits for the rest: `round_grace` of a round's length at the

@@ -5,7 +5,7 @@ before their last chunk (whose later chunks are dropped without a word). A refus
 Split from server/rounds/state.py (ShardState, which takes a push into its round once its last chunk is in) by
 job. Pure: no networking, no clocks; what it must not do: touch a round (it only reads the open one).
 
-What staging holds is bounded (`admit`, asked before a push's first chunk is even decoded): a worker
+What staging holds is bounded (`check_start`, asked before a push's first chunk is even decoded): a worker
 stages one push at a time (a worker sends its pushes one after the other, so only a client that is not a
 worker has two under way), and every staged push reserves its whole size (this shard's slice of its
 fragment, in the uplink codec) from one budget over all sessions (`limit`, --max-staged-bytes): a push that
@@ -14,13 +14,15 @@ does not fit is refused before its first chunk is copied, and one that fits can 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded, get_codec, sumsq
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.server.rounds.defenses import Defenses
-from streamdiloco.server.rounds.jobs import OpenRound, Staged
+from streamdiloco.server.rounds.fragment import FragmentSlice
+from streamdiloco.server.rounds.jobs import Staged
 from streamdiloco.server.rounds.robust import MAX_LOSS, MIN_WEIGHT
 
 # Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
@@ -56,10 +58,14 @@ class Chunk:
 
 
 class Staging:
-    """The pushes of one shard whose chunks are arriving, keyed by (worker, fragment)."""
+    """The pushes of one shard whose chunks are arriving, keyed by (worker, fragment); `fragments`: the
+    shard's, whose open rounds it reads."""
 
-    def __init__(self, shard: int, ranges: list[tuple[int, int]], cfg: SyncConfig, limit: int | None = None):
-        self.shard, self.ranges, self.cfg = shard, ranges, cfg
+    def __init__(
+        self, shard: int, fragments: Sequence[FragmentSlice], cfg: SyncConfig, limit: int | None = None
+    ):
+        self.shard, self.fragments, self.cfg = shard, fragments, cfg
+        self.ranges = [fr.slice for fr in fragments]  # this shard's slice of each fragment
         self.limit = limit  # bytes the staged pushes may reserve in all (None: no bound)
         self.staged: dict[tuple[str, int], Staged] = {}
         self.staged_bytes = 0  # reserved by the staged pushes: each its whole size (push_bytes)
@@ -79,13 +85,14 @@ class Staging:
         lo, hi = self.ranges[fragment]
         return get_codec(self.cfg.uplink_codec).encoded_nbytes(hi - lo, self.cfg.codec_block_size)
 
-    def admit(self, open: list[OpenRound], worker: str, fragment: int, round: int, seq: int) -> str | None:
-        """Why a chunk may not be staged (None: it may): asked before its bytes are copied. Only a push's
-        first chunk can be turned away: a worker's second push while its first is arriving, or a push whose
-        whole size does not fit in the budget; a push once staged can always finish."""
+    def check_start(self, worker: str, fragment: int, round: int, seq: int) -> str | None:
+        """Why a chunk may not start a push here (None: it may be staged): asked before its bytes are copied.
+        Only a push's first chunk can be turned away: a worker's second push while its first is arriving, or
+        a push whose whole size does not fit in the budget; a push once staged can always finish."""
         if seq != 0 or not 0 <= fragment < len(self.ranges) or (worker, fragment) in self.staged:
             return None  # not a new push (or one that _check refuses for what it says)
-        if round != open[fragment].number or worker in open[fragment].contributors:
+        rnd = self.fragments[fragment].open
+        if round != rnd.number or worker in rnd.contributors:
             return None  # late, ahead or a duplicate: _check says so, and stages nothing
         other = next((f for w, f in self.staged if w == worker), None)
         if other is not None:
@@ -101,14 +108,14 @@ class Staging:
             )
         return None
 
-    def chunk(self, open: list[OpenRound], defenses: Defenses, c: Chunk) -> Staged | None:
-        """Take one chunk of a push (`open`: the open rounds). The push, once its last chunk is in (no longer
+    def chunk(self, defenses: Defenses, c: Chunk) -> Staged | None:
+        """Take one chunk of a push. The push, once its last chunk is in (no longer
         staged); None: kept, waiting for more. Raises PushRejected, without changing anything but the
         refusal's count, when the chunk is bad; the push is then dropped."""
         key = (c.worker, c.fragment)
         st = self.staged.get(key)
         try:
-            asm = self._check(open, c, st)
+            asm = self._check(c, st)
             asm.add(c.seq, c.offset, c.total, c.part, c.last)
         except ChunkError as e:
             self.drop(key, c.round, c.last, e.reason)
@@ -183,7 +190,7 @@ class Staging:
             self.discarding[self._discard_key(*key)] = (key[1], round)
         self.pushes_refused[reason] = self.pushes_refused.get(reason, 0) + 1
 
-    def _check(self, open: list[OpenRound], c: Chunk, st: Staged | None) -> Assembly:
+    def _check(self, c: Chunk, st: Staged | None) -> Assembly:
         """The push's own checks (fragment, round, worker, header); the assembly that checks the chunk."""
 
         def refuse(reason: str, message: str) -> PushRejected:
@@ -194,7 +201,7 @@ class Staging:
                 "bad_fragment",
                 f"fragment {c.fragment} does not exist: this run has fragments 0..{len(self.ranges) - 1}",
             )
-        rnd = open[c.fragment]
+        rnd = self.fragments[c.fragment].open
         if c.round < rnd.number:
             raise refuse("late", f"the round is closed (open round is {rnd.number}): apply its update, go on")
         if c.round > rnd.number:

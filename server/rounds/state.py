@@ -1,7 +1,8 @@
 """A shard's state and aggregation, as pure logic: no networking, no files, no clocks or threads of its own.
 
 Shard s of S owns slice s of every fragment's flat vector. Per fragment it keeps the master slice, the
-outer optimizer (Nesterov SGD plus the downlink's error-feedback residual) and the open round.
+outer optimizer (Nesterov SGD plus the downlink's error-feedback residual) and the open round (one
+`FragmentSlice` each).
 
 Pushes arrive in chunks, which one `common.chunks.Assembly` per push validates the moment they arrive and
 keeps in their encoded form (4-bit for E3M0). A push that breaks off (its worker died, or a later chunk was
@@ -32,13 +33,13 @@ pushes it took, so the caller may run it on another thread while it goes on taki
 `busy` meanwhile (no second job, and it is not due). `close_round` does all three at once. A master tensor
 is never changed in place (a close replaces it), so a reader may keep one while rounds go on.
 
-ShardState composes its collaborators, each the one truth of its job: server/rounds/staging.py (the pushes
-whose chunks are arriving, and their own checks), server/rounds/defenses.py (weight caps and norm clips, and
-the recent rounds they are relative to), server/rounds/members.py (who the rounds wait for),
+ShardState composes its collaborators, each the one truth of its job: server/rounds/fragment.py (one
+`FragmentSlice` per fragment: its slice, master, outer optimizer, open round and recent rounds),
+server/rounds/staging.py (the pushes whose chunks are arriving, and their own checks),
+server/rounds/defenses.py (weight caps and norm clips), server/rounds/members.py (who the rounds wait for),
 server/rounds/records.py (what a checkpoint keeps of a fragment, and its checks), server/rounds/jobs.py (the
-rounds' records and the fold and
-close jobs). The gRPC servicer and the in-process simulator both drive this class; what it must not do:
-network, files, clocks or threads of its own.
+rounds' records and the fold and close jobs). The gRPC servicer and the in-process simulator both drive
+this class; what it must not do: network, files, clocks or threads of its own.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ import torch
 from streamdiloco.common.chunks import MAX_ABS_VALUE
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import FragmentLayout, slice_ranges
-from streamdiloco.common.outer import OuterOptimizer
+from streamdiloco.common.fragments import FragmentLayout
 from streamdiloco.common.pace import valid_step_seconds
 from streamdiloco.server.rounds.defenses import Defenses
-from streamdiloco.server.rounds.jobs import ClosedRound, CloseJob, FoldJob, OpenRound, Push, fold, ordered
+from streamdiloco.server.rounds.fragment import FragmentSlice
+from streamdiloco.server.rounds.jobs import ClosedRound, CloseJob, FoldJob, Push, ordered
 from streamdiloco.server.rounds.members import RoundMembers
 from streamdiloco.server.rounds.records import checked_fragment, checked_round, fragment_record
 from streamdiloco.server.rounds.robust import RobustConfig
@@ -65,7 +66,8 @@ __all__ = ["MAX_ABS_VALUE", "MAX_WEIGHT", "ClosedRound", "CloseJob", "FoldJob", 
 
 
 class ShardState:
-    """One shard's rounds: per fragment its outer optimizer, the open round and whether a job is out."""
+    """One shard's rounds: per fragment a `FragmentSlice` (its outer optimizer, the open round, whether a
+    job is out), and who the rounds wait for."""
 
     def __init__(
         self,
@@ -87,41 +89,25 @@ class ShardState:
             raise ValueError(f"need {layout.num_fragments} initial fragment vectors, got {len(initial)}")
         self.shard, self.num_shards, self.layout, self.cfg = shard, num_shards, layout, cfg
         self.rule = RoundRule(min_workers, round_timeout, quorum, round_grace, cfg.sync_every)  # checks them
-        self.min_workers, self.round_timeout = min_workers, round_timeout
         self.robust = robust if robust is not None else RobustConfig()
-        self.ranges = [slice_ranges(f.numel, num_shards)[shard] for f in layout.fragments]
-        self.outer: list[OuterOptimizer] = []
-        for f, (vec, (lo, hi)) in enumerate(zip(initial, self.ranges, strict=True)):
-            if vec.numel() != layout.fragments[f].numel:
-                raise ValueError(
-                    f"fragment {f}: initial vector has {vec.numel()} values, "
-                    f"layout says {layout.fragments[f].numel}"
-                )
-            self.outer.append(
-                OuterOptimizer(
-                    vec[lo:hi].to(torch.float32).clone(),
-                    lr=cfg.outer_lr,
-                    momentum=cfg.outer_momentum,
-                    nesterov=cfg.outer_nesterov,
-                    downlink_codec=cfg.downlink_codec,
-                    block_size=cfg.codec_block_size,
-                    rounding=cfg.downlink_rounding,
-                    seed=seed * 1_000_003 + shard * 1009 + f,
-                )
+        self.defenses = Defenses(self.robust, cfg)
+        self.fragments = [
+            FragmentSlice.start(
+                f, (shard, num_shards), vec, layout.fragments[f].numel, cfg, seed, self.defenses.recent()
             )
-        self.open = [OpenRound(0) for _ in range(layout.num_fragments)]
-        self.busy: set[int] = set()  # fragments whose fold or close job is out (see begin_close)
-        self._masters = [opt.master for opt in self.outer]  # as of the last round closed (never changed)
-        self.fold_bytes = [8 * (hi - lo) for lo, hi in self.ranges]  # kept pushes beyond an fp64 sum: fold
-        self.downlink = (cfg.downlink_codec, cfg.codec_block_size)  # a zero update's codec and block size
+            for f, vec in enumerate(initial)
+        ]
         self.roll = RoundMembers(layout.num_fragments)
-        self.staging = Staging(shard, self.ranges, cfg)
-        self.defenses = Defenses(self.robust, cfg, layout.num_fragments)
+        self.staging = Staging(shard, self.fragments, cfg)
         self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
         self.pushes_accepted = 0
         self.rounds_closed = 0
 
     # --- what the collaborators own, as callers read it ---------------------------------------------------
+    min_workers = property(lambda self: self.rule.min_workers)
+    round_timeout = property(lambda self: self.rule.round_timeout)
+    ranges = property(lambda self: [fr.slice for fr in self.fragments], doc="this shard's slice of each")
+    open = property(lambda self: [fr.open for fr in self.fragments], doc="each fragment's open round")
     members = property(lambda self: self.roll.members, doc="who the rounds that start from now wait for")
     member_from = property(lambda self: self.roll.member_from)
     restored_members = property(lambda self: self.roll.restored)
@@ -129,62 +115,49 @@ class ShardState:
     staged = property(lambda self: self.staging.staged)
     discarding = property(lambda self: self.staging.discarding)
     pushes_refused = property(lambda self: self.staging.pushes_refused)
-    weight_history = property(lambda self: self.defenses.weight_history)
-    norm_history = property(lambda self: self.defenses.norm_history)
+    weight_history = property(lambda self: [fr.recent.weights for fr in self.fragments])
+    norm_history = property(lambda self: [fr.recent.norms for fr in self.fragments])
     pushes_clipped = property(lambda self: self.defenses.pushes_clipped)
     weights_capped = property(lambda self: self.defenses.weights_capped)
 
     def master(self, fragment: int) -> torch.Tensor:
         """The fragment's master slice as of its last closed round (a tensor never changed in place)."""
-        return self._masters[fragment]
+        return self.fragments[fragment].master
 
     def sum(self, fragment: int) -> torch.Tensor:
         """The open round's fp64 sum of weight * delta over its whole pushes so far (for tests and checks:
         the round itself keeps the pushes encoded until it closes)."""
-        rnd = self.open[fragment]
-        lo, hi = self.ranges[fragment]
-        out = torch.zeros(hi - lo, dtype=torch.float64)
-        pushes = [p for g in rnd.groups for p in ordered(g)] + ordered(rnd.kept)
-        fold(hi - lo, pushes, out, rnd.partial)
-        return out
+        return self.fragments[fragment].sum()
 
     def round_of(self, fragment: int) -> int:
         """The number of the round that is open for this fragment."""
-        return self.open[fragment].number
+        return self.fragments[fragment].open.number
 
     def contributors(self, fragment: int) -> set[str]:
-        return set(self.open[fragment].contributors)
+        return set(self.fragments[fragment].open.contributors)
 
     def started(self, fragment: int) -> bool:
         """Whether the open round has had a whole push (it is in progress)."""
-        return self.open[fragment].started_at is not None
+        return self.fragments[fragment].open.started_at is not None
 
     # --- checkpoints (their format: server/rounds/records.py) -----------------------------------------------
     def fragment_state(self, fragment: int) -> dict:
         """What a checkpoint keeps of a fragment: the open round's number and the outer optimizer (master,
         momentum, error-feedback residual, rounding generator). The open round's pushes are not kept."""
-        if fragment in self.busy:
-            raise RuntimeError(f"fragment {fragment} is being closed: its state is the close job's")
-        return {
-            **self._saved(fragment, self.open[fragment].number),
-            "outer": self.outer[fragment].state_dict(),
-        }
+        fr = self.fragments[fragment]
+        return {**self._saved(fr), "outer": fr.outer_state()}
 
-    def _saved(self, fragment: int, round: int) -> dict:
-        history = self.defenses.history(fragment)
-        return fragment_record(fragment, self.ranges[fragment], round, self.roll.saved(), history)
+    def _saved(self, fr: FragmentSlice) -> dict:
+        """The fragment's checkpointed state but its optimizer's, with its open round's number."""
+        return fragment_record(fr.index, fr.slice, fr.open.number, self.roll.saved(), fr.recent.saved())
 
     def load_fragment_state(self, fragment: int, saved: object) -> None:
         """Restore a fragment from `fragment_state`'s dict; ValueError, with nothing changed, if it does not
         fit this shard's slice of the fragment."""
-        outer, rnd, members, history = checked_fragment(fragment, saved, self.ranges[fragment])
-        if fragment in self.busy:
-            raise RuntimeError(f"fragment {fragment} is being closed: cannot load its state now")
-        self.outer[fragment].load_state_dict(outer)
-        self._masters[fragment] = self.outer[fragment].master
-        self.open[fragment] = OpenRound(rnd)
+        fr = self.fragments[fragment]
+        outer, rnd, members, history = checked_fragment(fragment, saved, fr.slice)
+        fr.load(outer, rnd, self.defenses.recent(history))
         self.roll.restore(members)
-        self.defenses.load(fragment, history)
 
     def expect_back(self, until: float) -> None:
         """After a restart: wait for the checkpoint's members as if they were here, until `until`."""
@@ -244,7 +217,7 @@ class ShardState:
             worker, fragment, round, seq, offset, total, part, last, weight, loss, step_seconds, stretch
         )
         try:
-            st = self.staging.chunk(self.open, self.defenses, chunk)
+            st = self.staging.chunk(self.defenses, chunk)
         except PushRejected as e:
             if e.reason == "late":
                 # it is there and pushing: rounds that start from now wait for it again, each at most its
@@ -256,20 +229,18 @@ class ShardState:
             raise
         if st is None:
             return False
-        rnd = self.open[fragment]
+        fr = self.fragments[fragment]
+        rnd = fr.open
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
-            rnd.started_at = now
-            if rnd.opened_at is None:  # open since the shard started (or was restored): its members may
-                rnd.opened_at = now  # need H steps to their first push, so it counts from that push
-            rnd.expected = self.roll.expected(fragment, rnd.number) | {worker}
+            rnd.start(now, self.roll.expected(fragment, rnd.number) | {worker})
         self.roll.heard(worker, st.step_seconds)
         push = Push(
             worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss, step_seconds=st.step_seconds
         )
         rnd.add(push, st.asm.nbytes)
-        if rnd.kept_bytes >= self.fold_bytes[fragment] and self.defenses.folds_early:
+        if rnd.kept_bytes >= fr.fold_bytes and self.defenses.folds_early:
             # as big as an fp64 sum: settle them and fold them (memory bound)
-            self._settle(fragment, rnd, rnd.group())
+            self._settle(fr, rnd.group())
         self.bytes_received += st.asm.nbytes
         self.pushes_accepted += 1
         return True
@@ -294,20 +265,21 @@ class ShardState:
         with `fragment`, of that one's only (after a push of it: a push moves no other round closer)."""
         out = []
         looked: tuple[set[str], float] | None = None  # the members present and the pace, once (O(members))
-        for f in range(len(self.open)) if fragment is None else (fragment,):
-            rnd = self.open[f]
-            if f in self.busy:
+        for fr in self.fragments if fragment is None else (self.fragments[fragment],):
+            rnd = fr.open
+            if fr.busy:
                 continue  # its fold or close job is out: due when it is back
             if rnd.expected is None:
                 continue  # not started: nobody has pushed yet
             if looked is None:
                 looked = (self.roll.present(now), self.pace())
-            why = self._why_close(f, rnd, now, *looked)
+            why = self._why_close(fr, now, *looked)
             if why is not None:
-                out.append((f, why))
+                out.append((fr.index, why))
         return out
 
-    def _why_close(self, f: int, rnd: OpenRound, now: float, present: set[str], pace: float) -> str | None:
+    def _why_close(self, fr: FragmentSlice, now: float, present: set[str], pace: float) -> str | None:
+        rnd = fr.open
         assert rnd.expected is not None and rnd.opened_at is not None and rnd.started_at is not None
         waited = (rnd.expected & present) - self.roll.dormant  # whom the round still counts on
         pending = waited - rnd.contributors
@@ -315,14 +287,13 @@ class ShardState:
         if (
             (pending or n < self.min_workers)
             and not (rnd.expected & present)
-            and not self.staging.arriving(f)
+            and not self.staging.arriving(fr.index)
         ):
             return "empty"  # everyone expected has left: close with what there is
         weights = self.roll.weights
         if rnd.quorum_at is None:
-            pushed = rnd.settled + sum(
-                self.defenses.shares(f, rnd, rnd.kept, pace, mean=False)
-            )  # folded: settled
+            kept = self.defenses.shares(fr.recent, rnd, rnd.kept, pace, mean=False)
+            pushed = rnd.settled + sum(kept)  # folded: settled
             if self.rule.holds_quorum(pushed, n, [weights.get(m) for m in pending]):
                 rnd.quorum_at = now
         can = n + sum(1 for m in pending if m in weights)  # members that never pushed cannot
@@ -338,87 +309,59 @@ class ShardState:
         the closed round are `late` from now on); the returned job computes the update. Until `end_close`
         takes it back, the job owns the fragment's optimizer: the fragment is busy, `master` is the one
         before the round. Expected members that did not push are dormant from now on."""
-        self._take_out(fragment)
-        rnd = self.open[fragment]
-        lo, hi = self.ranges[fragment]
+        fr = self.fragments[fragment]
+        fr.take_out()
         self.staging.forget_fragment(fragment)
-        kept = ordered(rnd.kept)
-        self._settle(fragment, rnd, kept)
+        self._settle(fr, ordered(fr.open.kept))
+        rnd = fr.next_round(opened_at=now)
         history = self.defenses.closing(rnd)
-        self.defenses.remember(fragment, history)
+        fr.recent.remember(history)
         if rnd.expected is not None:  # who it waited for and closed without (none with "all" or "empty")
             self.roll.missed(set(rnd.expected) - rnd.contributors - self.roll.returning)
-        self.open[fragment] = OpenRound(rnd.number + 1, opened_at=now)
-        pushes = [p for g in rnd.groups for p in g] + kept
-        mean_loss = rnd.loss_sum / rnd.loss_weight if rnd.loss_weight else None
-        saved, rob = self._saved(fragment, rnd.number + 1), self.defenses.aggregator
-        return CloseJob(fragment, rnd.number, why, hi - lo, pushes, rnd.partial, rnd.settled,
-                        tuple(sorted(rnd.contributors)), mean_loss, self.outer[fragment], self.downlink,
-                        saved, rob, tuple(sorted(rnd.clipped)), tuple(sorted(rnd.capped)),
-                        history)  # fmt: skip
+        closing = rnd.closing(why, self.defenses.aggregator, history)
+        return CloseJob(fragment, fr.outer, saved=self._saved(fr), closing=closing)
 
     def end_close(self, job: CloseJob) -> ClosedRound:
         """Take back a close job that has run: the fragment's master is the new one."""
-        assert job.update is not None, "end_close needs a job that has run"
-        self.busy.discard(job.fragment)
-        self._masters[job.fragment] = job.opt.master
+        closed = job.closed()
+        self.fragments[job.fragment].end_close(job)
         self.rounds_closed += 1
-        return ClosedRound(
-            job.fragment, job.round, job.update, job.contributors, job.weight, job.mean_loss, job.why,
-            job.clipped, job.capped,
-        )  # fmt: skip
+        return closed
 
     def replay_round(self, fragment: int, record: object) -> ClosedRound:
         """Close the open round again from a checkpoint's log of it (CloseJob.record): the same pushes,
         checked again, folded in the same order into the same step. ValueError, with nothing changed, when
         the record is damaged or is not of the open round."""
-        rnd = self.open[fragment]
-        lo, hi = self.ranges[fragment]
-        log = checked_round(record, fragment, rnd.number, hi - lo, lambda: self.staging.assembly(fragment))
-        self._take_out(fragment)
-        self.defenses.remember(fragment, log.history)
-        saved = self._saved(fragment, rnd.number + 1)
-        job = CloseJob(fragment, rnd.number, log.why, hi - lo, log.pushes, log.partial, log.weight,
-                       log.contributors, log.mean_loss, self.outer[fragment], self.downlink, saved,
-                       log.aggregator, history=log.history)  # fmt: skip
-        self.open[fragment] = OpenRound(rnd.number + 1)  # opened_at: its first push (a restart's rounds)
-        return self.end_close(job.run())
+        fr = self.fragments[fragment]
+        log = checked_round(
+            record, fragment, fr.open.number, fr.numel, lambda: self.staging.assembly(fragment)
+        )
+        fr.take_out()
+        fr.recent.remember(log.history)
+        fr.next_round(opened_at=None)  # the next round counts from its first push (a restart's rounds)
+        return self.end_close(CloseJob(fragment, fr.outer, saved=self._saved(fr), closing=log).run())
 
-    def _settle(self, fragment: int, rnd: OpenRound, pushes: list[Push]) -> None:
-        """Settle pushes about to be folded (server/rounds/defenses.py); their shares are what later rounds
-        count on from their workers."""
-        self.defenses.settle(fragment, rnd, pushes, self.pace())
+    def _settle(self, fr: FragmentSlice, pushes: list[Push]) -> None:
+        """Settle pushes of the fragment's round about to be folded (server/rounds/defenses.py); their shares
+        are what later rounds count on from their workers."""
+        self.defenses.settle(fr.recent, fr.open, pushes, self.pace())
         self.roll.pushed({p.worker: p.share for p in pushes})
-
-    def _take_out(self, fragment: int) -> None:
-        """A job (or a reader) takes the fragment: busy until it is back."""
-        if fragment in self.busy:
-            raise RuntimeError(f"fragment {fragment} already has a job out")
-        self.busy.add(fragment)
 
     def hold(self, fragment: int) -> None:
         """Keep the fragment's state still (no close or fold) until `release`: a checkpoint is reading it."""
-        self._take_out(fragment)
+        self.fragments[fragment].take_out()
 
     def release(self, fragment: int) -> None:
-        self.busy.discard(fragment)
+        self.fragments[fragment].release()
 
     def fold_due(self) -> list[int]:
         """Fragments whose open round has groups of pushes to fold (and no job out)."""
-        return [f for f, rnd in enumerate(self.open) if rnd.groups and f not in self.busy]
+        return [fr.index for fr in self.fragments if fr.open.groups and not fr.busy]
 
     def begin_fold(self, fragment: int) -> FoldJob:
         """Hand out the open round's groups of pushes to fold into its fp64 sum; the fragment is busy (its
         round does not close) until `end_fold`. Pushes go on arriving meanwhile."""
-        self._take_out(fragment)
-        rnd = self.open[fragment]
-        lo, hi = self.ranges[fragment]
-        job = FoldJob(fragment, rnd.number, hi - lo, rnd.groups, rnd.partial)
-        rnd.groups, rnd.partial = [], None
-        return job
+        return self.fragments[fragment].begin_fold()
 
     def end_fold(self, job: FoldJob) -> None:
-        rnd = self.open[job.fragment]
-        assert rnd.number == job.round and rnd.partial is None and job.partial is not None
-        rnd.partial = job.partial
-        self.busy.discard(job.fragment)
+        self.fragments[job.fragment].end_fold(job)

@@ -142,8 +142,19 @@ def _nonfinite(obj: object, path: str = "") -> str | None:
     return None
 
 
+# The parts beside the fragments that a shard registers (`register`), by name: their file, and what the log
+# calls them. Each is a JSON file written whole, listed in meta.json with its hash.
+PARTS = {"ledger": (LEDGER, "the data ledger"), "credits": (CREDITS, "the contribution credits")}
+
+
 class ShardCheckpoint:
-    def __init__(self, directory: str | Path, fingerprint: dict):
+    """A shard's checkpoint directory (see the module's docstring). The fragments are ShardState's; every
+    other part (shard 0's data ledger, the contribution credits) registers how to get its state with
+    `register` (as torchft's `register_state_dict_fn`), is saved with the rest by `save_all` or on its own
+    by `save_part`, and finds what `load` read of it in `restored(name)`. `init_hash`: the run's, for
+    --init from-worker (kept in meta.json)."""
+
+    def __init__(self, directory: str | Path, fingerprint: dict, init_hash: str = ""):
         self.dir = Path(directory)
         self.fingerprint = fingerprint
         self.writes = 0
@@ -156,16 +167,35 @@ class ShardCheckpoint:
         self.committed = False  # meta.json of this run is on disk: every write updates it
         self._run: dict | None = None  # meta.json less the hashes
         self._lock = threading.Lock()  # close jobs of two fragments write on two threads
-        # shard 0: the data ledger's state (None until a worker named the data), saved with the rest
-        self.ledger: Callable[[], dict | None] | None = None
-        self.ledger_state: object = None  # what load() read of ledger.json (None: none was listed)
-        # the contribution ledger's state, saved with the rest; what load() read of credits.json; and the
-        # rounds load() replayed: (fragment, round, its log's "credit", how it closed)
-        self.credits: Callable[[], dict] | None = None
-        self.credits_state: object = None
+        self._parts: dict[str, Callable[[], dict | None]] = {}  # name -> its state now (None: nothing yet)
+        self._restored: dict[str, object] = {}  # name -> what load() read of its file
+        # the rounds load() replayed: (fragment, round, its log's "credit", how it closed)
         self.replayed: list[tuple[int, int, object, str]] = []
-        self._json_locks = {LEDGER: threading.Lock(), CREDITS: threading.Lock()}  # one write of each at once
-        self.init_hash = ""  # --init from-worker: the upload's init hash (common/inithash.py), in meta.json
+        self._json_locks = {name: threading.Lock() for name in PARTS}  # one write of each at once
+        self.init_hash = init_hash  # --init from-worker: the upload's init hash (common/inithash.py)
+
+    def register(self, name: str, state: Callable[[], dict | None]) -> None:
+        """Save the part `name` (one of PARTS) with the rest of the checkpoint: `state()` gives what to write
+        (None: nothing yet)."""
+        if name not in PARTS:
+            raise KeyError(f"no checkpoint part {name!r}: one of {sorted(PARTS)}")
+        self._parts[name] = state
+
+    def restored(self, name: str) -> object:
+        """What load() read of the part's file (None: the checkpoint had none)."""
+        return self._restored.get(name)
+
+    def needs_initial(self) -> None:
+        """Write every file before the first worker comes (`write_initial`): a new run's starting state."""
+        self.pending_initial = True
+
+    def write_initial(self, state: ShardState) -> None:
+        """The starting state of a new run (or a checkpoint of an old format, written again with hashes),
+        if it is still to be written; OSError if it cannot be."""
+        if self.pending_initial:
+            if not self.save_all(state):
+                raise OSError(f"cannot write the checkpoint to {self.dir}: {self.last_error}")
+            self.pending_initial = False
 
     def _meta(self, state: ShardState) -> dict:
         return {
@@ -260,10 +290,9 @@ class ShardCheckpoint:
                 m = _LOG_NAME.fullmatch(listed)
                 if m and int(m[1]) == f and int(m[2]) > r:
                     raise ValueError(f"{where} is incomplete: meta.json lists {listed} but not {name}")
-        if not legacy and LEDGER in meta["files"]:
-            self.ledger_state, files[LEDGER] = self._read_json(LEDGER, meta["files"][LEDGER])
-        if not legacy and CREDITS in meta["files"]:
-            self.credits_state, files[CREDITS] = self._read_json(CREDITS, meta["files"][CREDITS])
+        for part, (file, _) in PARTS.items():
+            if not legacy and file in meta["files"]:
+                self._restored[part], files[file] = self._read_json(file, meta["files"][file])
         self.files, self.incoming, self.committed = files, {}, True
         self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
         self._run["fingerprint"] = self.fingerprint
@@ -317,20 +346,17 @@ class ShardCheckpoint:
         except ValueError as e:
             raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
 
-    def save_ledger(self, state: dict) -> bool:
-        """Write the data ledger (shard 0) and list it in meta.json; False (and an error in the log) if it
-        could not. Small (a few bytes per piece), written whole."""
-        return self._save_json(LEDGER, state, "the data ledger")
+    def save_part(self, name: str, state: dict) -> bool:
+        """Write a part's state (a JSON file, whole: a few bytes per piece of the data ledger, a few hundred
+        per worker of the credits) and list it in meta.json; False (and an error in the log) if it could
+        not."""
+        file, what = PARTS[name]
+        return self._save_json(file, state, what, name)
 
-    def save_credits(self, state: dict) -> bool:
-        """Write the contribution ledger (Credits.to_state) and list it in meta.json; False (and an error in
-        the log) if it could not. A few hundred bytes per worker, written whole."""
-        return self._save_json(CREDITS, state, "the contribution ledger")
-
-    def _save_json(self, name: str, state: dict, what: str) -> bool:
+    def _save_json(self, name: str, state: dict, what: str, part: str) -> bool:
         data = json.dumps(state, separators=(",", ":")).encode()
         try:
-            with self._json_locks[name]:  # two writers' files and hashes must not cross
+            with self._json_locks[part]:  # two writers' files and hashes must not cross
                 self.dir.mkdir(parents=True, exist_ok=True)
                 sha = _write_hashed(self.dir / name, lambda f: f.write(data))
                 with self._lock:
@@ -440,10 +466,9 @@ class ShardCheckpoint:
                 return self._failed("removing the old meta.json", e)
             self.files, self.incoming = {}, {}
         ok = all([self.save_fragment(state, f) for f in range(state.layout.num_fragments)])
-        if self.ledger is not None and (ledger := self.ledger()) is not None:
-            ok = self.save_ledger(ledger) and ok
-        if self.credits is not None:
-            ok = self.save_credits(self.credits()) and ok
+        for part, state_now in self._parts.items():
+            if (saved := state_now()) is not None:
+                ok = self.save_part(part, saved) and ok
         if not ok:
             return False
         try:

@@ -13,12 +13,11 @@ must not do: send, log or wait.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from streamdiloco.common.progress import Progress
 from streamdiloco.server.rounds.state import ShardState
-from streamdiloco.server.storage.ledger import Ledger
 from streamdiloco.server.trust.auth import Auth, Identity
 from streamdiloco.server.trust.membership import PENDING_SECONDS, Sessions
 
@@ -62,7 +61,7 @@ class Roster:
         self.state = state
         self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
         self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
-        self.ledger: Ledger | None = None  # shard 0's data ledger: a member that goes gives its pieces back
+        self._leaving: list[Callable[[str], None]] = []  # told the name of every member that stops being one
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
@@ -119,10 +118,15 @@ class Roster:
             self.state.remove_member(member.name)
             self._release(member.name)
 
+    def when_leaving(self, listener: Callable[[str], None]) -> None:
+        """Tell `listener` the name of every member that stops being one (shard 0's data ledger: its pieces
+        go back to the pool)."""
+        self._leaving.append(listener)
+
     def _release(self, name: str) -> None:
-        """The worker is no member from now on: its pieces of the data go back to the pool (shard 0)."""
-        if self.ledger is not None:
-            self.ledger.release(name)
+        """The worker is no member from now on: whoever listens lets go of what it held."""
+        for listener in self._leaving:
+            listener(name)
 
     # --- who is here ---------------------------------------------------------------------------------------
     def sessions(self) -> list[Member]:

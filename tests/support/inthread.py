@@ -1,5 +1,6 @@
 """A shard serving in a thread of the test's process, and a worker's side of a Session driven by hand:
 the messages it sends and what the shard answers (tests/test_service.py, tests/test_elastic_units.py).
+The standard nano shard built on it is nano_shard.py's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import json
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -19,9 +20,9 @@ from streamdiloco.common.tls import ClientTLS, ServerTLS
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.edge.service import ShardService
 from streamdiloco.server.main import serve
 from streamdiloco.server.observe.run_view import Peers
+from streamdiloco.server.shard import Shard
 
 RPC_TIMEOUT = 10.0  # every call carries a deadline: nothing here can hang
 WAIT = 5.0  # seconds to wait for a message or a server-side condition
@@ -160,7 +161,7 @@ class InThreadShard:
 
     def __init__(
         self,
-        service: ShardService,
+        service: Shard,
         tmp_path: Path,
         fingerprint_json: str,
         token: str = "",
@@ -198,16 +199,9 @@ class InThreadShard:
         async def main() -> None:
             self.stop = asyncio.Event()
             http_port = 0 if http else None
-            await serve(
-                self.service,
-                "127.0.0.1",
-                port,
-                http_port=http_port,
-                ready_file=ready,
-                stop=self.stop,
-                tls=self.tls,
-                peers=self.peers,
-            )
+            where = dict(host="127.0.0.1", port=port, http_port=http_port, ready_file=ready)
+            config = replace(self.service.config, **where, tls=self.tls, peers=self.peers)
+            await serve(self.service, config, self.stop)
 
         try:
             self.loop.run_until_complete(main())
@@ -255,12 +249,12 @@ class InThreadShard:
     def quiesce(self, w: Worker) -> None:
         """Wait until the shard has read everything this worker sent on its session."""
         self.wait_for(
-            lambda: w.name in self.service.members and self.service.members[w.name].msg_in == w.session.sent,
+            lambda: (m := self.service.roster.open.get(w.name)) is not None and m.msg_in == w.session.sent,
             f"the shard to read all of {w.name}'s messages",
         )
 
     def status(self, **kw) -> dict:
-        return self.on_loop(lambda: self.service.status(**kw))
+        return self.on_loop(lambda: self.service.view.status(**kw))
 
     def member_state(self, name: str) -> str:
         return next(m["state"] for m in self.status()["members"] if m["name"] == name)
@@ -269,7 +263,7 @@ class InThreadShard:
         """Everything a refused push must leave unchanged."""
 
         def snap() -> dict:
-            st, status = self.service.state, self.service.status()
+            st, status = self.service.state, self.service.view.status()
             json.dumps(status, allow_nan=False)  # what /api/status serves stays valid JSON
             return {
                 "fragments": [(f["round"], f["master_hash"], f["contributors"]) for f in status["fragments"]],
