@@ -1,7 +1,7 @@
 """The `data` subcommand's flags: `streamdiloco data prepare` (text and JSON Lines into a prepared,
 tokenized folder) and `streamdiloco data check` (open one, verify it, say what it holds). Nothing here but
 argparse declarations and the hand-off, so that `--help` imports neither torch nor tokenizers: the commands
-import cli/prepare.py and common/prepared.py when they run."""
+import worker/prepare.py and common/prepared.py when they run."""
 
 from __future__ import annotations
 
@@ -92,9 +92,24 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from streamdiloco.prepare import run
+    """Prepare (worker/prepare.py), then print the summary."""
+    from streamdiloco.worker.prepare import prepare, summary
 
-    return run(args, err=sys.stderr)
+    m = prepare(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        train_vocab=args.train_tokenizer,
+        eos=args.eos,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        block_size=args.block_size,
+        text_field=args.text_field,
+        force=args.force,
+        progress=sys.stderr,
+    )
+    print(summary(args.out, m))
+    return 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

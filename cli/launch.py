@@ -350,7 +350,7 @@ def run_launch(args: argparse.Namespace) -> int:
             import torch
 
             from streamdiloco.common.tls import ClientTLS
-            from streamdiloco.export import from_servers, write_safetensors
+            from streamdiloco.common.globalmodel import from_servers, write_safetensors
 
             token, tls = "", None
             if creds:  # worker-0's credentials: Fetch needs a worker's
