@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 from streamdiloco.common.codecs import warm_up
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params
+from streamdiloco.common.fragments import FragmentLayout, build_layout, flatten, fragment_params, slice_ranges
 from streamdiloco.common.inithash import parse_init_hash
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.statefile import read_init_file
 from streamdiloco.server.config import FROM_WORKER, ShardConfig
 from streamdiloco.server.edge.gates import Gates
 from streamdiloco.server.edge.initialize import InitRefused, PendingShard, shard_fingerprint
+from streamdiloco.server.edge.wiring import staged_budget
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.shard import Shard
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
@@ -116,9 +117,11 @@ def _start(
     restart then needs the uploader no more)."""
     c, first = config, bool(first_hash)
     rule = c.rule
+    ranges = [slice_ranges(f.numel, c.num_shards)[c.shard] for f in layout.fragments]
     state = ShardState(
         c.shard, c.num_shards, layout, c.sync, initial, c.model.seed,
         rule.min_workers, rule.round_timeout, c.robust, rule.quorum, rule.round_grace,
+        staged_budget(c.sync, ranges, c.limits),  # what pushes arriving may hold
     )  # fmt: skip
     checkpoint = ShardCheckpoint(c.checkpoint_dir, fingerprint, first_hash) if c.checkpoint_dir else None
     if checkpoint is not None and checkpoint.exists() and not c.fresh and not first:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from streamdiloco.common.codecs import chunk_values, get_codec
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.server.rounds.staging import Staging
 from streamdiloco.server.trust.bounds import (
     FETCHES_PER_PEER,
     MIN_STAGED_BYTES,
@@ -38,11 +37,12 @@ def unread_budget(cfg: SyncConfig, ranges: list[tuple[int, int]], limits: Limits
     return UnreadBudget(limits.max_unread_bytes or max(MIN_UNREAD_BYTES, 4 * update_bytes))
 
 
-def staged_budget(staging: Staging, limits: Limits) -> int:
+def staged_budget(cfg: SyncConfig, ranges: list[tuple[int, int]], limits: Limits) -> int:
     """What the pushes whose chunks are arriving may reserve, over all sessions: --max-staged-bytes, or one
-    push of the largest fragment for every one of --max-sessions (a worker stages one push at a time), and
-    at least MIN_STAGED_BYTES."""
-    largest = max(staging.push_bytes(f) for f in range(len(staging.ranges)))
+    push of the largest fragment (`ranges`: this shard's slices) for every one of --max-sessions (a worker
+    stages one push at a time), and at least MIN_STAGED_BYTES."""
+    up = get_codec(cfg.uplink_codec)
+    largest = max(up.encoded_nbytes(hi - lo, cfg.codec_block_size) for lo, hi in ranges)
     return limits.max_staged_bytes or max(MIN_STAGED_BYTES, limits.max_sessions * largest)
 
 

@@ -82,6 +82,7 @@ class ShardState:
         robust: RobustConfig | None = None,
         quorum: float = 0.5,
         round_grace: float = 1.0,
+        staged_limit: int | None = None,
     ):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard index {shard} is outside [0, {num_shards - 1}]")
@@ -98,7 +99,7 @@ class ShardState:
             for f, vec in enumerate(initial)
         ]
         self.roll = RoundMembers(layout.num_fragments)
-        self.staging = Staging(shard, self.fragments, cfg)
+        self.staging = Staging(shard, self.fragments, cfg, staged_limit)  # staged_limit: bytes arriving
         self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
         self.pushes_accepted = 0
         self.rounds_closed = 0
@@ -219,12 +220,9 @@ class ShardState:
         try:
             st = self.staging.chunk(self.defenses, chunk)
         except PushRejected as e:
-            if e.reason == "late":
-                # it is there and pushing: rounds that start from now wait for it again, each at most its
-                # grace. A worker that is far behind (resumed after a freeze, restarted from an older
-                # checkpoint) pushes rounds that closed long ago; were it not waited for, it would stay behind
-                # and none of its pushes would count again. Waited for by the grace, the others slow down
-                # (the grace is longer than a round) while it trains at full speed, and it catches up
+            if e.reason == "late":  # it is there: rounds from now wait for it again (by their grace)
+                # a worker far behind (resumed after a freeze, restarted from an older checkpoint) would else
+                # stay behind, none of its pushes counting; waited for, the others slow down and it catches up
                 self.roll.heard(worker)
             raise
         if st is None:
