@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import Encoded, get_codec, sumsq
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.server.rounds.defenses import Defenses
-from streamdiloco.server.rounds.fragment import FragmentSlice
-from streamdiloco.server.rounds.jobs import Staged
+from streamdiloco.server.rounds.jobs import OpenRound, Staged
 from streamdiloco.server.rounds.robust import MAX_LOSS, MIN_WEIGHT
 
 # Bounds on what a push may carry, so that no accepted push can make the sum, the mean or the outer step
@@ -36,6 +36,17 @@ class PushRejected(ValueError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason  # short machine-readable cause: bad_fragment, late, duplicate, ...
+
+
+class Fragment(Protocol):
+    """What staging reads of a fragment (server/rounds/fragment.py's FragmentSlice): this shard's slice of it,
+    and its open round."""
+
+    @property
+    def slice(self) -> tuple[int, int]: ...
+
+    @property
+    def open(self) -> OpenRound: ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +72,7 @@ class Staging:
     """The pushes of one shard whose chunks are arriving, keyed by (worker, fragment); `fragments`: the
     shard's, whose open rounds it reads."""
 
-    def __init__(
-        self, shard: int, fragments: Sequence[FragmentSlice], cfg: SyncConfig, limit: int | None = None
-    ):
+    def __init__(self, shard: int, fragments: Sequence[Fragment], cfg: SyncConfig, limit: int | None = None):
         self.shard, self.fragments, self.cfg = shard, fragments, cfg
         self.ranges = [fr.slice for fr in fragments]  # this shard's slice of each fragment
         self.limit = limit  # bytes the staged pushes may reserve in all (None: no bound)
