@@ -246,30 +246,16 @@ def run_settings(args: argparse.Namespace) -> Settings:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    """The command: S shards, then M workers, watched until the workers end; then the summary."""
     settings = run_settings(args)
     if args.print_config:
         print(settings.to_toml(comments=True), end="")
         return 0
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.ready"):
-        old.unlink()
-    run_toml = out / "run.toml"  # the one source of the run's settings for every child
-    run_toml.write_text(settings.to_toml(comments=True))
-    if args.http_port and not 0 < args.http_port <= 65536 - args.shards:
-        raise ValueError(
-            f"--http-port {args.http_port}: shard ports {args.http_port}.. must be at most 65535"
-        )
-    if args.http_port:  # said now, by the flag, rather than by a shard that exits
-        from streamdiloco.common.ports import bind_error, probe
-
-        for port in range(args.http_port, args.http_port + args.shards):
-            if (taken := probe("127.0.0.1", port)) is not None:
-                raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
+    run_toml = _prepare_out(args, out, settings)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     # launch's own lines on stdout with its children's, in their format; the children log as launch does
     setup_logging(args.log_level, args.log_format, stream="stdout")
-    logs = log_flags(args.log_level, args.log_format)
     creds = Credentials(out / "certs", args.workers) if args.tls else None
     scheme = "https" if creds else "http"
     cluster = Cluster(out, json_format=args.log_format == "json")
@@ -281,24 +267,8 @@ def run_launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
     try:
-        ready = [out / f"shard{s}.ready" for s in range(args.shards)]
-        # known before the shards start: each one's dashboard shows them all (--peers)
-        http_ports = (
-            [args.http_port + s for s in range(args.shards)] if args.http_port else free_ports(args.shards)
-        )
-        peers = ",".join(f"{scheme}://127.0.0.1:{p}" for p in http_ports)
-        for s in range(args.shards):
-            cluster.start(
-                f"shard{s}",
-                ["server", "--config", str(run_toml), "--shard", str(s), "--num-shards", str(args.shards)]
-                + ["--host", "127.0.0.1", "--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
-                + ["--ready-file", str(ready[s]), *logs]
-                + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
-                + (creds.shard_flags() if creds else []),
-                threads=1,  # a shard's arithmetic is small next to a worker's
-            )
         try:
-            ports = _wait_ready(cluster, ready)
+            ports = _start_shards(cluster, args, run_toml, creds)
         except RuntimeError as e:
             log.error("%s; stopping everything; see %s/*.log", e, out)
             return 1
@@ -313,30 +283,13 @@ def run_launch(args: argparse.Namespace) -> int:
             + ", ".join(f"{scheme}://127.0.0.1:{p['http_port']}{page}" for p in ports)
             + f"; Prometheus targets in {out / 'prometheus-targets.json'}"
         )
-        workers = []
-        for m in range(args.workers):
-            argv = ["worker", "--config", str(run_toml), "--servers", ",".join(targets)]
-            argv += ["--name", f"worker-{m}", "--rank", str(m), *logs]
-            argv += ["--metrics-port", str(metrics_ports[m])]
-            argv += ["--summary", str(out / f"worker-{m}.json")]
-            argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
-            if args.save_global:
-                argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
-            if creds:
-                argv += creds.worker_flags(m)
-            workers.append(cluster.start(f"worker-{m}", argv, threads=threads))
-        while any(w.poll() is None for w in workers):
-            failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
-            failed += [
-                name for name, p in cluster.procs.items() if name.startswith("shard") and p.poll() is not None
-            ]
-            if failed:  # the others would wait for it for ever (rounds need every worker)
-                log.error("%s stopped; stopping everything; see %s/*.log", ", ".join(failed), out)
-                return 1
-            time.sleep(0.2)
-        codes = [w.returncode for w in workers]
-        if any(codes):
-            log.error("a worker failed (exit statuses %s); see %s/*.log", codes, out)
+        workers = [
+            cluster.start(
+                f"worker-{m}", _worker_argv(args, m, run_toml, targets, metrics_ports[m], creds), threads
+            )
+            for m in range(args.workers)
+        ]
+        if not _watch(cluster, workers, out):
             return 1
         statuses = [
             http_json(
@@ -347,36 +300,133 @@ def run_launch(args: argparse.Namespace) -> int:
             for p in ports
         ]
         if args.save_global:
-            import torch
-
-            from streamdiloco.common.tls import ClientTLS
-            from streamdiloco.common.globalmodel import from_servers, write_safetensors
-
-            token, tls = "", None
-            if creds:  # worker-0's credentials: Fetch needs a worker's
-                cert, key, token_file = creds.worker_files(0)
-                token, tls = token_file.read_text().strip(), ClientTLS(str(creds.ca), str(cert), str(key))
-            # checked as `streamdiloco export` checks a live run: one run, each fragment's slices of one round
-            global_model = from_servers(targets, token, tls)
-            torch.save(global_model.vectors, out / "masters.pt")
-            write_safetensors(global_model.tensors(), out / "model.safetensors", global_model.metadata())
-        summary = summarize(
-            [json.loads((out / f"worker-{m}.json").read_text()) for m in range(args.workers)],
-            statuses,
-            time.monotonic() - t0,
-        )
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        if json_logs():  # one record: a collector parses it; the table is for people
-            log.info("summary", extra={"summary": summary})
-        else:
-            say(format_summary(summary))
-        log.info("wrote %s and the processes' logs in %s", out / "summary.json", out)
-        return 0 if summary["mirrors_match_masters"] else 1
+            _save_global(out, targets, creds)
+        return _report(out, args.workers, statuses, time.monotonic() - t0)
     except KeyboardInterrupt:
         log.warning("interrupted: stopping every process")
         return 130
     finally:
         cluster.stop()
+
+
+def _prepare_out(args: argparse.Namespace, out: Path, settings: Settings) -> Path:
+    """OUT made ready (no ready file of an earlier run), its run.toml written (returned: the one source of
+    the run's settings for every child), and --http-port checked, before any process starts."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.ready"):
+        old.unlink()
+    run_toml = out / "run.toml"
+    run_toml.write_text(settings.to_toml(comments=True))
+    if args.http_port and not 0 < args.http_port <= 65536 - args.shards:
+        raise ValueError(
+            f"--http-port {args.http_port}: shard ports {args.http_port}.. must be at most 65535"
+        )
+    if args.http_port:  # said now, by the flag, rather than by a shard that exits
+        from streamdiloco.common.ports import bind_error, probe
+
+        for port in range(args.http_port, args.http_port + args.shards):
+            if (taken := probe("127.0.0.1", port)) is not None:
+                raise bind_error("--http-port", "127.0.0.1", port, taken, "another run", args.http_port)
+    return run_toml
+
+
+def _start_shards(
+    cluster: Cluster, args: argparse.Namespace, run_toml: Path, creds: Credentials | None
+) -> list[dict]:
+    """Start the S shards and wait until each serves: their ready files (the ports they bound).
+    RuntimeError when one exits or does not come up."""
+    out = run_toml.parent
+    scheme = "https" if creds else "http"
+    ready = [out / f"shard{s}.ready" for s in range(args.shards)]
+    # known before the shards start: each one's dashboard shows them all (--peers)
+    http_ports = (
+        [args.http_port + s for s in range(args.shards)] if args.http_port else free_ports(args.shards)
+    )
+    peers = ",".join(f"{scheme}://127.0.0.1:{p}" for p in http_ports)
+    for s in range(args.shards):
+        cluster.start(
+            f"shard{s}",
+            ["server", "--config", str(run_toml), "--shard", str(s), "--num-shards", str(args.shards)]
+            + ["--host", "127.0.0.1", "--port", "0", "--http-port", str(http_ports[s]), "--peers", peers]
+            + ["--ready-file", str(ready[s]), *log_flags(args.log_level, args.log_format)]
+            + ["--checkpoint-dir", str(out / f"shard{s}-checkpoint"), "--fresh"]
+            + (creds.shard_flags() if creds else []),
+            threads=1,  # a shard's arithmetic is small next to a worker's
+        )
+    return _wait_ready(cluster, ready)
+
+
+def _worker_argv(
+    args: argparse.Namespace,
+    m: int,
+    run_toml: Path,
+    targets: list[str],
+    metrics_port: int,
+    creds: Credentials | None,
+) -> list[str]:
+    """Worker m's command line: the run's config, the shards, its name, files and credentials."""
+    out = run_toml.parent
+    argv = ["worker", "--config", str(run_toml), "--servers", ",".join(targets)]
+    argv += ["--name", f"worker-{m}", "--rank", str(m), *log_flags(args.log_level, args.log_format)]
+    argv += ["--metrics-port", str(metrics_port)]
+    argv += ["--summary", str(out / f"worker-{m}.json")]
+    argv += ["--checkpoint", str(out / f"worker-{m}.pt")]
+    if args.save_global:
+        argv += ["--save-global", str(out / f"worker-{m}-global.pt")]
+    if creds:
+        argv += creds.worker_flags(m)
+    return argv
+
+
+def _watch(cluster: Cluster, workers: list[subprocess.Popen], out: Path) -> bool:
+    """Wait for the workers to end; False (said in the log) as soon as a worker fails or a shard stops
+    (the others would wait for it for ever: rounds need every worker), or when a worker ended badly."""
+    while any(w.poll() is None for w in workers):
+        failed = [f"worker-{m}" for m, w in enumerate(workers) if w.poll() not in (None, 0)]
+        failed += [
+            name for name, p in cluster.procs.items() if name.startswith("shard") and p.poll() is not None
+        ]
+        if failed:
+            log.error("%s stopped; stopping everything; see %s/*.log", ", ".join(failed), out)
+            return False
+        time.sleep(0.2)
+    codes = [w.returncode for w in workers]
+    if any(codes):
+        log.error("a worker failed (exit statuses %s); see %s/*.log", codes, out)
+        return False
+    return True
+
+
+def _save_global(out: Path, targets: list[str], creds: Credentials | None) -> None:
+    """--save-global: the shards' masters (masters.pt) and the model (model.safetensors, as `export`)."""
+    import torch
+
+    from streamdiloco.common.globalmodel import from_servers, write_safetensors
+    from streamdiloco.common.tls import ClientTLS
+
+    token, tls = "", None
+    if creds:  # worker-0's credentials: Fetch needs a worker's
+        cert, key, token_file = creds.worker_files(0)
+        token, tls = token_file.read_text().strip(), ClientTLS(str(creds.ca), str(cert), str(key))
+    # checked as `streamdiloco export` checks a live run: one run, each fragment's slices of one round
+    global_model = from_servers(targets, token, tls)
+    torch.save(global_model.vectors, out / "masters.pt")
+    write_safetensors(global_model.tensors(), out / "model.safetensors", global_model.metadata())
+
+
+def _report(out: Path, workers: int, statuses: list[dict], wall: float) -> int:
+    """summary.json and the summary (a table, or one record with --log-format json); 0 when every
+    worker's mirror equals the shards' masters."""
+    summary = summarize(
+        [json.loads((out / f"worker-{m}.json").read_text()) for m in range(workers)], statuses, wall
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if json_logs():  # one record: a collector parses it; the table is for people
+        log.info("summary", extra={"summary": summary})
+    else:
+        say(format_summary(summary))
+    log.info("wrote %s and the processes' logs in %s", out / "summary.json", out)
+    return 0 if summary["mirrors_match_masters"] else 1
 
 
 def summarize(workers: list[dict], statuses: list[dict], wall: float) -> dict:
