@@ -23,7 +23,7 @@ folder beside DIR that is renamed into place only once everything is written and
 Ctrl-C) leaves no partial DIR and memory stays bounded by the chunk whatever the corpus's size.
 
 Must not: import torch or anything above common/ (a worker's data loader, the ledger and `--help` read
-this), hold a whole corpus in memory, or know how text becomes tokens (cli/prepare.py does).
+this), hold a whole corpus in memory, or know how text becomes tokens (worker/prepare.py does).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ ledger, so that rounds a restarted shard replays from its checkpoint's logs are 
 saved ledger had not counted them (server/storage/checkpoint.py).
 
 Pure (the clock is passed in; no I/O): the shard's servicer, round runner and checkpoint call it, and the
-`streamdiloco ledger` command (cli/credit_cmd.py) checks and merges what shards saved or serve. It must not
+`streamdiloco credits` command (cli/credit_cmd.py) checks and merges what shards saved or serve. It must not
 be mixed with server/storage/ledger.py, the *data* ledger of pieces, nor log: callers pass names through
 `shown`.
 """
