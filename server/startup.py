@@ -29,7 +29,7 @@ from streamdiloco.server.edge.initialize import InitRefused, PendingShard, shard
 from streamdiloco.server.edge.wiring import staged_budget
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.shard import Shard
-from streamdiloco.server.storage.checkpoint import ShardCheckpoint
+from streamdiloco.server.storage.checkpoint import ShardCheckpoint, read_meta
 
 if TYPE_CHECKING:
     from torch import nn
@@ -44,7 +44,7 @@ def build_shard(config: ShardConfig, gates: Gates | None = None) -> Shard | Pend
     c = config
     if c.checkpoint_dir and not c.fresh and (Path(c.checkpoint_dir) / "meta.json").exists():
         # a checkpoint of another run (or shard) is refused before the model is built: at once, one line
-        ShardCheckpoint(c.checkpoint_dir, {}).check_meta(c.shard, c.num_shards, c.sync)
+        read_meta(Path(c.checkpoint_dir), c.shard, c.num_shards, c.sync)
     saved = Path(c.checkpoint_dir or "") / "meta.json"
     resuming = bool(c.checkpoint_dir) and not c.fresh and saved.exists()
     # started from a file once: the checkpoint has the layout and the values, and the file may be gone

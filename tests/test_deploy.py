@@ -765,7 +765,7 @@ def exported() -> dict[str, set[str]]:
     """What a shard serves at /metrics (through the app's real route) and what a worker's registry serves,
     each with every conditional gauge present."""
     from streamdiloco.common.config import SyncConfig
-    from streamdiloco.server.main import make_app
+    from streamdiloco.server.http import make_app
     from streamdiloco.worker.metrics import WorkerMetrics
     from tests.support.shards import shard_of
 

@@ -123,43 +123,17 @@ class Intake:
 
     def _on_push(self, member: Member, push: pb.Push) -> None:
         c, h = push.chunk, push.header
-        if not member.active:  # no round may count on a worker that has not said it is ready
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "not_ready"):
-                self._refuse(member, c.fragment, c.round, "not_ready", "send Ready before pushing")
-            return
-        # before its bytes are copied: a new push must fit in what staging may hold (server/rounds/staging.py)
-        why = self.state.staging.check_start(member.name, c.fragment, c.round, c.seq)
-        if why is not None:
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "staging_full"):
-                self._refuse(member, c.fragment, c.round, "staging_full", f"round {c.round}: {why}")
+        if (refusal := self._before_copy(member, c)) is not None:
+            self._refuse_chunk(member, c, *refusal)
             return
         try:
             part = from_chunk(c)
         except ValueError as e:  # scales that are not whole fp32 numbers: the push is dropped as a whole
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_length"):
-                message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
-                self._refuse(member, c.fragment, c.round, "bad_length", message)
+            message = f"fragment {c.fragment} round {c.round} chunk {c.seq}: {e}"
+            self._refuse_chunk(member, c, "bad_length", message)
             return
-        if c.seq == 0 and 0 < h.weight < MIN_WEIGHT:  # ShardState refuses the rest of what is not 1..2^53
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_weight"):
-                self._refuse(
-                    member,
-                    c.fragment,
-                    c.round,
-                    "bad_weight",
-                    f"fragment {c.fragment} round {c.round}: push weight must be at least {MIN_WEIGHT:g} "
-                    f"token (it counts the tokens trained on), got {h.weight}",
-                )
-            return
-        if c.seq == 0 and (problem := check_progress(h)):
-            if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, "bad_header"):
-                self._refuse(
-                    member,
-                    c.fragment,
-                    c.round,
-                    "bad_header",
-                    f"fragment {c.fragment} round {c.round}: {problem}",
-                )
+        if c.seq == 0 and (refusal := self._header_refusal(c, h)) is not None:
+            self._refuse_chunk(member, c, *refusal)
             return
         before = self.state.bytes_received
         loss = h.loss if c.seq == 0 and h.has_loss else None
@@ -185,25 +159,57 @@ class Intake:
         if c.seq == 0:  # a header the shard took (its loss is finite): kept until the push is whole
             self.started[(member.name, c.fragment)] = (now, progress_from_proto(h), loss)
         if done:
-            member.pushes += 1
-            self.credits.accepted(member.name)
-            self.metrics.push_size.observe(self.state.bytes_received - before)
-            started = self.started.pop((member.name, c.fragment), None)
-            if started is not None:  # the worker's progress, reported with an accepted push
-                t0, report, push_loss = started
-                self.metrics.push_transfer.observe(max(0.0, now - t0))
-                member.step, member.blocked_seconds = report.step, report.blocked_seconds
-                member.report = report
-                if push_loss is not None:
-                    member.last_loss = push_loss
-                self.dashboard.record_progress(
-                    member.name, report.step, push_loss, report.blocked_seconds, report
-                )
-            result = pb.PushResult(
-                fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.roster.pace()
+            self._accepted(member, c, now, self.state.bytes_received - before)
+
+    def _before_copy(self, member: Member, c: pb.Chunk) -> tuple[str, str] | None:
+        """Why a chunk is refused before its bytes are copied (reason, message), if it is."""
+        if not member.active:  # no round may count on a worker that has not said it is ready
+            return "not_ready", "send Ready before pushing"
+        # a new push must fit in what staging may hold (server/rounds/staging.py)
+        why = self.state.staging.check_start(member.name, c.fragment, c.round, c.seq)
+        return None if why is None else ("staging_full", f"round {c.round}: {why}")
+
+    @staticmethod
+    def _header_refusal(c: pb.Chunk, h: pb.PushHeader) -> tuple[str, str] | None:
+        """Why a push's header (its first chunk's) is refused, if it is: ShardState refuses the rest of
+        what is not 1..2^53 tokens."""
+        where = f"fragment {c.fragment} round {c.round}"
+        if 0 < h.weight < MIN_WEIGHT:
+            return "bad_weight", (
+                f"{where}: push weight must be at least {MIN_WEIGHT:g} token (it counts the tokens trained "
+                f"on), got {h.weight}"
             )
-            self.outbox.send(member, pb.ShardMessage(result=result))
-            self.close_due(c.fragment)
+        if problem := check_progress(h):
+            return "bad_header", f"{where}: {problem}"
+        return None
+
+    def _refuse_chunk(self, member: Member, c: pb.Chunk, reason: str, message: str) -> None:
+        """Refuse the push the chunk belongs to (once: ShardState drops its later chunks without a word)."""
+        if self.state.refuse_chunk(member.name, c.fragment, c.round, c.seq, c.last, reason):
+            self._refuse(member, c.fragment, c.round, reason, message)
+
+    def _accepted(self, member: Member, c: pb.Chunk, now: float, nbytes: int) -> None:
+        """A whole push the shard took: counted, its progress recorded, its result sent, its round maybe
+        due."""
+        member.pushes += 1
+        self.credits.accepted(member.name)
+        self.metrics.push_size.observe(nbytes)
+        started = self.started.pop((member.name, c.fragment), None)
+        if started is not None:  # the worker's progress, reported with an accepted push
+            t0, report, push_loss = started
+            self.metrics.push_transfer.observe(max(0.0, now - t0))
+            member.step, member.blocked_seconds = report.step, report.blocked_seconds
+            member.report = report
+            if push_loss is not None:
+                member.last_loss = push_loss
+            self.dashboard.record_progress(
+                member.name, report.step, push_loss, report.blocked_seconds, report
+            )
+        result = pb.PushResult(
+            fragment=c.fragment, round=c.round, accepted=True, pace_seconds=self.roster.pace()
+        )
+        self.outbox.send(member, pb.ShardMessage(result=result))
+        self.close_due(c.fragment)
 
     def _refuse(self, member: Member, fragment: int, round: int, reason: str, message: str) -> None:
         member.refused += 1

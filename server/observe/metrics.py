@@ -127,6 +127,22 @@ class _Collector:
         )
         yield info
         yield ready_gauge(parts.ready())
+        yield from self._members()
+        yield from self._rounds()
+        yield from self._traffic()
+        yield from credit_metrics(parts)
+        ckpt = parts.checkpoint
+        yield CounterMetricFamily(
+            f"{P}_checkpoint_writes", "Checkpoint files written", value=ckpt.writes if ckpt else 0
+        )
+        yield CounterMetricFamily(
+            f"{P}_checkpoint_errors", "Checkpoint writes that failed", value=ckpt.errors if ckpt else 0
+        )
+
+
+    def _members(self) -> Iterator[Metric]:
+        """Who is here: members, passive sessions, members a restart still waits for."""
+        parts, st = self.parts, self.parts.state
         yield GaugeMetricFamily(
             f"{P}_members", "Workers in the member set (rounds wait for them)", value=len(st.members)
         )
@@ -140,6 +156,10 @@ class _Collector:
             "After a restart: members named by the checkpoint that are not back yet",
             value=len(st.returning),
         )
+
+    def _rounds(self) -> Iterator[Metric]:
+        """Each fragment's open round, the rounds closed by outcome, the pushes by outcome."""
+        st = self.parts.state
         rnd = GaugeMetricFamily(f"{P}_fragment_round", "The open round of each fragment", labels=["fragment"])
         for f in range(st.layout.num_fragments):
             rnd.add_metric([str(f)], st.round_of(f))
@@ -160,6 +180,10 @@ class _Collector:
         for outcome, n in counts.items():
             pushes.add_metric([outcome], n)
         yield pushes
+
+    def _traffic(self) -> Iterator[Metric]:
+        """Bytes in and out (messages and encoded payloads), messages that did not parse, the last loss."""
+        parts, st = self.parts, self.parts.state
         yield CounterMetricFamily(
             f"{P}_bad_messages",
             "Session messages that were neither pushes nor Ready",
@@ -191,15 +215,6 @@ class _Collector:
                 "Token-weighted mean training loss reported with the pushes of the latest closed round",
                 value=parts.dashboard.last_loss,
             )
-        yield from credit_metrics(parts)
-        ckpt = parts.checkpoint
-        yield CounterMetricFamily(
-            f"{P}_checkpoint_writes", "Checkpoint files written", value=ckpt.writes if ckpt else 0
-        )
-        yield CounterMetricFamily(
-            f"{P}_checkpoint_errors", "Checkpoint writes that failed", value=ckpt.errors if ckpt else 0
-        )
-
 
 def credit_metrics(parts: Observed) -> Iterator[Metric]:
     """The contribution ledger (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens

@@ -142,6 +142,60 @@ def _nonfinite(obj: object, path: str = "") -> str | None:
     return None
 
 
+def read_meta(directory: Path, shard: int, num_shards: int, cfg: SyncConfig) -> dict:
+    """meta.json, when it belongs to this shard of a run with these sync settings; else ValueError (one
+    line). Cheap: the shard checks it before it builds the model, so a wrong flag fails at once."""
+    where = f"checkpoint {directory}"
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read meta.json ({e}); use --fresh to start over") from None
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+        got = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"{where} has format {got!r}, this shard reads {FORMAT} (and {LEGACY_FORMAT})")
+    if (meta.get("shard"), meta.get("num_shards")) != (shard, num_shards):
+        raise ValueError(
+            f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
+            f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
+        )
+    config = c if isinstance(c := meta.get("config"), dict) else {}
+    ours = cfg.to_dict()
+    if config != ours:
+        changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))
+        raise ValueError(
+            f"{where} was written by a run with other sync settings ({', '.join(changed)}): start with "
+            "the same flags, or use --fresh (or another --checkpoint-dir) to start a new run"
+        )
+    if meta["format"] == FORMAT:
+        for key in ("files", "incoming"):
+            table = meta.get(key)
+            if not isinstance(table, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in table.items()
+            ):
+                raise ValueError(f"{where}: meta.json's {key!r} is not a table of file hashes (--fresh)")
+    return meta
+
+
+def read_json(directory: Path, name: str, want: str) -> tuple[object, str]:
+    """A JSON file of the checkpoint and its sha256; ValueError (one line) when it is missing, damaged or
+    its hash is not `want`."""
+    where = f"checkpoint {directory}"
+    try:
+        data = (directory / name).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read {name} ({_first_line(e)}); use --fresh") from None
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != want:
+        raise ValueError(
+            f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists {want[:16]}...; "
+            "restore the directory from a copy or use --fresh"
+        )
+    try:
+        return json.loads(data), sha
+    except ValueError as e:
+        raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
+
+
 # The parts beside the fragments that a shard registers (`register`), by name: their file, and what the log
 # calls them. Each is a JSON file written whole, listed in meta.json with its hash.
 PARTS = {"ledger": (LEDGER, "the data ledger"), "credits": (CREDITS, "the contribution credits")}
@@ -210,45 +264,12 @@ class ShardCheckpoint:
     def exists(self) -> bool:
         return (self.dir / "meta.json").exists()
 
-    def check_meta(self, shard: int, num_shards: int, cfg: SyncConfig) -> dict:
-        """meta.json, when it belongs to this shard of a run with these sync settings; else ValueError (one
-        line). Cheap: the shard checks it before it builds the model, so a wrong flag fails at once."""
-        where = f"checkpoint {self.dir}"
-        try:
-            meta = json.loads((self.dir / "meta.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{where}: cannot read meta.json ({e}); use --fresh to start over") from None
-        if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY_FORMAT):
-            got = meta.get("format") if isinstance(meta, dict) else None
-            raise ValueError(f"{where} has format {got!r}, this shard reads {FORMAT} (and {LEGACY_FORMAT})")
-        if (meta.get("shard"), meta.get("num_shards")) != (shard, num_shards):
-            raise ValueError(
-                f"{where} belongs to shard {meta.get('shard')} of {meta.get('num_shards')}, "
-                f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
-            )
-        config = c if isinstance(c := meta.get("config"), dict) else {}
-        ours = cfg.to_dict()
-        if config != ours:
-            changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))
-            raise ValueError(
-                f"{where} was written by a run with other sync settings ({', '.join(changed)}): start with "
-                "the same flags, or use --fresh (or another --checkpoint-dir) to start a new run"
-            )
-        if meta["format"] == FORMAT:
-            for key in ("files", "incoming"):
-                table = meta.get(key)
-                if not isinstance(table, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in table.items()
-                ):
-                    raise ValueError(f"{where}: meta.json's {key!r} is not a table of file hashes (--fresh)")
-        return meta
-
     def load(self, state: ShardState) -> None:
         """Restore every fragment of `state` from the directory; ValueError (one line) when the checkpoint
         belongs to another run, is incomplete, or a file is damaged (its hash differs from meta.json's, or
         it holds values that are not finite)."""
         where = f"checkpoint {self.dir}"
-        meta = self.check_meta(state.shard, state.num_shards, state.cfg)
+        meta = read_meta(self.dir, state.shard, state.num_shards, state.cfg)
         diff = fingerprint_diff(
             meta.get("fingerprint") or {}, self.fingerprint, us="checkpoint", them="model"
         )
@@ -292,7 +313,7 @@ class ShardCheckpoint:
                     raise ValueError(f"{where} is incomplete: meta.json lists {listed} but not {name}")
         for part, (file, _) in PARTS.items():
             if not legacy and file in meta["files"]:
-                self._restored[part], files[file] = self._read_json(file, meta["files"][file])
+                self._restored[part], files[file] = read_json(self.dir, file, meta["files"][file])
         self.files, self.incoming, self.committed = files, {}, True
         self._run = {**{k: meta[k] for k in ("shard", "num_shards", "config")}, "format": FORMAT}
         self._run["fingerprint"] = self.fingerprint
@@ -326,25 +347,6 @@ class ShardCheckpoint:
         if (bad := _nonfinite(obj)) is not None:
             raise ValueError(f"{where}: {name} is damaged: {bad}; use --fresh or restore it from a copy")
         return obj, sha
-
-    def _read_json(self, name: str, want: str) -> tuple[object, str]:
-        """A JSON file of the checkpoint and its sha256; ValueError (one line) when it is missing, damaged or
-        its hash is not `want`."""
-        where = f"checkpoint {self.dir}"
-        try:
-            data = (self.dir / name).read_bytes()
-        except OSError as e:
-            raise ValueError(f"{where}: cannot read {name} ({_first_line(e)}); use --fresh") from None
-        sha = hashlib.sha256(data).hexdigest()
-        if sha != want:
-            raise ValueError(
-                f"{where}: {name} is damaged: its sha256 is {sha[:16]}..., meta.json lists {want[:16]}...; "
-                "restore the directory from a copy or use --fresh"
-            )
-        try:
-            return json.loads(data), sha
-        except ValueError as e:
-            raise ValueError(f"{where}: {name} is damaged ({_first_line(e)})") from None
 
     def save_part(self, name: str, state: dict) -> bool:
         """Write a part's state (a JSON file, whole: a few bytes per piece of the data ledger, a few hundred
