@@ -137,28 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_server_parser(sub: argparse._SubParsersAction) -> None:
-    """`server`: one shard; its own flags, its security and the settings sections it reads."""
-    sv = sub.add_parser(
-        "server",
-        help="run one shard of the outer-optimizer server",
-        description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
-        "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
-        "same model as the workers (--model), or from the model's parameters alone (--init FILE: no model "
-        "code on the shard), and the same Streaming DiLoCo settings (flags, or the same --config file): "
-        "workers take these from the shard at Join unless they set them.",
-    )
-    g = sv.add_argument_group("shard")
-    g.add_argument("--shard", type=int, default=0, help="this shard's index s (default 0)")
-    g.add_argument("--num-shards", type=int, default=1, help="S, the number of shards (default 1)")
-    g.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all; default %(default)s)"
-    )
-    g.add_argument(
-        "--port", type=int, default=7070, help="gRPC port, 0 picks a free one (default %(default)s)"
-    )
-    g.add_argument("--http-port", type=int, default=8080, help="HTTP status port (default %(default)s)")
-    g.add_argument("--ready-file", default=None, help="write the bound ports here (JSON) once serving")
+def _add_peers_flags(g) -> None:
     g.add_argument(
         "--peers",
         default="",
@@ -172,44 +151,28 @@ def _add_server_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PEM",
         help="the CA of the peers' HTTPS certificates (default: --tls-client-ca, the run's CA)",
     )
-    g.add_argument(
-        "--init",
-        default=None,
-        metavar="PATH",
-        help="start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH), or "
-        "a safetensors file from `streamdiloco export`. Without --model the file is the model: names, "
-        "shapes, dtypes and values come from it, the blocks from its fingerprint, --blocks-path or the "
-        "names (the log says which). `--init from-worker`: no model and no file: the first worker to join "
-        "sends its layout and parameters (written to the checkpoint at once; every later worker must match)",
-    )
-    g.add_argument(
-        "--init-expect",
-        default=None,
-        metavar="SHA256",
-        help="with --init from-worker: take only an upload of these starting parameters, named by their init "
-        "hash (64 hex digits: `streamdiloco init-hash` prints it for a model and seed); any other is refused",
-    )
-    g.add_argument(
-        "--init-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="with --init from-worker: an upload that sends no values for this long is refused and frees "
-        "the only upload slot (default %(default)s)",
-    )
-    g.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        metavar="DIR",
-        help="written every round and on shutdown; a shard started again resumes from it "
-        "(default: checkpoints/shard-S-of-N)",
-    )
+
+
+def _add_no_checkpoint(g) -> None:
     g.add_argument("--no-checkpoint", action="store_true", help="keep no checkpoint (a restart starts over)")
-    g.add_argument(
-        "--fresh",
-        action="store_true",
-        help="start a new run even if --checkpoint-dir holds one (replaces it)",
+
+
+def _add_server_parser(sub: argparse._SubParsersAction) -> None:
+    """`server`: one shard; its own flags, its security and the settings sections it reads."""
+    sv = sub.add_parser(
+        "server",
+        help="run one shard of the outer-optimizer server",
+        description="Run shard s of S: it owns slice s of every fragment, aggregates the workers' pushes, "
+        "runs the outer Nesterov step and streams the quantized update back. Start one per shard with the "
+        "same model as the workers (--model), or from the model's parameters alone (--init FILE: no model "
+        "code on the shard), and the same Streaming DiLoCo settings (flags, or the same --config file): "
+        "workers take these from the shard at Join unless they set them.",
     )
+    from streamdiloco.server.config import ShardConfig
+
+    g = sv.add_argument_group("shard")
+    # the shard's own fields (server/config.py), in their order; --peers and --no-checkpoint feed others
+    add_own_flags(g, ShardConfig, then={"ready_file": _add_peers_flags, "checkpoint_dir": _add_no_checkpoint})
     _add_shard_flags(g)
     _add_server_security_flags(sv.add_argument_group("security (needed beyond loopback: see README)"))
     add_settings(sv, ("model", "sync", "server", "robust", "limits", "link", "pieces"))

@@ -50,6 +50,11 @@ class ShardConfig:
     shard: int = _own(0, "this shard's index s (default 0)")  # type: ignore[assignment]
     num_shards: int = _own(1, "S, the number of shards (default 1)")  # type: ignore[assignment]
     has_model: bool = True  # False: the model is the --init file's, or the first worker's
+    # where it listens (serve()): gRPC for workers, HTTP for health, metrics, status and the dashboard
+    host: str = _own("127.0.0.1", "address to listen on (0.0.0.0 for all; default %(default)s)")  # type: ignore[assignment]
+    port: int = _own(7070, "gRPC port, 0 picks a free one (default %(default)s)")  # type: ignore[assignment]
+    http_port: int | None = _own(8080, "HTTP status port (default %(default)s)")  # type: ignore[assignment]
+    ready_file: str | None = _own(None, "write the bound ports here (JSON) once serving")  # type: ignore[assignment]
     init: str | None = _own(  # type: ignore[assignment]
         None,
         "start from these parameters: a state_dict saved with torch.save(model.state_dict(), PATH), or "
@@ -71,14 +76,14 @@ class ShardConfig:
         "only upload slot (default %(default)s)",
         metavar="SECONDS",
     )
-    checkpoint_dir: str | None = None  # None: no checkpoint (a restart starts over)
-    fresh: bool = False  # start a new run even if checkpoint_dir holds one (replaces it)
-    # where it listens (serve()): gRPC for workers, HTTP for health, metrics, status and the dashboard
-    host: str = "127.0.0.1"
-    port: int = 7070
-    http_port: int | None = 8080  # None: no HTTP
-    http_host: str | None = None  # default: host
-    ready_file: str | None = None  # the bound ports (JSON), once serving
+    checkpoint_dir: str | None = _own(  # type: ignore[assignment]
+        None,  # None here: no checkpoint (a restart starts over)
+        "written every round and on shutdown; a shard started again resumes from it "
+        "(default: checkpoints/shard-S-of-N)",
+        metavar="DIR",
+    )
+    fresh: bool = _own(False, "start a new run even if --checkpoint-dir holds one (replaces it)")  # type: ignore[assignment]
+    http_host: str | None = None  # where HTTP listens (default: host; None for http_port: no HTTP)
     tls: ServerTLS | None = None  # gRPC and HTTP over TLS (mutual with a client CA)
     peers: Peers | None = None  # the run's shards, for the dashboard's run view (default: this one alone)
     # credentials: who may join, and the read token of HTTP (the CLI builds them from its flags)
