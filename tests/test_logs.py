@@ -135,25 +135,35 @@ def test_launch_shows_a_childs_json_record_with_its_name_and_wraps_a_line_that_i
 
 
 # --- real processes -------------------------------------------------------------------------------------
-def test_text_lines_of_a_shard_and_a_worker_are_dated_and_the_worker_writes_a_wandb_offline_run(tmp_path):
-    """One run for both (real processes are the slow part): the text format's ISO dates on a shard's and a
-    worker's lines, and W&B in its offline mode: the worker's run, read back from the files W&B writes,
-    has the training loss at every --log-every step and the eval losses."""
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory) -> tuple[Cluster, Path]:
+    """One run of a shard and a worker in the text format, for the two tests below (real processes are the
+    slow part); where wandb is installed the worker also writes a W&B run in its offline mode."""
+    tmp = tmp_path_factory.mktemp("text_run")
     has_wandb = importlib.util.find_spec("wandb") is not None
     tracked = ["--wandb-project", "streamdiloco-test", "--wandb-run-name", "site-a"] if has_wandb else []
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    with Cluster(tmp_path, env=env) as c:
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "WANDB_SILENT": "true"}
+    with Cluster(tmp, env=env) as c:
         target, _ = c.shard("shard", *NANO)
         c.worker("w", [target], *WORK, *tracked)
         assert c.wait("w") == 0, c.log("w")[-3000:]
+    return c, tmp
+
+
+def test_text_lines_of_a_shard_and_a_worker_are_dated(text_run):
+    """The text format's ISO dates on every line of a shard's and a worker's."""
+    c, _ = text_run
     for name in ("shard", "w"):
         lines = [x for x in c.log(name).splitlines() if x.strip()]
         assert lines and all(TEXT_LINE.match(x) for x in lines), c.log(name)[-3000:]
     assert re.search(rf"^{ISO} INFO streamdiloco.worker: w step 12/12 ", c.log("w"), re.M)
-    if not has_wandb:
-        pytest.skip(
-            "wandb is not installed (pip install 'streamdiloco[wandb]'): its offline run is not checked"
-        )
+
+
+def test_the_worker_writes_a_wandb_offline_run_with_its_losses(text_run):
+    """W&B in its offline mode: the worker's run, read back from the files W&B writes, has the training
+    loss at every --log-every step and the eval losses."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'streamdiloco[wandb]')")
+    _, tmp_path = text_run
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(tmp_path.rglob("*"))
     history = _wandb_history(runs[0])
