@@ -29,7 +29,7 @@ The figures  goodput = tokens that reached the model / tokens computed, summed o
              - resent over all answers - resent: a push sent again after a shard restart is one push).
              That weighs each push of one worker alike (true within a few percent under the adaptive
              schedule, whose pace moves slowly). The headline figure is exact instead: the tokens the
-             shard's contribution ledger (server/storage/credits.py) counted into closed rounds, after the
+             shard's contribution credits (server/storage/credits.py) counted into closed rounds, after the
              weight caps, over the same tokens computed; the estimate is shown beside it.
              busy share = compute seconds (the step and its emulated sleep) / wall seconds of each worker
              that no fault touched, through the freeze (from its /metrics at the freeze's start and end)
@@ -117,7 +117,7 @@ def goodput(processes: list[Counts]) -> float:
 
 
 def ledger_goodput(credits: dict, processes: list[Counts]) -> float:
-    """Goodput from the shard's contribution ledger (/api/status "credits", server/storage/credits.py): the
+    """Goodput from the shard's contribution credits (/api/status "credits", server/storage/credits.py): the
     tokens it counted into closed rounds, every identity's and the folded rows', over the tokens computed.
     Exact where the estimate above weighs each push alike; the ledger's tokens are after the weight caps."""
     computed = sum(c.tokens for c in processes)
@@ -506,7 +506,7 @@ def _goodput_table(calm: dict, chaos: dict, sizes: Sizes) -> list[str]:
         + ("" if chaos["netns"] else " (skipped: no network namespaces)")
         + ".",
         "",
-        "Goodput: the tokens the shard's contribution ledger counted into closed rounds (after the weight "
+        "Goodput: the tokens the shard's contribution credits counted into closed rounds (after the weight "
         "caps) over the tokens every worker process computed; beside it the estimate from each process's "
         "push answers (reached_tokens).",
         "",

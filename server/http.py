@@ -95,7 +95,7 @@ def make_app(source: Shard | Holder, auth: Auth | None = None, peers: Peers | No
         rounds: int = Query(20, ge=0, le=HISTORY, description="recent closed rounds to list"),
         hashes: bool = Query(True, description="each fragment's master hash (a hash of its slice)"),
         credits: int = Query(
-            STATUS_ROWS, ge=0, le=MAX_IDENTITIES, description="rows of the contribution ledger to list"
+            STATUS_ROWS, ge=0, le=MAX_IDENTITIES, description="rows of the contribution credits to list"
         ),
     ):
         if holder.shard is None:

@@ -52,7 +52,7 @@ class RoundRunner:
     ) -> None:
         self.state, self.checkpoint, self.metrics, self.dashboard = state, checkpoint, metrics, dashboard
         self.down_chunk, self.deliver, self.on_closing, self.clock = down_chunk, deliver, closing, clock
-        # the contribution ledger: each closed round's tokens per worker; and the shares of the pushes that
+        # the contribution credits: each closed round's tokens per worker; and the shares of the pushes that
         # fold jobs took out of a round still open ((fragment, round) -> worker -> summed shares)
         self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
         self.folded: dict[tuple[int, int], dict[str, float]] = {}

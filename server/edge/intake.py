@@ -52,7 +52,7 @@ class Intake:
         self.state, self.roster, self.outbox, self.counters = state, roster, outbox, counters
         self.metrics, self.dashboard, self.throttled = metrics, dashboard, throttled
         self.close_due, self.clock = close_due, clock
-        # the contribution ledger: pushes accepted and refused, per worker
+        # the contribution credits: pushes accepted and refused, per worker
         self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
         # (worker, fragment) -> when a push's first chunk came, and the progress and loss its header reported
         self.started: dict[tuple[str, int], tuple[float, Progress, float | None]] = {}

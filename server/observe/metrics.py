@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 P = f"{PREFIX}_shard"
 
-# Identities of the contribution ledger with series of their own (the most tokens); the rest share one series
+# Identities of the contribution credits with series of their own (the most tokens); the rest share one series
 # whose worker label is empty (no worker name is): labels stay bounded however many workers come
 CREDIT_LABELS = 10
 
@@ -217,7 +217,7 @@ class _Collector:
             )
 
 def credit_metrics(parts: Observed) -> Iterator[Metric]:
-    """The contribution ledger (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens
+    """The contribution credits (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens
     by `worker`, the rest under worker="". Gauges: a worker's series moves to the rest when others pass it."""
     tops, rest = parts.credits.top(CREDIT_LABELS, parts.clock())
     rows = [*tops, ("", rest, 0.0)]
@@ -251,6 +251,6 @@ def credit_metrics(parts: Observed) -> Iterator[Metric]:
     yield pushes
     yield GaugeMetricFamily(
         f"{P}_credit_identities",
-        "Worker identities the contribution ledger counted (those folded into its others too)",
+        "Worker identities the contribution credits counted (those folded into its others too)",
         value=parts.credits.identities,
     )

@@ -170,7 +170,7 @@ class RunView:
     def fetch(self, url: str) -> dict:
         """One peer's summary (in a thread): up, or down with the reason in a few words."""
         headers = {"Authorization": f"Bearer {self.peers.read_token}"} if self.peers.read_token else {}
-        # no rounds, hashes or contribution ledger: the summary needs none of them
+        # no rounds, hashes or contribution credits: the summary needs none of them
         request = urllib.request.Request(f"{url}/api/status?rounds=0&hashes=0&credits=0", headers=headers)
         deadline = time.monotonic() + PEER_TIMEOUT
         try:

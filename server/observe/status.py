@@ -91,7 +91,7 @@ class ShardStatus:
 
     def status(self, rounds: int = 20, hashes: bool = True, credits: int = STATUS_ROWS) -> dict:
         """`hashes`: each fragment's master hash too (a hash of the slice, once per round: the dashboard
-        page, which polls, leaves it out); `credits`: rows of the contribution ledger listed (the most
+        page, which polls, leaves it out); `credits`: rows of the contribution credits listed (the most
         tokens first; the rest summed)."""
         st = self.parts.state
         return {

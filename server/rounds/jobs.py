@@ -259,7 +259,7 @@ class CloseJob:
     saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
     closing: ClosingRound
     # worker -> the shares of its pushes in the round, those folded ahead included (the round runner sets
-    # it: the contribution ledger's tokens, logged with the round)
+    # it: the contribution credits' tokens, logged with the round)
     tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
 

@@ -11,7 +11,7 @@ checkpoint.
     ledger.json                       shard 0: the run's data ledger (server/storage/ledger.py's to_state),
     written
                                       before each Pieces reply goes out, so a restart loses no assignment
-    credits.json                      the contribution ledger (server/storage/credits.py's to_state): written
+    credits.json                      the contribution credits (server/storage/credits.py's to_state): written
     before
                                       every whole state of a fragment (which drops round logs: the ledger
                                       has credited them), every CREDITS_SECONDS while it changes, and when
@@ -70,7 +70,7 @@ log = logging.getLogger("streamdiloco.shard")
 FORMAT = 2
 LEGACY_FORMAT = 1  # no hashes: loaded unchecked, with a warning, then written again as FORMAT
 LEDGER = "ledger.json"  # shard 0's data ledger
-CREDITS = "credits.json"  # the contribution ledger
+CREDITS = "credits.json"  # the contribution credits
 FULL_EVERY = 8  # a fragment's whole state every this many of its rounds; the rounds between are logged
 _LOG_NAME = re.compile(r"rounds/fragment-(\d+)-round-(\d+)\.pt")
 _HASH_ASIDE = 1 << 20  # buffers at least this large are hashed on _HASHER while they are written

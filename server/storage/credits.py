@@ -1,4 +1,4 @@
-"""The contribution ledger: what each worker identity gave a shard, so that a collective can credit its
+"""The contribution credits: what each worker identity gave a shard, so that a collective can credit its
 volunteers. One row per name a session proved (server/trust/auth.py's `Identity`: under per-worker tokens or
 client certificates the credential binds the name; under the run token the name is the worker's word, and
 the row's `via` says so). Per row:
@@ -20,8 +20,8 @@ least-contributing row (fewest tokens, then pushes, then rounds; one without an 
 `others`, which sums every folded row and counts them; a folded name that comes back starts a new row.
 
 Rounds are credited once: `through[f]` is the first round of fragment f not yet credited, kept with the
-ledger, so that rounds a restarted shard replays from its checkpoint's logs are credited exactly when the
-saved ledger had not counted them (server/storage/checkpoint.py).
+credits, so that rounds a restarted shard replays from its checkpoint's logs are credited exactly when the
+saved credits had not counted them (server/storage/checkpoint.py).
 
 Pure (the clock is passed in; no I/O): the shard's servicer, round runner and checkpoint call it, and the
 `streamdiloco credits` command (cli/credit_cmd.py) checks and merges what shards saved or serve. It must not
@@ -113,7 +113,7 @@ class Row:
 
 
 class Credits:
-    """One shard's contribution ledger (see the module's docstring)."""
+    """One shard's contribution credits (see the module's docstring)."""
 
     def __init__(self, num_fragments: int, max_rows: int = MAX_IDENTITIES):
         if num_fragments < 1 or max_rows < 1:
@@ -124,7 +124,7 @@ class Credits:
         self.folded = 0  # how many rows `others` holds
         self.through = [0] * num_fragments  # per fragment: the first round not yet credited
         self.open: dict[str, float] = {}  # name -> when its open session began (one session per name)
-        self.changed = False  # since the last to_state (the shard saves the ledger when it changed)
+        self.changed = False  # since the last to_state (the shard saves the credits when they changed)
 
     # --- what happens on the shard -------------------------------------------------------------------------
     def row(self, name: str) -> Row:
@@ -206,8 +206,8 @@ class Credits:
 
     def replayed(self, fragment: int, round: int, credit: object, why: str) -> bool:
         """A round that a restarted shard replayed from its log (CloseJob.record's "credit": tokens per
-        worker, the clipped and the capped), credited unless the ledger had it; a log written before the
-        ledger existed credits nothing. ValueError (one line) for a malformed credit."""
+        worker, the clipped and the capped), credited unless the credits had it; a log written before the
+        credits existed credits nothing. ValueError (one line) for a malformed credit."""
         if credit is None:
             return False
         ok = isinstance(credit, dict) and set(credit) == {"tokens", "clipped", "capped"}
@@ -273,7 +273,7 @@ class Credits:
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def to_state(self, now: float) -> dict:
-        """The ledger as a checkpoint keeps it (JSON data): open sessions count up to `now` (a restart ends
+        """The credits as a checkpoint keeps them (JSON data): open sessions count up to `now` (a restart ends
         them). Clears `changed`."""
         self.changed = False
         return {
@@ -288,35 +288,35 @@ class Credits:
     def from_state(
         cls, state: object, num_fragments: int | None = None, max_rows: int = MAX_IDENTITIES
     ) -> Credits:
-        """A ledger from `to_state`'s data, every field checked: ValueError (one line) for anything else,
-        or for a ledger of another number of fragments than `num_fragments` (None: any). Rows beyond
+        """Credits from `to_state`'s data, every field checked: ValueError (one line) for anything else,
+        or for credits of another number of fragments than `num_fragments` (None: any). Rows beyond
         `max_rows` are folded into others."""
         keys = {"version", "fragments", "through", "workers", "others"}
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"not a contribution ledger (want the keys {sorted(keys)})")
         if state["version"] != VERSION:
-            raise ValueError(f"contribution ledger of version {state['version']!r:.20}, this reads {VERSION}")
+            raise ValueError(f"credits of version {state['version']!r:.20}, this reads {VERSION}")
         p = state["fragments"]
         if not _count(p) or p < 1 or (num_fragments is not None and p != num_fragments):
-            raise ValueError(f"contribution ledger of {p!r} fragments, the run has {num_fragments}")
+            raise ValueError(f"contribution credits of {p!r} fragments, the run has {num_fragments}")
         through = state["through"]
         if not (isinstance(through, list) and len(through) == p and all(_count(r) for r in through)):
-            raise ValueError(f"contribution ledger's through must be {p} round numbers, got {through!r:.80}")
+            raise ValueError(f"contribution credits' through must be {p} round numbers, got {through!r:.80}")
         workers = state["workers"]
         if not isinstance(workers, list) or len(workers) > MAX_COUNT:
-            raise ValueError("contribution ledger's workers must be a list of rows")
+            raise ValueError("contribution credits' workers must be a list of rows")
         credits = cls(p, max_rows)
         credits.through = list(through)
         for d in workers:
             name, row = checked_row(d)
             if name is None or name in credits.rows:
-                raise ValueError(f"contribution ledger: {shown(repr(name))} has two rows")
+                raise ValueError(f"contribution credits: {shown(repr(name))} has two rows")
             if len(credits.rows) >= max_rows:
                 credits._fold_one()
             credits.rows[name] = row
         others = state["others"]
         if not isinstance(others, dict) or not _count(others.get("identities")):
-            raise ValueError("contribution ledger's others must be a row with its count of identities")
+            raise ValueError("contribution credits' others must be a row with its count of identities")
         _, credits.others = checked_row({k: v for k, v in others.items() if k != "identities"}, named=False)
         credits.folded += others["identities"]
         return credits
@@ -338,13 +338,13 @@ def checked_row(d: object, named: bool = True, live: bool = False) -> tuple[str 
         keys = keys | {"connected"}
     if not isinstance(d, dict) or set(d) != keys:
         got = sorted(d)[:20] if isinstance(d, dict) else type(d).__name__
-        raise ValueError(f"a contribution ledger row must have the keys {sorted(keys)}, got {got}")
+        raise ValueError(f"a contribution credits row must have the keys {sorted(keys)}, got {got}")
     name = d.get("worker")
     if named and not (
         isinstance(name, str) and 0 < len(name) <= MAX_NAME and name.isprintable() and name == name.strip()
     ):
-        raise ValueError(f"a contribution ledger row names no worker: {shown(repr(name))}")
-    where = f"the contribution ledger row of {shown(str(name))}" if named else "the ledger's others row"
+        raise ValueError(f"a contribution credits row names no worker: {shown(repr(name))}")
+    where = f"the contribution credits row of {shown(str(name))}" if named else "the credits' others row"
     if live and not isinstance(d["connected"], bool):
         raise ValueError(f"{where}: connected must be true or false")
     if d["via"] not in VIAS:
