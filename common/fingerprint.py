@@ -181,88 +181,90 @@ def _diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
         ours = {k: v for k, v in ours.items() if k != "model_config"}
     if ours == theirs:
         return None
-    if ours.get("fragment_groups") != theirs.get("fragment_groups"):
-        return (
-            f"model fingerprint differs from the {them}'s: the {us} {_grouping(ours)}, the {them} "
-            f"{_grouping(theirs)}: give both the same fragments (connect(fragments=...), --fragments)"
-        )
-    for key in (
-        "sync_every",
-        "num_fragments",
-        "fragment_pattern",
-        "uplink_codec",
-        "downlink_codec",
-        "codec_block_size",
-        "blocks_path",
-        "sync_schedule",
-        "max_steps_per_tick",
-    ):
+    for check in (_groups_diff, _settings_diff, _params_diff, _model_config_diff, _other_diff):
+        if (what := check(ours, theirs, us, them)) is not None:
+            return f"model fingerprint differs from the {them}'s: {what}"
+    return (
+        f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
+    )
+
+
+# The settings a fingerprint carries, compared in this order (the first that differs is named)
+_SETTINGS = (
+    "sync_every",
+    "num_fragments",
+    "fragment_pattern",
+    "uplink_codec",
+    "downlink_codec",
+    "codec_block_size",
+    "blocks_path",
+    "sync_schedule",
+    "max_steps_per_tick",
+)
+
+
+def _groups_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
+    if ours.get("fragment_groups") == theirs.get("fragment_groups"):
+        return None
+    return (
+        f"the {us} {_grouping(ours)}, the {them} {_grouping(theirs)}: give both the same fragments "
+        "(connect(fragments=...), --fragments)"
+    )
+
+
+def _settings_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
+    for key in _SETTINGS:
         if key == "sync_schedule" and ours.get(key, "fixed") != theirs.get(key, "fixed"):
             mine, other = ours.get(key, "fixed"), theirs.get(key, "fixed")
-            return (
-                f"model fingerprint differs from the {them}'s: sync_schedule is {mine!r} on the {us}, "
-                f"{other!r} on the {them}"
-            )
+            return f"sync_schedule is {mine!r} on the {us}, {other!r} on the {them}"
         if ours.get(key) != theirs.get(key):
-            return (
-                f"model fingerprint differs from the {them}'s: {key} is {ours.get(key)!r} on the {us}, "
-                f"{theirs.get(key)!r} on the {them}"
-            )
+            return f"{key} is {ours.get(key)!r} on the {us}, {theirs.get(key)!r} on the {them}"
     if ours.get("seed") != theirs.get("seed"):
-        return (
-            f"model fingerprint differs from the {them}'s: seed is {_short(ours.get('seed'))} on the {us}, "
-            f"{_short(theirs.get('seed'))} on the {them}"
-        )
+        return f"seed is {_short(ours.get('seed'))} on the {us}, {_short(theirs.get('seed'))} on the {them}"
+    return None
+
+
+def _params_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
     a = {p[0]: p for p in ours.get("params", [])}
     b = {p[0]: p for p in theirs.get("params", [])}
     nblocks_a = sum(len(f[0]) for f in ours.get("fragments", []))
     nblocks_b = sum(len(f[0]) for f in theirs.get("fragments", []))
     if nblocks_a != nblocks_b:
-        return f"model fingerprint differs from the {them}'s: {us} has {nblocks_a} blocks, {them} {nblocks_b}"
+        return f"{us} has {nblocks_a} blocks, {them} {nblocks_b}"
     if missing := sorted(set(b) - set(a)):
-        return (
-            f"model fingerprint differs from the {them}'s: the {us} lacks parameter {missing[0]!r} "
-            f"({len(missing)} missing)"
-        )
+        return f"the {us} lacks parameter {missing[0]!r} ({len(missing)} missing)"
     if extra := sorted(set(a) - set(b)):
-        return (
-            f"model fingerprint differs from the {them}'s: the {us} has extra parameter {extra[0]!r} "
-            f"({len(extra)} extra)"
-        )
+        return f"the {us} has extra parameter {extra[0]!r} ({len(extra)} extra)"
     for name, pa in a.items():
         pb = b[name]
         if pa[1] != pb[1]:
-            return (
-                f"model fingerprint differs from the {them}'s: {name} has shape {pa[1]} on the {us}, "
-                f"{pb[1]} on the {them}"
-            )
+            return f"{name} has shape {pa[1]} on the {us}, {pb[1]} on the {them}"
         if pa[2] != pb[2]:
-            return (
-                f"model fingerprint differs from the {them}'s: {name} has dtype {pa[2]} on the {us}, "
-                f"{pb[2]} on the {them}"
-            )
+            return f"{name} has dtype {pa[2]} on the {us}, {pb[2]} on the {them}"
+    return None
+
+
+def _model_config_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
     mine, yours = ours.get("model_config"), theirs.get("model_config")
-    if mine != yours:
-        if not isinstance(mine, dict) or not isinstance(yours, dict):
-            return f"model fingerprint differs from the {them}'s: model_config is not a table on both sides"
-        for key in sorted(set(mine) | set(yours), key=str):
-            if mine.get(key, _ABSENT) != yours.get(key, _ABSENT):
-                name = _short(key, quote=False)
-                a_value, b_value = _short(mine.get(key, _ABSENT)), _short(yours.get(key, _ABSENT))
-                return (
-                    f"model fingerprint differs from the {them}'s: model_config.{name} is {a_value} on the "
-                    f"{us}, {b_value} on the {them}"
-                )
-    for key in sorted(set(ours) | set(theirs)):  # keys a shard learned with a layout (the model's config...)
+    if mine == yours:
+        return None
+    if not isinstance(mine, dict) or not isinstance(yours, dict):
+        return "model_config is not a table on both sides"
+    for key in sorted(set(mine) | set(yours), key=str):
+        if mine.get(key, _ABSENT) != yours.get(key, _ABSENT):
+            name = _short(key, quote=False)
+            a_value, b_value = _short(mine.get(key, _ABSENT)), _short(yours.get(key, _ABSENT))
+            return f"model_config.{name} is {a_value} on the {us}, {b_value} on the {them}"
+    return None
+
+
+def _other_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
+    """Keys a shard learned with a layout (the model's config...) that the checks above do not name."""
+    for key in sorted(set(ours) | set(theirs)):
         if key not in ("params", "fragments", "model_config") and ours.get(key) != theirs.get(key):
-            mine_, theirs_ = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
-            return (
-                f"model fingerprint differs from the {them}'s: {key} is {mine_} on the {us}, "
-                f"{theirs_} on the {them}"
-            )
-    return (
-        f"model fingerprint differs from the {them}'s: the parameters are grouped into fragments differently"
-    )
+            mine, other = repr(ours.get(key))[:200], repr(theirs.get(key))[:200]
+            return f"{key} is {mine} on the {us}, {other} on the {them}"
+    return None
 
 
 def _grouping(fp: dict) -> str:
