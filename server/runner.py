@@ -219,10 +219,10 @@ class RoundRunner:
         try:
             t0 = time.perf_counter()
             # a failure is logged and counted, not fatal: the round logs stay until a whole state is written
-            # (and no state drops the logs of rounds that the ledger written has not credited)
+            # (and no state drops the logs of rounds that the credits written have not)
             await asyncio.get_running_loop().run_in_executor(
                 self.pool,
-                lambda: ckpt.save_credits(credits) and ckpt.save(job.fragment, job.fragment_state()),
+                lambda: ckpt.save_part("credits", credits) and ckpt.save(job.fragment, job.fragment_state()),
             )
             self.metrics.checkpoint_write.observe(time.perf_counter() - t0)
         finally:

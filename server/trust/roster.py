@@ -61,7 +61,7 @@ class Roster:
         self.state = state
         self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
         self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
-        self._leaving: list[Callable[[str], None]] = []  # told the name of every member that stops being one
+        self._leaving: list[Callable[[str], object]] = []  # told the name of every member that stops being one
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
@@ -118,7 +118,7 @@ class Roster:
             self.state.remove_member(member.name)
             self._release(member.name)
 
-    def when_leaving(self, listener: Callable[[str], None]) -> None:
+    def when_leaving(self, listener: Callable[[str], object]) -> None:
         """Tell `listener` the name of every member that stops being one (shard 0's data ledger: its pieces
         go back to the pool)."""
         self._leaving.append(listener)
