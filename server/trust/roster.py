@@ -61,7 +61,7 @@ class Roster:
         self.state = state
         self.joins = Sessions(auth, pending_seconds, max_pending)  # session ids from Join to Hello
         self.open: dict[str, Member] = {}  # every open session by name, those being dropped too
-        self._leaving: list[Callable[[str], object]] = []  # told the name of every member that stops being one
+        self._leaving: list[Callable[[str], object]] = []  # told each member that stops being one
 
     # --- sessions ------------------------------------------------------------------------------------------
     def join(self, name: str, identity: Identity, now: float) -> str:
