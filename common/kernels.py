@@ -372,6 +372,16 @@ def _load_kernels() -> Any:
         from numba.extending import intrinsic
     except ImportError:
         return False
+    g = globals()
+    g["_f2i"], g["_i2f"], g["_fma"] = _bit_intrinsics(ir, types, intrinsic)
+    jit = _jit_compiler(numba)
+    for name in ("_nb_hash", "_nb_block_absmax", "_nb_e3m0_value"):
+        g[name] = jit(g[name], inline="always")
+    return _compiled_kernels(jit)
+
+
+def _bit_intrinsics(ir: Any, types: Any, intrinsic: Any) -> tuple[Any, Any, Any]:
+    """numba intrinsics `_f2i`, `_i2f` (bit casts) and `_fma` (a fused multiply-add), for the kernels."""
 
     @intrinsic
     def f2i(typingctx: Any, x: Any) -> Any:
@@ -408,8 +418,11 @@ def _load_kernels() -> Any:
 
         return acc(v, w, acc), codegen
 
-    g = globals()
-    g["_f2i"], g["_i2f"], g["_fma"] = f2i, i2f, fma
+    return f2i, i2f, fma
+
+
+def _jit_compiler(numba: Any) -> Any:
+    """numba.njit with the kernels' options, cached on disk where a writable place for the cache exists."""
     opts: dict[str, Any] = {"nogil": True, "error_model": "numpy", "boundscheck": False}
 
     def jit(fn: Any, **extra: Any) -> Any:
@@ -419,8 +432,11 @@ def _load_kernels() -> Any:
         except RuntimeError:  # no writable place for the cache: compile in memory
             return numba.njit(**opts, **extra)(fn)
 
-    for name in ("_nb_hash", "_nb_block_absmax", "_nb_e3m0_value"):
-        g[name] = jit(g[name], inline="always")
+    return jit
+
+
+def _compiled_kernels(jit: Any) -> Any:
+    """The namespace `cpu_kernels()` returns: each kernel compiled by `jit`."""
 
     class Kernels:
         encode_e3m0 = jit(_nb_encode_e3m0)
@@ -436,11 +452,16 @@ def _load_kernels() -> Any:
         sumsq_int8 = jit(_nb_sumsq_int8)
         sumsq_f32 = jit(_nb_sumsq_f32)
         sumsq_bf16 = jit(_nb_sumsq_bf16)
+        outer = _compiled_outer(jit, encode_e3m0, encode_int8, apply_e3m0, apply_int8)
 
-    # the fused outer step calls the kernels above: compiled functions, by their global names
-    for name in ("encode_e3m0", "encode_int8", "apply_e3m0", "apply_int8"):
-        g[f"_nb_{name}"] = getattr(Kernels, name)
+    return Kernels
+
+
+def _compiled_outer(jit: Any, encode_e3m0: Any, encode_int8: Any, apply_e3m0: Any, apply_int8: Any) -> Any:
+    """The fused outer step, compiled: it calls the compiled encode and apply kernels by global name."""
+    g = globals()
+    g["_nb_encode_e3m0"], g["_nb_encode_int8"] = encode_e3m0, encode_int8
+    g["_nb_apply_e3m0"], g["_nb_apply_int8"] = apply_e3m0, apply_int8
     for name in ("_nb_outer_v", "_nb_outer_finish"):
         g[name] = jit(g[name], inline="always")
-    Kernels.outer = jit(_nb_outer)  # type: ignore[attr-defined]
-    return Kernels
+    return jit(_nb_outer)
