@@ -1,6 +1,7 @@
 """What every test file may use without importing it: the nano model, the standard in-thread shard
 (`shard`, `make_shard`: tests/support/nano_shard.py) and the pool that shuts down whatever shards a test
-started (`shards`); and the order in which pytest-xdist hands the files out (the longest first).
+started (`shards`); the order in which pytest-xdist hands the files out (the longest first); and the rule
+that `pytest.importorskip` of a `[dev]` dependency fails rather than skips (tests/support/devdeps.py).
 
 The tests' tools live in tests/support/ (imported as `tests.support.NAME`); a fixture that two test files
 need is defined here, once, never copied between them nor imported from another test file.
@@ -15,9 +16,14 @@ import pytest
 import torch
 
 from streamdiloco.worker.model import build_gpt
+from tests.support.devdeps import strict_importorskip
 
 if TYPE_CHECKING:  # the shards' modules import the server: only the files that start one pay for it
     from tests.support.inthread import InThreadShard
+
+# a test of a [dev] dependency fails when the dependency does not import (make test installs them all)
+if not hasattr(pytest.importorskip, "__wrapped__"):
+    pytest.importorskip = strict_importorskip(pytest.importorskip)
 
 AnyShard = TypeVar("AnyShard", bound="InThreadShard")
 
