@@ -22,13 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamdiloco.common.ports import bind_error
 from streamdiloco.server.config import ShardConfig
+from streamdiloco.server.httpconn import BoundedH11, HttpListener
 from streamdiloco.server.observe.dashboard import HISTORY
 from streamdiloco.server.observe.metrics import loading_metrics
 from streamdiloco.server.observe.run_view import Peers, RunView
 from streamdiloco.server.shard import Shard
 from streamdiloco.server.storage.credits import MAX_IDENTITIES, STATUS_ROWS
 from streamdiloco.server.trust.auth import Auth
-from streamdiloco.server.trust.bounds import BoundedH11, HttpListener, Throttled
+from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
 

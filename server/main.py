@@ -24,11 +24,9 @@ from streamdiloco.server.edge.initialize import PendingShard
 from streamdiloco.server.edge.slots import receive_limit
 from streamdiloco.server.http import Holder, HttpServer
 from streamdiloco.server.shard import Shard
-from streamdiloco.server.trust.bounds import (
-    connection_caps,
-    grpc_options,
-    throttle_library_logs,
-)
+from streamdiloco.server.trust.bounds import grpc_options
+from streamdiloco.server.trust.fds import connection_caps
+from streamdiloco.server.trust.throttle import throttle_library_logs
 
 log = logging.getLogger("streamdiloco.shard")
 

@@ -35,15 +35,9 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.wire import PROTOCOL
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.trust.bounds import (
-    LOG_BURST,
-    RESERVE_FDS,
-    Limits,
-    PeerCounts,
-    Throttled,
-    UnreadBudget,
-    peer_host,
-)
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, UnreadBudget, peer_host
+from streamdiloco.server.trust.fds import RESERVE_FDS
+from streamdiloco.server.trust.throttle import LOG_BURST, Throttled
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
 from tests.support.nano_shard import CFG, GOOD_FP, fingerprint
 from tests.support.procs import ROOT, SLACK, Cluster, http_json, wait_until
@@ -421,7 +415,9 @@ _FULL_PROCESS = """
 import asyncio, logging, os, socket, sys
 import uvicorn
 from fastapi import FastAPI
-from streamdiloco.server.trust.bounds import BoundedH11, HttpListener, Limits, Throttled
+from streamdiloco.server.trust.bounds import Limits
+from streamdiloco.server.httpconn import BoundedH11, HttpListener
+from streamdiloco.server.trust.throttle import Throttled
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
 app = FastAPI()

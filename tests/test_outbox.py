@@ -16,8 +16,9 @@ import pytest
 
 from streamdiloco.server.edge import outbox as outbox_module
 from streamdiloco.server.edge.outbox import Outbox
-from streamdiloco.server.trust.bounds import Throttled, UnreadBudget
+from streamdiloco.server.trust.bounds import UnreadBudget
 from streamdiloco.server.trust.roster import Member
+from streamdiloco.server.trust.throttle import Throttled
 
 
 class Roster:

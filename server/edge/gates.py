@@ -16,7 +16,8 @@ import grpc
 
 from streamdiloco.server.edge.slots import WaitingCalls
 from streamdiloco.server.edge.wiring import peer_counts
-from streamdiloco.server.trust.bounds import Limits, PeerCounts, Throttled
+from streamdiloco.server.trust.bounds import Limits, PeerCounts
+from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
 

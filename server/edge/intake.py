@@ -25,8 +25,8 @@ from streamdiloco.server.observe.metrics import ShardMetrics
 from streamdiloco.server.rounds.robust import MIN_WEIGHT
 from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.server.storage.credits import Credits
-from streamdiloco.server.trust.bounds import Throttled
 from streamdiloco.server.trust.roster import Member, Roster
+from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
 

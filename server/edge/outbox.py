@@ -15,8 +15,9 @@ import asyncio
 import logging
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
-from streamdiloco.server.trust.bounds import Throttled, UnreadBudget
+from streamdiloco.server.trust.bounds import UnreadBudget
 from streamdiloco.server.trust.roster import Member, Roster
+from streamdiloco.server.trust.throttle import Throttled
 
 ShardMessage = pb.ShardMessage | bytes  # a message, or its bytes serialized once for every session
 STUCK_SECONDS = 5.0  # a session dropped for not reading has this long to end on its own, then it is cut

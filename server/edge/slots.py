@@ -29,7 +29,8 @@ from typing import Any
 
 import grpc
 
-from streamdiloco.server.trust.bounds import Limits, PeerCounts, Throttled, peer_host
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, peer_host
+from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
 

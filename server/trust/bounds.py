@@ -4,52 +4,32 @@ read, bytes of pushes still arriving, log lines, file descriptors.
 
 Shards face the internet, and a client that has no token can still open connections and streams. Every
 such resource gets a limit here, and a client over it gets a clear refusal (RESOURCE_EXHAUSTED, a closed
-connection) instead of the shard running short. Running short of file descriptors must never stop a shard
-(its next checkpoint write would fail): the connection caps are derived from the open-file limit, leaving
-RESERVE_FDS for the shard's own files.
+connection) instead of the shard running short.
 
 Addresses are counted by `address_group`: an IPv4 address alone, an IPv6 one by its /64 (what one
 subscriber is given: counted per /128, one /64 had 2^64 times every per-address cap).
 
-The pure parts (Limits, PeerCounts, UnreadBudget, Throttled) hold no sockets; HttpListener is the one piece
-of I/O: the HTTP port's accept loop, in place of asyncio's (see its docstring).
+Pure: no sockets, no files. Beside it by job: the caps the open-file limit allows (server/trust/fds.py),
+the bounded log lines a client can cause (server/trust/throttle.py), and the HTTP port's bounded accept
+loop (server/httpconn.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import ipaddress
 import logging
-import os
-import resource
-import socket
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from ssl import SSLContext
-
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from streamdiloco.common.keepalive import LinkSettings
 
 log = logging.getLogger("streamdiloco.shard")
 
-# descriptors the shard keeps for itself beyond what it holds when it starts: checkpoint writes (the file and
-# its directory, per compute thread), the dashboard's static files, /proc reads for the process metrics,
-# libraries loaded late, and the one descriptor an accept takes before a connection over a cap is closed
-RESERVE_FDS = 64
 MAX_DEFAULT_CONNECTIONS = 1024  # gRPC connections when --max-connections is 0 and the file limit allows more
 MAX_STREAMS_PER_CONNECTION = 100  # HTTP/2 streams one gRPC connection may open at once (RFC 9113's minimum)
 FETCHES_PER_PEER = 4  # Fetch calls at once from one address (a worker makes one per shard)
 MIN_UNREAD_BYTES = 256 << 20  # the default unread budget is at least this much
 MIN_STAGED_BYTES = 256 << 20  # the default budget of pushes arriving is at least this much
 IPV6_GROUP = 64  # IPv6 addresses are counted together by this prefix (one subscriber's usual allocation)
-ACCEPT_BATCH = 32  # HTTP connections accepted per wake-up of the loop, so that a flood cannot hog it
-ACCEPT_PAUSE = 1.0  # seconds the HTTP port stops accepting after the process ran out of descriptors
-LOG_PERIOD = 10.0  # seconds over which the lines of one kind of warning are counted, after the first few
-LOG_BURST = 3  # lines of one kind written per period before the rest are only counted
 
 
 @dataclass(frozen=True)
@@ -159,56 +139,6 @@ class Limits:
             raise ValueError("--max-waiting-calls-per-peer cannot be above --max-waiting-calls")
 
 
-def open_fds() -> int:
-    """Descriptors this process holds now."""
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself opened
-    except OSError:  # no /proc: count the hard way
-        return sum(_is_open(fd) for fd in range(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
-
-
-def connection_caps(limits: Limits) -> tuple[int, int]:
-    """(gRPC connections, HTTP connections) that fit in the open-file limit beside what the shard holds and
-    RESERVE_FDS, raising the soft limit towards the hard one if that makes room. ValueError (one line) when
-    the limit is too low for the caps asked for."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    in_use = open_fds()
-    http = limits.max_http_connections
-    grpc_want = limits.max_connections or MAX_DEFAULT_CONNECTIONS
-    want = in_use + RESERVE_FDS + http + grpc_want
-    if soft < want and (hard == resource.RLIM_INFINITY or soft < hard):
-        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-            soft = new
-        except (ValueError, OSError):
-            pass
-    room = soft - in_use - RESERVE_FDS - http
-    if limits.max_connections:
-        if room < limits.max_connections:
-            raise ValueError(
-                f"the open-file limit ({soft}, ulimit -n) leaves room for {max(room, 0)} gRPC connections "
-                f"beside the {in_use} files open, {RESERVE_FDS} kept for checkpoints and {http} for HTTP, "
-                f"not --max-connections {limits.max_connections}: raise the limit or lower a cap"
-            )
-        return limits.max_connections, http
-    if room < 8:
-        raise ValueError(
-            f"the open-file limit ({soft}, ulimit -n) is too low: {in_use} files are open, {RESERVE_FDS} are "
-            f"kept for checkpoints and {http} for HTTP connections, leaving {max(room, 0)} for workers; "
-            "raise it (ulimit -n 4096) or lower --max-http-connections"
-        )
-    return min(room, MAX_DEFAULT_CONNECTIONS), http
-
-
 def grpc_options(
     limits: Limits, link: LinkSettings, max_connections: int, max_receive: int
 ) -> list[tuple[str, int]]:
@@ -311,205 +241,3 @@ class UnreadBudget:
     @property
     def over(self) -> bool:
         return self.held > self.limit
-
-
-class Throttled:
-    """Warnings that a client can cause, written at most LOG_BURST times per LOG_PERIOD seconds per kind;
-    the ones held back are counted in the next line written. One line each, never a traceback."""
-
-    def __init__(self, logger: logging.Logger = log, clock: Callable[[], float] = time.monotonic):
-        self.logger, self.clock = logger, clock
-        self._kinds: dict[str, list[float]] = {}  # kind -> [period start, lines written, lines held back]
-
-    def allow(self, kind: str) -> tuple[bool, int]:
-        """Whether a line of this kind may be written now, and how many were held back before it."""
-        now = self.clock()
-        k = self._kinds.get(kind)
-        held = 0
-        if k is None or now - k[0] >= LOG_PERIOD:
-            held = int(k[2]) if k is not None else 0
-            k = self._kinds[kind] = [now, 0, 0]
-        if k[1] >= LOG_BURST:
-            k[2] += 1
-            return False, 0
-        k[1] += 1
-        return True, held
-
-    def warning(self, kind: str, msg: str, *args: object) -> bool:
-        return self.log(logging.WARNING, kind, msg, *args)
-
-    def log(self, level: int, kind: str, msg: str, *args: object) -> bool:
-        """Log `msg % args` unless this kind has had its lines this period; True if it was written. `kind`
-        must come from a small fixed set (not from what the client sent)."""
-        ok, held = self.allow(kind)
-        if ok:
-            more = f" ({held} more like it in the last {LOG_PERIOD:g} s, not logged)" if held else ""
-            self.logger.log(level, msg + more, *args)
-        return ok
-
-
-class ThrottleFilter(logging.Filter):
-    """The same bound on the lines of the libraries the shard runs on (uvicorn's "Invalid HTTP request
-    received." for every bad request, gRPC's for a failed call): per message template, a few per period."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        super().__init__()
-        self.throttled = Throttled(clock=clock)
-        self._templates: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        kind = str(record.msg)[:200]
-        if kind not in self._templates and len(self._templates) >= 256:
-            kind = "other"  # templates are the library's own: a few dozen at most
-        self._templates.add(kind)
-        ok, held = self.throttled.allow(kind)
-        if ok and held:
-            record.msg = f"{record.msg} ({held} more like it in the last {LOG_PERIOD:g} s, not logged)"
-        return ok
-
-
-def throttle_library_logs() -> None:
-    """Put ThrottleFilter on the loggers of uvicorn and gRPC (once per process)."""
-    for name in ("uvicorn.error", "grpc._cython.cygrpc", "grpc.aio._server"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, ThrottleFilter) for f in logger.filters):
-            logger.addFilter(ThrottleFilter())
-
-
-class BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request: uvicorn has none, so a connection that sends
-    nothing, or a header a byte a minute, was held for ever; and so was one whose request announced a body
-    that never ended (a GET with a Content-Length, trickled: each byte also stopped uvicorn's keep-alive
-    timer). The deadline runs from the connection (or the end of the previous response) until the request
-    is whole, headers and body."""
-
-    header_timeout = 10.0
-    on_lost: Callable[[], None] = staticmethod(lambda: None)
-    _timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm()
-
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(self.header_timeout, self._headers_due)
-
-    def _headers_due(self) -> None:
-        # no whole request yet: its headers, or a body announced that has not ended
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        try:
-            super().connection_lost(exc)
-        finally:
-            self.on_lost()
-
-
-class HttpListener:
-    """The HTTP port's accept loop, in place of asyncio's. asyncio's accepts up to its backlog at each
-    wake-up, hands each connection to a task, and when the process is out of descriptors logs a traceback
-    and tries again a second later, for as long as that lasts. This one accepts at most ACCEPT_BATCH at a
-    time, closes at once a connection over the total or per-address cap (so the descriptors it holds stay
-    within the cap), and on running out pauses ACCEPT_PAUSE seconds with one throttled line."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        make_protocol: Callable[[], H11Protocol],
-        limits: Limits,
-        total: int,
-        throttled: Throttled,
-        ssl: SSLContext | None = None,
-    ):
-        self.sock, self.make_protocol, self.ssl, self.throttled = sock, make_protocol, ssl, throttled
-        self.header_timeout = limits.header_timeout
-        self.conns = PeerCounts("HTTP connections", total, limits.max_http_connections_per_peer)
-        self.refused = 0  # connections closed at once: over a cap
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._paused: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task] = set()
-
-    def start(self) -> None:
-        self.sock.setblocking(False)
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.sock.fileno(), self._accept)
-
-    def close(self) -> None:
-        if self._loop is not None and self.sock.fileno() >= 0:
-            self._loop.remove_reader(self.sock.fileno())
-        if self._paused is not None:
-            self._paused.cancel()
-        self.sock.close()
-
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, addr = self.sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.throttled.warning(
-                        "http-accept",
-                        "HTTP port: out of descriptors (%s); not accepting for %g s",
-                        e.strerror,
-                        ACCEPT_PAUSE,
-                    )
-                    self._pause()
-                    return
-                raise
-            peer = addr[0] if isinstance(addr, tuple) else str(addr)
-            if (why := self.conns.acquire(peer)) is not None:
-                self.refused += 1
-                self.throttled.warning("http-refused", "closed an HTTP connection at once: %s", why)
-                conn.close()
-                continue
-            task = asyncio.ensure_future(self._serve(conn, peer))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    def _pause(self) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(self.sock.fileno())
-
-        def resume() -> None:
-            self._paused = None
-            if self.sock.fileno() >= 0:
-                self._loop.add_reader(self.sock.fileno(), self._accept)  # type: ignore[union-attr]
-
-        self._paused = self._loop.call_later(ACCEPT_PAUSE, resume)
-
-    async def _serve(self, conn: socket.socket, peer: str) -> None:
-        assert self._loop is not None
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.conns.release(peer)
-
-        def protocol() -> H11Protocol:
-            p = self.make_protocol()
-            p.header_timeout = self.header_timeout  # type: ignore[attr-defined]
-            p.on_lost = release  # type: ignore[attr-defined]
-            return p
-
-        try:
-            handshake = self.header_timeout if self.ssl else None  # a deadline for TLS's handshake
-            await self._loop.connect_accepted_socket(
-                protocol, conn, ssl=self.ssl, ssl_handshake_timeout=handshake
-            )
-        except (OSError, asyncio.TimeoutError) as e:  # a TLS handshake that failed or never came
-            release()
-            conn.close()
-            self.throttled.warning("http-handshake", "an HTTP connection from %s failed: %s", peer, e)
