@@ -40,7 +40,7 @@ class WorkerMetrics:
         self.steps = steps
         self.engine: Any = None
         self.transport: Any = None
-        self.stats: dict | None = None  # the training loop's: tokens, compute_seconds, ...
+        self.stats: Any = None  # the training loop's (worker/run.py TrainStats): compute_seconds, ...
         # (time.perf_counter(), compute seconds so far) at steps: the oldest is at least a window ago
         self._marks: deque[tuple[float, float]] = deque()
         self.step = 0
@@ -105,7 +105,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         m = self.m
-        eng, tr, stats = m.engine, m.transport, m.stats or {}
+        eng, tr, stats = m.engine, m.transport, m.stats
         info = InfoMetricFamily(P, "This worker")
         info.add_metric([], m.labels)
         yield info
@@ -120,9 +120,9 @@ class _Collector:
         yield CounterMetricFamily(
             f"{P}_inner_steps",
             "Inner steps this worker has trained (from 0 for a joiner, whose _step starts at the run's step)",
-            value=stats.get("inner_steps", 0),
+            value=eng.counters.inner_steps if eng is not None else 0,
         )
-        yield CounterMetricFamily(f"{P}_tokens", "Tokens trained on", value=stats.get("tokens", 0))
+        yield CounterMetricFamily(f"{P}_tokens", "Tokens trained on", value=eng.counters.tokens if eng else 0)
         if m.loss is not None:
             yield GaugeMetricFamily(
                 f"{P}_training_loss", "The latest inner step's training loss", value=m.loss
@@ -133,7 +133,7 @@ class _Collector:
                 "The latest evaluation's loss (at the start, and of the global parameters at the end)",
                 value=m.eval_loss,
             )
-        compute = stats.get("compute_seconds", 0.0)
+        compute = stats.compute_seconds if stats is not None else 0.0
         yield CounterMetricFamily(
             f"{P}_compute_seconds", "Seconds spent in forward, backward and the optimizer step", value=compute
         )

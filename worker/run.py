@@ -45,7 +45,7 @@ from streamdiloco.worker.checkpoint import (
 )
 from streamdiloco.worker.config import WorkerConfig
 from streamdiloco.worker.data import eval_batches, load_tokens
-from streamdiloco.worker.engine import StopRequested, SyncEngine
+from streamdiloco.worker.engine import StopRequested, SyncCounters, SyncEngine
 from streamdiloco.worker.group import GroupEngine, RankGroup, batch_slice, connect_group, group_from_env
 from streamdiloco.worker.join import connect
 from streamdiloco.worker.metrics import WorkerMetrics
@@ -72,7 +72,11 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.previous: dict = {}
-        self.on_stop: Callable[[], None] | None = None  # the engine's request_stop: a waiting merge gives up
+        self._on_stop: Callable[[], None] | None = None  # the engine's request_stop: a waiting merge gives up
+
+    def calls(self, on_stop: Callable[[], None]) -> None:
+        """Call `on_stop` at the first signal (the engine's request_stop: a merge that waits gives up)."""
+        self._on_stop = on_stop
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -89,8 +93,8 @@ class StopFlag:
         if self.event.is_set():
             raise KeyboardInterrupt
         self.event.set()
-        if self.on_stop is not None:
-            self.on_stop()
+        if self._on_stop is not None:
+            self._on_stop()
         log.warning(
             "%s: stopping after this step (send it again to stop at once)", signal.Signals(signum).name
         )
@@ -116,6 +120,45 @@ def run_worker(cfg: WorkerConfig, loggers: Sequence[ScalarLogger] = ()) -> dict:
     return summary
 
 
+@dataclass
+class TrainStats:
+    """What the training loop measures on the leading rank beside the engine's counters (the tokens and
+    inner steps trained are the engine's: SyncCounters). A checkpoint keeps them as its "stats", with the
+    engine's tokens and inner steps under the keys they always had there; the summary is built from them
+    and the counters (Lead.summary)."""
+
+    compute_seconds: float = 0.0  # in forward, backward and the optimizer step (and --step-delay's sleeps)
+    train_seconds: float = 0.0  # training time before this process (a resumed run's; a checkpoint's: to it)
+    eval_loss_start: float | None = None  # the global parameters' when this worker joined the run
+    eval_seconds: float | None = None  # in --eval-every's evaluations, within train_seconds (None: none yet)
+    final_sync_seconds: float | None = None  # in the last step's sync, within train_seconds (None: not yet)
+
+    @classmethod
+    def load(cls, state: dict | None) -> TrainStats:
+        """A checkpoint's stats (None: a new worker's)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (state or {}).items() if k in names})
+
+    def state_dict(self, counters: SyncCounters, train_seconds: float) -> dict[str, Any]:
+        """The checkpoint's "stats" at `train_seconds` of training; the evaluations' and the final sync's
+        seconds once there are some (as the stats always had them)."""
+        state = {"tokens": counters.tokens, "inner_steps": counters.inner_steps, **dataclasses.asdict(self)}
+        state["train_seconds"] = train_seconds
+        return {k: v for k, v in state.items() if v is not None or k == "eval_loss_start"}
+
+
+@dataclass(frozen=True)
+class InnerStep:
+    """One inner step and its sync as the loop saw them, for the leading rank's chores (Lead.after_step)."""
+
+    before: int  # the schedule step it started at
+    step: int  # the schedule step after its sync (the same within a schedule step: --sync-schedule adaptive)
+    loss: float
+    compute_seconds: float  # forward, backward and the optimizer step (and --step-delay's sleep)
+    sync_seconds: float  # the sync's step after it
+    stopped: bool  # a stop request ended it, at the sync (the step's other syncs go in the checkpoint)
+
+
 class Lead:
     """What the worker's leading rank (rank 0 of a group, or the only one) keeps beside the training: the
     statistics the summary and checkpoint carry, the metrics and loggers, the evaluations of the global
@@ -132,14 +175,7 @@ class Lead:
     ) -> None:
         self.cfg, self.val, self.resume, self.metrics, self.loggers = cfg, val, resume, metrics, loggers
         self.t_start = t_start
-        self.stats: dict[str, Any] = {
-            "tokens": 0,
-            "inner_steps": 0,
-            "compute_seconds": 0.0,
-            "train_seconds": 0.0,
-            "eval_loss_start": None,
-            **(resume["stats"] if resume is not None else {}),
-        }
+        self.stats = TrainStats.load(resume["stats"] if resume is not None else None)
         self.recent: list[float] = []  # train losses since the last progress line
         self.first = 0  # the schedule step training starts at (a resumed worker's is later)
         self.inner_before = 0  # a resumed run's earlier inner steps
@@ -164,18 +200,24 @@ class Lead:
         self._engine, self._transport = engine, transport
         transport.on_push_answered(self.metrics.push_answer.observe)
         engine.on_merge(waited=self.metrics.merge_wait.observe)
-        stop.on_stop = engine.request_stop
+        stop.calls(engine.request_stop)
         self.metrics.engine, self.metrics.transport = engine, transport
         if self.resume is None:
-            self.stats["eval_loss_start"] = eval_start
+            self.stats.eval_loss_start = eval_start
+        else:  # a checkpoint from before the engine counted tokens and inner steps has them in its stats only
+            counted = self.resume["engine"]["counters"]
+            old = {k: v for k, v in self.resume["stats"].items() if k in ("tokens", "inner_steps")}
+            engine.counters.load_state_dict({k: v for k, v in old.items() if k not in counted})
         if eval_start is not None:
             self.metrics.eval_loss = eval_start
             engine.report(eval_loss=eval_start)  # the eval curve's first point, at the joining step
 
-    def start(self, t: Training) -> None:
+    def start(self, t: Training) -> bool:
+        """Training starts: the line that says how, the metrics, and the syncs of a resumed step that a
+        stop interrupted (before any checkpoint). True: a stop interrupted them again."""
         cfg, engine = self.cfg, self.engine
         self.first = engine.step_count
-        self.inner_before = self.stats.get("inner_steps", 0)
+        self.inner_before = engine.counters.inner_steps
         log.info(
             "%s: %s params in %d fragments over %d shards; H=%d tau=%d alpha=%g %s/%s; "
             "steps %d..%d of %s%d x %d tokens%s%s",
@@ -196,9 +238,14 @@ class Lead:
             ", bf16 autocast" if cfg.worker.precision == "bf16" else "",
             f" (resumed from {cfg.checkpoint_path})" if self.resume is not None else "",
         )
-        self.t_train0 = time.perf_counter() - self.stats["train_seconds"]
+        self.t_train0 = time.perf_counter() - self.stats.train_seconds
         self.metrics.stats, self.metrics.step, self.metrics.phase = self.stats, self.first, "training"
-        self.metrics.mark(self.stats["compute_seconds"])
+        self.metrics.mark(self.stats.compute_seconds)
+        try:
+            engine.finish_step()  # a step's syncs that a stop interrupted, before the checkpoint
+        except StopRequested:
+            return True
+        return False
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_train0
@@ -213,7 +260,7 @@ class Lead:
         self._eval_model.load_state_dict(self.engine.global_state_dict())
         loss = evaluate(self._eval_model, self.val, t.device)
         seconds = time.perf_counter() - t0
-        self.stats["eval_seconds"] = self.stats.get("eval_seconds", 0.0) + seconds
+        self.stats.eval_seconds = (self.stats.eval_seconds or 0.0) + seconds
         self.engine.report(eval_loss=loss)
         self.metrics.eval_loss = loss
         log.info(
@@ -230,15 +277,15 @@ class Lead:
     def progress(self, step: int) -> None:
         """The progress line, every --log-every steps (the loggers get the engine's scalars: TrackedScalars);
         with --log-format json its figures are the record's fields too."""
-        engine, el, loss = self.engine, self.elapsed(), sum(self.recent) / len(self.recent)
+        counts, el, loss = self.engine.counters, self.elapsed(), sum(self.recent) / len(self.recent)
         fields = {
             "step": step,
             "steps": self.cfg.run.steps,
             "loss": loss,
-            "tokens_per_second": self.stats["tokens"] / el,
-            "blocked_seconds": engine.blocked_seconds,
-            "bytes_sent": engine.bytes_sent,
-            "bytes_received": engine.bytes_received,
+            "tokens_per_second": counts.tokens / el,
+            "blocked_seconds": counts.blocked_seconds,
+            "bytes_sent": counts.bytes_sent,
+            "bytes_received": counts.bytes_received,
         }
         log.info(
             "%s step %d/%d  loss %.3f  %s tok/s  blocked %.1fs (%d of %d merges waited)  "
@@ -247,22 +294,133 @@ class Lead:
             step,
             self.cfg.run.steps,
             loss,
-            f"{self.stats['tokens'] / el:,.0f}",
-            engine.blocked_seconds,
-            engine.waits,
-            engine.merges,
-            f"{engine.bytes_sent:,}",
-            f"{engine.bytes_received:,}",
+            f"{counts.tokens / el:,.0f}",
+            counts.blocked_seconds,
+            counts.waits,
+            counts.merges,
+            f"{counts.bytes_sent:,}",
+            f"{counts.bytes_received:,}",
             extra=fields,
         )
         self.recent.clear()
+
+    def after_step(self, t: Training, done: InnerStep) -> None:
+        """The leading rank's chores after every inner step and its sync: the statistics and metrics, the
+        compute utilization for the shards; and once a schedule step ends, the evaluation, the progress line
+        and the checkpoint when they are due."""
+        cfg, stats, step = self.cfg, self.stats, done.step
+        stats.compute_seconds += done.compute_seconds
+        if not done.stopped and self.engine.step_count == cfg.run.steps:
+            stats.final_sync_seconds = done.sync_seconds  # every fragment once more, all waited for (once)
+        self.recent.append(done.loss)
+        self.metrics.step, self.metrics.loss = step, done.loss
+        self.metrics.mark(stats.compute_seconds)
+        self.engine.report(compute_utilization=stats.compute_seconds / self.elapsed())
+        if (
+            step == done.before
+        ):  # an inner step within a schedule step: the schedule's chores wait for its end
+            return
+        due = step < cfg.run.steps and not done.stopped  # not after the last step: _finish does those
+        if cfg.worker.eval_every and step % cfg.worker.eval_every == 0 and due:
+            self.eval_global(t, step)
+        if step % cfg.worker.log_every == 0 or step == cfg.run.steps:
+            self.progress(step)
+        if cfg.worker.checkpoint_every and step % cfg.worker.checkpoint_every == 0 and due:
+            self.checkpoint(t)
+
+    def stopped(self, t: Training, train_seconds: float) -> dict:
+        """Stopped early: the pushes on the wire let through, the checkpoint; the short summary."""
+        cfg, engine = self.cfg, self.engine
+        self.metrics.phase = "stopped"
+        answered = self.transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
+        self.checkpoint(t, train_seconds)
+        log.info(
+            "%s: stopped at step %d of %d%s; checkpoint in %s: continue with --resume --name %s",
+            cfg.name,
+            engine.step_count,
+            cfg.run.steps,
+            "" if answered else " (some pushes unanswered: they are sent again on resume)",
+            cfg.checkpoint_path,
+            cfg.name,
+        )
+        return {
+            "worker": cfg.name,
+            "stopped_at_step": engine.step_count,
+            "steps": cfg.run.steps,
+            "checkpoint": str(cfg.checkpoint_path),
+        }
+
+    def final_eval(self, t: Training) -> float:
+        """The eval loss of the global parameters at the end (after the final sync every fragment's mirror
+        equals the masters), to the metrics and the loggers; the mirror's hashes in the log."""
+        cfg, engine = self.cfg, self.engine
+        eval_model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size).to(t.device)
+        for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
+            unflatten_into(vec, fragment_params(eval_model, frag))
+        eval_loss = evaluate(eval_model, self.val, t.device)
+        self.metrics.eval_loss, self.metrics.phase = eval_loss, "finished"
+        engine.report(eval_loss=eval_loss)  # to the loggers (no push carries it any more)
+        return eval_loss
+
+    def summary(self, t: Training, eval_loss: float, train_seconds: float, digests: list[list[str]]) -> dict:
+        """The finished worker's summary: the run's figures from the statistics, the engine's counters and
+        the transport's, and the state's hashes."""
+        cfg, stats, counts, transport = self.cfg, self.stats, self.engine.counters, self.transport
+        msg_out, msg_in = transport.message_bytes
+        ge = t.sync if isinstance(t.sync, GroupEngine) else None
+        return {
+            "worker": cfg.name,
+            "rank": cfg.data_rank,
+            "steps": cfg.run.steps,
+            "first_step": self.first,
+            "resumed": self.resume is not None,
+            "tokens": counts.tokens,
+            "eval_loss_start": stats.eval_loss_start,
+            "eval_loss": eval_loss,
+            "bytes_sent": counts.bytes_sent,
+            "bytes_received": counts.bytes_received,
+            "message_bytes_sent": msg_out,  # protobuf messages, without gRPC/HTTP/2 framing
+            "message_bytes_received": msg_in,  # including the Fetch of the masters
+            "pushes": counts.pushes,
+            "blocked_seconds": counts.blocked_seconds,
+            "compute_seconds": stats.compute_seconds,
+            "eval_seconds": stats.eval_seconds or 0.0,  # --eval-every's evaluations, in train_seconds
+            "train_seconds": train_seconds,
+            "compute_utilization": stats.compute_seconds / train_seconds if train_seconds > 0 else 0.0,
+            "final_sync_seconds": stats.final_sync_seconds or 0.0,  # the last step's sync, in train_seconds
+            "wall_seconds": time.perf_counter() - self.t_start,
+            "mirror_hashes": digests,
+            "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
+            "reconnects": transport.reconnects,
+            "pushes_resent": transport.resent,
+            "merges": counts.merges,
+            "merges_that_waited": counts.waits,
+            "skips": counts.skips,  # times it fell whole rounds behind and went on from the run's step
+            "skipped_steps": counts.skipped_steps,
+            "merges_later_than_tau": counts.late_merges,  # adaptive merges whose update came after t + tau
+            # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
+            "inner_steps": counts.inner_steps,
+            "inner_steps_per_tick": (counts.inner_steps - self.inner_before)
+            / max(1, cfg.run.steps - self.first),
+            "step_seconds": self.engine.pacer.step_seconds,  # median seconds per inner step (adaptive only)
+            "mean_merge_delay_steps": counts.merge_delay_steps / counts.merges if counts.merges else 0.0,
+            "params_hash": params_digest(t.model),  # the local parameters: every rank of a group has the same
+            "optimizer_hash": optimizer_digest(t.opt),
+            "ranks": ge.size if ge is not None else 1,  # torchrun's ranks, trained as this one worker
+            "group_broadcast_bytes": ge.broadcast_bytes
+            if ge is not None
+            else 0,  # merged parameters, in-site
+            "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
+        }
 
     def checkpoint(self, t: Training, train_seconds: float | None = None) -> None:
         cfg = self.cfg
         state = checkpoint_state(
             cfg,
             t.group.size if t.group is not None else 1,
-            {**self.stats, "train_seconds": self.elapsed() if train_seconds is None else train_seconds},
+            self.stats.state_dict(
+                self.engine.counters, self.elapsed() if train_seconds is None else train_seconds
+            ),
             params=t.model.state_dict(),
             optimizer=t.opt.state_dict(),
             data=t.stream.state_dict(),
@@ -295,13 +453,50 @@ class Training:
     trained: torch.nn.Module | None = None  # what forward/backward runs: the model, or DDP over the ranks
     sync: SyncEngine | GroupEngine | None = None
 
+    def joined(self, sync: SyncEngine | GroupEngine, trained: torch.nn.Module) -> None:
+        self.sync, self.trained = sync, trained
+
+    @property
+    def synced(self) -> SyncEngine | GroupEngine:
+        assert self.sync is not None, "the worker has not joined"
+        return self.sync
+
     @property
     def step_count(self) -> int:
         """The schedule's step: the engine's on the leading rank, rank 0's (as last told) on the others."""
         if self.lead is not None:
             return self.lead.engine.step_count
-        assert self.sync is not None
-        return self.sync.step_count
+        return self.synced.step_count
+
+    def inner_step(self, xs: torch.Tensor, ys: torch.Tensor, step: int) -> float:
+        """Forward, backward and the inner optimizer's step on this rank's part of the worker's batch (a
+        group's ranks together: DDP averages their gradients); returns the loss."""
+        cfg, group = self.cfg, self.group
+        assert self.trained is not None, "the worker has not joined"
+        with group.guard(f"step {step + 1}") if group is not None else contextlib.nullcontext():
+            loss = forward_backward(
+                self.trained,
+                xs.to(self.device),
+                ys.to(self.device),
+                cfg.worker.grad_accum,
+                cfg.worker.precision,
+            )
+            optimizer_step(self.model, self.opt, cfg.inner)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return loss
+
+    def sync_step(self, tokens: int, loss: float) -> bool:
+        """The sync's hook after an inner step: the engine's, or the group's on every rank (which stops
+        together once a rank was asked to). True: stopped (while it waited for an update, or the group)."""
+        try:
+            if isinstance(self.sync, GroupEngine):
+                self.sync.step(tokens=tokens, loss=loss, stop=self.stop.event.is_set())
+            else:
+                self.synced.step(tokens=tokens, loss=loss)
+        except StopRequested:  # the rest of the step's syncs go in the checkpoint
+            return True
+        return False
 
 
 def _run_worker(
@@ -378,8 +573,7 @@ def _run_worker(
         # --- join: every shard's masters, or rank 0's word in a group
         if not _join(t, resume, val):
             return {"worker": cfg.name, **_rank_of(t), "stopped_at_step": None, "steps": cfg.run.steps}
-        assert t.sync is not None
-        stack.callback(t.sync.close)
+        stack.callback(t.synced.close)
         # --- the loop, then save
         stopped = _train(t)
         return _finish(t, stopped)
@@ -397,18 +591,20 @@ def _rank_of(t: Training) -> dict:
 
 
 def _join(t: Training, resume: dict | None, val: list) -> bool:
-    """Join every shard (rank 0) or follow rank 0's joining (the other ranks); set t.sync and t.trained and
-    share rank 0's resumed optimizer and data with every rank. False: stopped while joining."""
+    """Join every shard (rank 0) or follow rank 0's joining (the other ranks); give `t` its sync and what it
+    trains (t.joined), and share rank 0's resumed optimizer and data with every rank. False: stopped while
+    joining."""
     cfg, lead, group = t.cfg, t.lead, t.group
     if lead is not None:
         log.info("%s: joining %d shard(s): %s", cfg.name, len(cfg.servers), ", ".join(cfg.servers))
     eval_start: list[float] = []
+    sync: SyncEngine | GroupEngine
     try:
         if lead is None:
             assert group is not None
-            t.sync = connect_group(t.model, list(cfg.servers), cfg.sync, process_group=group.pg)
+            sync = connect_group(t.model, list(cfg.servers), cfg.sync, process_group=group.pg)
         else:
-            t.sync = (connect if group is None else connect_group)(
+            sync = (connect if group is None else connect_group)(
                 t.model,
                 list(cfg.servers),
                 cfg.sync,
@@ -438,7 +634,7 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
         return False
     start = _share_start(group, resume) if group is not None else resume
     if lead is not None:
-        engine = t.sync.engine if isinstance(t.sync, GroupEngine) else t.sync  # rank 0 syncs for every rank
+        engine = sync.engine if isinstance(sync, GroupEngine) else sync  # rank 0 syncs for every rank
         assert engine is not None
         lead.joined(engine, t.stop, eval_start[0] if eval_start else None)
         # what set-up made (torch, the model, the data) stays: out of the collector's sight, so that a full
@@ -449,7 +645,7 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
         t.opt.load_state_dict(start["optimizer"])
         if lead is None:  # rank 0 loaded its own before joining
             t.stream.load_state_dict(start["data"])
-    t.trained = _ddp(t.model, group, t.device) if group is not None else t.model
+    t.joined(sync, _ddp(t.model, group, t.device) if group is not None else t.model)
     if isinstance(t.stream, PieceStream) and lead is not None:  # shard 0's ledger, over the link to it
         train = t.stream.data
         t.stream.start(
@@ -474,99 +670,45 @@ def _ddp(model: torch.nn.Module, group: RankGroup, device: torch.device) -> torc
 
 
 def _train(t: Training) -> bool:
-    """The training loop, on every rank: inner steps, each followed by the sync's step; the leading rank
-    also keeps the statistics, evaluates, logs and checkpoints. Returns whether it stopped early."""
-    cfg, lead, group, stop = t.cfg, t.lead, t.group, t.stop
-    sync, trained = t.sync, t.trained
-    assert sync is not None and trained is not None
-    ge = sync if isinstance(sync, GroupEngine) else None
-    stopped = False
-    if lead is not None:
-        lead.start(t)
-        try:
-            lead.engine.finish_step()  # a step's syncs that a stop interrupted, before the checkpoint
-        except StopRequested:
-            stopped = True
+    """The training loop, on every rank: inner steps, each followed by the sync's step; after each, the
+    leading rank's chores (Lead.after_step: statistics, evaluation, progress, checkpoints). Returns whether
+    it stopped early."""
+    cfg, lead = t.cfg, t.lead
+    stopped = lead.start(t) if lead is not None else False
     step = t.step_count
     while step < cfg.run.steps and not stopped:
-        if stop.event.is_set() and ge is None:  # a group stops together, after the step (GroupEngine.step)
-            stopped = True
-            break
+        if t.stop.event.is_set() and t.group is None:  # a group stops together, after the step (sync_step)
+            return True
         t0 = time.perf_counter()
         set_lr(t.opt, lr_at(step, cfg.run.steps, cfg.inner))
         try:
             x, y = t.stream.next()
         except StopRequested:  # waiting for a piece of the data (--data-pieces)
-            stopped = True
-            break
-        xs, ys = batch_slice(x, group), batch_slice(y, group)  # this rank's part of the worker's batch
-        with group.guard(f"step {step + 1}") if group is not None else contextlib.nullcontext():
-            loss = forward_backward(
-                trained, xs.to(t.device), ys.to(t.device), cfg.worker.grad_accum, cfg.worker.precision
-            )
-            optimizer_step(t.model, t.opt, cfg.inner)
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-        before = step
-        if lead is not None:
-            stats = lead.stats
-            stats["compute_seconds"] += time.perf_counter() - t0
-            stats["tokens"] += x.numel()
-            stats["inner_steps"] = stats.get("inner_steps", 0) + 1
-            lead.recent.append(loss)
-            # `step` counts the schedule's steps: one per inner step, or with --sync-schedule adaptive one
-            # per engine.per_tick inner steps (a faster site does more of them: common/pace.py)
-            if lead.engine.cfg.sync_schedule != "adaptive":
-                step += 1
-            lead.metrics.step, lead.metrics.loss = step, loss
-            lead.metrics.mark(stats["compute_seconds"])
-        try:
-            t_sync = time.perf_counter()
-            if ge is not None:
-                ge.step(tokens=xs.numel(), loss=loss, stop=stop.event.is_set())
-            else:
-                assert isinstance(sync, SyncEngine)
-                sync.step(tokens=x.numel(), loss=loss)
-            # the final sync: every fragment once more, all waited for (once a run)
-            if lead is not None and lead.engine.step_count == cfg.run.steps:
-                lead.stats["final_sync_seconds"] = time.perf_counter() - t_sync
-        except StopRequested:  # waiting for an update: the rest of the step's syncs go in the checkpoint
-            stopped = True
-        step = t.step_count  # rank 0's schedule step (with --sync-schedule adaptive, not every inner step)
-        if lead is not None:
-            lead.metrics.step = step
+            return True
+        xs, ys = batch_slice(x, t.group), batch_slice(y, t.group)  # this rank's part of the worker's batch
+        loss = t.inner_step(xs, ys, step)
+        compute = time.perf_counter() - t0
+        t_sync = time.perf_counter()
+        stopped = t.sync_step(xs.numel(), loss)
+        sync_seconds = time.perf_counter() - t_sync
         if cfg.worker.step_delay:  # an emulated accelerator step: counted as compute (the GPU would be busy)
             t_delay = time.perf_counter()
             time.sleep(cfg.worker.step_delay)
-            if lead is not None:
-                lead.stats["compute_seconds"] += time.perf_counter() - t_delay
-        if lead is None:
-            continue
-        lead.engine.report(compute_utilization=lead.stats["compute_seconds"] / lead.elapsed())
-        if step == before:  # an inner step within a schedule step: the schedule's chores wait for its end
-            continue
-        if (
-            cfg.worker.eval_every
-            and step % cfg.worker.eval_every == 0
-            and step < cfg.run.steps
-            and not stopped
-        ):
-            lead.eval_global(t, step)
-        if step % cfg.worker.log_every == 0 or step == cfg.run.steps:
-            lead.progress(step)
-        every = cfg.worker.checkpoint_every
-        if every and step % every == 0 and step < cfg.run.steps and not stopped:
-            lead.checkpoint(t)
+            compute += time.perf_counter() - t_delay
+        # `step` counts the schedule's steps (rank 0's): one per inner step, or with --sync-schedule adaptive
+        # one per engine.per_tick inner steps (a faster site does more of them: common/pace.py)
+        before, step = step, t.step_count
+        if lead is not None:
+            lead.after_step(t, InnerStep(before, step, loss, compute, sync_seconds, stopped))
     return stopped
 
 
 def _finish(t: Training, stopped: bool) -> dict:
     """After the loop: the last syncs, the checkpoint, the final evaluation; the summary to return."""
-    cfg, lead, sync = t.cfg, t.lead, t.sync
-    assert sync is not None
+    cfg, lead = t.cfg, t.lead
     if lead is None:  # another rank of a group: its parameters and optimizer, to compare with rank 0's
         if not stopped:
-            sync.drain()
+            t.synced.drain()
         return {
             "worker": cfg.name,
             **_rank_of(t),
@@ -574,103 +716,35 @@ def _finish(t: Training, stopped: bool) -> dict:
             "params_hash": params_digest(t.model),  # equal on every rank: they hold rank 0's parameters
             "optimizer_hash": optimizer_digest(t.opt),  # equal on every rank: the same gradients every step
         }
-    engine, transport, stats = lead.engine, lead.transport, lead.stats
-    train_seconds = lead.elapsed()
-    path = cfg.checkpoint_path
+    engine, train_seconds = lead.engine, lead.elapsed()
     pieces = t.stream if isinstance(t.stream, PieceStream) else None
     if pieces is not None:  # the last batch was trained: its finished pieces are reported (not if stopped)
         if not stopped and not pieces.finish():
             log.warning("%s: shard 0 did not answer the last pieces' done report", cfg.name)
         pieces.close()
     if stopped:
-        lead.metrics.phase = "stopped"
-        answered = transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
-        lead.checkpoint(t, train_seconds)
-        log.info(
-            "%s: stopped at step %d of %d%s; checkpoint in %s: continue with --resume --name %s",
-            cfg.name,
-            engine.step_count,
-            cfg.run.steps,
-            "" if answered else " (some pushes unanswered: they are sent again on resume)",
-            path,
-            cfg.name,
-        )
-        return {
-            "worker": cfg.name,
-            "stopped_at_step": engine.step_count,
-            "steps": cfg.run.steps,
-            "checkpoint": str(path),
-        }
-    sync.drain()  # only does something with --no-final-sync
+        return lead.stopped(t, train_seconds)
+    t.synced.drain()  # only does something with --no-final-sync
     lead.checkpoint(t, train_seconds)  # the finished state: --resume then has nothing left to do
-    # the global parameters: after the final sync every fragment's mirror equals the masters
-    eval_model = build_model(cfg.model.model, cfg.model.seed, cfg.model.block_size).to(t.device)
-    for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
-        unflatten_into(vec, fragment_params(eval_model, frag))
-    eval_loss = evaluate(eval_model, lead.val, t.device)
-    lead.metrics.eval_loss, lead.metrics.phase = eval_loss, "finished"
-    engine.report(eval_loss=eval_loss)  # to the loggers (no push carries it any more)
+    eval_loss = lead.final_eval(t)
     digests = mirror_digests(engine)
     for f, hs in enumerate(digests):
         log.info(
             "%s mirror fragment %d: %s", cfg.name, f, " ".join(f"shard{s}={h}" for s, h in enumerate(hs))
         )
-    msg_out, msg_in = transport.message_bytes
-    tokens, compute = stats["tokens"], stats["compute_seconds"]
-    ge = sync if isinstance(sync, GroupEngine) else None
-    summary = {
-        "worker": cfg.name,
-        "rank": cfg.data_rank,
-        "steps": cfg.run.steps,
-        "first_step": lead.first,
-        "resumed": lead.resume is not None,
-        "tokens": tokens,
-        "eval_loss_start": stats["eval_loss_start"],
-        "eval_loss": eval_loss,
-        "bytes_sent": engine.bytes_sent,
-        "bytes_received": engine.bytes_received,
-        "message_bytes_sent": msg_out,  # protobuf messages, without gRPC/HTTP/2 framing
-        "message_bytes_received": msg_in,  # including the Fetch of the masters
-        "pushes": engine.pushes,
-        "blocked_seconds": engine.blocked_seconds,
-        "compute_seconds": compute,
-        "eval_seconds": stats.get("eval_seconds", 0.0),  # --eval-every's evaluations, in train_seconds
-        "train_seconds": train_seconds,
-        "compute_utilization": compute / train_seconds if train_seconds > 0 else 0.0,
-        "final_sync_seconds": stats.get("final_sync_seconds", 0.0),  # the last step's sync, in train_seconds
-        "wall_seconds": time.perf_counter() - lead.t_start,
-        "mirror_hashes": digests,
-        "late_refusals": sum(r.reason == "late" for link in transport.links for r in link.refusals),
-        "reconnects": transport.reconnects,
-        "pushes_resent": transport.resent,
-        "merges": engine.merges,
-        "merges_that_waited": engine.waits,
-        "skips": engine.skips,  # times it fell whole rounds behind and went on from the run's step
-        "skipped_steps": engine.skipped_steps,
-        "merges_later_than_tau": engine.late_merges,  # adaptive merges whose update came after t + tau
-        # the schedule steps were `steps`; inner steps may be more with --sync-schedule adaptive (pace.py)
-        "inner_steps": stats["inner_steps"],
-        "inner_steps_per_tick": (stats["inner_steps"] - lead.inner_before)
-        / max(1, cfg.run.steps - lead.first),
-        "step_seconds": engine.pacer.step_seconds,  # median seconds per inner step (adaptive schedule only)
-        "mean_merge_delay_steps": engine.merge_delay_steps / engine.merges if engine.merges else 0.0,
-        "params_hash": params_digest(t.model),  # the local parameters: every rank of a group has the same
-        "optimizer_hash": optimizer_digest(t.opt),
-        "ranks": ge.size if ge is not None else 1,  # torchrun's ranks, trained as this one worker
-        "group_broadcast_bytes": ge.broadcast_bytes if ge is not None else 0,  # merged parameters, in-site
-        "group_seconds": ge.group_seconds if ge is not None else 0.0,  # rank 0 in the group's collectives
-    }
+    summary = lead.summary(t, eval_loss, train_seconds, digests)
     if pieces is not None:  # --data-pieces: the pieces it trained to the end, as shard 0's ledger took them
         summary["data"] = pieces.summary()
+    counts = engine.counters
     log.info(
         "%s done: eval loss %.4f (global params), %s tokens, sent %s B, received %s B, blocked %.2fs, "
         "compute %.0f%% of %.0fs",
         cfg.name,
         eval_loss,
-        f"{tokens:,}",
-        f"{engine.bytes_sent:,}",
-        f"{engine.bytes_received:,}",
-        engine.blocked_seconds,
+        f"{counts.tokens:,}",
+        f"{counts.bytes_sent:,}",
+        f"{counts.bytes_received:,}",
+        counts.blocked_seconds,
         100 * summary["compute_utilization"],
         train_seconds,
     )
