@@ -1,16 +1,15 @@
-"""One shard's wire, as a worker's link uses it: Join, a Session's request stream, the reader that assembles
-the shard's update chunks, Fetch, and the bytes counted both ways.
+"""One shard's wire, as a worker's link uses it: Join, the Session calls (worker/session.py: the request
+stream, and the reader that assembles the shard's update chunks and tells the link typed events), Fetch, and
+the bytes counted both ways.
 
 A ShardConnection holds what Join said (the run's config, this shard's index and slices) and the current
-session's outbox; it decides nothing about rounds or pushes (the link and worker/linkstate.py do) and
-changes no state of the link: its reader thread only tells the link what came (`open_session`'s `tell`).
+session; it decides nothing about rounds or pushes (the link and worker/linkstate.py do) and changes no
+state of the link: the session's reader only tells the link what came (`open_session`'s `tell`).
 `reconnect` is the backoff loop that joins again and opens a new session until one holds.
 
 The shard is not trusted with the worker's memory or its values: a Join reply is checked before anything
-of it is taken (`take_reply`), update chunks are checked and bounded (`Updates`: rounds the shard can have
-closed, a few under way per fragment, values finite and within common/chunks.py's MAX_ABS_VALUE, the bound
-the shard holds pushes to), Fetch masters are checked by common/fetch.py, and the reader waits while the
-link has MAX_UNHANDLED of its messages still to handle. A shard that breaks these rules ends the session
+of it is taken (`take_reply`), update chunks are checked and bounded by the session (worker/session.py's
+`Updates`), Fetch masters are checked by common/fetch.py. A shard that breaks these rules ends the session
 with one line naming it and the fault (SyncError).
 """
 
@@ -18,131 +17,34 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 import torch
 
 from streamdiloco.common.backoff import Backoff
-from streamdiloco.common.chunks import Assembly, ChunkError
 from streamdiloco.common.codecs import chunk_alignment
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fetch import TRANSIENT, FetchError, fetch_slices
 from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.tls import ClientTLS
-from streamdiloco.common.wire import PROTOCOL, auth_metadata, from_chunk, make_channel, parse_target
+from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, parse_target
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.worker.session import (
+    JOIN_RETRYABLE,
+    Peer,
+    Retry,
+    Sessions,
+    SyncError,
+    Tell,
+)
 
 log = logging.getLogger("streamdiloco.worker")
 
 JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
-# What a shard can make a worker hold (a compromised shard, or a man in the middle on an --insecure link):
-MAX_UPDATES_UNDER_WAY = 2  # updates of one fragment whose chunks arrive at once (an honest shard: one)
-ROUNDS_AHEAD = 2  # an update's round past the fragment's open round as the session knows it (honest: 0)
-MAX_UNHANDLED = 16  # messages the reader has told the link and the link has not handled yet: then it waits
-
-
-class SyncError(RuntimeError):
-    """The session with a shard failed for good: the worker cannot go on syncing."""
-
-
-class Retry(Exception):
-    """A step of (re)connecting failed in a way worth another try."""
-
-
-JOIN_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,  # shard down or restarting, network gone
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ALREADY_EXISTS,  # the shard has not noticed yet that our old session is gone
-}
-RETRYABLE = JOIN_RETRYABLE | {
-    grpc.StatusCode.UNAUTHENTICATED,  # at Hello: the Join's session id expired meanwhile
-    grpc.StatusCode.RESOURCE_EXHAUSTED,  # we read too slowly and were dropped: resync
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-}
-
-
-class Updates:
-    """A session's updates in the making: the chunks of each (fragment, round) assembled and checked
-    (common/chunks.py: order, sizes, codec, values finite and within MAX_ABS_VALUE) until the update is whole.
-
-    What a shard can make it hold is bounded: an update is taken only for a round the shard can have closed
-    (up to ROUNDS_AHEAD past the fragment's open round, as the session's Welcome said and the updates since
-    moved it on), and at most MAX_UPDATES_UNDER_WAY of one fragment are under way at once; anything else is
-    the shard's fault (SyncError, one line naming the shard), not something to keep."""
-
-    def __init__(
-        self,
-        shard: int,
-        slices: list[tuple[int, int]],
-        config: SyncConfig,
-        welcome: pb.Welcome | None = None,
-        where: str = "",
-    ):
-        self.shard, self.slices, self.config = shard, slices, config
-        self.where = where or f"shard {shard}"
-        self.rounds = [0] * len(slices)  # per fragment: the open round, as far as this session knows
-        self.partial: dict[tuple[int, int], Assembly] = {}
-        if welcome is not None:
-            self.welcome(welcome)
-
-    def welcome(self, w: pb.Welcome) -> None:
-        """A Welcome: the shard's open rounds (one of another length is the link's to refuse)."""
-        if len(w.rounds) == len(self.rounds):
-            self.rounds = [max(a, int(b)) for a, b in zip(self.rounds, w.rounds, strict=True)]
-
-    def _admit(self, fragment: int, round: int) -> None:
-        """SyncError unless an update of `round` may start now (see the class's docstring)."""
-        if round > self.rounds[fragment] + ROUNDS_AHEAD:
-            raise SyncError(
-                f"{self.where} sent an update for round {round} of fragment {fragment}, whose open round is "
-                f"{self.rounds[fragment]}: a shard sends the updates of the rounds it closes, in order"
-            )
-        under_way = sum(1 for f, _ in self.partial if f == fragment)
-        if under_way >= MAX_UPDATES_UNDER_WAY:
-            raise SyncError(
-                f"{self.where} sent {under_way + 1} updates of fragment {fragment} under way at once "
-                f"(at most {MAX_UPDATES_UNDER_WAY}): a shard sends one update's chunks at a time"
-            )
-
-    @property
-    def nbytes(self) -> int:
-        """Codec bytes held by the updates under way."""
-        return sum(a.nbytes for a in self.partial.values())
-
-    def take(self, c: pb.Chunk) -> tuple[int, int, list] | None:
-        """One update chunk; (fragment, round, parts) once the update is whole; SyncError if it is bad."""
-        if not 0 <= c.fragment < len(self.slices):
-            raise SyncError(f"{self.where} sent an update for unknown fragment {c.fragment}")
-        key = (c.fragment, c.round)
-        asm = self.partial.get(key)
-        if asm is None:
-            self._admit(c.fragment, c.round)
-            asm = self.partial[key] = Assembly(
-                self.slices[c.fragment][1],
-                self.config.downlink_codec,
-                self.config.codec_block_size,
-                what="update",
-                role="downlink",
-                where=f"slice {self.shard} of fragment {c.fragment}",
-            )
-        try:
-            if not asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last):
-                return None
-        except (ChunkError, ValueError) as e:
-            raise SyncError(
-                f"{self.where} sent a malformed update chunk for fragment {c.fragment} round {c.round}: {e}"
-            ) from None
-        del self.partial[key]
-        self.rounds[c.fragment] = max(self.rounds[c.fragment], c.round + 1)
-        return c.fragment, c.round, asm.parts
 
 
 class ShardConnection:
@@ -162,7 +64,8 @@ class ShardConnection:
     ):
         self.target, self.worker, self.token = parse_target(target), worker, token
         self.fingerprint, self.join_timeout, self.tls = fingerprint, join_timeout, tls
-        self.patience = patience  # seconds a broken Fetch goes on without a message (--reconnect-timeout)
+        # --reconnect-timeout: seconds a broken session (reconnecting) or Fetch goes on without an answer
+        self.patience = patience
         self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
         self.channel = make_channel(self.target, tls, link)
         self.stub = pb_grpc.ShardStub(self.channel)
@@ -174,28 +77,18 @@ class ShardConnection:
         self.shard = self.num_shards = self.chunk_values = 0
         self.slices: list[tuple[int, int]] = []
         self.session_id = ""
-        self.session = 0  # the current session's number: what the reader of an older one tells is stale
-        self.call: Any = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._bytes = {"out": 0, "in": 0}
-        self._bytes_lock = threading.Lock()
         self.closed = threading.Event()  # set by close(): waits end, retries stop
-        self.updates: Updates | None = None  # the current session's updates under way (its reader's)
-        # messages told and not handled yet (the link calls handled()): a reader that is this far ahead of
-        # the link waits, so that a shard cannot fill the link's queue while the link is busy (a Fetch)
-        self._unhandled = threading.Semaphore(MAX_UNHANDLED)
+        self.traffic = Traffic()
+        self.sessions = Sessions(self.traffic.count, self.closed)
 
-    @property
-    def msg_out(self) -> int:
-        return self._bytes["out"]
-
-    @property
-    def msg_in(self) -> int:
-        return self._bytes["in"]
+    # the bytes on the wire, and the current session (worker/session.py)
+    msg_out = property(lambda self: self.traffic.bytes["out"])
+    msg_in = property(lambda self: self.traffic.bytes["in"])
+    session = property(lambda self: self.sessions.number)  # what the reader of an older one tells is stale
+    updates = property(lambda self: self.sessions.updates)  # the current session's updates under way
 
     def count(self, direction: str, n: int) -> None:
-        with self._bytes_lock:
-            self._bytes[direction] += n
+        self.traffic.count(direction, n)
 
     # --- Join ------------------------------------------------------------------------------------------
     def join(
@@ -323,108 +216,24 @@ class ShardConnection:
         return f"no shard answered at {self.target} within --join-timeout {timeout:g}s{hint}"
 
     # --- the session -----------------------------------------------------------------------------------
-    def open_session(self, tell: Callable[..., None]) -> pb.Welcome:
+    def open_session(self, tell: Tell) -> pb.Welcome:
         """Start a passive session (updates come, no round waits for us), read the shard's Welcome and start
-        the session's reader, which calls tell(kind, session number, ...) for what comes: ("update",
-        fragment, round, parts) once an update is whole, ("result", PushResult), ("welcome", Welcome), and
-        at its end ("ended", why) or ("failed", why) when the session cannot go on."""
-        self._outbox.put(None)  # ends the previous session's request stream, if any
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox = outbox
-        call = self.stub.Session(self._requests(outbox, self.session_id), metadata=self.metadata)
-        try:
-            first = next(call)
-        except StopIteration:
-            raise Retry("the shard ended the session at once") from None
-        except grpc.RpcError as e:
-            if e.code() in RETRYABLE:
-                raise Retry(f"Session: {e.code().name}: {e.details()}") from None
-            raise SyncError(
-                f"shard {self.shard} at {self.target} refused the session: {e.code().name}: {e.details()}"
-            ) from None
-        self.count("in", first.ByteSize())
-        w = first.welcome
-        n = len(self.slices)
-        if first.WhichOneof("kind") != "welcome" or not len(w.rounds) == len(w.started) == len(w.pushes) == n:
-            call.cancel()
-            raise SyncError(f"shard {self.shard} at {self.target} did not start the session with a Welcome")
-        self.call = call
-        self.session += 1
-        threading.Thread(
-            target=self._read, args=(self.session, call, tell, w), name=f"shard{self.shard}-rx", daemon=True
-        ).start()
-        return w
+        the session's reader, which tells what comes (worker/session.py's SessionEvent)."""
+        assert self.config is not None
+        hello = pb.Hello(worker=self.worker, session=self.session_id, passive=True)
+        peer = Peer(self.shard, self.target, self.slices, self.config)
+        return self.sessions.open(self.stub, self.metadata, hello, peer, tell)
 
     def handled(self) -> None:
         """The link has handled one message its reader told (an update, a result or a Welcome)."""
-        self._unhandled.release()
-
-    def _room(self, session: int) -> bool:
-        """Wait until the link has handled enough of what was told; False once this session is over."""
-        while not self._unhandled.acquire(timeout=0.5):
-            if self.closed.is_set() or session != self.session:
-                return False
-        return True
+        self.sessions.handled()
 
     def send(self, msg: pb.WorkerMessage) -> None:
         """Queue a message on the current session (sent in order; lost if the session breaks)."""
-        self._outbox.put(msg)
-
-    def _requests(self, outbox: queue.SimpleQueue, session: str) -> Iterator[pb.WorkerMessage]:
-        hello = pb.WorkerMessage(hello=pb.Hello(worker=self.worker, session=session, passive=True))
-        self.count("out", hello.ByteSize())
-        yield hello
-        while True:
-            msg = outbox.get()
-            if msg is None:
-                return
-            self.count("out", msg.ByteSize())
-            yield msg
-
-    def _read(self, session: int, call: Any, tell: Callable[..., None], welcome: pb.Welcome) -> None:
-        """A session's reader: assembles update chunks and tells what it reads (see open_session)."""
-        assert self.config is not None
-        where = f"shard {self.shard} at {self.target}"
-        updates = self.updates = Updates(self.shard, self.slices, self.config, welcome, where)
-        why = f"{where} ended the session"
-        try:
-            for msg in call:
-                self.count("in", msg.ByteSize())
-                kind = msg.WhichOneof("kind")
-                told: tuple = ()
-                if kind == "update":
-                    done = updates.take(msg.update)
-                    if done is not None:
-                        told = ("update", session, *done)
-                elif kind == "result":
-                    told = ("result", session, msg.result)
-                elif kind == "welcome":
-                    updates.welcome(msg.welcome)
-                    told = ("welcome", session, msg.welcome)
-                if told:
-                    if not self._room(session):
-                        return
-                    tell(*told)
-        except grpc.RpcError as e:
-            why = f"session with shard {self.shard} at {self.target} broke: {e.code().name}: {e.details()}"
-            if e.code() not in RETRYABLE and not self.closed.is_set():
-                why = why.replace("broke", "failed")
-                tell("failed", session, why)
-                return
-        except SyncError as e:
-            tell("failed", session, str(e))
-            return
-        except Exception as e:  # a malformed message must not end the thread silently
-            tell(
-                "failed",
-                session,
-                f"shard {self.shard} sent what this worker cannot read: {type(e).__name__}: {e}",
-            )
-            return
-        tell("ended", session, why)
+        self.sessions.send(msg)
 
     # --- reconnecting ----------------------------------------------------------------------------------
-    def reconnect(self, timeout: float, tell: Callable[..., None], then: Callable[[pb.Welcome], None]) -> int:
+    def reconnect(self, timeout: float, tell: Tell, then: Callable[[pb.Welcome], None]) -> int:
         """Join again and open a new session, then then(its Welcome), until all three succeed; returns the
         attempts it took. SyncError after `timeout` seconds, or at once when the shard refuses for good.
         Attempts are spaced by exponential backoff with jitter (common/backoff.py), so that many workers do
@@ -443,8 +252,8 @@ class ShardConnection:
                 then(self.open_session(tell))
                 return attempt
             except Retry as e:
-                if self.call is not None:
-                    self.call.cancel()
+                if self.sessions.call is not None:
+                    self.sessions.call.cancel()
                 if time.monotonic() >= give_up:
                     raise SyncError(
                         f"shard {self.shard} at {self.target} unreachable for {timeout:g} s (last: {e}); "
@@ -487,7 +296,18 @@ class ShardConnection:
 
     def close(self) -> None:
         self.closed.set()
-        self._outbox.put(None)
-        if self.call is not None:
-            self.call.cancel()
+        self.sessions.end()
         self.channel.close()
+
+
+class Traffic:
+    """Serialized protobuf bytes sent and received on a connection's calls (gRPC and HTTP/2 framing not
+    included), counted from the threads that send and read them."""
+
+    def __init__(self) -> None:
+        self.bytes = {"out": 0, "in": 0}
+        self._lock = threading.Lock()
+
+    def count(self, direction: str, n: int) -> None:
+        with self._lock:
+            self.bytes[direction] += n

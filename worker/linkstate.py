@@ -17,6 +17,7 @@ networking, threads or clocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +48,23 @@ Parts = list[tuple[int, Encoded]]
 # What taking a round gives the engine: the update's parts to add, a Master to replace the slice with, or
 # None: nothing to do (the mirror holds that round already, from a fetch).
 Update = Parts | Master | None
+
+
+class RoundsView(NamedTuple):
+    """Where a run's rounds are, per fragment, as a shard says (or the shards together: the one behind
+    counts): what a joiner's first step is made of (common/schedule.py's joining_step)."""
+
+    open_rounds: list[int]  # the round open now
+    started: list[bool]  # whether it is in progress (a push of it came)
+    short_of_quorum: list[bool]  # whether it has fewer pushes than --min-workers so far
+
+
+class MastersFetched(NamedTuple):
+    """What a link's latest fetch of masters (in place of updates it missed) left: per fragment the rounds
+    the masters hold (rounds < covered[f]), and where the shard said the run was then."""
+
+    covered: list[int]
+    view: RoundsView
 
 
 class ShardBehind(Exception):
@@ -198,9 +216,7 @@ class LinkState:
         return not self.awaiting
 
     # --- where the shard is ---------------------------------------------------------------------------
-    def view(
-        self, rounds: list[int], started: list[bool], pushes: list[int], min_workers: int
-    ) -> tuple[list[int], list[bool], list[bool]]:
+    def view(self, rounds: list[int], started: list[bool], pushes: list[int], min_workers: int) -> RoundsView:
         """Where the shard is as of now, from its last Welcome (`rounds`, `started`, `pushes`, `min_workers`)
         moved on by the updates that came and the rounds held since: per fragment the open round, whether it
         has started and whether it is short of its quorum."""
@@ -210,7 +226,7 @@ class LinkState:
         for f, r in [*self.arrived, *held]:
             if r + 1 > rounds[f]:
                 rounds[f], started[f], short[f] = r + 1, False, False
-        return rounds, started, short
+        return RoundsView(rounds, started, short)
 
     # --- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -20,9 +20,10 @@ from streamdiloco.common.metrics import PUSH_OUTCOMES
 from streamdiloco.common.progress import Progress
 from streamdiloco.common.schedule import joining_step, sends_through
 from streamdiloco.common.tls import ClientTLS
-from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.engine import settle
 from streamdiloco.worker.link import ShardLink
+from streamdiloco.worker.linkstate import MastersFetched, RoundsView
+from streamdiloco.worker.session import SyncError
 
 
 class GrpcTransport:
@@ -98,11 +99,10 @@ class GrpcTransport:
         start = joining_step([self._view()], cfg)
         first = [sends_through(f, start, cfg) for f in range(cfg.num_scheduled_fragments)]
         for link in self.links:
-            link.join_from = first  # rounds before these: no shard waits for us; we take their updates
-            link.ready()
+            link.ready(from_rounds=first)  # rounds before these: no shard waits for us; we take their updates
         return start
 
-    def _view(self) -> tuple[list[int], list[bool], list[bool]]:
+    def _view(self) -> RoundsView:
         """Where the run is, as of now: per fragment the open round, whether it is in progress and whether it
         is short of its quorum, from each shard's Welcome moved on by the updates that came since. Shards
         can disagree (a push that reached one shard and not another, from a worker that died between):
@@ -120,7 +120,7 @@ class GrpcTransport:
         (common/schedule.joining_step over what the shards said with the masters). Cheap when no fetch
         happened since the last call: the engine asks at every schedule step."""
         counts = [link.fetches for link in self.links]  # read before `fetched`, which is set first
-        said = [
+        said: list[MastersFetched] = [
             link.fetched
             for link, n, seen in zip(self.links, counts, self._fetches_seen, strict=True)
             if n != seen and link.fetched is not None
@@ -129,19 +129,19 @@ class GrpcTransport:
         if not said:
             return None
         nxt = next_rounds()
-        if not any(r < covered[f] for covered, _ in said for f, r in enumerate(nxt)):
+        if not any(r < s.covered[f] for s in said for f, r in enumerate(nxt)):
             return None
         cfg = self.links[0].config
         assert cfg is not None
-        start = joining_step([_one_view([view for _, view in said])], cfg)
-        return start, [min(covered[f] for covered, _ in said) for f in range(len(nxt))]
+        start = joining_step([_one_view([s.view for s in said])], cfg)
+        return start, [min(s.covered[f] for s in said) for f in range(len(nxt))]
 
     def resume(self, schedule: Callable[[], list[int]]) -> None:
         """A worker restarted from its checkpoint (its links loaded in open()): fetch the slices of rounds
         that closed meanwhile, become a member from the next round it pushes (`schedule()`: the engine's
         next round of each fragment), and send again the kept pushes whose rounds are still open."""
         for link in self.links:
-            link.schedule = schedule
+            link.follow(schedule)
             link.resync()
         for link in self.links:
             link.ready()
@@ -149,7 +149,7 @@ class GrpcTransport:
     def follow(self, schedule: Callable[[], list[int]]) -> None:
         """After a reconnect, become a member from the next round `schedule()` says each fragment sends."""
         for link in self.links:
-            link.schedule = schedule
+            link.follow(schedule)
 
     def first_rounds(self, num_fragments: int) -> list[int]:
         """Per fragment, the first round not yet in the mirror on every shard."""
@@ -191,12 +191,12 @@ class GrpcTransport:
     def report_progress(self, progress: Callable[[], Progress]) -> None:
         """What every push's header reports (steps, blocked time, tokens, eval loss...), for the dashboard."""
         for link in self.links:
-            link.progress = progress
+            link.report_progress(progress)
 
     def on_push_answered(self, on_answer: Callable[[float], None]) -> None:
         """`on_answer` gets the seconds from each push's send to the shard's acceptance (for /metrics)."""
         for link in self.links:
-            link.answers.on_answer = on_answer
+            link.answers.listen(on_answer)
 
     @property
     def results(self) -> dict[str, int]:
@@ -206,26 +206,23 @@ class GrpcTransport:
     @property
     def message_bytes(self) -> tuple[int, int]:
         """Serialized protobuf bytes sent and received (gRPC and HTTP/2 framing not included)."""
-        return sum(link.msg_out for link in self.links), sum(link.msg_in for link in self.links)
+        return sum(link.conn.msg_out for link in self.links), sum(link.conn.msg_in for link in self.links)
 
     def close(self) -> None:
         for link in self.links:
             link.close()
 
 
-View = tuple[list[int], list[bool], list[bool]]
-
-
-def _one_view(per_shard: list[View]) -> View:
+def _one_view(per_shard: list[RoundsView]) -> RoundsView:
     """Shards' views (per fragment the open round, whether it is in progress, whether it is short of its
     quorum) as one: per fragment, the shard that is behind counts."""
-    out: tuple[list[int], list[bool], list[bool]] = ([], [], [])
-    for f in range(len(per_shard[0][0])):
-        low = min(v[0][f] for v in per_shard)
-        behind = [v for v in per_shard if v[0][f] == low]
-        out[0].append(low)
-        out[1].append(all(v[1][f] for v in behind))
-        out[2].append(any(v[2][f] for v in behind))
+    out = RoundsView([], [], [])
+    for f in range(len(per_shard[0].open_rounds)):
+        low = min(v.open_rounds[f] for v in per_shard)
+        behind = [v for v in per_shard if v.open_rounds[f] == low]
+        out.open_rounds.append(low)
+        out.started.append(all(v.started[f] for v in behind))
+        out.short_of_quorum.append(any(v.short_of_quorum[f] for v in behind))
     return out
 
 
