@@ -12,7 +12,8 @@ the batch holding its last window was trained (at the next `next()`, or at `fini
 training thread waits for a piece only when it has none left: at the start, and when every piece of the
 epoch is held by others (it then waits, asking each second, until the epoch rolls over; --steps still
 ends the run). The reply is the truth: a piece the ledger no longer gives this worker (its lease ended while
-it was away) is dropped from the stream, not trained further.
+it was away) is dropped from the stream, not trained further. What the stream holds of the pieces and what it
+reported of them is its `Leases` (plain bookkeeping, no threads).
 
 The worker's checkpoint keeps the held pieces, the window reached in the current one and the done reports
 not yet answered, so a resumed worker claims its pieces again and carries on in its piece. `make_stream`
@@ -88,6 +89,129 @@ def token_sha256(tokens: Any) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
+class Leases:
+    """What this worker holds of shard 0's pieces and what it reported of them, as plain bookkeeping (no
+    threads: PieceStream's lock guards it). `held`: the pieces leased, (id, start, end) in the order to
+    train them, `window` the next window of held[0]; `finished`: pieces whose last window went out in the
+    last batch (not trained yet); `pending`: trained to the end, not yet answered by the ledger; `accepted`
+    ((epoch, piece)) and `refused`: the ledger's answers to the done reports."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the worker's, in the log lines
+        self.epoch = 0
+        self.held: list[tuple[int, int, int]] = []
+        self.window = 0
+        self.finished: list[int] = []
+        self.pending: list[int] = []
+        self.accepted: list[tuple[int, int]] = []
+        self.refused: list[int] = []
+        self.lease_epoch: dict[int, int] = {}  # the epoch each held piece was leased in
+        self.idle = False  # the last answer gave no piece to go on with: ask again after POLL_SECONDS
+        self.waiting = False  # the training thread has no piece and the ledger none free for it
+
+    def due(self) -> bool:
+        """Whether to ask the ledger now: done reports to make, or fewer than AHEAD pieces ahead."""
+        ahead = len(self.held) - 1 if self.held else -1
+        return bool(self.pending) or (ahead < AHEAD and not self.idle)
+
+    def claim(self) -> list[int]:
+        """The pieces this worker claims as its own: being trained, or trained in the batch under way."""
+        return self.finished + [p for p, _, _ in self.held]
+
+    def trained(self) -> bool:
+        """The last batch was trained: its finished pieces are to be reported. False if there were none."""
+        if not self.finished:
+            return False
+        self.pending += self.finished
+        self.finished = []
+        return True
+
+    def next_window(self, block_size: int) -> tuple[int | None, bool]:
+        """The start of held[0]'s next window of block_size+1 tokens (None when the piece has no window
+        left), and whether that finished the piece (it then moves to `finished`)."""
+        p, start, end = self.held[0]
+        windows = max(0, (end - start - 1) // block_size)
+        taken = None
+        if self.window < windows:
+            taken = start + self.window * block_size
+            self.window += 1
+        if self.window < windows:
+            return taken, False
+        self.finished.append(p)
+        self.held.pop(0)
+        self.window = 0
+        return taken, True
+
+    def apply(self, reply: pb.PiecesReply, done: list[int], data_tokens: int) -> str | None:
+        """The ledger's answer to a call that reported `done`, on the current state (the training thread went
+        on meanwhile); what is wrong with it, if the stream cannot go on (a piece past the data's end)."""
+        self._answered(reply, done)
+        granted = {r.id: (r.id, r.start, r.end) for r in reply.held}
+        for i, (p, _, _) in enumerate(list(self.held)):
+            if p not in granted:
+                log.warning("%s: piece %d is no longer ours: dropped", self.name, p)
+                if i == 0 and self.held[0][0] == p:
+                    self.window = 0
+        self.held = [h for h in self.held if h[0] in granted]
+        self.finished = [p for p in self.finished if p in granted]
+        known = set(self.claim()) | set(self.pending)
+        new = [granted[p] for p in (r.id for r in reply.held) if p not in known]
+        error = None
+        for piece in new:
+            self.lease_epoch[piece[0]] = reply.epoch
+            if piece[2] - piece[1] > data_tokens:
+                error = f"shard 0 leased piece {piece[0]} ending at token {piece[2]}, past this data's end"
+        self.held += new
+        self.epoch = reply.epoch
+        self.idle = not new and len(self.held) <= AHEAD
+        waiting = not new and not self.held
+        if waiting and not self.waiting:  # once per wait
+            log.info(
+                "%s: no piece free (%d of %d done in epoch %d): waiting for the epoch to end",
+                self.name,
+                reply.pieces_done,
+                reply.pieces_total,
+                reply.epoch,
+            )
+        self.waiting = waiting
+        return error
+
+    def _answered(self, reply: pb.PiecesReply, done: list[int]) -> None:
+        """The ledger's answers to the done reports: counted, counted before, or refused."""
+        refused, repeated = set(reply.refused), set(reply.repeated)
+        for p in done:
+            if p in repeated:  # counted before (this worker resumed from a checkpoint older than that)
+                self.lease_epoch.pop(p, None)
+                log.info("%s: piece %d was counted done before", self.name, p)
+            elif p in refused:
+                self.refused.append(p)
+                log.warning(
+                    "%s: piece %d was not ours any more: its done report is not counted", self.name, p
+                )
+            else:
+                epoch = self.lease_epoch.pop(p, reply.epoch)
+                self.accepted.append((epoch, p))
+                log.info("%s: piece %d of epoch %d done", self.name, p, epoch)
+        self.pending = [p for p in self.pending if p not in done]
+
+    def state_dict(self) -> dict:
+        return {
+            "held": [list(h) for h in self.held],
+            "window": self.window,
+            "pending": self.pending + self.finished,  # the checkpoint's model has trained them
+            "epoch": self.epoch,
+            "accepted": [list(e) for e in self.accepted],
+            "lease_epoch": dict(self.lease_epoch),
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.held = [(int(p), int(a), int(b)) for p, a, b in s["held"]]
+        self.window, self.epoch = int(s["window"]), int(s["epoch"])
+        self.pending, self.finished = [int(p) for p in s["pending"]], []
+        self.accepted = [(int(e), int(p)) for e, p in s["accepted"]]
+        self.lease_epoch = {int(k): int(v) for k, v in s["lease_epoch"].items()}
+
+
 class PieceStream:
     """Batches from the pieces shard 0 leases to this worker (see the module's docstring)."""
 
@@ -99,22 +223,19 @@ class PieceStream:
         self.data, self.batch_size, self.block_size, self.name = tokens, batch_size, block_size, name
         self.sha256 = sha256  # what names the data in the ledger (a prepared dataset's); None: token_sha256
         self.position = 0  # batches drawn so far
-        self.epoch = 0
-        self.held: list[tuple[int, int, int]] = []  # (id, start, end) in the order to train them
-        self.window = 0  # the next window of held[0]
-        self.finished: list[int] = []  # pieces whose last window went out in the last batch (not trained yet)
-        self.pending: list[int] = []  # trained to the end, not yet answered by the ledger
-        self.accepted: list[tuple[int, int]] = []  # (epoch, piece) done reports the ledger took
-        self.refused: list[int] = []  # done reports it refused (a lease that ended while away)
-        self._lease_epoch: dict[int, int] = {}
+        self.leases = Leases(name)  # guarded by _cond, like everything the asker and next() share
         self._cond = threading.Condition()
         self._source: PieceSource | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._error: str | None = None
-        self._idle = False  # the last answer gave no piece to go on with: ask again after POLL_SECONDS
-        self._waiting = False  # the training thread has no piece and the ledger none free for it
         self.interrupt: threading.Event | None = None  # set: a wait for a piece ends (StopRequested)
+
+    @property
+    def accepted(self) -> list[tuple[int, int]]:
+        """(epoch, piece) of the done reports the ledger took."""
+        with self._cond:
+            return list(self.leases.accepted)
 
     # --- the ledger's side ------------------------------------------------------------------------------
     def start(self, source: PieceSource, interrupt: threading.Event | None = None) -> None:
@@ -123,21 +244,18 @@ class PieceStream:
         self._thread = threading.Thread(target=self._asker, name="pieces", daemon=True)
         self._thread.start()
 
-    def _due(self) -> bool:
-        ahead = len(self.held) - 1 if self.held else -1
-        return bool(self.pending) or (ahead < AHEAD and not self._idle)
-
     def _asker(self) -> None:
         backoff = 0.5
+        leases = self.leases
         while True:
             with self._cond:
-                while not self._closed and not self._due():
-                    if not self._cond.wait(POLL_SECONDS) and self._idle:
-                        self._idle = False  # a second without a piece: ask again
+                while not self._closed and not leases.due():
+                    if not self._cond.wait(POLL_SECONDS) and leases.idle:
+                        leases.idle = False  # a second without a piece: ask again
                 if self._closed:
                     return
-                done, claim = list(self.pending), self._claim()
-                want = min(MAX_WANT, len(self.finished) + 1 + AHEAD)
+                done, claim = list(leases.pending), leases.claim()
+                want = min(MAX_WANT, len(leases.finished) + 1 + AHEAD)
             try:
                 assert self._source is not None
                 reply = self._source.ask(done, claim, want)
@@ -155,88 +273,34 @@ class PieceStream:
                 return
             backoff = 0.5
             with self._cond:
-                self._apply(reply, done)
+                self._error = leases.apply(reply, done, len(self.data)) or self._error
                 self._cond.notify_all()
 
     def _sleep(self, seconds: float) -> None:
         with self._cond:
             self._cond.wait(seconds)
 
-    def _claim(self) -> list[int]:
-        return self.finished + [p for p, _, _ in self.held]
-
-    def _apply(self, reply: pb.PiecesReply, done: list[int]) -> None:
-        """The ledger's answer, on the current state (the training thread went on meanwhile)."""
-        refused, repeated = set(reply.refused), set(reply.repeated)
-        for p in done:
-            if p in repeated:  # counted before (this worker resumed from a checkpoint older than that)
-                self._lease_epoch.pop(p, None)
-                log.info("%s: piece %d was counted done before", self.name, p)
-            elif p in refused:
-                self.refused.append(p)
-                log.warning(
-                    "%s: piece %d was not ours any more: its done report is not counted", self.name, p
-                )
-            else:
-                epoch = self._lease_epoch.pop(p, reply.epoch)
-                self.accepted.append((epoch, p))
-                log.info("%s: piece %d of epoch %d done", self.name, p, epoch)
-        self.pending = [p for p in self.pending if p not in done]
-        granted = {r.id: (r.id, r.start, r.end) for r in reply.held}
-        for i, (p, _, _) in enumerate(list(self.held)):
-            if p not in granted:
-                log.warning("%s: piece %d is no longer ours: dropped", self.name, p)
-                if i == 0 and self.held[0][0] == p:
-                    self.window = 0
-        self.held = [h for h in self.held if h[0] in granted]
-        self.finished = [p for p in self.finished if p in granted]
-        known = set(self._claim()) | set(self.pending)
-        new = [granted[p] for p in (r.id for r in reply.held) if p not in known]
-        for piece in new:
-            self._lease_epoch[piece[0]] = reply.epoch
-            if piece[2] - piece[1] > len(self.data):
-                self._error = (
-                    f"shard 0 leased piece {piece[0]} ending at token {piece[2]}, past this data's end"
-                )
-        self.held += new
-        self.epoch = reply.epoch
-        self._idle = not new and len(self.held) <= AHEAD
-        waiting = not new and not self.held
-        if waiting and not self._waiting:  # once per wait
-            log.info(
-                "%s: no piece free (%d of %d done in epoch %d): waiting for the epoch to end",
-                self.name,
-                reply.pieces_done,
-                reply.pieces_total,
-                reply.epoch,
-            )
-        self._waiting = waiting
-
     # --- the training thread's side ---------------------------------------------------------------------
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch: the batch before it counts as trained (its finished pieces are reported)."""
         starts: list[int] = []
+        leases = self.leases
         with self._cond:
             self._trained()
             while len(starts) < self.batch_size:
                 if self._error is not None:
                     raise SyncError(self._error)
-                if not self.held:
-                    if starts and self._idle:  # the epoch's last pieces: a short batch (its pieces are then
+                if not leases.held:
+                    if starts and leases.idle:  # the epoch's last pieces: a short batch (its pieces are then
                         break  # reported; the others wait for them to end the epoch)
                     if self.interrupt is not None and self.interrupt.is_set():
                         raise StopRequested()
                     self._cond.wait(0.2)
                     continue
-                p, start, end = self.held[0]
-                windows = max(0, (end - start - 1) // self.block_size)
-                if self.window < windows:
-                    starts.append(start + self.window * self.block_size)
-                    self.window += 1
-                if self.window >= windows:
-                    self.finished.append(p)
-                    self.held.pop(0)
-                    self.window = 0
+                start, finished = leases.next_window(self.block_size)
+                if start is not None:
+                    starts.append(start)
+                if finished:
                     self._cond.notify_all()
         n = self.block_size + 1
         rows = np.stack([np.asarray(self.data[s : s + n]) for s in starts]).astype(np.int64)
@@ -245,9 +309,7 @@ class PieceStream:
         return chunk[:, :-1], chunk[:, 1:]
 
     def _trained(self) -> None:
-        if self.finished:
-            self.pending += self.finished
-            self.finished = []
+        if self.leases.trained():
             self._cond.notify_all()
 
     def finish(self, timeout: float = 30.0) -> bool:
@@ -255,7 +317,7 @@ class PieceStream:
         then stop asking. False if the answer did not come."""
         with self._cond:
             self._trained()
-            ok = self._cond.wait_for(lambda: not self.pending or self._error is not None, timeout)
+            ok = self._cond.wait_for(lambda: not self.leases.pending or self._error is not None, timeout)
         self.close()
         return ok and self._error is None
 
@@ -269,36 +331,22 @@ class PieceStream:
         them ([epoch, piece]), and those refused."""
         with self._cond:
             return {
-                "pieces_done": [list(e) for e in self.accepted],
-                "pieces_refused": list(self.refused),
-                "epoch": self.epoch,
+                "pieces_done": [list(e) for e in self.leases.accepted],
+                "pieces_refused": list(self.leases.refused),
+                "epoch": self.leases.epoch,
             }
 
     # --- checkpoint ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         with self._cond:
-            return {
-                "pieces": {
-                    "held": [list(h) for h in self.held],
-                    "window": self.window,
-                    "pending": self.pending + self.finished,  # the checkpoint's model has trained them
-                    "epoch": self.epoch,
-                    "accepted": [list(e) for e in self.accepted],
-                    "lease_epoch": dict(self._lease_epoch),
-                },
-                "position": self.position,
-            }
+            return {"pieces": self.leases.state_dict(), "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         s = state.get("pieces") if isinstance(state, dict) else None
         if not isinstance(s, dict):
             raise ValueError("the checkpoint's data stream is not a PieceStream's (--data-pieces changed?)")
         with self._cond:
-            self.held = [(int(p), int(a), int(b)) for p, a, b in s["held"]]
-            self.window, self.epoch = int(s["window"]), int(s["epoch"])
-            self.pending, self.finished = [int(p) for p in s["pending"]], []
-            self.accepted = [(int(e), int(p)) for e, p in s["accepted"]]
-            self._lease_epoch = {int(k): int(v) for k, v in s["lease_epoch"].items()}
+            self.leases.load_state_dict(s)
             self.position = int(state.get("position", 0))
 
 
