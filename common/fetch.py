@@ -164,18 +164,14 @@ def fetch_slices(
     if sizes is not None:
         stream.set_sizes(sizes)
     out = Fetched(where)
-    backoff = Backoff()
-    heard = broke = time.monotonic()  # when the shard last sent a message, when the stream last broke
+    retries = _Retries(where, attempts, patience, stop)
 
     def seen(m: pb.MasterChunk) -> None:
-        nonlocal heard
-        heard = time.monotonic()
+        retries.heard_from()
         if on_chunk is not None:
             on_chunk(m)
 
-    attempt = 0
-    while patience is not None or attempt < attempts:
-        attempt += 1
+    while retries.another():
         known = bool(stream.order)  # the sizes: given, or described by an earlier call
         asm = stream.due()
         if known and asm is None:
@@ -192,39 +188,7 @@ def fetch_slices(
                 call.cancel()  # a round closed while the stream was broken: that fragment starts over
                 continue
         except grpc.RpcError as e:
-            code, details = e.code(), ((e.details() or "").strip().splitlines() or [""])[0]
-            failed = f"Fetch from {where} failed: {code.name}: {details}"
-            if patience is None:
-                if code != grpc.StatusCode.UNAVAILABLE or attempt == attempts:
-                    raise FetchError(failed, code, details) from None
-                time.sleep(0.5 * attempt)  # the stream broke: resume from what was received
-                continue
-            if heard > broke:  # it went on for a while: the next break waits briefly again
-                backoff.reset()
-            broke = time.monotonic()
-            silent = broke - heard
-            if code not in TRANSIENT:
-                raise FetchError(failed, code, details) from None
-            if silent >= patience:
-                raise FetchError(
-                    f"Fetch from {where}: nothing received for {silent:.0f} s (last: {code.name}: {details})",
-                    code,
-                    details,
-                ) from None
-            wait = min(backoff.next(), patience - silent)
-            if attempt == 1 or attempt % RETRY_LOG_EVERY == 0:
-                log.warning(
-                    "Fetch from %s broke (%s: %s): resuming in %.1f s (attempt %d; giving up after %g s "
-                    "without a message)",
-                    where,
-                    code.name,
-                    details,
-                    wait,
-                    attempt,
-                    patience,
-                )
-            if (stop or threading.Event()).wait(wait):
-                raise FetchError(f"Fetch from {where} stopped: the link is closing") from None
+            retries.broken(e)  # waits before the next call, or raises FetchError
             continue
         if not stream.order:
             raise FetchError(f"{where} ended the Fetch without sending anything")
@@ -238,6 +202,66 @@ def fetch_slices(
         a = stream.got[f]
         out.slices[f], out.rounds[f] = a.values, int(a.round or 0)
     return out
+
+
+class _Retries:
+    """When a broken Fetch is called again (see the module's docstring): up to `attempts` calls in all, or,
+    with `patience`, after a backoff each time, for as long as the shard sends a message at least once every
+    `patience` seconds; `stop`, when set, ends the waits."""
+
+    def __init__(self, where: str, attempts: int, patience: float | None, stop: threading.Event | None):
+        self.where, self.attempts, self.patience = where, attempts, patience
+        self.stop = stop or threading.Event()
+        self.attempt = 0
+        self.backoff = Backoff()
+        self.heard = self.broke = time.monotonic()  # when the shard last sent a message, the stream broke
+
+    def another(self) -> bool:
+        """Whether to make another call (counted)."""
+        if self.patience is None and self.attempt >= self.attempts:
+            return False
+        self.attempt += 1
+        return True
+
+    def heard_from(self) -> None:
+        self.heard = time.monotonic()
+
+    def broken(self, e: grpc.RpcError) -> None:
+        """A call failed with `e`: wait before the next, or raise the FetchError that ends the Fetch."""
+        code, details = e.code(), ((e.details() or "").strip().splitlines() or [""])[0]
+        failed = f"Fetch from {self.where} failed: {code.name}: {details}"
+        if self.patience is None:
+            if code != grpc.StatusCode.UNAVAILABLE or self.attempt == self.attempts:
+                raise FetchError(failed, code, details) from None
+            time.sleep(0.5 * self.attempt)  # the stream broke: resume from what was received
+            return
+        if self.heard > self.broke:  # it went on for a while: the next break waits briefly again
+            self.backoff.reset()
+        self.broke = time.monotonic()
+        silent = self.broke - self.heard
+        if code not in TRANSIENT:
+            raise FetchError(failed, code, details) from None
+        if silent >= self.patience:
+            raise FetchError(
+                f"Fetch from {self.where}: nothing received for {silent:.0f} s "
+                f"(last: {code.name}: {details})",
+                code,
+                details,
+            ) from None
+        wait = min(self.backoff.next(), self.patience - silent)
+        if self.attempt == 1 or self.attempt % RETRY_LOG_EVERY == 0:
+            log.warning(
+                "Fetch from %s broke (%s: %s): resuming in %.1f s (attempt %d; giving up after %g s "
+                "without a message)",
+                self.where,
+                code.name,
+                details,
+                wait,
+                self.attempt,
+                self.patience,
+            )
+        if self.stop.wait(wait):
+            raise FetchError(f"Fetch from {self.where} stopped: the link is closing") from None
 
 
 def _read(

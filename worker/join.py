@@ -31,9 +31,9 @@ from streamdiloco.common.fragments import (
 from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.worker.bootstrap import ShardInfo, check_one_start, give_parameters, probe_shard
-from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.report import ScalarLogger
+from streamdiloco.worker.session import SyncError
 from streamdiloco.worker.transport import GrpcTransport
 
 __all__ = ["JoinOptions", "SyncError", "chosen_sync_fields", "connect"]
@@ -142,12 +142,7 @@ def connect(
     no group names makes one more, the last; P (`sync.num_fragments`) must equal the fragments made. The
     shards must build the same layout: start them with the same --blocks-path or --fragments (the
     fingerprint carries the layout, and a shard with another refuses this worker by saying so)."""
-    wrapper = type(model).__name__
-    if wrapper in ("DistributedDataParallel", "FullyShardedDataParallel") or wrapper.startswith("FSDP"):
-        raise ValueError(
-            f"a {wrapper}-wrapped model is a worker of several ranks: call "
-            "streamdiloco.worker.group.connect_group(model, servers, ...) on every rank instead of connect()"
-        )
+    _refuse_wrapped(model)
     o = replace(options or JoinOptions(), **kwargs)  # a keyword that is no option: TypeError, as ever
     chosen = chosen_sync_fields(sync, o.sync_set)
     targets = [s.strip() for s in servers.split(",")] if isinstance(servers, str) else list(servers)
@@ -162,7 +157,28 @@ def connect(
     else:
         check_one_start(targets, infos)  # shards that took two workers' uploads: no run to join
     warm_up(tuple({sync.uplink_codec, sync.downlink_codec}), sync.codec_block_size)  # not in round 1
-    transport = GrpcTransport.open(
+    transport = _open_links(targets, name, fingerprint, o)
+    try:
+        return _start(model, layout, sync, transport, name, o)
+    except BaseException:
+        transport.close()
+        raise
+
+
+def _refuse_wrapped(model: torch.nn.Module) -> None:
+    """ValueError for a model wrapped for several ranks (DDP, FSDP): those join with connect_group."""
+    wrapper = type(model).__name__
+    if wrapper in ("DistributedDataParallel", "FullyShardedDataParallel") or wrapper.startswith("FSDP"):
+        raise ValueError(
+            f"a {wrapper}-wrapped model is a worker of several ranks: call "
+            "streamdiloco.worker.group.connect_group(model, servers, ...) on every rank instead of connect()"
+        )
+
+
+def _open_links(targets: list[str], name: str, fingerprint: dict, o: JoinOptions) -> GrpcTransport:
+    """Join every shard and open a passive session with each; a resumed worker's links take back what its
+    checkpoint held."""
+    return GrpcTransport.open(
         targets,
         name,
         fingerprint,
@@ -174,11 +190,6 @@ def connect(
         held=None if o.resume is None else o.resume["engine"]["mirror_rounds"],
         tls=o.tls,
     )
-    try:
-        return _start(model, layout, sync, transport, name, o)
-    except BaseException:
-        transport.close()
-        raise
 
 
 def _settings(
