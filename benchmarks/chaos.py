@@ -45,7 +45,6 @@ starts is stopped at the end, on an error and on Ctrl+C; the network namespace i
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import signal
@@ -60,10 +59,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
-    RESULTS,
     Procs,
     Run,
     Session,
+    bench_parser,
     free_port,
     http_json,
     loadavg,
@@ -596,11 +595,8 @@ def _process_table(chaos: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="toy size: shorter faults, fewer steps")
+    ap = bench_parser(__doc__, "chaos", quick_help="toy size: shorter faults, fewer steps", max_wait=60.0)
     ap.add_argument("--no-netns", action="store_true", help="skip the link drop (no network namespace)")
-    ap.add_argument("--out", default=str(RESULTS / "chaos"))
-    ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args(argv)
     sizes = QUICK if a.quick else FULL
     md: list[str] = []

@@ -27,7 +27,6 @@ it starts is stopped at the end, on an error and on Ctrl+C.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import statistics
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import RESULTS, Procs, Run, Session, http_json, say, wait_quiet
+from benchmarks.harness import Procs, Run, Session, bench_parser, http_json, say, wait_quiet
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
@@ -310,12 +309,7 @@ def table_d(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="a,b,d", help="a, b (b includes c), d")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "elastic"))
-    ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args(argv)
+    a = bench_parser(__doc__, "elastic", parts="a,b,d", parts_help="a, b (b includes c), d").parse_args(argv)
     parts = set(a.parts.split(","))
     md: list[str] = []
     with Session("elastic", argv, Path(a.out), scratch_in_out=True) as s:

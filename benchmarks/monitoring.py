@@ -21,7 +21,6 @@ Writes results.md, results.json and run.log under --out (default benchmarks/resu
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import threading
@@ -34,7 +33,7 @@ import torch
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from benchmarks.harness import RESULTS, Procs, Run, Session, free_ports, say, wait_quiet
+from benchmarks.harness import Procs, Run, Session, bench_parser, free_ports, say, wait_quiet
 from streamdiloco.common.codecs import encode
 from streamdiloco.common.config import ModelSettings, SyncConfig
 from streamdiloco.server.config import ShardConfig
@@ -223,12 +222,7 @@ def table_b(b: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="a,b", help="a, b")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "monitoring"))
-    ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    a = ap.parse_args(argv)
+    a = bench_parser(__doc__, "monitoring", parts="a,b", parts_help="a, b").parse_args(argv)
     parts = set(a.parts.split(","))
     md: list[str] = []
     with Session("monitoring", argv, Path(a.out)) as s:

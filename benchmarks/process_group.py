@@ -24,13 +24,21 @@ process it starts is stopped at the end, on an error and on Ctrl+C.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, Procs, Session, free_port, say, sd, start_shards, wait_quiet
+from benchmarks.harness import (
+    Procs,
+    Session,
+    bench_parser,
+    free_port,
+    say,
+    sd,
+    start_shards,
+    wait_quiet,
+)
 
 # fragments every 2 steps at H=8, P=4: the merges (and their broadcasts) come often
 SYNC = ["--sync-every", "8", "--num-fragments", "4"]
@@ -119,12 +127,9 @@ STEPS: dict[str, int] = {}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+    ap = bench_parser(__doc__, "process_group")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default="cpu,emulated")
-    ap.add_argument("--out", default=str(RESULTS / "process_group"))
-    ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     a = ap.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     for k in kinds:

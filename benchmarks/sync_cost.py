@@ -60,12 +60,9 @@ import math
 import os
 import resource
 import shlex
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,16 +73,15 @@ import torch.nn as nn
 
 from benchmarks import harness
 from benchmarks.harness import (
-    ROOT,
     Procs,
+    Session,
     bench,
-    code_under_test,
+    group_cpu_seconds,
+    group_peak_rss,
     loadavg,
-    machine,
     say,
     system_busy_seconds,
     wait_quiet,
-    write_results,
 )
 from streamdiloco.common.atomic import atomic_write_text
 
@@ -157,47 +153,6 @@ def synthetic_model() -> SyntheticModel:
     return SyntheticModel(width_for(parse_size(os.environ.get(PARAMS_ENV, "1M"))))
 
 
-# --- processes ----------------------------------------------------------------------------------------------
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ...
-            out.append(int(d.name))
-    return out
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    total = 0.0
-    for pid in group_pids(pgid):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    return total
-
-
-def group_peak_rss(pgid: int) -> int:
-    """Sum of the peak RSS (VmHWM) of the group's processes, bytes."""
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
-
-
 # --- the worker (a subprocess: `sync_cost.py _worker`) ------------------------------------------------------
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -210,7 +165,12 @@ def _pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+# one step of the loop: (step, start, seconds of the (emulated) GPU step, after the change, end, event kinds)
+Rec = tuple[int, float, float, float, float, list[str]]
+
+
 def worker_main(spec: dict, result_path: Path) -> int:
+    """`python -m benchmarks.sync_cost _worker SPEC RESULT`: join, train `spec`'s steps, write the figures."""
     from streamdiloco.common.config import SyncConfig
     from streamdiloco.worker.join import connect
 
@@ -218,33 +178,74 @@ def worker_main(spec: dict, result_path: Path) -> int:
     t_start = time.perf_counter()
     os.environ[PARAMS_ENV] = str(spec["params"])
     torch.manual_seed(1)
-    real = spec.get("model")
-    gpu_step, baseline = (None, None)
-    model: nn.Module
-    if real:
-        model, gpu_step = _real_training(spec)
-        baseline = _time_steps(gpu_step, spec.get("baseline_steps", 10) // 2)
-        step_s = statistics.median(baseline)  # what a step costs with no sync at all (for the log)
-    else:
-        model = synthetic_model()
-        step_s = spec["step_ms"] / 1e3
+    model, gpu_step, baseline, step_s = _model(spec)
     numel = sum(p.numel() for p in model.parameters())
     cfg = SyncConfig(**spec["sync"])
-    H, steps = cfg.sync_every, spec["steps"]
-    warm = spec["warmup"]
+    steps, warm = spec["steps"], spec["warmup"]
     t0 = time.perf_counter()
     engine = connect(model, spec["servers"], sync=cfg, total_steps=steps, name=f"sync-cost-{os.getpid()}")
     join_s = time.perf_counter() - t0
-    params = [p for p in model.parameters()]
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # once, untimed: dense outer gradients and updates from the first send on
-        for p in params if not real else []:  # (real steps change every parameter)
-            p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
+    if gpu_step is None:  # (real steps change every parameter)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():  # once, untimed: dense outer gradients and updates from the first send on
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
     print(
         f"joined in {join_s:.1f}s; {numel:,} parameters; {steps} steps of {step_s * 1e3:.0f} ms", flush=True
     )
+    recs, blocked, cpu_window = _train(engine, model, gpu_step, step_s, cfg.sync_every, steps, warm)
+    t0 = time.perf_counter()
+    engine.close()
+    close_s = time.perf_counter() - t0
+    if gpu_step is not None and baseline is not None:  # the other half, now: no sync, the same GPU
+        baseline += _time_steps(gpu_step, spec.get("baseline_steps", 10) - len(baseline))
+        step_s = statistics.median(baseline)
+        print(f"no-sync steps: median {step_s * 1e3:.1f} ms ({len(baseline)} steps)", flush=True)
+    figures = _loop_figures(recs, step_s, warm, cfg.sync_every, steps)
+    res = {
+        "params": numel,
+        "width": model.blocks[0].in_features if isinstance(model, SyntheticModel) else None,
+        "blocks": len(model.blocks) if isinstance(model, SyntheticModel) else None,
+        "model": spec.get("model"),
+        "device": spec.get("device", "cpu"),
+        "baseline_step_ms": [t * 1e3 for t in baseline] if baseline else None,
+        "steps": steps,
+        "warmup_steps": warm,
+        "measured_steps": figures.pop("measured_steps"),
+        "step_ms": step_s * 1e3,
+        "join_seconds": join_s,
+        "close_seconds": close_s,
+        **figures,
+        "blocked_seconds": blocked,
+        "blocked_seconds_total": float(engine.blocked_seconds),
+        "worker_cpu_cores_window": cpu_window / figures["wall_seconds"],
+        "worker_cpu_seconds_total": time.process_time(),
+        "worker_base_rss": base_rss,
+        "worker_peak_rss": _peak_rss_bytes(),
+        "lifetime_seconds": time.perf_counter() - t_start,
+        **{k: getattr(engine, k, None) for k in ("bytes_sent", "bytes_received", "pushes", "merges")},
+    }
+    result_path.write_text(json.dumps(res, indent=2))
+    return 0
 
-    recs = []  # (step, start, slept, after change, end, kinds)
+
+def _model(spec: dict) -> tuple[nn.Module, Any, list[float] | None, float]:
+    """The worker's model, its real step (None: emulated), the no-sync step times measured before joining
+    (real steps only) and the step's seconds."""
+    if spec.get("model"):
+        model, gpu_step = _real_training(spec)
+        baseline = _time_steps(gpu_step, spec.get("baseline_steps", 10) // 2)
+        return model, gpu_step, baseline, statistics.median(baseline)  # a step with no sync at all (the log)
+    return synthetic_model(), None, None, spec["step_ms"] / 1e3
+
+
+def _train(
+    engine: Any, model: nn.Module, gpu_step: Any, step_s: float, H: int, steps: int, warm: int
+) -> tuple[list[Rec], float, float]:
+    """The training loop: each step (real, or a sleep and a tiny change) then engine.step(); a line per H
+    steps. Its records, and the blocked and CPU seconds after the warm-up."""
+    params = [p for p in model.parameters()] if gpu_step is None else []
+    recs: list[Rec] = []
     blocked0 = cpu0 = 0.0
     for i in range(1, steps + 1):
         if i == warm + 1:
@@ -257,36 +258,34 @@ def worker_main(spec: dict, result_path: Path) -> int:
             tokens, loss = 1024, 1.0
         t1 = time.perf_counter()
         with torch.no_grad():  # a tiny real change: one element per tensor
-            for p in params if gpu_step is None else []:
+            for p in params:
                 p.view(-1)[i % p.numel()] += 1e-4
         t2 = time.perf_counter()
         evs = engine.step(tokens=tokens, loss=loss)
         t3 = time.perf_counter()
-        kinds = sorted({str(getattr(e, "kind", e)) for e in evs})
-        recs.append((i, ts, t1 - ts, t2, t3, kinds))
+        recs.append((i, ts, t1 - ts, t2, t3, sorted({str(getattr(e, "kind", e)) for e in evs})))
         if i % H == 0 or i == steps:
-            cyc = recs[-H:]
-            wall = cyc[-1][4] - cyc[0][1]
-            sends = [r[4] - r[3] for r in cyc if "send" in r[5]]
-            merges = [r[4] - r[3] for r in cyc if "merge" in r[5]]
-            print(
-                f"step {i}/{steps}{' (warm-up)' if i <= warm else ''}: last {len(cyc)} steps "
-                f"{wall:.1f}s, utilization {len(cyc) * step_s / wall:.3f}; max send step "
-                f"{max(sends, default=0) * 1e3:.0f} ms, max merge step "
-                f"{max(merges, default=0) * 1e3:.0f} ms; "
-                f"blocked {engine.blocked_seconds:.2f}s in all",
-                flush=True,
-            )
-    blocked = float(engine.blocked_seconds) - blocked0
-    cpu_window = time.process_time() - cpu0
-    t0 = time.perf_counter()
-    engine.close()
-    close_s = time.perf_counter() - t0
-    if gpu_step is not None and baseline is not None:  # the other half, now: no sync, the same GPU
-        baseline += _time_steps(gpu_step, spec.get("baseline_steps", 10) - len(baseline))
-        step_s = statistics.median(baseline)
-        print(f"no-sync steps: median {step_s * 1e3:.1f} ms ({len(baseline)} steps)", flush=True)
+            _say_cycle(recs[-H:], i, steps, warm, step_s, float(engine.blocked_seconds))
+    return recs, float(engine.blocked_seconds) - blocked0, time.process_time() - cpu0
 
+
+def _say_cycle(cyc: list[Rec], i: int, steps: int, warm: int, step_s: float, blocked: float) -> None:
+    wall = cyc[-1][4] - cyc[0][1]
+    sends = [r[4] - r[3] for r in cyc if "send" in r[5]]
+    merges = [r[4] - r[3] for r in cyc if "merge" in r[5]]
+    print(
+        f"step {i}/{steps}{' (warm-up)' if i <= warm else ''}: last {len(cyc)} steps "
+        f"{wall:.1f}s, utilization {len(cyc) * step_s / wall:.3f}; max send step "
+        f"{max(sends, default=0) * 1e3:.0f} ms, max merge step "
+        f"{max(merges, default=0) * 1e3:.0f} ms; "
+        f"blocked {blocked:.2f}s in all",
+        flush=True,
+    )
+
+
+def _loop_figures(recs: list[Rec], step_s: float, warm: int, H: int, steps: int) -> dict:
+    """The measured steps' figures: wall time, utilization (over all, per H cycle), the time inside
+    engine.step() at send, merge and other steps, the late wake-ups."""
     win = [r for r in recs if r[0] > warm]
     wall = win[-1][4] - win[0][1]
     cycles = []
@@ -304,46 +303,21 @@ def worker_main(spec: dict, result_path: Path) -> int:
             "total_s": sum(xs),
         }
 
-    inside = {
-        "send": ms([r[4] - r[3] for r in win if "send" in r[5]]),
-        "merge": ms([r[4] - r[3] for r in win if "merge" in r[5]]),
-        "other": ms([r[4] - r[3] for r in win if not r[5]]),
-    }
-    res = {
-        "params": numel,
-        "width": model.blocks[0].in_features if isinstance(model, SyntheticModel) else None,
-        "blocks": len(model.blocks) if isinstance(model, SyntheticModel) else None,
-        "model": real,
-        "device": spec.get("device", "cpu"),
-        "baseline_step_ms": [t * 1e3 for t in baseline] if baseline else None,
-        "steps": steps,
-        "warmup_steps": warm,
+    return {
         "measured_steps": len(win),
-        "step_ms": step_s * 1e3,
-        "join_seconds": join_s,
-        "close_seconds": close_s,
         "wall_seconds": wall,
         "compute_seconds": len(win) * step_s,
         "utilization": len(win) * step_s / wall,
         "cycle_utilization": cycles,
-        "in_step": inside,
+        "in_step": {
+            "send": ms([r[4] - r[3] for r in win if "send" in r[5]]),
+            "merge": ms([r[4] - r[3] for r in win if "merge" in r[5]]),
+            "other": ms([r[4] - r[3] for r in win if not r[5]]),
+        },
         "in_step_total_s": sum(r[4] - r[3] for r in win),
         "late_wakeup_ms_mean": statistics.mean(r[2] - step_s for r in win) * 1e3,
         "late_wakeup_ms_p90": _pct([r[2] - step_s for r in win], 0.9) * 1e3,  # type: ignore[operator]
-        "blocked_seconds": blocked,
-        "blocked_seconds_total": float(engine.blocked_seconds),
-        "worker_cpu_cores_window": cpu_window / wall,
-        "worker_cpu_seconds_total": time.process_time(),
-        "worker_base_rss": base_rss,
-        "worker_peak_rss": _peak_rss_bytes(),
-        "lifetime_seconds": time.perf_counter() - t_start,
-        "bytes_sent": getattr(engine, "bytes_sent", None),
-        "bytes_received": getattr(engine, "bytes_received", None),
-        "pushes": getattr(engine, "pushes", None),
-        "merges": getattr(engine, "merges", None),
     }
-    result_path.write_text(json.dumps(res, indent=2))
-    return 0
 
 
 def _real_training(spec: dict) -> tuple[nn.Module, Any]:
@@ -420,7 +394,9 @@ def shard_flags(sync: dict) -> list[str]:
     ]
 
 
-def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args) -> list[tuple]:
+def start_shards(
+    procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args: argparse.Namespace
+) -> list[tuple]:
     flags = ["--model", case.get("model") or MODEL_SPEC, "--min-workers", "1", *shard_flags(sync)]
     env = {PARAMS_ENV: str(case["params"])}
     return harness.start_shards(
@@ -429,7 +405,9 @@ def start_shards(procs: Procs, tmp: Path, tag: str, case: dict, sync: dict, args
     )  # fmt: skip
 
 
-def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
+def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args: argparse.Namespace) -> dict:
+    """One repeat of a case: fresh shards, the worker process to its end (or its time bound); its figures,
+    or its status and the logs' tails when it failed."""
     size = case["size"].replace(":", "-").replace(".", "-")  # a model spec: a file name's part
     tag = f"{size}-{case['step_ms']}ms-tau{case['tau']}-S{case['shards']}-r{rep}"
     label = f"[{case_label(case)}{f' #{rep + 1}' if args.repeats > 1 else ''}]"
@@ -438,8 +416,7 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
     step_ms = case["step_ms"] or 1000  # real steps: a second each at most, for the default timeout
     timeout = args.case_timeout or (args.start_timeout + 120 + steps * (step_ms / 1e3 + 3.0))
     out: dict = {"case": case, "repeat": rep, "status": "ok", "loadavg_before": loadavg()}
-    busy = wait_quiet(label, args.max_wait) if args.max_wait > 0 else None
-    out["machine_busy_before"] = busy
+    out["machine_busy_before"] = wait_quiet(label, args.max_wait) if args.max_wait > 0 else None
     say(
         f"{label} starting {case['shards']} shard process(es) for "
         f"{case.get('model') or format(case['params'], ',') + ' parameters'} (load {out['loadavg_before']})"
@@ -448,55 +425,17 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
     shards = start_shards(procs, tmp, tag, case, sync, args)
     out["shard_start_seconds"] = time.monotonic() - t0
     servers = ",".join(f"127.0.0.1:{info['grpc_port']}" for _, _, info in shards)
-    spec = {
-        "params": case["params"],
-        "servers": servers,
-        "sync": sync,
-        "steps": steps,
-        "warmup": args.sync_every * args.warmup_cycles,
-        "step_ms": case["step_ms"],
-    }
-    if case.get("model"):  # real steps (see the module's docstring)
-        spec |= {"model": case["model"], "device": case["device"], "batch": args.batch_size}
-        spec |= {"precision": args.precision, "baseline_steps": args.baseline_steps}
-    result = tmp / f"{tag}-worker.json"
-    wname = f"{tag}-worker"
-    busy0, cpu_me0 = system_busy_seconds(), time.process_time()
-    shard_cpu0 = sum(group_cpu_seconds(p.pid) for _, p, _ in shards)
-    tw0 = time.monotonic()
+    spec = _worker_spec(case, args, servers, sync, steps)
+    result, wname = tmp / f"{tag}-worker.json", f"{tag}-worker"
+    cpu0 = (system_busy_seconds(), sum(group_cpu_seconds(p.pid) for _, p, _ in shards), time.process_time())
     worker = procs.start(
         wname,
         bench("sync_cost", "_worker", json.dumps(spec), str(result)),
         env_extra={PARAMS_ENV: str(case["params"])},
         pipe=True,
     )
-    log_lines: list[str] = []
-
-    def relay():
-        assert worker.stdout is not None
-        for line in worker.stdout:
-            line = line.rstrip("\n")
-            log_lines.append(line)
-            if not line.startswith(" ") and "Traceback" not in line:
-                say(f"{label} {line}")
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    code, shard_died = None, False
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = worker.poll()
-        if code is not None:
-            break
-        if any(p.poll() is not None for _, p, _ in shards):  # the worker would wait for it, for minutes
-            shard_died = True
-            break
-        time.sleep(0.2)
-    wall = time.monotonic() - tw0
-    reader.join(5)
-    (tmp / f"{wname}.log").write_text("\n".join(log_lines) + "\n")
-    shard_cpu1 = sum(group_cpu_seconds(p.pid) for _, p, _ in shards)
-    busy1, cpu_me1 = system_busy_seconds(), time.process_time()
+    code, shard_died, wall = _follow(worker, shards, label, tmp / f"{wname}.log", timeout)
+    cpu1 = (system_busy_seconds(), sum(group_cpu_seconds(p.pid) for _, p, _ in shards), time.process_time())
     out["shard_peak_rss"] = [group_peak_rss(p.pid) for _, p, _ in shards]
     out["loadavg_after"] = loadavg()
     dead = [(n, p.returncode) for n, p, _ in shards if p.poll() is not None]
@@ -514,28 +453,92 @@ def run_case(procs: Procs, tmp: Path, case: dict, rep: int, args) -> dict:
         if out["status"] == "ok":
             out["status"] = f"shard(s) exited early: {dead}"
         return out
-    w = json.loads(result.read_text())
-    out.update(w)
-    ours = w["worker_cpu_seconds_total"] + (shard_cpu1 - shard_cpu0) + (cpu_me1 - cpu_me0)
-    out["shard_cpu_cores"] = (shard_cpu1 - shard_cpu0) / wall
-    out["others_cpu_cores"] = max(0.0, (busy1 - busy0) - ours) / wall
-    out["worker_process_seconds"] = wall
+    out.update(_case_figures(json.loads(result.read_text()), out["shard_peak_rss"], cpu0, cpu1, wall))
+    _say_case(label, out)
+    return out
+
+
+def _worker_spec(case: dict, args: argparse.Namespace, servers: str, sync: dict, steps: int) -> dict:
+    """What the worker process runs (`_worker SPEC`)."""
+    spec = {
+        "params": case["params"],
+        "servers": servers,
+        "sync": sync,
+        "steps": steps,
+        "warmup": args.sync_every * args.warmup_cycles,
+        "step_ms": case["step_ms"],
+    }
+    if case.get("model"):  # real steps (see the module's docstring)
+        spec |= {"model": case["model"], "device": case["device"], "batch": args.batch_size}
+        spec |= {"precision": args.precision, "baseline_steps": args.baseline_steps}
+    return spec
+
+
+def _follow(
+    worker: subprocess.Popen, shards: list[tuple], label: str, log: Path, timeout: float
+) -> tuple[int | None, bool, float]:
+    """Relay the worker's lines (said with `label`, kept in `log`) until it exits, a shard exits (the worker
+    would wait for it, for minutes) or `timeout` s pass: its exit code (None: still running), whether a
+    shard died, and the seconds it ran."""
+    t0 = time.monotonic()
+    lines: list[str] = []
+
+    def relay() -> None:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if not line.startswith(" ") and "Traceback" not in line:
+                say(f"{label} {line}")
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    code, shard_died = None, False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = worker.poll()
+        if code is not None:
+            break
+        if any(p.poll() is not None for _, p, _ in shards):
+            shard_died = True
+            break
+        time.sleep(0.2)
+    wall = time.monotonic() - t0
+    reader.join(5)
+    log.write_text("\n".join(lines) + "\n")
+    return code, shard_died, wall
+
+
+def _case_figures(w: dict, shard_rss: list[int], cpu0: tuple, cpu1: tuple, wall: float) -> dict:
+    """The worker's figures (`w`) with the CPU the shards and the other processes used over its `wall` s
+    (cpu0, cpu1: the machine's busy, the shards' and this process's CPU seconds before and after) and the
+    RSS against the parameters' fp32 bytes."""
+    busy, shard_cpu, me = (b - a for a, b in zip(cpu0, cpu1, strict=True))
+    ours = w["worker_cpu_seconds_total"] + shard_cpu + me
     bpp = 4 * w["params"]
-    out["worker_rss_ratio"] = w["worker_peak_rss"] / bpp
-    out["worker_rss_excess_ratio"] = (w["worker_peak_rss"] - w["worker_base_rss"]) / bpp
-    out["shard_rss_ratio"] = [r / bpp for r in out["shard_peak_rss"]]
-    out["shard_rss_excess_ratio"] = [(r - w["worker_base_rss"]) / bpp for r in out["shard_peak_rss"]]
-    s, m = w["in_step"]["send"], w["in_step"]["merge"]
+    return {
+        **w,
+        "shard_cpu_cores": shard_cpu / wall,
+        "others_cpu_cores": max(0.0, busy - ours) / wall,
+        "worker_process_seconds": wall,
+        "worker_rss_ratio": w["worker_peak_rss"] / bpp,
+        "worker_rss_excess_ratio": (w["worker_peak_rss"] - w["worker_base_rss"]) / bpp,
+        "shard_rss_ratio": [r / bpp for r in shard_rss],
+        "shard_rss_excess_ratio": [(r - w["worker_base_rss"]) / bpp for r in shard_rss],
+    }
+
+
+def _say_case(label: str, out: dict) -> None:
+    s, m = out["in_step"]["send"], out["in_step"]["merge"]
     say(
-        f"{label} utilization {w['utilization']:.3f} over {w['measured_steps']} steps "
-        f"(cycles {min(w['cycle_utilization'], default=0):.3f}-"
-        f"{max(w['cycle_utilization'], default=0):.3f}); "
+        f"{label} utilization {out['utilization']:.3f} over {out['measured_steps']} steps "
+        f"(cycles {min(out['cycle_utilization'], default=0):.3f}-"
+        f"{max(out['cycle_utilization'], default=0):.3f}); "
         f"send step {_f(s['median_ms'])} ms (p90 {_f(s['p90_ms'])}), merge step {_f(m['median_ms'])} ms "
-        f"(p90 {_f(m['p90_ms'])}); blocked {w['blocked_seconds']:.2f}s; worker RSS "
-        f"{w['worker_peak_rss'] / 2**30:.2f} GiB ({out['worker_rss_ratio']:.2f}x params*4B); "
+        f"(p90 {_f(m['p90_ms'])}); blocked {out['blocked_seconds']:.2f}s; worker RSS "
+        f"{out['worker_peak_rss'] / 2**30:.2f} GiB ({out['worker_rss_ratio']:.2f}x params*4B); "
         f"other processes {out['others_cpu_cores']:.2f} cores; load {out['loadavg_after']}"
     )
-    return out
 
 
 def _f(x: float | None, fmt: str = ".0f") -> str:
@@ -712,12 +715,7 @@ def parse_cases(text: str) -> list[tuple]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "_worker":
-        return worker_main(json.loads(argv[1]), Path(argv[2]))
-    if argv and argv[0] == "_codecs":
-        return codecs_main(Path(argv[1]), argv[2] == "1")
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1M parameters, 2 cycles (~1 min)")
     ap.add_argument("--headline", action="store_true", help="only the issue's two cases (100M, 1 shard)")
@@ -757,7 +755,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write results.md, results.json and run.log into this folder")
     ap.add_argument("--label", default="", help="a note for the results' header (e.g. which code)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (temp folder)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def settle(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str]
+) -> tuple[set[str], list[dict]]:
+    """The defaults that depend on --quick, into `a`; the parts to run and the cases. Exits with the
+    parser's error on a bad flag or a case whose settings the config refuses."""
     a.cycles = a.cycles or (2 if a.quick else 5)
     a.warmup_cycles = a.warmup_cycles if a.warmup_cycles is not None else (1 if a.quick else 2)
     a.hook_timeout = a.hook_timeout or (40.0 if a.quick else 300.0)
@@ -773,65 +778,106 @@ def main(argv: list[str] | None = None) -> int:
     if a.warmup_cycles < 1 or a.cycles <= a.warmup_cycles:
         ap.error("--cycles must be more than --warmup-cycles, which must be at least 1")
     try:
-        if a.real_models:
-            raw_cases = [
-                (spec, 0, int(tau), s)
-                for spec in a.real_models.split(",")
-                for tau in a.real_taus.split(",")
-                for s in [int(x) for x in (a.shards or "1").split(",")]
-            ]
-        elif a.cases:
-            raw_cases = parse_cases(a.cases)
-        elif a.sizes or a.step_ms or a.shards or a.tau is not None:
-            sizes = (a.sizes or "100M").split(",")
-            steps_ms = [int(x) for x in (a.step_ms or "100").split(",")]
-            shard_counts = [int(x) for x in (a.shards or "1").split(",")]
-            raw_cases = [
-                (sz, ms, a.tau if a.tau is not None else (1 if ms <= 50 else 2), s)
-                for sz in sizes
-                for ms in steps_ms
-                for s in shard_counts
-            ]
-        elif a.quick:
-            raw_cases = QUICK_CASES
-        elif a.headline:
-            raw_cases = HEADLINE
-        else:
-            raw_cases = DEFAULT_CASES
-        cases = [
-            {"size": sz, "params": parse_size(sz), "step_ms": ms, "tau": tau, "shards": s}
-            if not a.real_models
-            else {
-                "size": sz,
-                "params": 0,
-                "model": sz,
-                "device": a.device,
-                "step_ms": 0,
-                "tau": tau,
-                "shards": s,
-            }
-            for sz, ms, tau, s in raw_cases
-        ]
+        cases = make_cases(a)
         for c in cases:  # fail now, not after minutes: the config the shards and the worker will use
             from streamdiloco.common.config import SyncConfig
 
             SyncConfig(**sync_settings(c["tau"], a))
     except ValueError as e:
         ap.error(str(e))
+    return parts, cases
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
-    info = {**machine(), **code_under_test()}
-    command = shlex.join(["python", "-m", "benchmarks.sync_cost", *argv])
-    say(f"$ {command}")
+def make_cases(a: argparse.Namespace) -> list[dict]:
+    """The cases the flags ask for: real models, --cases, a grid, --quick, --headline or the defaults."""
+    if a.real_models:
+        raw_cases = [
+            (spec, 0, int(tau), s)
+            for spec in a.real_models.split(",")
+            for tau in a.real_taus.split(",")
+            for s in [int(x) for x in (a.shards or "1").split(",")]
+        ]
+        return [
+            {"size": sz, "params": 0, "model": sz, "device": a.device, "step_ms": 0, "tau": tau, "shards": s}
+            for sz, _, tau, s in raw_cases
+        ]
+    if a.cases:
+        raw_cases = parse_cases(a.cases)
+    elif a.sizes or a.step_ms or a.shards or a.tau is not None:
+        sizes = (a.sizes or "100M").split(",")
+        steps_ms = [int(x) for x in (a.step_ms or "100").split(",")]
+        shard_counts = [int(x) for x in (a.shards or "1").split(",")]
+        raw_cases = [
+            (sz, ms, a.tau if a.tau is not None else (1 if ms <= 50 else 2), s)
+            for sz in sizes
+            for ms in steps_ms
+            for s in shard_counts
+        ]
+    else:
+        raw_cases = QUICK_CASES if a.quick else HEADLINE if a.headline else DEFAULT_CASES
+    return [
+        {"size": sz, "params": parse_size(sz), "step_ms": ms, "tau": tau, "shards": s}
+        for sz, ms, tau, s in raw_cases
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":
+        return worker_main(json.loads(argv[1]), Path(argv[2]))
+    if argv and argv[0] == "_codecs":
+        return codecs_main(Path(argv[1]), argv[2] == "1")
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    parts, cases = settle(ap, a, argv)
+    md: list[str] = []
+    with Session("sync_cost", argv, Path(a.out) if a.out else None, keep=a.keep_logs) as s:
+        say_setting(a, s.code)
+        s.results |= {
+            "label": a.label,
+            "loadavg_start": loadavg(),
+            "settings": {
+                "sync": sync_settings(-1, a) | {"fragment_sync_delay": "per case"},
+                "steps_per_run": a.sync_every * a.cycles,
+                "warmup_steps": a.sync_every * a.warmup_cycles,
+                "repeats": a.repeats,
+                "shard_checkpoint": a.shard_checkpoint,
+                "model": f"embedding {VOCAB} x w, {BLOCKS} x Linear(w, w), head Linear(w, {VOCAB})",
+            },
+            "cases": [],
+            "runs": [],
+        }
+        if "sync" in parts:
+            md += sync_part(s.procs, s.tmp, a, cases, s.results)
+        if "codecs" in parts:
+            s.results["codecs"] = run_codecs(s.procs, s.tmp, a)
+            body = s.results["codecs"].get("markdown") or s.results["codecs"]["status"]
+            md += ["## Codecs against memcpy (benchmarks/codecs.py)", "", body, ""]
+        if "ingest" in parts:
+            s.results["ingest"] = run_ingest(s.procs, s.tmp, a)
+            md += ingest_md(s.results["ingest"])
+        elif a.ingest_note:
+            s.results["ingest"] = {"status": a.ingest_note}
+            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", a.ingest_note, ""]
+    s.results["wall_seconds"] = s.seconds
+    s.results["loadavg_end"] = loadavg()
+    md = [head_line(a, s), ""] + md
+    say("")
+    say("\n".join(md))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(a.json, json.dumps(s.results, indent=2, default=str))
+    failed = any(r["status"] != "ok" for r in s.results["cases"])
+    return s.finish(md, title="Sync cost (issue 11)", echo=False, partial=True, status=int(failed))
+
+
+def say_setting(a: argparse.Namespace, code: dict) -> None:
+    """The lines that say which code runs and what a step is, at the start."""
     say(
-        f"machine: {info['cpus']} CPUs ({info['cpu']}), {info['memory_gib']} GiB, {info['platform']}; "
-        f"Python {info['python']}, torch {info['torch']}; commit {info['commit'][:12]}"
-        f"{' (tracked files modified)' if info['tracked_files_modified'] else ''}; load {loadavg()}"
+        f"commit {code['commit'][:12]}"
+        f"{' (tracked files modified)' if code['tracked_files_modified'] else ''}; load {loadavg()}"
     )
-    say(f"code under test: {info['code']}{'; ' + a.label if a.label else ''}")
+    say(f"code under test: {code['code']}{'; ' + a.label if a.label else ''}")
     say(
         f"Real steps on {a.device}: the model trains, forward, backward and AdamW in {a.precision}, and "
         "engine.step() follows each step's kernels; utilization against the same steps with no sync."
@@ -839,152 +885,100 @@ def main(argv: list[str] | None = None) -> int:
         else "The GPU step is EMULATED: the training thread sleeps for the step time (the real case is a "
         "GPU step), then changes one element per tensor and calls engine.step()."
     )
-    results: dict = {
-        "command": command,
-        "machine": info,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "label": a.label,
-        "loadavg_start": loadavg(),
-        "settings": {
-            "sync": sync_settings(-1, a) | {"fragment_sync_delay": "per case"},
-            "steps_per_run": a.sync_every * a.cycles,
-            "warmup_steps": a.sync_every * a.warmup_cycles,
-            "repeats": a.repeats,
-            "shard_checkpoint": a.shard_checkpoint,
-            "model": f"embedding {VOCAB} x w, {BLOCKS} x Linear(w, w), head Linear(w, {VOCAB})",
-        },
-        "cases": [],
-        "runs": [],
-    }
-    tmp = Path(tempfile.mkdtemp(prefix="sync-cost-"))
-    procs = Procs(tmp, cwd=ROOT)
-    status = 0
-    t_start = time.monotonic()
-    md: list[str] = []
-    try:
-        if "sync" in parts:
-            steps = a.sync_every * a.cycles
-            say(
-                f"{len(cases)} case(s) x {a.repeats}: {steps} steps each "
-                f"({a.sync_every * a.warmup_cycles} warm-up), "
-                f"H={a.sync_every}, "
-                f"P={a.num_fragments}, alpha={a.alpha}, {a.codec} both ways, shards "
-                f"{'checkpointing every round' if a.shard_checkpoint else 'with --no-checkpoint'}"
-            )
-            for c in cases:
-                runs = []
-                for rep in range(a.repeats):
-                    try:
-                        runs.append(run_case(procs, tmp, c, rep, a))
-                    except RuntimeError as e:  # shards did not start: report, go on with the next case
-                        say(f"[{case_label(c)}] FAILED: {e}")
-                        runs.append({"case": c, "repeat": rep, "status": f"failed: {str(e).splitlines()[0]}"})
-                    procs.stop_all()
-                results["runs"] += runs
-                results["cases"].append(summarize(runs))
-            t = table_util(results["cases"])
-            r_ = table_rss(results["cases"])
-            lines = [
-                f"REAL steps on {a.device} ({a.precision}, batch {a.batch_size}): compute utilization = "
-                "measured steps x the median no-sync step (timed before joining) / wall time of the synced "
-                "loop; late wake-ups: how much longer a synced step took. What follows about emulated "
-                "steps does not apply. "
-                if a.real_models
-                else "",
-                "The GPU step is emulated: the training thread sleeps for the step time, then changes one "
-                "element per tensor (outer gradients and updates are dense: the parameters got one random "
-                f"perturbation after joining) and calls `engine.step()`. {steps} steps per run, the first "
-                f"{a.sync_every * a.warmup_cycles} ({a.warmup_cycles} H cycles: every fragment's first "
-                f"round) not measured; H={a.sync_every}, P={a.num_fragments}, "
-                f"α={a.alpha}, {a.codec} up and down, shards on loopback "
-                f"({'checkpointing every round' if a.shard_checkpoint else '--no-checkpoint'}). "
-                "Compute utilization = emulated compute ÷ wall time. Send/merge step: time inside "
-                "`engine.step()` at steps whose events include a send/merge; other steps: no event. Late "
-                "wake-ups: how much later than asked the training thread's sleep returned. CPU: cores used "
-                "during the run by the worker (measured steps), the shards, and other processes on the "
-                "machine.",
-                "",
-                t,
-                "",
-            ]
-            for hc in HEADLINE:
-                row = next(
-                    (
-                        r
-                        for r in results["cases"]
-                        if (r["case"]["size"], r["case"]["step_ms"], r["case"]["tau"], r["case"]["shards"])
-                        == hc
-                    ),
-                    None,
-                )
-                if row is not None and row["status"] == "ok":
-                    verdict = "met" if row["utilization"] >= TARGET else "NOT met"
-                    lines.append(
-                        f"Issue 11 case {hc[0]}, {hc[1]} ms, τ={hc[2]}, {hc[3]} shard: compute utilization "
-                        f"**{row['utilization']:.3f}** (target ≥ {TARGET:.2f}: {verdict})."
-                    )
-            lines += [
-                "",
-                "Peak RSS against the parameters' fp32 bytes (base: the worker's RSS before it built the "
-                "model, Python + torch + imports; the same base is taken off the shards' figures):",
-                "",
-                r_,
-                "",
-            ]
-            md += ["## Compute utilization and the training thread's sync time", "", *lines]
-        if "codecs" in parts:
-            results["codecs"] = run_codecs(procs, tmp, a)
-            body = results["codecs"].get("markdown") or results["codecs"]["status"]
-            md += ["## Codecs against memcpy (benchmarks/codecs.py)", "", body, ""]
-        if "ingest" in parts:
-            results["ingest"] = run_ingest(procs, tmp, a)
-            ing = results["ingest"]
-            body = ing.get("markdown") or ing["status"]
-            if ing.get("command"):
-                body = f"`{ing['command']}`\n\n{body}"
-            ratio = ((ing.get("raw") or {}).get("ratios_grpc_over_tcp") or {}).get("discard")
-            if isinstance(ratio, (int, float)):
-                verdict = "met" if ratio >= 0.5 else "NOT met"
-                body += (
-                    f"\n\nShard ingest ÷ plain TCP read-and-discard: **{ratio:.3f}** "
-                    f"(target ≥ 0.50: {verdict})."
-                )
-            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", body, ""]
-        elif a.ingest_note:
-            results["ingest"] = {"status": a.ingest_note}
-            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", a.ingest_note, ""]
-    except KeyboardInterrupt:
-        say("interrupted: stopping every process")
-        status = 130
-    finally:
-        procs.stop_all()
-        if a.keep_logs:
-            say(f"process logs: {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    results["wall_seconds"] = time.monotonic() - t_start
-    results["loadavg_end"] = loadavg()
-    head = [
-        "# Sync cost (issue 11)",
-        "",
-        f"`{command}`; {results['started']}; commit {info['commit']}"
-        f"{' (tracked files modified)' if info['tracked_files_modified'] else ''}. Machine: {info['cpus']} "
+
+
+def head_line(a: argparse.Namespace, s: Session) -> str:
+    """results.md's line under the harness's head: the commit, the load, the code under test."""
+    code, info, results = s.code, s.info, s.results
+    return (
+        f"`{s.command}`; {s.started}; commit {code['commit']}"
+        f"{' (tracked files modified)' if code['tracked_files_modified'] else ''}. Machine: {info['cpus']} "
         f"CPUs ({info['cpu']}), {info['memory_gib']} GiB, torch {info['torch']}; load average at start "
         f"{results['loadavg_start']}, at end {results['loadavg_end']}; {results['wall_seconds']:.0f} s. "
-        f"Code under test: {info['code']}.{' ' + a.label if a.label else ''}",
+        f"Code under test: {code['code']}.{' ' + a.label if a.label else ''}"
+    )
+
+
+def sync_part(procs: Procs, tmp: Path, a: argparse.Namespace, cases: list[dict], results: dict) -> list[str]:
+    """Every case, a.repeats times (into results' "runs" and "cases"); results.md's section."""
+    steps = a.sync_every * a.cycles
+    say(
+        f"{len(cases)} case(s) x {a.repeats}: {steps} steps each "
+        f"({a.sync_every * a.warmup_cycles} warm-up), H={a.sync_every}, "
+        f"P={a.num_fragments}, alpha={a.alpha}, {a.codec} both ways, shards "
+        f"{'checkpointing every round' if a.shard_checkpoint else 'with --no-checkpoint'}"
+    )
+    for c in cases:
+        runs = []
+        for rep in range(a.repeats):
+            try:
+                runs.append(run_case(procs, tmp, c, rep, a))
+            except RuntimeError as e:  # shards did not start: report, go on with the next case
+                say(f"[{case_label(c)}] FAILED: {e}")
+                runs.append({"case": c, "repeat": rep, "status": f"failed: {str(e).splitlines()[0]}"})
+            procs.stop_all()
+        results["runs"] += runs
+        results["cases"].append(summarize(runs))
+    return sync_md(a, results["cases"])
+
+
+def sync_md(a: argparse.Namespace, cases: list[dict]) -> list[str]:
+    """results.md's section of the sync part: what was measured, the utilization table, the issue's
+    verdicts, the RSS table."""
+    steps = a.sync_every * a.cycles
+    lines = [
+        f"REAL steps on {a.device} ({a.precision}, batch {a.batch_size}): compute utilization = "
+        "measured steps x the median no-sync step (timed before joining) / wall time of the synced "
+        "loop; late wake-ups: how much longer a synced step took. What follows about emulated "
+        "steps does not apply. "
+        if a.real_models
+        else "",
+        "The GPU step is emulated: the training thread sleeps for the step time, then changes one "
+        "element per tensor (outer gradients and updates are dense: the parameters got one random "
+        f"perturbation after joining) and calls `engine.step()`. {steps} steps per run, the first "
+        f"{a.sync_every * a.warmup_cycles} ({a.warmup_cycles} H cycles: every fragment's first "
+        f"round) not measured; H={a.sync_every}, P={a.num_fragments}, "
+        f"α={a.alpha}, {a.codec} up and down, shards on loopback "
+        f"({'checkpointing every round' if a.shard_checkpoint else '--no-checkpoint'}). "
+        "Compute utilization = emulated compute ÷ wall time. Send/merge step: time inside "
+        "`engine.step()` at steps whose events include a send/merge; other steps: no event. Late "
+        "wake-ups: how much later than asked the training thread's sleep returned. CPU: cores used "
+        "during the run by the worker (measured steps), the shards, and other processes on the "
+        "machine.",
+        "",
+        table_util(cases),
         "",
     ]
-    text = "\n".join(head + md)
-    say("")
-    say(text)
-    if any(r["status"] != "ok" for r in results["cases"]):
-        status = status or 1
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(a.json, json.dumps(results, indent=2, default=str))
-    if a.out:
-        write_results(Path(a.out), results, [text], echo=False)
-    return status
+    for hc in HEADLINE:
+        key = ("size", "step_ms", "tau", "shards")
+        row = next((r for r in cases if tuple(r["case"][k] for k in key) == hc), None)
+        if row is not None and row["status"] == "ok":
+            verdict = "met" if row["utilization"] >= TARGET else "NOT met"
+            lines.append(
+                f"Issue 11 case {hc[0]}, {hc[1]} ms, τ={hc[2]}, {hc[3]} shard: compute utilization "
+                f"**{row['utilization']:.3f}** (target ≥ {TARGET:.2f}: {verdict})."
+            )
+    lines += [
+        "",
+        "Peak RSS against the parameters' fp32 bytes (base: the worker's RSS before it built the "
+        "model, Python + torch + imports; the same base is taken off the shards' figures):",
+        "",
+        table_rss(cases),
+        "",
+    ]
+    return ["## Compute utilization and the training thread's sync time", "", *lines]
+
+
+def ingest_md(ing: dict) -> list[str]:
+    """results.md's section of the ingest part (wire.py's part b), with the issue's verdict."""
+    body = ing.get("markdown") or ing["status"]
+    if ing.get("command"):
+        body = f"`{ing['command']}`\n\n{body}"
+    ratio = ((ing.get("raw") or {}).get("ratios_grpc_over_tcp") or {}).get("discard")
+    if isinstance(ratio, (int, float)):
+        verdict = "met" if ratio >= 0.5 else "NOT met"
+        body += f"\n\nShard ingest ÷ plain TCP read-and-discard: **{ratio:.3f}** (target ≥ 0.50: {verdict})."
+    return ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", body, ""]
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ process it starts is stopped at the end, on an error and on Ctrl+C.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, Procs, Session, say, sd, start_shards, wait_quiet
+from benchmarks.harness import Procs, Session, bench_parser, say, sd, start_shards, wait_quiet
 from streamdiloco.common.config import ModelSettings, RunSettings, SyncConfig
 from streamdiloco.export import fetch_masters
 from streamdiloco.sim.simulator import SimConfig, simulate
@@ -174,11 +173,9 @@ def table_b(rows: list[dict], steps: int, model: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--parts", default="a,b", help="a (processes), b (simulator)")
-    ap.add_argument("--out", default=str(RESULTS / "unequal_speed"))
-    ap.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine")
+    ap = bench_parser(
+        __doc__, "unequal_speed", parts="a,b", parts_help="a (processes), b (simulator)", max_wait=60.0
+    )
     a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
     steps_a, reps = (120, 1) if a.quick else (240, 3)

@@ -19,19 +19,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import Procs, machine, machine_line, start_shards
+from benchmarks.harness import ROOT, Procs, machine, machine_line, start_shards
 
 MODELS = ("nano", "tiny", "small", "hf:examples/gpt2-10m")
 SYNC = ["--sync-every", "6", "--num-fragments", "3"]
 
 CHILD = r"""
-import json, sys, torch
+import json, os, sys, torch
+from benchmarks.harness.procfs import status_kib
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.worker.join import connect
 
 def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    return status_kib(os.getpid())["VmRSS"] * 1024
 
 spec, target = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
@@ -66,8 +66,8 @@ def measure(spec: str, tmp: Path) -> dict:
         [(_, _, ports)] = start_shards(procs, tmp, "mem", 1, ["--model", spec, *SYNC, "--min-workers", "1"])
         target = f"127.0.0.1:{ports['grpc_port']}"
         r = subprocess.run(
-            [sys.executable, "-c", CHILD, spec, target], capture_output=True, text=True, timeout=900
-        )
+            [sys.executable, "-c", CHILD, spec, target], capture_output=True, text=True, timeout=900, cwd=ROOT
+        )  # from the root: the child imports the harness
         if r.returncode != 0:
             raise RuntimeError(f"{spec}: {r.stderr[-2000:]}")
         return json.loads(r.stdout.strip().splitlines()[-1])

@@ -45,7 +45,7 @@ from benchmarks.harness.procs import (
     start_shards,
     wait_files,
 )
-from benchmarks.harness.session import INTERRUPTED, Session
+from benchmarks.harness.session import INTERRUPTED, Session, bench_parser
 
 __all__ = [
     "FORTUNES",
@@ -58,6 +58,7 @@ __all__ = [
     "Session",
     "Tee",
     "bench",
+    "bench_parser",
     "code_under_test",
     "cpu_seconds",
     "fortune_files",

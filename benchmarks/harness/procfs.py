@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -64,37 +65,31 @@ def pids_where(field: int, value: int) -> list[int]:
     return out
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds of every process of a process group (a child started in its own session, its children)."""
-    total = 0.0
-    for pid in pids_where(PGRP, pgid):
+def _each(pids: list[int], read: Callable[[int], float]) -> dict[int, float]:
+    """`read(pid)` of each process still there, by pid."""
+    out = {}
+    for pid in pids:
         try:
-            total += cpu_seconds(pid)
+            out[pid] = read(pid)
         except OSError:
             continue
-    return total
+    return out
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds of every process of a process group (a child started in its own session, its children)."""
+    return sum(_each(pids_where(PGRP, pgid), cpu_seconds).values())
 
 
 def group_peak_rss(pgid: int) -> int:
     """The sum of the peak RSS (VmHWM) of a process group's processes, bytes."""
-    total = 0
-    for pid in pids_where(PGRP, pgid):
-        try:
-            total += status_kib(pid).get("VmHWM", 0) * 1024
-        except OSError:
-            continue
-    return total
+    peaks = _each(pids_where(PGRP, pgid), lambda pid: status_kib(pid).get("VmHWM", 0) * 1024)
+    return int(sum(peaks.values()))
 
 
 def session_cpu(sid: int) -> dict[int, float]:
     """CPU seconds of every process in a session (a process we started and its children), by pid."""
-    out = {}
-    for pid in pids_where(SESSION, sid):
-        try:
-            out[pid] = cpu_seconds(pid)
-        except OSError:
-            continue
-    return out
+    return _each(pids_where(SESSION, sid), cpu_seconds)
 
 
 def thread_cpu(pid: int) -> dict[str, float]:

@@ -21,6 +21,7 @@ The benchmark's own figures, tables and parts stay in its module; this is only w
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import shutil
 import signal
@@ -32,6 +33,7 @@ from types import FrameType, TracebackType
 
 from benchmarks.harness.machine import code_under_test, machine, machine_line
 from benchmarks.harness.output import say, write_results
+from benchmarks.harness.paths import RESULTS
 from benchmarks.harness.procs import Procs
 
 INTERRUPTED = 130  # the exit status after Ctrl+C or SIGTERM, as a shell gives it
@@ -39,6 +41,31 @@ INTERRUPTED = 130  # the exit status after Ctrl+C or SIGTERM, as a shell gives i
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
+
+
+def bench_parser(
+    doc: str | None,
+    name: str,
+    *,
+    parts: str | None = None,
+    parts_help: str = "",
+    quick_help: str | None = None,
+    max_wait: float = 120.0,
+) -> argparse.ArgumentParser:
+    """A benchmark's parser with the flags most share: --parts (when it has parts: `parts` by default),
+    --quick, --out (benchmarks/results/NAME) and --max-wait (seconds to wait for a quiet machine before a
+    timed run); the benchmark adds its own."""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    if parts is not None:
+        ap.add_argument("--parts", default=parts, help=parts_help)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default=str(RESULTS / name))
+    ap.add_argument("--max-wait", type=float, default=max_wait, help="seconds to wait for a quiet machine")
+    return ap
 
 
 class Session:
