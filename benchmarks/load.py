@@ -5,7 +5,7 @@ shard (with the model fingerprint the shard describes), opens its Session with a
 and once all N are members it pushes every fragment's slice (the same pre-encoded, pre-serialized payload
 for every session: encoding is the workers' cost, not the shard's), reads the results and waits for each
 fragment's update before it pushes the next round. The shards are real `streamdiloco server` processes on
-loopback (benchmarks/harness.py), with the model's built-in preset (`--model`, tiny by default).
+loopback (benchmarks/harness/), with the model's built-in preset (`--model`, tiny by default).
 
 Per point (shards S, sessions N) it reports:
 - round close time: from the last push of a round (the last session's last chunk written) to each session's

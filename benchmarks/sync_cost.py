@@ -102,6 +102,7 @@ DEFAULT_CASES = [
 ]
 QUICK_CASES = [("1M", 50, 1, 1), ("1M", 50, 2, 2)]
 TARGET = 0.90
+INGEST_HEAD = "## Shard ingest against plain TCP (benchmarks/wire/, part b)"
 
 
 # --- the synthetic model ------------------------------------------------------------------------------------
@@ -654,7 +655,7 @@ def table_rss(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-# --- hooks: codecs (benchmarks/codecs.py) and ingest (benchmarks/wire.py part b) ---------------------------
+# --- hooks: codecs (benchmarks/codecs.py) and ingest (benchmarks/wire/, part b) ---------------------------
 def codecs_main(out_path: Path, quick: bool) -> int:
     """In a subprocess: benchmarks/codecs.py's codec_table(); writes its table and raw numbers."""
     from benchmarks.codecs import codec_table
@@ -740,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--case-timeout", type=float, help="seconds a case may take (default from its steps)")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds for shards to serve")
     ap.add_argument("--hook-timeout", type=float, help="seconds for codecs (default 300, quick 40)")
-    ap.add_argument("--ingest-timeout", type=float, default=900.0, help="seconds for wire.py part b")
+    ap.add_argument("--ingest-timeout", type=float, default=900.0, help="seconds for wire's part b")
     ap.add_argument("--max-wait", type=float, help="seconds to wait for a quiet machine (default 10)")
     real = ap.add_argument_group("real GPU steps (issue 29; see the module's docstring)")
     real.add_argument(
@@ -858,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             md += ingest_md(s.results["ingest"])
         elif a.ingest_note:
             s.results["ingest"] = {"status": a.ingest_note}
-            md += ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", a.ingest_note, ""]
+            md += [INGEST_HEAD, "", a.ingest_note, ""]
     s.results["wall_seconds"] = s.seconds
     s.results["loadavg_end"] = loadavg()
     md = [head_line(a, s), ""] + md
@@ -970,7 +971,7 @@ def sync_md(a: argparse.Namespace, cases: list[dict]) -> list[str]:
 
 
 def ingest_md(ing: dict) -> list[str]:
-    """results.md's section of the ingest part (wire.py's part b), with the issue's verdict."""
+    """results.md's section of the ingest part (the wire benchmark's part b), with the issue's verdict."""
     body = ing.get("markdown") or ing["status"]
     if ing.get("command"):
         body = f"`{ing['command']}`\n\n{body}"
@@ -978,7 +979,7 @@ def ingest_md(ing: dict) -> list[str]:
     if isinstance(ratio, (int, float)):
         verdict = "met" if ratio >= 0.5 else "NOT met"
         body += f"\n\nShard ingest ÷ plain TCP read-and-discard: **{ratio:.3f}** (target ≥ 0.50: {verdict})."
-    return ["## Shard ingest against plain TCP (benchmarks/wire.py part b)", "", body, ""]
+    return [INGEST_HEAD, "", body, ""]
 
 
 if __name__ == "__main__":

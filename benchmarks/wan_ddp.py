@@ -1,4 +1,4 @@
-"""The benchmarks' data-parallel baseline (benchmarks/wan.py and benchmarks/real.py start it): one rank of DDP
+"""The benchmarks' data-parallel baseline (benchmarks/wan/ and benchmarks/real.py start it): one rank of DDP
 over gloo.
 
 It trains what `streamdiloco worker --rank R` trains, with the same pieces (worker/train.py, worker/data.py):
@@ -11,8 +11,8 @@ gradients of the ranks (its default buckets) inside the backward pass. At the en
 same validation batches as worker/run.py; rank 0 writes it with `save_pretrained` to `--save-hf DIR`.
 
 `--no-comm` runs the same loop without a process group or DDP: the reference step time of compute
-utilization. wan.py starts one per worker namespace at once, so both compete for the CPU as in a real run;
-`--ready-file` and `--go-file` line up their starts.
+utilization. The WAN benchmark starts one per worker namespace at once, so both compete for the CPU as in a
+real run; `--ready-file` and `--go-file` line up their starts.
 
 The summary JSON (`--summary`) is rewritten after every step that ends a second or more after the last
 write (and at the start of training), so a run stopped at its time bound still tells how far it got:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "finished": False,
         "threads": torch.get_num_threads(),
         "train_start_unix": time.time(),
-        "iface_bytes_at_start": bytes0,  # the counters themselves: wan.py reads them again after the run
+        "iface_bytes_at_start": bytes0,  # the counters themselves: the WAN sweep reads them again
     }
     write_json(summary_path, summary)
     last_write = time.monotonic()

@@ -8,7 +8,7 @@
 #          `make test` and `.ci/run` run it.
 #   real:  fortunes (Debian's quotations: the corpus of benchmarks/real.py). `make bench-real` runs it.
 #   wan:   iproute2 (ip netns, veth, bridge, tc tbf) and nftables (the rule that sends a worker's TCP
-#          connections to its delaying proxy) for benchmarks/wan.py. `make bench-wan` runs it.
+#          connections to its delaying proxy) for benchmarks/wan/. `make bench-wan` runs it.
 set -euo pipefail
 what=${1:-tests}
 missing=()

@@ -4,7 +4,7 @@ trains a few rounds without its session ever breaking, ending with its mirror eq
 
 Loopback hides this: before common/keepalive.py turned off gRPC's bandwidth probes, their pings' acks waited
 behind the Fetch's queued bytes and every session broke within seconds of joining ("ping timeout"), until
-the worker gave up. The network is benchmarks/wan.py's testbed (network namespaces, tbf on both ends of the
+the worker gave up. The network is benchmarks/wan/'s testbed (network namespaces, tbf on both ends of the
 worker's veth, its delaying proxy), under a prefix of this test's own; everything it makes is removed at the
 end. It needs root and iproute2 and nftables (scripts/system-deps.sh installs them).
 """

@@ -239,7 +239,7 @@ def tcp_receiver_main(a: argparse.Namespace) -> int:
 
 def run_role(argv: list[str]) -> int:
     """`python -m benchmarks.wire _ROLE ...`: run one of the ROLES to its end."""
-    p = argparse.ArgumentParser(prog="wire.py (internal)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wire (internal)")
     p.add_argument("role", choices=ROLES)
     p.add_argument("--plan", required=True)
     p.add_argument("--payload")
