@@ -10,9 +10,11 @@ TensorBoard with --tensorboard DIR, W&B with --wandb-project NAME, or your own.
 
 Read it top to bottom as nanoGPT's train.py: `run_worker` makes the context (`_run_worker`: the checkpoint
 to resume, the model, the data, the optimizer, and a `Training` that holds them), joins (`_join`), runs the
-one training loop (`_train`, on every rank of a torchrun group: the leading rank's `Lead` also keeps the
-statistics, evaluates, logs and checkpoints), saves (`_finish`) and writes the summary, in one place.
-The wire (worker/link.py, worker/transport.py) and the sync schedule (worker/engine.py) are not done here.
+one training loop (`_train`, on every rank of a torchrun group: an inner step, the sync's step, and on the
+leading rank one call to `Lead.after_step`, which keeps the statistics (`TrainStats`), evaluates, logs and
+checkpoints), saves (`_finish`) and writes the summary (`Lead.summary`, from the statistics and the
+engine's counters), in one place. The wire (worker/link.py, worker/transport.py) and the sync schedule
+(worker/engine.py) are not done here.
 """
 
 from __future__ import annotations
