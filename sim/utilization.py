@@ -44,12 +44,12 @@ import math
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from streamdiloco.common.codecs import CODECS, get_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import assign_blocks
-from streamdiloco.common.schedule import events, merge_deadline, send_round
+from streamdiloco.common.schedule import Event, events, merge_deadline, send_round
 
 POLICIES = ("fixed", "adaptive")
 
@@ -167,108 +167,180 @@ def _seconds(nbytes: int, bps: float) -> float:
     return nbytes * 8 / bps  # 0 on an unlimited link
 
 
-def simulate(model: RunModel) -> Prediction:
-    """Run the event model and return the compute utilization it predicts."""
-    cfg, m = model.sync_config(), model
-    nw, total = m.workers, m.total_steps
-    up_s = [_seconds(m.push_bytes(f), m.uplink_bps) for f in range(m.num_fragments)]
-    down_s = [_seconds(m.update_bytes(f), m.downlink_bps) for f in range(m.num_fragments)]
-    proc_s = [m.round_fixed_s + m.round_per_value_s * v / m.num_shards for v in m.fragment_values]
-    rngs = [random.Random(m.seed * 7919 + w) for w in range(nw)]
-    sigma = m.step_jitter
-    adaptive = m.policy == "adaptive" and m.fragment_sync_delay > 0  # tau = 0 is blocking DiLoCo: it waits
-    # the engine's deadline for a put-off merge; the steady state has no end of run to force it at
-    end = total if m.final_sync else None
+@dataclass
+class _Links:
+    """Every worker's uplink and downlink (FIFO queues) and the shard between them: when each is next free."""
 
-    now = [0.0] * nw  # each worker's clock
-    compute = [0.0] * nw
-    up_free, down_free = [0.0] * nw, [0.0] * nw
-    shard_free = 0.0
-    # per (fragment, round): each push's arrival at the shard, and the update's arrival at each worker
-    pushed: dict[tuple[int, int], list[float]] = {}
-    arrival: dict[tuple[int, int], list[float]] = {}
-    late: list[dict[int, int]] = [{} for _ in range(nw)]  # adaptive: fragment -> round whose merge waits
-    merges = waited = deferred = 0
-    origin, origin_compute = [0.0] * nw, [0.0] * nw  # where the counted steps begin
+    up_s: list[float]  # seconds a push of each fragment holds an uplink
+    down_s: list[float]  # seconds an update of each fragment holds a downlink
+    proc_s: list[float]  # the shard's seconds for a round of each fragment
+    latency: float
+    up_free: list[float]  # per worker
+    down_free: list[float]  # per worker
+    shard_free: float = 0.0
 
-    def wait_for(w: int, key: tuple[int, int]) -> None:
-        nonlocal waited
-        if arrival[key][w] > now[w]:
-            waited += 1
-            now[w] = arrival[key][w]
+    @classmethod
+    def of(cls, m: RunModel) -> _Links:
+        return cls(
+            up_s=[_seconds(m.push_bytes(f), m.uplink_bps) for f in range(m.num_fragments)],
+            down_s=[_seconds(m.update_bytes(f), m.downlink_bps) for f in range(m.num_fragments)],
+            proc_s=[m.round_fixed_s + m.round_per_value_s * v / m.num_shards for v in m.fragment_values],
+            latency=m.latency,
+            up_free=[0.0] * m.workers,
+            down_free=[0.0] * m.workers,
+        )
 
-    def merge_late(w: int, step: int, waiting: bool) -> None:
+    def round_trip(self, fragment: int, sent_at: list[float]) -> list[float]:
+        """Every worker pushes `fragment` at its time in `sent_at`; the round closes when every push has
+        landed, the shard processes it, and its update goes down every worker's downlink behind earlier
+        ones. Returns when the update lands at each worker."""
+        pushed = []
+        for w in range(len(sent_at)):
+            start = max(sent_at[w], self.up_free[w])
+            self.up_free[w] = start + self.up_s[fragment]
+            pushed.append(self.up_free[w] + self.latency)
+        start = max(max(pushed), self.shard_free)  # the round closes when every push has landed
+        self.shard_free = start + self.proc_s[fragment]
+        landed = []
+        for w in range(len(sent_at)):
+            s = max(self.shard_free, self.down_free[w])
+            self.down_free[w] = s + self.down_s[fragment]
+            landed.append(self.down_free[w] + self.latency)
+        return landed
+
+
+@dataclass
+class _Run:
+    """The event model's workers as it runs: their clocks, compute, put-off merges and the counts."""
+
+    model: RunModel
+    cfg: SyncConfig
+    links: _Links
+    rngs: list[random.Random]  # each worker's step times
+    adaptive: bool  # put off a late merge (the adaptive policy with tau > 0)
+    end: int | None  # the engine's deadline for a put-off merge; the steady state has no end to force it at
+    now: list[float]  # each worker's clock
+    compute: list[float]
+    # per (fragment, round): the update's arrival at each worker
+    arrival: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    late: list[dict[int, int]] = field(default_factory=list)  # adaptive: fragment -> round whose merge waits
+    merges: int = 0  # over all workers
+    waited: int = 0
+    deferred: int = 0
+    origin: list[float] = field(default_factory=list)  # where the counted steps begin
+    origin_compute: list[float] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, m: RunModel) -> _Run:
+        nw = m.workers
+        return cls(
+            model=m,
+            cfg=m.sync_config(),
+            links=_Links.of(m),
+            rngs=[random.Random(m.seed * 7919 + w) for w in range(nw)],
+            adaptive=m.policy == "adaptive" and m.fragment_sync_delay > 0,  # tau = 0 is blocking: it waits
+            end=m.total_steps if m.final_sync else None,
+            now=[0.0] * nw,
+            compute=[0.0] * nw,
+            late=[{} for _ in range(nw)],
+            origin=[0.0] * nw,
+            origin_compute=[0.0] * nw,
+        )
+
+    def wait_for(self, w: int, key: tuple[int, int]) -> None:
+        if self.arrival[key][w] > self.now[w]:
+            self.waited += 1
+            self.now[w] = self.arrival[key][w]
+
+    def merge_late(self, w: int, step: int, waiting: bool) -> None:
         """Put-off merges whose update is in (done without a wait), or, with `waiting`, those at their
         deadline (waited for)."""
-        nonlocal merges
-        for f, r in list(late[w].items()):
-            if arrival[(f, r)][w] <= now[w] or (waiting and step >= merge_deadline(f, r, cfg, end)):
-                wait_for(w, (f, r))
-                del late[w][f]
-                merges += 1
+        late = self.late[w]
+        for f, r in list(late.items()):
+            if self.arrival[(f, r)][w] <= self.now[w] or (
+                waiting and step >= merge_deadline(f, r, self.cfg, self.end)
+            ):
+                self.wait_for(w, (f, r))
+                del late[f]
+                self.merges += 1
 
-    for step in range(1, total + 1):
-        evs = events(step, cfg, total)
-        sending = {ev.fragment for ev in evs if ev.kind == "send"}
-        for w in range(nw):
+    def compute_step(self, step: int, sending: set[int]) -> None:
+        """Every worker's inner step, then the put-off merges due before this step's sends."""
+        m, sigma = self.model, self.model.step_jitter
+        for w in range(m.workers):
             # log-normal with mean step_time: never negative, and a few slow steps as on real machines
-            d = m.step_time * (math.exp(sigma * rngs[w].gauss(0.0, 1.0) - sigma**2 / 2) if sigma else 1.0)
-            now[w] += d
-            compute[w] += d
+            rng = self.rngs[w]
+            d = m.step_time * (math.exp(sigma * rng.gauss(0.0, 1.0) - sigma**2 / 2) if sigma else 1.0)
+            self.now[w] += d
+            self.compute[w] += d
             # as the engine orders a step (schedule.sends_early): a put-off merge of a fragment that sends
             # now is waited for before that send; the other sends start before any other wait
-            for f in sending & set(late[w]):
-                if step >= merge_deadline(f, late[w][f], cfg, end):
-                    wait_for(w, (f, late[w].pop(f)))
-                    merges += 1
-            merge_late(w, step, waiting=False)
-        # the workers share the schedule, so each event is done by every worker before the next one: a
-        # round's update is known once every worker has pushed it
+            late = self.late[w]
+            for f in sending & set(late):
+                if step >= merge_deadline(f, late[f], self.cfg, self.end):
+                    self.wait_for(w, (f, late.pop(f)))
+                    self.merges += 1
+            self.merge_late(w, step, waiting=False)
+
+    def sync(self, step: int, evs: Sequence[Event]) -> None:
+        """The step's sends and merges, in schedule order. The workers share the schedule, so each event is
+        done by every worker before the next one: a round's update is known once every worker pushed it."""
         early = next((i for i, ev in enumerate(evs) if ev.kind == "merge"), len(evs))
         for i, ev in enumerate(evs):
             if i == early:  # the sends that go first are out: now the other put-off merges' waits
-                for w in range(nw):
-                    merge_late(w, step, waiting=True)
-            key = (ev.fragment, ev.round)
+                self.merge_all_late(step)
             if ev.kind == "send":
-                for w in range(nw):
-                    start = max(now[w], up_free[w])
-                    up_free[w] = start + up_s[ev.fragment]
-                    pushed.setdefault(key, []).append(up_free[w] + m.latency)
-                start = max(max(pushed.pop(key)), shard_free)  # the round closes when every push has landed
-                shard_free = start + proc_s[ev.fragment]
-                landed = []
-                for w in range(nw):
-                    s = max(shard_free, down_free[w])
-                    down_free[w] = s + down_s[ev.fragment]
-                    landed.append(down_free[w] + m.latency)
-                arrival[key] = landed
+                self.arrival[(ev.fragment, ev.round)] = self.links.round_trip(ev.fragment, self.now)
             else:
-                for w in range(nw):
-                    deadline = merge_deadline(ev.fragment, ev.round, cfg, end)
-                    if adaptive and step < deadline and arrival[key][w] > now[w]:
-                        late[w][ev.fragment] = ev.round
-                        deferred += 1
-                        continue
-                    wait_for(w, key)
-                    merges += 1
+                self.merge(step, ev.fragment, ev.round)
         if early == len(evs):  # a step of sends only
-            for w in range(nw):
-                merge_late(w, step, waiting=True)
-        if step == m.warmup_steps:
-            origin, origin_compute = now[:], compute[:]
-    compute = [c - c0 for c, c0 in zip(compute, origin_compute, strict=True)]
-    wall = [t - t0 for t, t0 in zip(now, origin, strict=True)]
-    per_worker = tuple(c / t for c, t in zip(compute, wall, strict=True))
-    return Prediction(
-        utilization=sum(per_worker) / nw,
-        per_worker=per_worker,
-        compute_s=sum(compute) / nw,
-        wall_s=sum(wall) / nw,
-        merges=merges // nw,
-        merges_waited=waited,
-        merges_deferred=deferred,
-    )
+            self.merge_all_late(step)
+
+    def merge_all_late(self, step: int) -> None:
+        for w in range(self.model.workers):
+            self.merge_late(w, step, waiting=True)
+
+    def merge(self, step: int, fragment: int, round_: int) -> None:
+        """Every worker merges the round's update, waiting for it, or (adaptive) puts a late one off."""
+        key = (fragment, round_)
+        for w in range(self.model.workers):
+            deadline = merge_deadline(fragment, round_, self.cfg, self.end)
+            if self.adaptive and step < deadline and self.arrival[key][w] > self.now[w]:
+                self.late[w][fragment] = round_
+                self.deferred += 1
+                continue
+            self.wait_for(w, key)
+            self.merges += 1
+
+    def start_counting(self) -> None:
+        self.origin, self.origin_compute = self.now[:], self.compute[:]
+
+    def prediction(self) -> Prediction:
+        nw = self.model.workers
+        compute = [c - c0 for c, c0 in zip(self.compute, self.origin_compute, strict=True)]
+        wall = [t - t0 for t, t0 in zip(self.now, self.origin, strict=True)]
+        per_worker = tuple(c / t for c, t in zip(compute, wall, strict=True))
+        return Prediction(
+            utilization=sum(per_worker) / nw,
+            per_worker=per_worker,
+            compute_s=sum(compute) / nw,
+            wall_s=sum(wall) / nw,
+            merges=self.merges // nw,
+            merges_waited=self.waited,
+            merges_deferred=self.deferred,
+        )
+
+
+def simulate(model: RunModel) -> Prediction:
+    """Run the event model and return the compute utilization it predicts."""
+    run, total = _Run.of(model), model.total_steps
+    for step in range(1, total + 1):
+        evs = events(step, run.cfg, total)
+        run.compute_step(step, {ev.fragment for ev in evs if ev.kind == "send"})
+        run.sync(step, evs)
+        if step == model.warmup_steps:
+            run.start_counting()
+    return run.prediction()
 
 
 def needed_bandwidth(model: RunModel, target: float, rel_tol: float = 1e-3) -> float:
