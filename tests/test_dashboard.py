@@ -5,24 +5,12 @@ ETA and eval-loss curve, and the workers' charts over steps and tokens as well a
 
 from __future__ import annotations
 
-import shutil
 from urllib.parse import urlsplit
 
-import pytest
-
 from streamdiloco.launch import free_ports
+from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, playwright
 from tests.support.procs import Cluster, http_json, wait_until
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 CHARTS = ("rounds", "loss", "eval", "bytes", "durations", "blocked", "members")
 
@@ -71,14 +59,6 @@ COLOURED_PIXELS = """() => Object.fromEntries(Object.entries(window.sdDashboard.
 }))"""
 
 
-def _playwright():
-    if not shutil.which(CHROMIUM):
-        pytest.skip(f"no chromium at {CHROMIUM} (Debian: apt-get install chromium)")
-    return pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (pip install -e .[dev])"
-    )
-
-
 def _wait(c: Cluster, page, what: str, pred, timeout: float):
     """wait_until, and on a timeout what the page showed and what the processes said."""
     try:
@@ -89,7 +69,7 @@ def _wait(c: Cluster, page, what: str, pred, timeout: float):
 
 
 def test_the_dashboard_shows_the_run_its_workers_and_live_charts_from_one_shard(tmp_path):
-    sync_api = _playwright()
+    sync_api = playwright()
     ports = free_ports(2)  # each shard's HTTP port, known before they start: both are each one's --peers
     peers = ",".join(f"http://127.0.0.1:{p}" for p in ports)
     shard_flags = [*NANO, "--num-shards", "2", "--min-workers", "2", "--peers", peers]

@@ -16,7 +16,7 @@ from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.trust.auth import Auth, WorkersFile, token_hash
-from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session, refused
 from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
 from tests.support.shards import shard_of
 
@@ -64,12 +64,6 @@ def shard(tmp_path, workers_file):
     s = Shard(tmp_path)
     yield s
     s.shutdown()
-
-
-def refused(fn, *args, **kw) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as e:
-        fn(*args, **kw)
-    return e.value
 
 
 def hello(name: str, session: str) -> pb.WorkerMessage:

@@ -17,7 +17,6 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from test_tls import READ, https, server_tls
 
 from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
@@ -36,6 +35,7 @@ from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP
 from tests.support.nowire import NoWire
 from tests.support.procs import shard_process, streamdiloco
 from tests.support.shards import shard_of
+from tests.support.tls import READ, https, server_tls
 
 NANO = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
 

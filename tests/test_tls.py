@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -22,20 +21,21 @@ import grpc
 import pytest
 
 from streamdiloco.certs import make_certs
-from streamdiloco.common.tls import ClientTLS, ServerTLS, certificate_name
+from streamdiloco.common.tls import ClientTLS, certificate_name
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
 from streamdiloco.server.trust.auth import Auth, token_hash
-from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session
+from tests.support.browser import chromium, wait_for_polls
+from tests.support.inthread import RPC_TIMEOUT, InThreadShard, Session, refused
 from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
 from tests.support.procs import Cluster, streamdiloco, wait_until
 from tests.support.shards import shard_of
+from tests.support.tls import READ, client_tls, https, server_tls
 
 pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "tok-5ecd1b0e7a9c4e2f8d6b3a1c0e9f7d5b"  # distinctive bytes to look for in a capture
-READ = "read-2b9f4c7d1e8a6f3b5c0d9e7a4b2c1f8e"
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +43,6 @@ def certs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("certs")
     make_certs(out, None, ["alice", "bob"])
     return out
-
-
-def server_tls(certs: Path, mutual: bool = False) -> ServerTLS:
-    return ServerTLS(
-        str(certs / "server.pem"), str(certs / "server.key"), str(certs / "ca.pem") if mutual else None
-    )
-
-
-def client_tls(certs: Path, name: str | None = None) -> ClientTLS:
-    if name is None:
-        return ClientTLS(str(certs / "ca.pem"))
-    return ClientTLS(
-        str(certs / "ca.pem"), str(certs / "workers" / f"{name}.pem"), str(certs / "workers" / f"{name}.key")
-    )
 
 
 def shard(tmp: Path, certs: Path | None, auth: Auth, mutual: bool = False, http: bool = False, client=None):
@@ -70,12 +56,6 @@ def shard(tmp: Path, certs: Path | None, auth: Auth, mutual: bool = False, http:
 def join(channel: grpc.Channel, name: str, token: str = "") -> pb.JoinReply:
     request = pb.JoinRequest(worker=name, token=token, fingerprint_json=GOOD_FP, protocol=PROTOCOL)
     return pb_grpc.ShardStub(channel).Join(request, metadata=auth_metadata(token), timeout=RPC_TIMEOUT)
-
-
-def refused(fn, *args) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as e:
-        fn(*args)
-    return e.value
 
 
 def test_the_certs_command_writes_a_ca_server_and_worker_credentials(tmp_path):
@@ -140,18 +120,6 @@ def test_under_mutual_tls_a_certificate_proves_its_name_only(tmp_path, certs):
         assert welcome.next_message("welcome").welcome.member
     finally:
         s.shutdown()
-
-
-def https(port: int, path: str, ca: Path, token: str | None = None) -> tuple[int, bytes]:
-    ctx = ssl.create_default_context(cafile=str(ca))
-    request = urllib.request.Request(f"https://127.0.0.1:{port}{path}")
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=RPC_TIMEOUT, context=ctx) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def test_http_serves_tls_and_needs_the_read_token_for_all_but_health(tmp_path, certs):
@@ -352,28 +320,13 @@ def test_bad_worker_security_flags_are_one_line(tmp_path, certs):
 
 def test_the_dashboard_page_passes_its_read_token_on_over_tls(tmp_path, certs):
     """The page, opened as /?token=..., polls the API with it as a header (the API takes no ?token=)."""
-    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, _playwright
-
-    sync_api = _playwright()
     s = shard(tmp_path, certs, Auth(token=TOKEN, read_token=READ), http=True)
     try:
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            try:
-                page = browser.new_context(ignore_https_errors=True).new_page()  # the run's own CA
-                assert page.goto(f"https://127.0.0.1:{s.http_port}/", timeout=30_000).status == 401
-                assert (
-                    page.goto(f"https://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
-                )
-                wait_until(
-                    "the page to poll the API with its token",
-                    lambda: page.evaluate(
-                        "() => window.sdDashboard.connected && window.sdDashboard.polls >= 2"
-                    ),
-                    timeout=30,
-                )
-                assert page.evaluate("() => window.sdDashboard.lastStatus.shard") == 0
-            finally:
-                browser.close()
+        with chromium() as browser:
+            page = browser.new_context(ignore_https_errors=True).new_page()  # the run's own CA
+            assert page.goto(f"https://127.0.0.1:{s.http_port}/", timeout=30_000).status == 401
+            assert page.goto(f"https://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
+            wait_for_polls(page)
+            assert page.evaluate("() => window.sdDashboard.lastStatus.shard") == 0
     finally:
         s.shutdown()

@@ -22,7 +22,8 @@ from streamdiloco.server.edge.admission import short
 from streamdiloco.server.observe.run_view import Peers, RunView
 from streamdiloco.server.storage.dirlock import LOCK_NAME, lock_directory
 from streamdiloco.server.trust.auth import Auth, token_hash
-from tests.support.inthread import InThreadShard
+from tests.support.browser import chromium, wait_for_polls
+from tests.support.inthread import InThreadShard, refused
 from tests.support.nano_shard import CFG, CHUNK_BYTES, GOOD_FP
 from tests.support.procs import Cluster, streamdiloco, wait_until
 from tests.support.shards import shard_of
@@ -36,12 +37,6 @@ READ = "the-read-token-of-this-test"
 def shard_with(tmp: Path, auth: Auth, http: bool = False) -> InThreadShard:
     service = shard_of(CFG, "nano", shard=0, num_shards=2, chunk_bytes=CHUNK_BYTES, auth=auth)
     return InThreadShard(service, tmp, GOOD_FP, token=auth.token, http=http)
-
-
-def refused(fn, *args, **kw) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as e:
-        fn(*args, **kw)
-    return e.value
 
 
 def one_line(r) -> str:
@@ -232,8 +227,6 @@ def test_a_fingerprint_cannot_forge_a_log_line(tmp_path, caplog):
 
 # --- item 11: the dashboard's ?token=, a worker's --metrics-host ----------------------------------------
 def test_the_dashboard_page_takes_its_token_out_of_the_address_bar(tmp_path):
-    from test_dashboard import CHROMIUM, CHROMIUM_ARGS, _playwright
-
     s = shard_with(tmp_path, Auth(read_token=READ), http=True)
     try:
         request = urllib.request.Request(
@@ -241,24 +234,11 @@ def test_the_dashboard_page_takes_its_token_out_of_the_address_bar(tmp_path):
         )
         with urllib.request.urlopen(request, timeout=10) as r:
             assert "history.replaceState" in r.read().decode()
-        sync_api = _playwright()
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            try:
-                page = browser.new_page()
-                assert (
-                    page.goto(f"http://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
-                )
-                wait_until(
-                    "the page to poll the API with its token",
-                    lambda: page.evaluate(
-                        "() => window.sdDashboard.connected && window.sdDashboard.polls >= 2"
-                    ),
-                    timeout=30,
-                )
-                assert "token" not in page.url and READ not in page.evaluate("() => location.href"), page.url
-            finally:
-                browser.close()
+        with chromium() as browser:
+            page = browser.new_page()
+            assert page.goto(f"http://127.0.0.1:{s.http_port}/?token={READ}", timeout=30_000).status == 200
+            wait_for_polls(page)
+            assert "token" not in page.url and READ not in page.evaluate("() => location.href"), page.url
     finally:
         s.shutdown()
 

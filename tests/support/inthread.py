@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+import pytest
 
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.tls import ClientTLS, ServerTLS
@@ -111,6 +112,13 @@ class Session:
         self.call.cancel()
         self.out.put(None)  # unblock gRPC's request-consumer thread
         self.thread.join(WAIT)
+
+
+def refused(fn, *args, **kw) -> grpc.RpcError:
+    """The gRPC error that `fn(*args, **kw)` raises (the test fails if it raises none)."""
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*args, **kw)
+    return e.value
 
 
 def push_messages(

@@ -19,9 +19,9 @@ from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.server.shard import Shard
-from tests.support.shards import shard_of
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard
+from tests.support.shards import shard_of
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)  # first sends: fragment 1 at 2, 2 at 4, 0 at 6
 CHUNK_BYTES = 256  # e3m0: 512 values a chunk, so shard 0's 12352-value slice of fragment 0 is 25 chunks
