@@ -304,7 +304,9 @@ class Sessions:
         tell(SessionEnded(number, why))
 
     @staticmethod
-    def _said(number: int, msg: pb.ShardMessage, updates: Updates) -> ShardSaid | None:
+    def _said(
+        number: int, msg: pb.ShardMessage, updates: Updates
+    ) -> UpdateArrived | ResultArrived | WelcomeArrived | None:
         """What one message of the shard's tells the link (None: nothing yet, or nothing for the link)."""
         kind = msg.WhichOneof("kind")
         if kind == "update":
