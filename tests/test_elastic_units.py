@@ -39,7 +39,7 @@ from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.linkstate import Kept, LinkState, Master, ShardBehind
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import WAIT, push_messages
-from tests.support.nano_shard import GOOD_FP, delta
+from tests.support.nano_shard import GOOD_FP, delta, slice_push
 from tests.support.nowire import NoWire
 
 pytestmark = pytest.mark.timeout(60)
@@ -207,14 +207,8 @@ def make_state(min_workers=1, round_timeout=float("inf"), shard=0, num_shards=2,
     return ShardState(shard, num_shards, _LAYOUT, cfg, _INITIAL, 0, min_workers, round_timeout)
 
 
-def enc_for(st: ShardState, fragment: int, seed: int) -> Encoded:
-    lo, hi = st.ranges[fragment]
-    g = torch.Generator().manual_seed(seed)
-    return encode(torch.randn(hi - lo, generator=g) * 1e-2, st.cfg.uplink_codec, st.cfg.codec_block_size)
-
-
 def push_whole(st: ShardState, worker: str, fragment: int, round: int, seed: int, weight=10.0, now=0.0):
-    enc = enc_for(st, fragment, seed)
+    enc = slice_push(st, fragment, seed)
     assert st.push_chunk(worker, fragment, round, 0, 0, enc.numel, enc, True, weight, None, now) is True
 
 
@@ -265,7 +259,7 @@ def test_started_is_true_from_a_rounds_first_whole_push_until_it_closes():
     st = make_state(min_workers=2)
     st.add_member("a")
     st.add_member("b")
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     parts = to_chunks(enc, 0, 0, 512)
     assert [st.started(f) for f in range(3)] == [False, False, False]
     for c in parts[:-1]:  # all chunks but the last: the push is staged, the round not started

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_shard import make_shard
 
 from streamdiloco.server.trust.auth import Auth, Identity, Refused
 from streamdiloco.server.trust.roster import Member, Roster
+from tests.support.nano_shard import nano_state
 
 ANY = Identity(None, "nothing")
 
@@ -26,7 +26,7 @@ def _pushed(roster: Roster, name: str, seconds: float) -> None:
 
 
 def test_membership_changes_in_one_place_and_everyone_sees_it_at_once():
-    state, _ = make_shard()
+    state, _ = nano_state()
     roster = Roster(state, Auth(), max_pending=8)
     a, b, c = (_open(roster, n) for n in "abc")
     assert [m.name for m in roster.sessions()] == ["a", "b", "c"] and roster.passive == 3
@@ -49,7 +49,7 @@ def test_membership_changes_in_one_place_and_everyone_sees_it_at_once():
 
 
 def test_a_shard_on_its_way_down_keeps_its_members_for_the_checkpoint():
-    state, _ = make_shard()
+    state, _ = nano_state()
     roster = Roster(state, Auth(), max_pending=8)
     a = _open(roster, "a")
     roster.activate(a)
@@ -60,7 +60,7 @@ def test_a_shard_on_its_way_down_keeps_its_members_for_the_checkpoint():
 def test_the_pace_is_the_rounds_members_and_a_member_that_leaves_leaves_it():
     """What the workers are answered with (the roster's pace) is what the round rule's grace and the
     stretch count from (ShardState's): one record, which a member leaves when it leaves the rounds."""
-    state, _ = make_shard()
+    state, _ = nano_state()
     roster = Roster(state, Auth(), max_pending=8)
     members = [_open(roster, n) for n in "abc"]
     for m, seconds in zip(members, (1.0, 2.0, 0.5), strict=True):

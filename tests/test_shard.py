@@ -8,32 +8,18 @@ import torch
 from streamdiloco.common.codecs import Encoded, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
-from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.common.fragments import build_layout
 from streamdiloco.server.rounds.robust import RobustConfig
-from streamdiloco.server.rounds.state import PushRejected, ShardState
+from streamdiloco.server.rounds.state import PushRejected
 from streamdiloco.worker.model import build_gpt
-
-
-def make_shard(shard=0, num_shards=2, robust=None, **kw):
-    torch.manual_seed(0)
-    model = build_gpt("nano")
-    cfg = SyncConfig(sync_every=6, num_fragments=3, **kw)
-    layout = build_layout(model, 3)
-    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    return ShardState(shard, num_shards, layout, cfg, initial, robust=robust), cfg
-
-
-def delta_for(state, fragment, seed):
-    lo, hi = state.ranges[fragment]
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(hi - lo, generator=g) * 1e-2
+from tests.support.nano_shard import nano_state, slice_delta
 
 
 def test_mean_is_weighted_by_tokens_and_independent_of_order():
     masters = []
     for order in itertools.permutations(range(4)):
         # the plain mean (the defenses would cut the weights above the median: tests/test_robust.py)
-        state, cfg = make_shard(
+        state, cfg = nano_state(
             robust=RobustConfig.off(),
             uplink_codec="int8",
             downlink_codec="fp32",
@@ -41,20 +27,20 @@ def test_mean_is_weighted_by_tokens_and_independent_of_order():
             outer_momentum=0.0,
         )
         for w in order:
-            state.push(f"w{w}", 1, 0, encode(delta_for(state, 1, w), "int8"), weight=100.0 * (w + 1))
+            state.push(f"w{w}", 1, 0, encode(slice_delta(state, 1, w), "int8"), weight=100.0 * (w + 1))
         before = state.master(1).clone()
         closed = state.close_round(1)
         assert closed.contributors == ("w0", "w1", "w2", "w3") and closed.weight == 1000.0
         masters.append(state.master(1))
     assert all(torch.equal(m, masters[0]) for m in masters)
-    deq = [decode(encode(delta_for(state, 1, w), "int8")).double() for w in range(4)]
+    deq = [decode(encode(slice_delta(state, 1, w), "int8")).double() for w in range(4)]
     mean = sum(d * 100.0 * (w + 1) for w, d in enumerate(deq)) / 1000.0
     assert torch.allclose(masters[0], (before.double() - mean).float(), atol=1e-7)
 
 
 def test_round_numbers_advance_and_late_pushes_are_refused():
-    state, _ = make_shard()
-    enc = encode(delta_for(state, 0, 0), "e3m0")
+    state, _ = nano_state()
+    enc = encode(slice_delta(state, 0, 0), "e3m0")
     state.push("a", 0, 0, enc, 10.0)
     assert state.close_round(0).round == 0
     assert state.round_of(0) == 1 and state.round_of(1) == 0
@@ -64,7 +50,7 @@ def test_round_numbers_advance_and_late_pushes_are_refused():
 
 
 def test_round_without_contributions_closes_with_zero_update():
-    state, _ = make_shard()
+    state, _ = nano_state()
     before = state.master(2).clone()
     closed = state.close_round(2)
     assert torch.equal(decode(closed.update), torch.zeros_like(before))
@@ -82,7 +68,7 @@ def _snapshot(state, f):
         (lambda s, e: ("w", 7, 0, e, 1.0), "bad_fragment"),
         (lambda s, e: ("w", 0, 3, e, 1.0), "bad_round"),
         (lambda s, e: ("w", 0, 0, encode(torch.zeros(5), "e3m0"), 1.0), "bad_length"),
-        (lambda s, e: ("w", 0, 0, encode(delta_for(s, 0, 1), "int8"), 1.0), "bad_codec"),
+        (lambda s, e: ("w", 0, 0, encode(slice_delta(s, 0, 1), "int8"), 1.0), "bad_codec"),
         (lambda s, e: ("w", 0, 0, e, 0.0), "bad_weight"),
         (lambda s, e: ("w", 0, 0, e, float("nan")), "bad_weight"),
         (
@@ -100,8 +86,8 @@ def _snapshot(state, f):
     ],
 )
 def test_bad_pushes_are_refused_and_change_nothing(make_push, reason):
-    state, _ = make_shard()
-    enc = encode(delta_for(state, 0, 0), "e3m0")
+    state, _ = nano_state()
+    enc = encode(slice_delta(state, 0, 0), "e3m0")
     state.push("first", 0, 0, enc, 5.0)
     before = _snapshot(state, 0)
     with pytest.raises(PushRejected) as e:
@@ -112,9 +98,9 @@ def test_bad_pushes_are_refused_and_change_nothing(make_push, reason):
 
 
 def test_shards_own_disjoint_slices():
-    a, _ = make_shard(0, 3)
-    b, _ = make_shard(1, 3)
-    c, _ = make_shard(2, 3)
+    a, _ = nano_state(0, 3)
+    b, _ = nano_state(1, 3)
+    c, _ = nano_state(2, 3)
     for f in range(3):
         assert a.ranges[f][1] == b.ranges[f][0] and b.ranges[f][1] == c.ranges[f][0]
         n = a.layout.fragments[f].numel

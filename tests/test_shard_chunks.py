@@ -25,6 +25,7 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.common.wire import from_chunk, to_chunks
 from streamdiloco.server.rounds.state import PushRejected, ShardState
 from streamdiloco.worker.model import build_gpt
+from tests.support.nano_shard import slice_delta, slice_push
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,15 +46,6 @@ def make_state(min_workers=1, round_timeout=float("inf"), members=(), **cfg_kw) 
 def slice_len(st: ShardState, fragment: int) -> int:
     lo, hi = st.ranges[fragment]
     return hi - lo
-
-
-def delta(st: ShardState, fragment: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(slice_len(st, fragment), generator=g) * 1e-2
-
-
-def enc_for(st: ShardState, fragment: int, seed: int) -> Encoded:
-    return encode(delta(st, fragment, seed), st.cfg.uplink_codec, st.cfg.codec_block_size)
 
 
 def chunks(enc: Encoded, fragment: int = 0, round: int = 0, per: int = 512) -> list[tuple]:
@@ -102,9 +94,9 @@ def test_a_round_nobody_pushed_to_is_never_due():
 
 def test_a_round_closes_when_every_expected_member_pushed():
     st = make_state(min_workers=2, members=("a", "b"))
-    assert push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))[-1] is True
+    assert push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))[-1] is True
     assert st.due(0.0) == []  # b is expected
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2))
     assert st.due(0.0) == [(0, "all")]
     closed = st.close_round(0, "all")
     assert (closed.round, closed.contributors, closed.why) == (0, ("a", "b"), "all")
@@ -113,24 +105,24 @@ def test_a_round_closes_when_every_expected_member_pushed():
 
 def test_a_single_member_closes_its_own_round_with_min_workers_one():
     st = make_state(min_workers=1, members=("a",))
-    push_chunks(st, "a", 1, 0, enc_for(st, 1, 1))
+    push_chunks(st, "a", 1, 0, slice_push(st, 1, 1))
     assert st.due(0.0) == [(1, "all")]
 
 
 def test_a_round_does_not_close_early_with_fewer_than_min_workers():
     st = make_state(min_workers=3, round_timeout=10.0, members=("a", "b"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), now=0.0)
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), now=1.0)
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1), now=0.0)
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2), now=1.0)
     assert st.due(5.0) == []  # everyone pushed, but only 2 of 3: wait for a third until the deadline
     st.add_member("c")  # a newcomer may still make up the number
-    push_chunks(st, "c", 0, 0, enc_for(st, 0, 3), now=2.0)
+    push_chunks(st, "c", 0, 0, slice_push(st, 0, 3), now=2.0)
     assert st.due(2.0) == [(0, "all")]
 
 
 def test_at_the_deadline_a_round_closes_with_every_member_when_fewer_than_min_workers_are_left():
     st = make_state(min_workers=3, round_timeout=10.0, members=("a", "b", "c"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), now=0.0)
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), now=1.0)
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1), now=0.0)
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2), now=1.0)
     st.remove_member("c")  # died before pushing: the quorum of 3 cannot be met
     assert st.due(9.999) == []
     assert st.due(10.0) == [(0, "deadline")]
@@ -139,21 +131,21 @@ def test_at_the_deadline_a_round_closes_with_every_member_when_fewer_than_min_wo
     # member that joined and never pushed does not hold the rounds so: tests/test_round_rule.py)
     st.add_member("c")
     for seed, (who, now) in enumerate((("a", 20.0), ("b", 21.0), ("c", 22.0))):
-        push_chunks(st, who, 0, 1, enc_for(st, 0, seed), now=now)
+        push_chunks(st, who, 0, 1, slice_push(st, 0, seed), now=now)
     assert st.due(22.0) == [(0, "all")]
     st.close_round(0, "all", now=22.0)
-    push_chunks(st, "a", 0, 2, enc_for(st, 0, 1), now=30.0)
-    push_chunks(st, "b", 0, 2, enc_for(st, 0, 2), now=31.0)
+    push_chunks(st, "a", 0, 2, slice_push(st, 0, 1), now=30.0)
+    push_chunks(st, "b", 0, 2, slice_push(st, 0, 2), now=31.0)
     assert st.due(1e9) == []
 
 
 def test_a_round_closes_at_its_deadline_with_at_least_min_workers():
     st = make_state(min_workers=2, round_timeout=10.0, members=("a", "b", "c"))
-    enc_a = enc_for(st, 2, 1)
+    enc_a = slice_push(st, 2, 1)
     push_chunks(st, "a", 2, 0, enc_a, now=100.0, upto=1)  # a first chunk does not start the round
     assert push_chunks(st, "a", 2, 0, enc_a, now=103.0, start=1)[-1] is True  # the whole push does
     assert st.due(113.0) == []  # deadline passed, but only one contribution
-    push_chunks(st, "b", 2, 0, enc_for(st, 2, 2), now=105.0)
+    push_chunks(st, "b", 2, 0, slice_push(st, 2, 2), now=105.0)
     assert st.due(112.999) == []  # c is still expected, and the deadline is 103 + 10
     assert st.due(113.0) == [(2, "deadline")]
     closed = st.close_round(2, "deadline")
@@ -162,8 +154,8 @@ def test_a_round_closes_at_its_deadline_with_at_least_min_workers():
 
 def test_a_member_that_leaves_is_no_longer_waited_for():
     st = make_state(min_workers=2, members=("a", "b", "c"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2))
     assert st.due(0.0) == []
     st.remove_member("c")
     assert st.due(0.0) == [(0, "all")]
@@ -172,11 +164,11 @@ def test_a_member_that_leaves_is_no_longer_waited_for():
 def test_a_member_that_leaves_mid_push_takes_its_chunks_with_it():
     st = make_state(min_workers=1, members=("a", "b"))
     before = total_of(st, 0)
-    assert push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), upto=5) == [False] * 5
+    assert push_chunks(st, "a", 0, 0, slice_push(st, 0, 1), upto=5) == [False] * 5
     assert ("a", 0) in st.staged
     st.remove_member("a")
     assert st.staged == {} and torch.equal(total_of(st, 0), before)
-    enc_b = enc_for(st, 0, 2)
+    enc_b = slice_push(st, 0, 2)
     push_chunks(st, "b", 0, 0, enc_b, weight=3.0)
     assert st.due(0.0) == [(0, "all")]
     alone = make_state(members=("b",))
@@ -187,7 +179,7 @@ def test_a_member_that_leaves_mid_push_takes_its_chunks_with_it():
 
 def test_a_push_that_never_finished_does_not_start_the_round():
     st = make_state(min_workers=2, members=("a", "b"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), upto=3)  # never finishes
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1), upto=3)  # never finishes
     assert st.open[0].started_at is None and st.open[0].expected is None
     st.remove_member("a")
     st.remove_member("b")
@@ -197,7 +189,7 @@ def test_a_push_that_never_finished_does_not_start_the_round():
 
 def test_a_round_whose_expected_members_all_left_closes():
     st = make_state(min_workers=2, members=("a", "b"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))  # starts the round
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))  # starts the round
     assert st.due(0.0) == []  # b is still expected
     st.remove_member("b")
     assert st.due(0.0) == []  # a is still there: the quorum of 2 is not met, the round waits
@@ -209,7 +201,7 @@ def test_a_round_whose_expected_members_all_left_closes():
 
 def test_a_round_whose_expected_members_left_keeps_what_they_pushed():
     st = make_state(min_workers=2, members=("a", "b"))
-    push_chunks(st, "a", 1, 0, enc_for(st, 1, 1), weight=7.0)
+    push_chunks(st, "a", 1, 0, slice_push(st, 1, 1), weight=7.0)
     st.remove_member("a")
     st.remove_member("b")
     assert st.due(0.0) == [(1, "empty")]
@@ -219,9 +211,9 @@ def test_a_round_whose_expected_members_left_keeps_what_they_pushed():
 
 def test_an_empty_round_waits_for_a_push_still_arriving_from_a_newcomer():
     st = make_state(min_workers=2, members=("a", "b"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))  # the round starts: a and b are expected
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))  # the round starts: a and b are expected
     st.add_member("c")
-    enc_c = enc_for(st, 0, 3)
+    enc_c = slice_push(st, 0, 3)
     push_chunks(st, "c", 0, 0, enc_c, upto=2)
     st.remove_member("a")
     st.remove_member("b")
@@ -233,26 +225,26 @@ def test_an_empty_round_waits_for_a_push_still_arriving_from_a_newcomer():
 
 def test_a_member_joining_after_the_first_push_is_not_waited_for():
     st = make_state(min_workers=2, members=("a", "b"))
-    enc_a = enc_for(st, 0, 1)
+    enc_a = slice_push(st, 0, 1)
     push_chunks(st, "a", 0, 0, enc_a)  # the round starts: a and b are expected
     st.add_member("c")
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2))
     assert st.due(0.0) == [(0, "all")]  # c is not waited for
     assert st.close_round(0).contributors == ("a", "b")
     # c is expected from the next round on
     push_chunks(st, "a", 0, 1, enc_a)
-    push_chunks(st, "b", 0, 1, enc_for(st, 0, 2))
+    push_chunks(st, "b", 0, 1, slice_push(st, 0, 2))
     assert st.due(0.0) == []
-    push_chunks(st, "c", 0, 1, enc_for(st, 0, 3))
+    push_chunks(st, "c", 0, 1, slice_push(st, 0, 3))
     assert st.due(0.0) == [(0, "all")]
 
 
 def test_a_newcomer_may_still_contribute_to_the_open_round():
     st = make_state(min_workers=1, members=("a", "b"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))
     st.add_member("c")
-    push_chunks(st, "c", 0, 0, enc_for(st, 0, 3))
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
+    push_chunks(st, "c", 0, 0, slice_push(st, 0, 3))
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2))
     assert st.close_round(0).contributors == ("a", "b", "c")
 
 
@@ -285,7 +277,7 @@ def test_a_chunked_push_sums_exactly_like_a_whole_push(codec):
     chunked = make_state(uplink_codec=codec, downlink_codec="fp32", members=("a", "b"))
     per = chunk_values(codec, 128, 1000)
     for name, seed, weight, loss in (("a", 1, 100.0, 2.0), ("b", 2, 300.0, 4.0)):
-        enc = enc_for(whole, 0, seed)
+        enc = slice_push(whole, 0, seed)
         whole.push(name, 0, 0, enc, weight, loss)
         answers = push_chunks(chunked, name, 0, 0, enc, weight, loss, per=per)
         assert len(answers) > 3 and answers == [False] * (len(answers) - 1) + [True]
@@ -313,7 +305,7 @@ def _interleavings(streams: dict[str, list], rng: random.Random, count: int):
 
 def test_aggregation_does_not_depend_on_the_order_chunks_arrive_in():
     ref = make_state(members=("a", "b", "c"))
-    encs = {n: enc_for(ref, 0, seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))}
+    encs = {n: slice_push(ref, 0, seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))}
     weights = {"a": 100.0, "b": 250.0, "c": 30.0}
     for n in encs:
         ref.push(n, 0, 0, encs[n], weights[n], 3.0)
@@ -357,7 +349,7 @@ def _same(a, b) -> bool:
 
 def test_a_bad_chunk_drops_its_push_and_the_rest_of_that_push_is_ignored():
     st = make_state(members=("a", "b"))
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     cs = chunks(enc)
     before = _state_of(st)
     assert push_chunks(st, "a", 0, 0, enc, upto=3) == [False] * 3
@@ -375,7 +367,7 @@ def test_a_bad_chunk_drops_its_push_and_the_rest_of_that_push_is_ignored():
 
 def test_a_refused_first_chunk_is_forgotten_by_the_next_push():
     st = make_state(members=("a",))
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     with pytest.raises(PushRejected) as e:
         push_chunks(st, "a", 0, 0, enc, weight=float("nan"), upto=1)
     assert e.value.reason == "bad_weight" and st.discarding == {("a", 0): (0, 0)}
@@ -385,7 +377,7 @@ def test_a_refused_first_chunk_is_forgotten_by_the_next_push():
 
 def test_refuse_chunk_drops_the_push_like_a_refused_chunk():
     st = make_state(members=("a",))
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     cs = chunks(enc)
     push_chunks(st, "a", 0, 0, enc, upto=2)
     assert st.refuse_chunk("a", 0, 0, 2, False, "bad_length") is True  # chunk 2 could not be decoded
@@ -399,9 +391,9 @@ def test_refuse_chunk_drops_the_push_like_a_refused_chunk():
 
 def test_closing_a_round_drops_the_pushes_still_arriving_and_their_rest_is_late():
     st = make_state(min_workers=1, members=("a", "b"))
-    enc_b = enc_for(st, 0, 2)
+    enc_b = slice_push(st, 0, 2)
     push_chunks(st, "b", 0, 0, enc_b, upto=4)
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))
     closed = st.close_round(0, "deadline")
     assert closed.contributors == ("a",) and st.staged == {}
     cs = chunks(enc_b)
@@ -427,7 +419,7 @@ def test_closing_a_round_drops_the_pushes_still_arriving_and_their_rest_is_late(
 def test_chunk_sequence_errors(mutate, reason, words):
     st = make_state(members=("a",))
     before = _state_of(st)
-    cs = mutate(chunks(enc_for(st, 0, 1)))
+    cs = mutate(chunks(slice_push(st, 0, 1)))
     with pytest.raises(PushRejected, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
         for seq, offset, total, part, last in cs:
             st.push_chunk("a", 0, 0, seq, offset, total, part, last, 1.0 if seq == 0 else None)
@@ -437,7 +429,7 @@ def test_chunk_sequence_errors(mutate, reason, words):
 
 def test_fp32_uplink_refuses_non_finite_values():
     st = make_state(uplink_codec="fp32", members=("a",))
-    x = delta(st, 0, 1)
+    x = slice_delta(st, 0, 1)
     x[700] = float("nan")
     bad = Encoded("fp32", x.numel(), x.view(torch.uint8).clone(), torch.empty(0), 0)
     with pytest.raises(PushRejected, match="chunk 5: the chunk holds non-finite values") as e:
@@ -447,9 +439,9 @@ def test_fp32_uplink_refuses_non_finite_values():
 
 def test_the_loss_comes_with_the_first_chunk_and_is_token_weighted():
     st = make_state(members=("a", "b", "c"))
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1), weight=50.0, loss=2.0)
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2), weight=100.0, loss=4.0)
-    push_chunks(st, "c", 0, 0, enc_for(st, 0, 3), weight=100.0, loss=None)  # no loss reported
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1), weight=50.0, loss=2.0)
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2), weight=100.0, loss=4.0)
+    push_chunks(st, "c", 0, 0, slice_push(st, 0, 3), weight=100.0, loss=None)  # no loss reported
     closed = st.close_round(0)
     assert closed.weight == 250.0 and closed.mean_loss == pytest.approx((100 + 400) / 150)
 
@@ -460,7 +452,7 @@ def test_the_loss_comes_with_the_first_chunk_and_is_token_weighted():
 )
 def test_scales_that_could_overflow_the_sum_are_refused(codec, scale, words):
     st = make_state(members=("a",), uplink_codec=codec)
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     big = Encoded(enc.codec, enc.numel, enc.payload, torch.full_like(enc.scales, scale), enc.block_size)
     with pytest.raises(PushRejected, match=re.escape(words)) as e:
         st.push("a", 0, 0, big, 1.0)
@@ -477,20 +469,20 @@ def test_fp32_values_that_could_overflow_the_sum_are_refused():
 
 def test_a_round_whose_mean_is_not_finite_closes_with_a_zero_update_and_keeps_the_optimizer_clean():
     st = make_state(members=("a",))
-    st.push("a", 0, 0, enc_for(st, 0, 1), 1.0)
+    st.push("a", 0, 0, slice_push(st, 0, 1), 1.0)
     st.open[0].partial = torch.zeros(slice_len(st, 0), dtype=torch.float64)
     st.open[0].partial[0] = float("inf")  # cannot happen through push (bounded values and weights)
     master = st.master(0).clone()
     closed = st.close_round(0)
     assert closed.why == "nonfinite" and torch.equal(decode(closed.update), torch.zeros(slice_len(st, 0)))
     assert torch.equal(st.master(0), master) and st.round_of(0) == 1
-    st.push("a", 0, 1, enc_for(st, 0, 2), 1.0)  # the next round works as usual
+    st.push("a", 0, 1, slice_push(st, 0, 2), 1.0)  # the next round works as usual
     assert torch.isfinite(decode(st.close_round(0).update)).all()
 
 
 def test_pushes_to_made_up_fragments_keep_the_refusal_table_small():
     st = make_state(members=("a",))
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     for fragment in range(3, 1003):
         with pytest.raises(PushRejected):
             push_chunks(st, "a", fragment, 0, enc, upto=1)
@@ -504,7 +496,7 @@ def _closed_bits(closed) -> tuple:
 
 def test_pushes_beyond_an_fp64_sum_fold_early_to_the_same_result_whenever_the_fold_runs():
     names = [f"w{i}" for i in range(7)]
-    encs = {n: enc_for(make_state(), 0, i + 1) for i, n in enumerate(names)}
+    encs = {n: slice_push(make_state(), 0, i + 1) for i, n in enumerate(names)}
 
     def run(fold_after: set[int]) -> tuple:
         st = make_state(members=names)
@@ -528,25 +520,25 @@ def test_pushes_beyond_an_fp64_sum_fold_early_to_the_same_result_whenever_the_fo
 def test_a_fold_job_out_keeps_the_round_open_and_pushes_coming():
     st = make_state(members=("a", "b", "c"))
     st.fragments[0].fold_bytes = 1  # every push is a group of its own
-    push_chunks(st, "a", 0, 0, enc_for(st, 0, 1))
+    push_chunks(st, "a", 0, 0, slice_push(st, 0, 1))
     assert st.fold_due() == [0]
     job = st.begin_fold(0)
     assert st.fold_due() == [] and st.fragments[0].busy
-    push_chunks(st, "b", 0, 0, enc_for(st, 0, 2))
-    push_chunks(st, "c", 0, 0, enc_for(st, 0, 3))
+    push_chunks(st, "b", 0, 0, slice_push(st, 0, 2))
+    push_chunks(st, "c", 0, 0, slice_push(st, 0, 3))
     assert st.due(0.0) == []  # complete, but the fold is out
     st.end_fold(job.run())
     assert st.due(0.0) == [(0, "all")] and st.fold_due() == [0]
     ref = make_state(members=("a", "b", "c"))
     for n, seed in (("a", 1), ("b", 2), ("c", 3)):
-        push_chunks(ref, n, 0, 0, enc_for(ref, 0, seed))
+        push_chunks(ref, n, 0, 0, slice_push(ref, 0, seed))
     assert torch.equal(total_of(st, 0), total_of(ref, 0))
     assert _closed_bits(st.close_round(0)) == _closed_bits(ref.close_round(0))
 
 
 def test_a_close_job_out_takes_pushes_for_the_next_round_and_publishes_the_master_when_it_is_back():
     st = make_state(members=("a",))
-    enc = enc_for(st, 0, 1)
+    enc = slice_push(st, 0, 1)
     push_chunks(st, "a", 0, 0, enc)
     before = st.master(0)
     job = st.begin_close(0)

@@ -1,7 +1,7 @@
 """A worker that fell whole rounds behind the run (frozen, asleep, its link down, restarted) goes on from
 where the run is, as a joiner would, instead of training on silently as far behind as it fell.
 
-The engine's part with a transport whose updates the test delivers (tests/test_merge_policy.py); the
+The engine's part with a transport whose updates the test delivers (tests/support/held_engine.py); the
 transport's decision from what its links published; real processes in tests/test_liveness.py."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from test_merge_policy import P, make, params, train_step
 
 from streamdiloco.common.codecs import decode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import joining_step, send_step
 from streamdiloco.worker.linkstate import MastersFetched, RoundsView
 from streamdiloco.worker.transport import GrpcTransport
+from tests.support.held_engine import P, make, params, train_step
 
 
 def test_a_worker_whole_rounds_behind_merges_what_it_missed_and_goes_on_from_the_runs_step():

@@ -1,6 +1,7 @@
 """The tests' standard in-process shard and what they push to it: the nano GPT in 3 fragments (sync every 6
 steps), shard 0 of 2, chunks of 256 bytes so that a slice spans many chunks; the fingerprint a worker of
-that run sends at Join, and seeded deltas of a fragment's slice.
+that run sends at Join, and seeded deltas of a fragment's slice; and the same run's ShardState without any
+network (`nano_state`), for the tests of the pure round logic.
 
 Used by tests/conftest.py's `shard` and `make_shard` fixtures and by every test file that talks to this
 shard (test_service, test_elastic_units, test_credit, test_tls, ...). It must not grow tests of its own nor
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import torch
 
-from streamdiloco.common.codecs import encode
+from streamdiloco.common.codecs import Encoded, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import model_fingerprint
-from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.fragments import build_layout, flatten, fragment_params
+from streamdiloco.server.rounds.robust import RobustConfig
+from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.shard import Shard
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard
@@ -81,3 +84,27 @@ def delta(seed: int, n: int) -> torch.Tensor:
 SLICE_LEN = [hi - lo for lo, hi in build().state.ranges]  # shard 0's slice of each fragment
 ENC_A = encode(delta(1, SLICE_LEN[0]), "e3m0", 128)  # two workers' pushes of fragment 0
 ENC_B = encode(delta(2, SLICE_LEN[0]), "e3m0", 128)
+
+
+def nano_state(
+    shard: int = 0, num_shards: int = 2, robust: RobustConfig | None = None, **cfg_kw
+) -> tuple[ShardState, SyncConfig]:
+    """Shard `shard` of `num_shards`' rounds of the nano run (seed 0, 3 fragments, sync every 6, `cfg_kw`
+    changed), without any network; ShardState's own defaults otherwise. Seeds torch's generator with 0."""
+    torch.manual_seed(0)
+    model = build_gpt("nano")
+    cfg = SyncConfig(sync_every=6, num_fragments=3, **cfg_kw)
+    layout = build_layout(model, 3)
+    initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
+    return ShardState(shard, num_shards, layout, cfg, initial, robust=robust), cfg
+
+
+def slice_delta(state: ShardState, fragment: int, seed: int) -> torch.Tensor:
+    """A worker's delta for the state's slice of the fragment: delta(seed, the slice's length)."""
+    lo, hi = state.ranges[fragment]
+    return delta(seed, hi - lo)
+
+
+def slice_push(state: ShardState, fragment: int, seed: int) -> Encoded:
+    """slice_delta in the run's uplink codec: a whole push's values."""
+    return encode(slice_delta(state, fragment, seed), state.cfg.uplink_codec, state.cfg.codec_block_size)
