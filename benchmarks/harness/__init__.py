@@ -2,7 +2,8 @@
 
 - session.py: `Session`, one run of a benchmark from its main() (the command and the machine said, the
   results folder, a scratch folder for logs, every process stopped and clean-ups run however it ends,
-  Ctrl+C and SIGTERM, results.json / results.md / run.log written by `finish()`).
+  Ctrl+C and SIGTERM, results.json / results.md / run.log written by `finish()`); `bench_parser`, the flags
+  most share (--parts, --quick, --out, --max-wait).
 - output.py: `say` prints a line and keeps it for run.log; `write_results` writes the three files.
 - machine.py: `machine()`, `machine_line()`, `code_under_test()`, `wait_quiet()` (a quiet machine before a
   timed run), `fortune_files()` (Debian's fortunes, a second corpus).

@@ -1,5 +1,6 @@
 """Where the benchmarks run and write: the repository's root (their working directory, and their child
-processes'), the results folder, and the system's files some of them read."""
+processes'), the results folder, and the system's files some of them read. Constants only: nothing here
+reads or writes a file."""
 
 from __future__ import annotations
 
