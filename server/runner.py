@@ -84,8 +84,7 @@ class RoundRunner:
             started = self.state.open[fragment].started_at
             job = self.state.begin_close(fragment, why, now)
             # every push of the round is settled now (its share: the weight after the caps)
-            job.tokens = self.folded.pop((fragment, job.round), {})
-            add_shares(job.tokens, job.pushes)
+            job.credit(self.folded.pop((fragment, job.round), {}))
             self.on_closing(fragment)  # pushes still arriving for the closed round are late now
             self.closing[fragment] = self._start(self._close(job, started))
         for fragment in self.state.fold_due():

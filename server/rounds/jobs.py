@@ -258,10 +258,17 @@ class CloseJob:
     opt: OuterOptimizer  # the fragment's, the job's until ShardState takes it back
     saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
     closing: ClosingRound
-    # worker -> the shares of its pushes in the round, those folded ahead included (the round runner sets
-    # it: the contribution credits' tokens, logged with the round)
+    # worker -> the shares of its pushes in the round, those folded ahead included (`credit`: the
+    # contribution credits' tokens, logged with the round)
     tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
+
+    def credit(self, folded: dict[str, float]) -> None:
+        """The tokens the round credits per worker: the shares of its pushes that fold jobs took out of it
+        while it was open (`folded`), and those of the pushes it closes with (settled now)."""
+        self.tokens = dict(folded)
+        for p in self.pushes:
+            self.tokens[p.worker] = self.tokens.get(p.worker, 0.0) + p.share
 
     @property
     def round(self) -> int:
