@@ -27,7 +27,7 @@ from streamdiloco.common.fragments import build_layout, flatten, fragment_params
 from streamdiloco.worker.checkpoint import mirror_digests
 from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.model import build_gpt
-from tests.support.procs import Cluster, http_json, shard_process
+from tests.support.procs import Cluster, masters_hashes, shard_process
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=needs_cuda)]
@@ -35,12 +35,6 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=
 SLOW_ON_CPU = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), DEVICES[1]]
 # where the device runs the arithmetic (lerp, add) that the CPU runs too: fp32 round-off apart
 TOLERANCE = 1e-6
-
-
-def masters_hashes(http: list[int]) -> list[list[str]]:
-    """[fragment][shard] master hashes, as a worker's summary lists its mirror's."""
-    per_shard = [[f["master_hash"] for f in http_json(p)["fragments"]] for p in http]
-    return [list(x) for x in zip(*per_shard, strict=True)]
 
 
 # --- the engine on the device against the engine on the CPU -------------------------------------------------

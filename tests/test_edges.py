@@ -12,7 +12,7 @@ import socket
 import pytest
 import torch
 
-from tests.support.procs import Cluster, streamdiloco, wait_until
+from tests.support.procs import Cluster, free_port, streamdiloco, wait_until
 
 
 @contextlib.contextmanager
@@ -72,12 +72,6 @@ def test_launch_http_port_in_use_is_named_by_its_flag(tmp_path):
         f"streamdiloco: error: --http-port {port}: address 127.0.0.1:{port} already in use "
         "(another run? pick another port or 0)"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_no_shard_at_the_address_says_so_while_it_waits_then_names_the_flag(tmp_path):

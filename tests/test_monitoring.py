@@ -28,7 +28,7 @@ from streamdiloco.server.observe import dashboard as dashboard_module
 from streamdiloco.worker.metrics import WorkerMetrics
 from tests.support.inthread import InThreadShard, push_messages
 from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP, build
-from tests.support.procs import Cluster, http_json, stop, streamdiloco, wait_until
+from tests.support.procs import Cluster, free_port, http_json, stop, streamdiloco, wait_until
 
 
 def tool(name: str) -> str:
@@ -41,10 +41,6 @@ def nobody_listens(port: int) -> None:
     with socket.socket() as s:  # SO_REUSEADDR: connections in TIME_WAIT do not count, a listener does
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def get(port: int, path: str) -> tuple[int, str]:

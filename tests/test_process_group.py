@@ -8,14 +8,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.support.procs import ROOT, Cluster, http_json, wait_until
+from tests.support.procs import ROOT, Cluster, free_port, masters_hashes, wait_until
 
 # fp32 codecs: the 4-bit ones round, and a round-off difference may move a value to the next level
 RUN = [
@@ -23,12 +22,6 @@ RUN = [
     *("--uplink-codec", "fp32", "--downlink-codec", "fp32"),
 ]
 WORKER = ["--eval-every", "0", "--eval-batches", "1", "--log-every", "4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(c: Cluster, name: str, nproc: int, servers: list[str], *flags: str) -> subprocess.Popen:
@@ -49,12 +42,6 @@ def torchrun(c: Cluster, name: str, nproc: int, servers: list[str], *flags: str)
     log.close()
     c.procs[name] = proc
     return proc
-
-
-def masters_hashes(http: list[int]) -> list[list[str]]:
-    """[fragment][shard] master hashes, as the workers' summaries list their mirrors'."""
-    per_shard = [[f["master_hash"] for f in http_json(p)["fragments"]] for p in http]
-    return [list(x) for x in zip(*per_shard, strict=True)]
 
 
 # in `make test-slow` (torchrun, two ranks and a one-rank run to compare); covered by

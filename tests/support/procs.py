@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -228,6 +229,20 @@ def stop(proc: Forked | subprocess.Popen, timeout: float = 10) -> None:
 def http_json(port: int, path: str = "/api/status") -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
         return json.loads(r.read())
+
+
+def masters_hashes(http: list[int]) -> list[list[str]]:
+    """[fragment][shard] master hashes of the shards at these HTTP ports, as a worker's summary lists its
+    mirror's."""
+    per_shard = [[f["master_hash"] for f in http_json(p)["fragments"]] for p in http]
+    return [list(x) for x in zip(*per_shard, strict=True)]
+
+
+def free_port() -> int:
+    """A loopback port that nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 SLACK = 10.0  # seconds a loaded machine may add to a deadline
