@@ -748,10 +748,8 @@ def test_fuzzed_messages_many_more_cases(tmp_path, seed):
 
 # --- what the fuzzer found, pinned ---------------------------------------------------------------------
 @pytest.fixture
-def shard(tmp_path):
-    s = InThreadShard(build(), tmp_path, GOOD_FP, token=TOKEN)
-    yield s
-    s.shutdown()
+def shard(tmp_path, shards):
+    return shards.add(InThreadShard(build(), tmp_path, GOOD_FP, token=TOKEN))
 
 
 def test_a_token_that_is_not_ascii_is_a_wrong_token_not_a_shard_error(shard):

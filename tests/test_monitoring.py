@@ -67,10 +67,8 @@ def promtool_check_metrics(text: str) -> None:
 
 # === one shard in a thread, with its HTTP app =========================================================
 @pytest.fixture
-def shard(tmp_path):
-    s = InThreadShard(build(), tmp_path, GOOD_FP, http=True)
-    yield s
-    s.shutdown()
+def shard(tmp_path, shards):
+    return shards.add(InThreadShard(build(), tmp_path, GOOD_FP, http=True))
 
 
 def test_metrics_and_series_count_what_the_shard_did(shard):

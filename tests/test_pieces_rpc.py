@@ -42,11 +42,9 @@ def fingerprint_json(svc) -> str:
 
 
 @pytest.fixture
-def shard(tmp_path):
+def shard(tmp_path, shards):
     svc = service(tmp_path)
-    s = InThreadShard(svc, tmp_path, fingerprint_json(svc), token=TOKEN)
-    yield s
-    s.shutdown()
+    return shards.add(InThreadShard(svc, tmp_path, fingerprint_json(svc), token=TOKEN))
 
 
 def ask(s: InThreadShard, w, done=(), held=(), want=1, sha=SHA, tokens=TOKENS, token=TOKEN, session=None):
