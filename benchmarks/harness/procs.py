@@ -5,9 +5,9 @@ line and `bench(...)` one of a benchmark module's (its internal subcommands); `s
 processes and waits until they serve, `Run` a run's shards and workers by name; `wait_files` waits for ready
 files while watching that their processes still run; `free_port` is a loopback port to give a child.
 
-tests/procs.py is the tests' own harness for the same job; it stays apart: tests kill their processes at
-once (SIGKILL, no wait for a clean exit) and fail with AssertionError, where a benchmark stops its children
-cleanly and keeps their logs to report.
+tests/support/procs.py is the tests' own harness for the same job; it stays apart: tests kill their
+processes at once (SIGKILL, no wait for a clean exit) and fail with AssertionError, where a benchmark stops
+its children cleanly and keeps their logs to report.
 """
 
 from __future__ import annotations
