@@ -9,6 +9,9 @@ typed events (SessionEvent).
 Whole updates that nobody has taken yet are bounded: past `max_waiting` (MAX_WAITING_UPDATES) of one
 fragment, the fragment's master is fetched in their place; a shard whose master does not hold them fails the
 link, in one line naming the shard.
+The link's parts, by job: `CatchUp` (masters fetched in place of updates: a resync, or too many waiting),
+`Pushes` (sent with the progress header, and the shard's answers: `PushAnswers`), `Membership` (what Ready
+names), `Waiters` (the futures the link's thread settles); `Actor` is the thread.
 This module must not decide what LinkState decides (what is held, what to resend, where the shard is) nor
 talk gRPC itself: the connection does.
 """
