@@ -33,8 +33,7 @@ __all__ = [
 MAX_COUNT = 1 << 53  # a step or token count beyond this is not one (a float64 holds it exactly)
 MAX_BLOCKED_SECONDS = 1e9  # ~30 years: a reported wait beyond this is not a measurement
 # A reported loss is a cross-entropy (the built-in GPT starts near ln 256 = 5.5): a negative one, or one
-# beyond this, is not a measurement (the shards' bound on a push's training loss is the same:
-# server/rounds/robust.py MAX_LOSS)
+# beyond this, is not a measurement (a push's training loss on the shard is held to it too)
 MAX_REPORTED_LOSS = 1e4
 
 

@@ -40,15 +40,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from streamdiloco.common.progress import MAX_REPORTED_LOSS
+
 # torch is imported where it is used: `streamdiloco SUB --help` reads RobustConfig without it
 if TYPE_CHECKING:
     import torch
 
 AGGREGATORS = ("mean", "trimmed", "centered-clip")
 MIN_WEIGHT = 1.0  # a push stands for at least one token: below that it counts toward a quorum with nothing
-# The reported training loss is a cross-entropy (the built-in GPT starts near ln 256 = 5.5): a negative one,
-# or one beyond this, is not a measurement.
-MAX_LOSS = 1e4
+# The reported training loss is a cross-entropy: a negative one, or one beyond this, is not a measurement
+# (the one bound of a reported loss, common/progress.py's)
+MAX_LOSS = MAX_REPORTED_LOSS
 
 
 @dataclass(frozen=True)
