@@ -143,13 +143,13 @@ async def _serve_grpc(
     async def waiting() -> None:  # the pending shard listens, and waits for the first worker's upload
         nonlocal written
         await server.start()
-        _write_ready(config.ready_file, bound, http_bound, config.shard)
-        written = True
         holder.to("waiting for the first worker's parameters", awaiting_first=True)
         log.info(
             "shard %d/%d: gRPC on %s:%d; waiting for the first worker's model and parameters (--init %s)",
             config.shard, config.num_shards, host, bound, FROM_WORKER,
         )  # fmt: skip
+        _write_ready(config.ready_file, bound, http_bound, config.shard)  # after the line: a reader sees it
+        written = True
 
     try:
         shard = await source.started(stop, waiting)  # the running shard: its starting state checkpointed

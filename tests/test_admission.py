@@ -94,11 +94,11 @@ def test_the_pending_shard_refuses_a_token_it_would_not_check_before_any_upload(
         with pytest.raises(grpc.RpcError) as e:
             shard.stub.Initialize(upload("t"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "checks none" in e.value.details()
-        assert shard.on_loop(lambda: pending.service) is None  # nothing taken
+        assert shard.on_loop(lambda: pending.running) is None  # nothing taken
         # without the token both are admitted: the shard waits for the parameters, then takes them
         reply = shard.stub.Join(pb.JoinRequest(worker="w0", protocol=PROTOCOL), timeout=10)
         assert reply.uninitialized
         shard.stub.Initialize(upload(""), timeout=30)
-        assert shard.on_loop(lambda: pending.service) is not None
+        assert shard.on_loop(lambda: pending.running) is not None
     finally:
         shard.shutdown()

@@ -412,7 +412,7 @@ def test_a_bad_push_is_refused_changes_nothing_and_the_session_goes_on(shard, ca
     closed, master = reference_round([("a", ENC_A, 100.0, 2.5), ("b", ENC_B, 300.0, 3.5)])
     for w in (a, b):
         assert_update_matches(w.session.update(), closed)
-    status = shard.on_loop(shard.service.status)
+    status = shard.on_loop(shard.service.view.status)
     assert status["fragments"][0]["round"] == 1
     assert status["fragments"][0]["master_hash"] == tensor_digest(master)
     assert status["pushes_refused"] == {reason: 1}
@@ -450,7 +450,7 @@ def test_a_round_closes_when_both_members_pushed_and_everyone_gets_the_update(sh
     )
     for w in (a, b, c):
         assert_update_matches(w.session.update(), closed, fragment=2)
-    status = shard.on_loop(shard.service.status)
+    status = shard.on_loop(shard.service.view.status)
     assert [f["round"] for f in status["fragments"]] == [0, 0, 1]
     assert status["fragments"][2]["master_hash"] == tensor_digest(master)
     last = status["recent_rounds"][-1]
@@ -513,7 +513,7 @@ def test_a_push_still_arriving_when_its_round_closes_at_the_deadline_is_late(mak
     closed, master = reference_round([("a", ENC_A, 100.0, 3.0)])
     assert_update_matches(a.session.update(), closed)  # the deadline passed: closed without b
     assert_update_matches(b.session.update(), closed)  # b is still a member: it gets the update
-    status = s.on_loop(s.service.status)
+    status = s.on_loop(s.service.view.status)
     assert status["recent_rounds"][-1]["why"] == "deadline"
     assert status["fragments"][0]["master_hash"] == tensor_digest(master)
     # the round closed without b: it is dormant (status says so), not waited for until it pushes again
@@ -526,7 +526,7 @@ def test_a_push_still_arriving_when_its_round_closes_at_the_deadline_is_late(mak
     assert "round 0 chunk 3: the round is closed (open round is 1)" in r.message
     s.quiesce(b)
     assert s.snapshot() == before
-    assert s.on_loop(s.service.status)["dormant"] == []  # late by one round: it is close to the pace
+    assert s.on_loop(s.service.view.status)["dormant"] == []  # late by one round: it is close to the pace
     b.push(push_messages(ENC_B, round=1))  # and b goes on with the open round
     assert b.session.result().accepted
 
@@ -546,7 +546,7 @@ def test_a_push_that_breaks_off_leaves_nothing_half_applied(make_shard):
     assert b.session.result().accepted
     closed, master = reference_round([("b", ENC_B, 300.0, 3.5)])
     assert_update_matches(b.session.update(), closed)
-    status = s.on_loop(s.service.status)
+    status = s.on_loop(s.service.view.status)
     assert status["fragments"][0]["master_hash"] == tensor_digest(master)
     assert status["recent_rounds"][-1]["contributors"] == ["b"]
 
