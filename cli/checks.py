@@ -11,6 +11,7 @@ is a causal LM, a checkpoint's contents) is checked later, where the command run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -150,27 +151,19 @@ def check_metrics_host(host: str, insecure: bool) -> None:
         )
 
 
-def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
-    """A worker's flags and settings (but [sync], which the shard completes at Join), checked: the shards'
-    addresses (returned), the settings sections, --model, the TLS files, the token, what --resume needs,
+def check_worker(args: argparse.Namespace) -> Any:
+    """A worker's flags and settings as its WorkerConfig (worker/config.py: it checks the shards' addresses,
+    the metrics port and the TLS files), before torch is imported: the settings sections (but [sync], which
+    the shard completes at Join: only what was given is kept), --model, the token, what --resume needs,
     --data."""
-    from streamdiloco.common.ports import parse_target
-    from streamdiloco.common.tls import client_tls
+    from streamdiloco.common.config import SyncConfig
+    from streamdiloco.flags import own_values
+    from streamdiloco.worker.config import WorkerConfig
 
-    servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
-    if not servers:
-        raise ValueError("--servers: give at least one shard as HOST:PORT")
-    for target in servers:
-        parse_target(target)
     sections = check_sections(args, tuple(s for s in args.sections if s != "sync"))
     check_model(args)
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise ValueError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     if args.metrics_port is not None:
         check_metrics_host(args.metrics_host, args.insecure)
-    client_tls(args.tls_ca, args.tls_cert, args.tls_key)
-    if args.token_file:
-        read_token_file(args)
     if args.name is None and (args.resume or args.auto_resume) and not args.checkpoint:
         # the default name (host-pid) changes from one start to the next
         flag = "--resume" if args.resume else "--auto-resume"
@@ -182,4 +175,6 @@ def check_worker(args: argparse.Namespace) -> tuple[str, ...]:
                 f"--resume: no checkpoint at {path} (give the --name the worker had, or --checkpoint PATH)"
             )
     check_data(sections["run"].data)
-    return servers
+    own = {**own_values(WorkerConfig, args), "token": read_token_file(args)}  # --servers, --name, ...
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(SyncConfig) if f.name in args.sync_set}
+    return WorkerConfig(**own, sync=SyncConfig.given(given), sync_set=frozenset(args.sync_set), **sections)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from streamdiloco import __version__
 from streamdiloco.compare import add_compare_parser, add_simulate_parser
-from streamdiloco.flags import add_own_flags, add_settings, add_token_file_flag, own_values
+from streamdiloco.flags import add_own_flags, add_settings, add_token_file_flag
 
 # The config file's sections that `launch` resolves and writes to OUT/run.toml for its shards and workers
 LAUNCH_SECTIONS = ("model", "run", "sync", "inner", "server", "robust", "limits", "link", "worker", "pieces")
@@ -95,10 +95,6 @@ def _add_metrics_insecure_flag(g) -> None:
         action="store_true",
         help="allow --metrics-host beyond loopback: plain HTTP, no token (a private network only)",
     )
-
-
-def _pick(cls, v: dict) -> dict:
-    return {f.name: v[f.name] for f in dataclasses.fields(cls) if f.name in v}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,28 +369,15 @@ def _cmd_token(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from streamdiloco.checks import check_worker, read_token_file
+    from streamdiloco.checks import check_worker
     from streamdiloco.common.logs import error_line
 
-    check_worker(args)  # one-line errors before torch is imported
-    from streamdiloco.common.config import SyncConfig
-    from streamdiloco.worker.config import WorkerConfig
-
-    own = own_values(WorkerConfig, args)  # this process's own fields: --servers, --name, ...
-    if "name" not in own and (args.resume or (args.auto_resume and Path(args.checkpoint).exists())):
+    cfg = check_worker(args)  # one-line errors before torch is imported
+    if args.name is None and (args.resume or (args.auto_resume and Path(args.checkpoint).exists())):
         from streamdiloco.worker.checkpoint import checkpoint_name
 
         flag = "--resume" if args.resume else "--auto-resume"
-        own["name"] = checkpoint_name(args.checkpoint, flag)  # the name it was written under
-    own["token"] = read_token_file(args)
-    # the [sync] settings given by flag or --config file; the rest: the shard's
-    given = {k: x for k, x in _pick(SyncConfig, vars(args)).items() if k in args.sync_set}
-    cfg = WorkerConfig(
-        **own,
-        sync=SyncConfig.given(given),
-        sync_set=frozenset(args.sync_set),
-        **{s: args.settings.build(s) for s in WORKER_SECTIONS if s != "sync"},
-    )
+        cfg = dataclasses.replace(cfg, name=checkpoint_name(args.checkpoint, flag))  # the name it had
     from streamdiloco.worker.connection import SyncError
     from streamdiloco.worker.group import GroupError
     from streamdiloco.worker.run import run_worker
