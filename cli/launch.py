@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from streamdiloco.common.logs import iso_time, json_logs, log_flags, setup_logging
+from streamdiloco.common.ports import free_ports
 from streamdiloco.settings import Settings
 
 log = logging.getLogger("streamdiloco.launch")
@@ -136,18 +136,6 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1] if lines else ""
-
-
-def free_ports(n: int) -> list[int]:
-    """n different ports that nothing listens on now (workers bind them a moment later)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:  # all held open until all are picked: no port comes twice
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_targets(path: Path, shards: list[int], workers: list[int]) -> None:

@@ -6,7 +6,9 @@ to its children. Every place that binds turns the OSError into one line such as
 `--port 7070: address 127.0.0.1:7070 already in use (another shard? pick another port or 0)`.
 
 `parse_target` checks a shard's HOST:PORT (torch-free: the command line checks --servers before it imports
-torch). Pure apart from `probe`, which binds a socket for a moment. No networking beyond that.
+torch). `free_ports` picks ports that nothing listens on (launch's children, the benchmarks' and the tests'
+processes). Pure apart from `probe` and `free_ports`, which bind a socket for a moment. No networking beyond
+that.
 """
 
 from __future__ import annotations
@@ -65,3 +67,21 @@ def parse_target(target: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--servers: {target!r} is not HOST:PORT")
     return t
+
+
+def free_ports(n: int) -> list[int]:
+    """n different ports on 127.0.0.1 that nothing listens on now (the processes given them bind them a
+    moment later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:  # all held open until all are picked: no port comes twice
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
+    return free_ports(1)[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from streamdiloco.launch import free_ports
+from streamdiloco.common.ports import free_ports
 from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, playwright
 from tests.support.procs import Cluster, http_json, wait_until
 

@@ -12,7 +12,8 @@ import socket
 import pytest
 import torch
 
-from tests.support.procs import Cluster, free_port, streamdiloco, wait_until
+from streamdiloco.common.ports import free_port
+from tests.support.procs import Cluster, streamdiloco, wait_until
 
 
 @contextlib.contextmanager

@@ -21,14 +21,14 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamdiloco.launch import free_ports
+from streamdiloco.common.ports import free_port, free_ports
 from streamdiloco.server.config import ShardConfig
 from streamdiloco.server.main import serve
 from streamdiloco.server.observe import dashboard as dashboard_module
 from streamdiloco.worker.metrics import WorkerMetrics
 from tests.support.inthread import InThreadShard, push_messages
 from tests.support.nano_shard import CFG, ENC_A, ENC_B, GOOD_FP, build
-from tests.support.procs import Cluster, free_port, http_json, stop, streamdiloco, wait_until
+from tests.support.procs import Cluster, http_json, stop, streamdiloco, wait_until
 
 
 def tool(name: str) -> str:

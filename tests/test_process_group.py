@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.support.procs import ROOT, Cluster, free_port, masters_hashes, wait_until
+from streamdiloco.common.ports import free_port
+from tests.support.procs import ROOT, Cluster, masters_hashes, wait_until
 
 # fp32 codecs: the 4-bit ones round, and a round-off difference may move a value to the next level
 RUN = [

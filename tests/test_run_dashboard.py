@@ -21,8 +21,8 @@ import pytest
 from streamdiloco.certs import make_certs
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.ports import free_ports
 from streamdiloco.common.progress import Progress
-from streamdiloco.launch import free_ports
 from streamdiloco.server.observe import dashboard as dash
 from streamdiloco.server.observe.dashboard import DashboardData
 from streamdiloco.server.observe.run_view import PEER_TIMEOUT, Peers, parse_peers

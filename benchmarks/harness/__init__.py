@@ -38,8 +38,6 @@ from benchmarks.harness.procs import (
     Procs,
     Run,
     bench,
-    free_port,
-    free_ports,
     http_json,
     sd,
     shard_argv,
@@ -47,6 +45,7 @@ from benchmarks.harness.procs import (
     wait_files,
 )
 from benchmarks.harness.session import INTERRUPTED, Session, bench_parser
+from streamdiloco.common.ports import free_port, free_ports  # the package's one free-port
 
 __all__ = [
     "FORTUNES",

@@ -3,7 +3,7 @@ LOGDIR/NAME.log) and stops it with its children (SIGTERM to the group, then SIGK
 Ctrl+C (`stop_all`, which session.py's `Session` calls). `sd(...)` is a `python -m streamdiloco ...` command
 line and `bench(...)` one of a benchmark module's (its internal subcommands); `start_shards` starts S shard
 processes and waits until they serve, `Run` a run's shards and workers by name; `wait_files` waits for ready
-files while watching that their processes still run; `free_port` is a loopback port to give a child.
+files while watching that their processes still run (a port to give a child: `common/ports.py`'s `free_port`, re-exported by the harness).
 
 tests/support/procs.py is the tests' own harness for the same job; it stays apart: tests kill their
 processes at once (SIGKILL, no wait for a clean exit) and fail with AssertionError, where a benchmark stops
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,24 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.paths import ROOT
-
-
-def free_ports(n: int) -> list[int]:
-    """n different ports on 127.0.0.1 that nothing listens on now (the children given them bind them a
-    moment later)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:  # all held open until all are picked: no port comes twice
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now."""
-    return free_ports(1)[0]
 
 
 def sd(*args: str) -> list[str]:

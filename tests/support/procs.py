@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -236,13 +235,6 @@ def masters_hashes(http: list[int]) -> list[list[str]]:
     mirror's."""
     per_shard = [[f["master_hash"] for f in http_json(p)["fragments"]] for p in http]
     return [list(x) for x in zip(*per_shard, strict=True)]
-
-
-def free_port() -> int:
-    """A loopback port that nothing listens on now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SLACK = 10.0  # seconds a loaded machine may add to a deadline
