@@ -3,7 +3,8 @@ LOGDIR/NAME.log) and stops it with its children (SIGTERM to the group, then SIGK
 Ctrl+C (`stop_all`, which session.py's `Session` calls). `sd(...)` is a `python -m streamdiloco ...` command
 line and `bench(...)` one of a benchmark module's (its internal subcommands); `start_shards` starts S shard
 processes and waits until they serve, `Run` a run's shards and workers by name; `wait_files` waits for ready
-files while watching that their processes still run (a port to give a child: `common/ports.py`'s `free_port`, re-exported by the harness).
+files while watching that their processes still run (a port to give a child: `common/ports.py`'s
+`free_port`, re-exported by the harness).
 
 tests/support/procs.py is the tests' own harness for the same job; it stays apart: tests kill their
 processes at once (SIGKILL, no wait for a clean exit) and fail with AssertionError, where a benchmark stops
