@@ -775,7 +775,8 @@ def exported() -> dict[str, set[str]]:
     route = next(r for r in make_app(service).routes if getattr(r, "path", None) == "/metrics")
     shard = series_names(asyncio.run(route.endpoint()).body)
     worker_metrics = WorkerMetrics("w", "nano", "cpu", 10)
-    worker_metrics.loss = worker_metrics.eval_loss = 1.0  # set once training (evaluation) has begun
+    worker_metrics.stepped(0, 1.0)  # set once training (evaluation) has begun
+    worker_metrics.evaluated(1.0)
     worker = series_names(worker_metrics.render())
     assert "streamdiloco_shard_rounds_total" in shard and "streamdiloco_worker_tokens_total" in worker
     return {"shard": shard, "worker": worker}

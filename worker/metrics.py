@@ -33,7 +33,8 @@ UTILIZATION_WINDOW = 60.0  # seconds: compute utilization is that of the last mi
 
 
 class WorkerMetrics:
-    """Set `engine`, `transport` and `stats` as they come into being; until then the run's counters read 0."""
+    """The worker's Prometheus metrics. The run tells it what happens (`joined`, `training`, `stepped`,
+    `evaluated`, `to`); until the engine exists the run's counters read 0."""
 
     def __init__(self, name: str, model: str, device: str, steps: int):
         self.labels = {"worker": name, "model": model, "device": device, "version": __version__}
@@ -63,6 +64,26 @@ class WorkerMetrics:
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the standard process_* names
         self.server: WSGIServer | None = None
+
+    def joined(self, engine: Any, transport: Any) -> None:
+        """The engine and its transport, whose counters are read at scrape time."""
+        self.engine, self.transport = engine, transport
+
+    def training(self, stats: Any, step: int) -> None:
+        """Training starts (or resumes) at `step`; `stats`: the loop's statistics (worker/run.py)."""
+        self.stats, self.step, self.phase = stats, step, "training"
+
+    def stepped(self, step: int, loss: float | None) -> None:
+        """An inner step done, with its training loss."""
+        self.step, self.loss = step, loss
+
+    def evaluated(self, eval_loss: float | None) -> None:
+        """The latest eval loss of the global parameters."""
+        self.eval_loss = eval_loss
+
+    def to(self, phase: str) -> None:
+        """The worker's phase: joining, training, stopped, finished."""
+        self.phase = phase
 
     def mark(self, compute_seconds: float) -> None:
         """The training loop's compute seconds so far, at the start and after every step."""

@@ -203,7 +203,7 @@ class Lead:
         transport.on_push_answered(self.metrics.push_answer.observe)
         engine.on_merge(waited=self.metrics.merge_wait.observe)
         stop.calls(engine.request_stop)
-        self.metrics.engine, self.metrics.transport = engine, transport
+        self.metrics.joined(engine, transport)
         if self.resume is None:
             self.stats.eval_loss_start = eval_start
         else:  # a checkpoint from before the engine counted tokens and inner steps has them in its stats only
@@ -211,7 +211,7 @@ class Lead:
             old = {k: v for k, v in self.resume["stats"].items() if k in ("tokens", "inner_steps")}
             engine.counters.load_state_dict({k: v for k, v in old.items() if k not in counted})
         if eval_start is not None:
-            self.metrics.eval_loss = eval_start
+            self.metrics.evaluated(eval_start)
             engine.report(eval_loss=eval_start)  # the eval curve's first point, at the joining step
 
     def start(self, t: Training) -> bool:
@@ -241,7 +241,7 @@ class Lead:
             f" (resumed from {cfg.checkpoint_path})" if self.resume is not None else "",
         )
         self.t_train0 = time.perf_counter() - self.stats.train_seconds
-        self.metrics.stats, self.metrics.step, self.metrics.phase = self.stats, self.first, "training"
+        self.metrics.training(self.stats, self.first)
         self.metrics.mark(self.stats.compute_seconds)
         try:
             engine.finish_step()  # a step's syncs that a stop interrupted, before the checkpoint
@@ -264,7 +264,7 @@ class Lead:
         seconds = time.perf_counter() - t0
         self.stats.eval_seconds = (self.stats.eval_seconds or 0.0) + seconds
         self.engine.report(eval_loss=loss)
-        self.metrics.eval_loss = loss
+        self.metrics.evaluated(loss)
         log.info(
             "%s step %d/%d  eval loss %.4f (global params, %.2f s)",
             cfg.name,
@@ -315,7 +315,7 @@ class Lead:
         if not done.stopped and self.engine.step_count == cfg.run.steps:
             stats.final_sync_seconds = done.sync_seconds  # every fragment once more, all waited for (once)
         self.recent.append(done.loss)
-        self.metrics.step, self.metrics.loss = step, done.loss
+        self.metrics.stepped(step, done.loss)
         self.metrics.mark(stats.compute_seconds)
         self.engine.report(compute_utilization=stats.compute_seconds / self.elapsed())
         if (
@@ -333,7 +333,7 @@ class Lead:
     def stopped(self, t: Training, train_seconds: float) -> dict:
         """Stopped early: the pushes on the wire let through, the checkpoint; the short summary."""
         cfg, engine = self.cfg, self.engine
-        self.metrics.phase = "stopped"
+        self.metrics.to("stopped")
         answered = self.transport.flush(timeout=10.0)  # pushes on the wire: let the shards take them
         self.checkpoint(t, train_seconds)
         log.info(
@@ -360,7 +360,8 @@ class Lead:
         for frag, vec in zip(engine.layout.fragments, engine.mirrors, strict=True):
             unflatten_into(vec, fragment_params(eval_model, frag))
         eval_loss = evaluate(eval_model, self.val, t.device)
-        self.metrics.eval_loss, self.metrics.phase = eval_loss, "finished"
+        self.metrics.evaluated(eval_loss)
+        self.metrics.to("finished")
         engine.report(eval_loss=eval_loss)  # to the loggers (no push carries it any more)
         return eval_loss
 
@@ -631,7 +632,7 @@ def _join(t: Training, resume: dict | None, val: list) -> bool:
             )
     except StopRequested:  # stopped while it joined: nothing trained, nothing to save
         if lead is not None:
-            lead.metrics.phase = "stopped"
+            lead.metrics.to("stopped")
             log.info("%s: stopped before training started", cfg.name)
         return False
     start = _share_start(group, resume) if group is not None else resume
