@@ -44,17 +44,17 @@ async def serve(
     (the dashboard's run view) are the config's."""
     stop = stop or asyncio.Event()
     if config is None:
-        assert not callable(source) or isinstance(source, Shard | PendingShard), "give the config to build"
-        config = source.config  # type: ignore[union-attr]
+        assert not callable(source), "give serve() the config of the shard its function builds"
+        config = source.config
     _, http_connections = connection_caps(config.limits)  # before anything listens: a limit too low fails now
     throttle_library_logs()
-    holder = Holder(source if isinstance(source, Shard) else None)
+    holder = Holder()  # the running shard once gRPC serves it
     _on_signals(holder, stop)
     http = await HttpServer.start(config, holder, http_connections)
     try:
         if config.port and (taken := probe(config.host, config.port)) is not None:  # now, not after loading
             raise bind_error("--port", config.host, config.port, taken, "another shard")
-        built = source if isinstance(source, Shard | PendingShard) else await _build(source, stop, http)
+        built = await _build(source, stop, http) if callable(source) else source
         if built is None:  # stopped while loading: no gRPC, no checkpoint written
             holder.to("stopping")
             return

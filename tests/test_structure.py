@@ -8,6 +8,9 @@ Read from the source with `ast`: nothing is imported, so a failure names the fil
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,3 +197,27 @@ def test_the_checks_see_what_they_look_for():
     walked = [ast.unparse(n) for n in _walk(tree) if isinstance(n, ast.Import)]
     assert walked == ["import x"]
     assert "streamdiloco.server.shard" in imports("streamdiloco.server.startup")
+
+
+def test_the_library_imports_without_the_commands():
+    """The public library (connect, the sync engine, the global model's readers, a shard built and served
+    from its config) imports no module of cli/ when it is imported (the package root, with its version,
+    aside): checked in a fresh interpreter, as a user's program would import it."""
+    cli_modules = sorted(m for m in MODULES if m.count(".") == 1 and m.split(".")[1] not in FOLDERS)
+    library = [
+        "streamdiloco.worker.join",
+        "streamdiloco.worker.engine",
+        "streamdiloco.worker.group",
+        "streamdiloco.common.globalmodel",
+        "streamdiloco.server.storage.export",
+        "streamdiloco.server.startup",
+        "streamdiloco.server.main",
+    ]
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {library!r}: importlib.import_module(m)\n"
+        f"print(json.dumps(sorted(m for m in {cli_modules!r} if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == []
