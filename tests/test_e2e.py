@@ -173,9 +173,12 @@ def test_a_shard_started_from_saved_parameters_serves_them(tmp_path):
 
 
 def test_a_worker_joins_a_run_in_progress_at_the_runs_step_and_stays_in_sync(tmp_path):
-    flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3"]
+    # the fixed schedule: one inner step is one schedule step for both workers, whatever the machine's load
+    # (under the adaptive one a worker faster than the pace takes two inner steps for one, and the 12 steps
+    # below can end a schedule step short of the other's push: the round then waits for its deadline)
+    flags = ["--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--sync-schedule", "fixed"]
     with shard_process(tmp_path, *flags) as (target, http, _):
-        cfg = SyncConfig(sync_every=6, num_fragments=3, final_sync=False)
+        cfg = SyncConfig(sync_every=6, num_fragments=3, final_sync=False, sync_schedule="fixed")
         first = connect(build_gpt("nano"), [target], cfg, name="first")
         second = None
         try:
