@@ -11,18 +11,14 @@ import pytest
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import sends_through
-from streamdiloco.sim.utilization import (
+from streamdiloco.sim.table4 import (
     GRID_GBPS,
     PAPER_TABLE4,
     TABLE4_ARCHITECTURES,
-    RunModel,
-    fragment_values_for,
-    main,
-    needed_bandwidth,
     recipe_utilization,
     reproduce_table4,
-    simulate,
 )
+from streamdiloco.sim.utilization import RunModel, fragment_values_for, main, needed_bandwidth, simulate
 
 
 def _model(**kw) -> RunModel:
