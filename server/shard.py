@@ -23,6 +23,7 @@ from typing import NamedTuple
 import grpc
 
 from streamdiloco.common.codecs import get_codec
+from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.config import ShardConfig
 from streamdiloco.server.edge.gates import Gates
 from streamdiloco.server.edge.intake import Intake
@@ -39,7 +40,8 @@ from streamdiloco.server.runner import COMPUTE_THREADS, RoundRunner
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.server.storage.credits import Credits
 from streamdiloco.server.storage.ledger import Ledger
-from streamdiloco.server.trust.roster import Roster
+from streamdiloco.server.trust.auth import Identity
+from streamdiloco.server.trust.roster import Member, Roster
 
 log = logging.getLogger("streamdiloco.shard")
 
@@ -192,6 +194,29 @@ class Shard:
             raise OSError(self.runner.fatal)
         if self.checkpoint is not None and self.checkpoint.save_all(self.state):
             log.info("shard %d: checkpoint written to %s", self.state.shard, self.checkpoint.dir)
+
+    # --- sessions -------------------------------------------------------------------------------------------
+    def open_session(self, member: Member, hello: pb.Hello, identity: Identity) -> None:
+        """A session that said Hello: on the roster (Refused if its session id or name does not hold), in the
+        credits, and a member at once unless it comes passive (then Ready makes it one)."""
+        self.roster.hello(member, hello.session, identity, self.clock())
+        self.credits.connected(member.name, identity.via, self.clock())
+        if hello.passive:
+            log.info(
+                "%s connected, passive until it is ready (%d sessions)", member.name, len(self.roster.open)
+            )
+        else:
+            self.intake.activate(member)
+
+    def close_session(self, member: Member) -> None:
+        """A session that ended: its queue dropped, its pushes under way forgotten, off the roster (a shard
+        on its way down keeps it a member for its checkpoint), and any round it held due now."""
+        self.outbox.close(member)
+        self.intake.forget(worker=member.name)
+        self.roster.leave(member, self.runner.stopping)
+        self.credits.disconnected(member.name, self.clock())
+        log.info("%s left (%d members)", member.name, len(self.state.members))
+        self.close_due()
 
     # --- the wiring between the parts ----------------------------------------------------------------------
     def _deliver(self, messages: list[bytes], nbytes: int) -> None:

@@ -10,13 +10,15 @@ shard and the running one. What it must not do: look at what a request says.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from streamdiloco.server.edge.slots import WaitingCalls
 from streamdiloco.server.edge.wiring import peer_counts
-from streamdiloco.server.trust.bounds import Limits, PeerCounts
+from streamdiloco.server.trust.bounds import Limits, PeerCounts, peer_host
 from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
@@ -36,10 +38,16 @@ class Gates:
         """One more call refused for `kind`."""
         self.refused[kind] = self.refused.get(kind, 0) + 1
 
-    async def hold(self, counts: PeerCounts, peer: str, context: grpc.aio.ServicerContext) -> None:
-        """Hold one of `counts` (sessions or Fetch calls) for the peer, or refuse the call
-        (RESOURCE_EXHAUSTED); the caller releases it when the call ends."""
+    @contextlib.asynccontextmanager
+    async def holding(self, counts: PeerCounts, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """One of `counts` (sessions or Fetch calls) held for the call's peer while the call runs, or the
+        call refused (RESOURCE_EXHAUSTED)."""
+        peer = peer_host(context.peer())
         if (why := counts.acquire(peer)) is not None:
             self.count(counts.what)
             self.throttled.warning(counts.what, "refused a call: %s", why)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        try:
+            yield
+        finally:
+            counts.release(peer)

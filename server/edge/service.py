@@ -111,15 +111,10 @@ class ShardService(pb_grpc.ShardServicer):
     async def Session(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.ShardMessage | bytes, None]:
-        sh = self.shard
-        peer = peer_host(context.peer())
-        await sh.gates.hold(sh.gates.sessions, peer, context)
-        try:
+        async with self.shard.gates.holding(self.shard.gates.sessions, context):
             async with contextlib.aclosing(self._session(request_iterator, context)) as messages:
                 async for msg in messages:
                     yield msg
-        finally:
-            sh.gates.sessions.release(peer)
 
     async def _undecodable(self, msg: Undecodable, context: grpc.aio.ServicerContext) -> None:
         sh = self.shard
@@ -160,14 +155,9 @@ class ShardService(pb_grpc.ShardServicer):
         )  # the session id alone proves nothing
         member = Member(name, asyncio.Queue(), time.time(), call=asyncio.current_task())
         try:
-            sh.roster.hello(member, first.hello.session, identity, sh.clock())
+            sh.open_session(member, first.hello, identity)
         except Refused as r:
             await abort(context, r)
-        sh.credits.connected(name, identity.via, sh.clock())
-        if first.hello.passive:
-            log.info("%s connected, passive until it is ready (%d sessions)", name, len(sh.roster.open))
-        else:
-            sh.intake.activate(member)
         reader = asyncio.create_task(sh.intake.read(member, it))
         try:
             yield sh.intake.welcome(member)
@@ -197,12 +187,7 @@ class ShardService(pb_grpc.ShardServicer):
                 )
         finally:
             reader.cancel()
-            sh.outbox.close(member)
-            sh.intake.forget(worker=name)
-            sh.roster.leave(member, sh.runner.stopping)
-            sh.credits.disconnected(name, sh.clock())
-            log.info("%s left (%d members)", name, len(sh.state.members))
-            sh.close_due()
+            sh.close_session(member)
 
     # --- Fetch -----------------------------------------------------------------------------------------
     async def Fetch(
@@ -211,14 +196,10 @@ class ShardService(pb_grpc.ShardServicer):
         sh = self.shard
         if isinstance(request, Undecodable):
             await self._undecodable(request, context)
-        peer = peer_host(context.peer())
-        await sh.gates.hold(sh.gates.fetches, peer, context)
-        try:
+        async with sh.gates.holding(sh.gates.fetches, context):
             async with contextlib.aclosing(self._fetch(request, context)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        finally:
-            sh.gates.fetches.release(peer)
 
     async def _fetch(
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
