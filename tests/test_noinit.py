@@ -63,6 +63,12 @@ class UserLM(nn.Module):
         return self.head(h)
 
 
+# the fixed schedule for the runs that _train_and_check counts rounds of: under the adaptive one a worker
+# that finds itself faster than the pace takes two inner steps for one schedule step, so 12 inner steps
+# may close fewer than 6 rounds on a loaded machine
+FIXED = ("--sync-schedule", "fixed")
+
+
 def _train_and_check(model: nn.Module, target: str, http: int, steps: int = 12) -> None:
     """connect() with no settings (H and P from the shard), train, and end with the mirror equal to the
     shard's masters bit for bit."""
@@ -100,7 +106,7 @@ def test_a_shard_started_from_a_torch_state_dict_needs_no_model_code(tmp_path):
     torch.manual_seed(1)
     model = UserLM()
     torch.save(model.state_dict(), tmp_path / "model.pt")  # both names of the tied weight
-    flags = ["--init", str(tmp_path / "model.pt"), "--blocks-path", "body.layers"]
+    flags = ["--init", str(tmp_path / "model.pt"), "--blocks-path", "body.layers", *FIXED]
     with shard_process(tmp_path, *flags, "--sync-every", "6", "--num-fragments", "3") as (target, http, _):
         log = (tmp_path / "shard.log").read_text()
         assert "3 blocks in 'body.layers' (from --blocks-path)" in log, log
@@ -128,9 +134,8 @@ def test_a_shard_started_from_an_exported_safetensors_file_takes_the_blocks_from
     run = model_fingerprint(build_layout(model, 2), SyncConfig(sync_every=4, num_fragments=2))  # another P
     state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # safetensors: no sharing
     save_file(state, tmp_path / "model.safetensors", metadata={FINGERPRINT_KEY: json.dumps(run)})
-    with shard_process(
-        tmp_path, "--init", str(tmp_path / "model.safetensors"), "--sync-every", "6", "--num-fragments", "3"
-    ) as (target, http, _):
+    flags = ["--init", str(tmp_path / "model.safetensors"), "--sync-every", "6", "--num-fragments", "3"]
+    with shard_process(tmp_path, *flags, *FIXED) as (target, http, _):
         log = (tmp_path / "shard.log").read_text()
         assert "3 blocks in 'body.layers' (from the file's fingerprint)" in log, log
         _train_and_check(model, target, http)
