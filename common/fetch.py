@@ -10,10 +10,14 @@ checks each chunk). A stream that breaks (UNAVAILABLE) is resumed from what was 
 closed meanwhile starts that fragment over. Nothing partial is returned: the caller gets every fragment it
 asked for, whole and checked, or the error.
 
-How long a broken stream is tried again is the caller's: up to `attempts` calls (a tool: export), or, with
+How long a broken stream is tried again is the caller's: up to `attempts` calls (a tool: export; a
+reconnect's resync, which the reconnect tries again), on a dropped connection, a full edge
+(RESOURCE_EXHAUSTED: server/edge/slots.py made room for a flood's calls) or a stalled call; or, with
 `patience`, for as long as the shard answers at least once every `patience` seconds (a worker, whose link
-may drop and come back many times while a big model crosses a slow one): each retry after a backoff
-(common/backoff.py), resuming, on any status that a network or a shard's restart gives (TRANSIENT).
+may drop and come back many times while a big model crosses a slow one), on any status that a network or a
+shard's restart gives (TRANSIENT): each retry after a backoff (common/backoff.py), resuming. With `stall`, a
+call that brings no message for that many seconds is ended and counts as broken: a shard that opens the
+stream and sends nothing, or stops halfway, cannot hold the caller (a worker's link) for ever.
 
 It only reads and checks: no knowledge of what the values are for (the link hands them to
 worker/linkstate.py, export cuts them into parameters). It never parses a fingerprint itself:
@@ -22,6 +26,7 @@ in describe mode the caller's `describe` turns the shard's description into the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -51,6 +56,8 @@ TRANSIENT = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+# what a Fetch of `attempts` calls tries again: a dropped connection, a full edge, a stalled call
+RETRY_ATTEMPTS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 RETRY_LOG_EVERY = 10  # a retry is logged the first time and every this many
 
 
@@ -149,15 +156,17 @@ def fetch_slices(
     on_chunk: Callable[[pb.MasterChunk], None] | None = None,
     patience: float | None = None,
     stop: threading.Event | None = None,
+    stall: float | None = None,
 ) -> Fetched:
     """One shard's master slices, checked (see the module's docstring). Give the fragments as `sizes`
     (fragment -> values in this shard's slice, in the order to fetch them), or `describe`: the shard is
     asked to say which run it serves, and describe(first chunk) returns the sizes of every fragment (a
     ValueError from it is the Fetch's error). `where` ("shard 0 at HOST:PORT") starts every message;
-    `timeout` bounds each call (None: none, big models on slow links take long); a broken stream is resumed
-    up to `attempts` calls in all, or with `patience` (seconds) until that long passes without a message
-    from the shard (then attempts do not count; `stop`, when set, ends the waits between them); `on_chunk`
-    sees every message as it comes (bytes counted, progress)."""
+    `timeout` bounds each call (None: none, big models on slow links take long); `stall` (seconds) ends a
+    call that brings no message that long (a break, resumed); a broken stream is resumed up to `attempts`
+    calls in all, or with `patience` (seconds) until that long passes without a message from the shard (then
+    attempts do not count; `stop`, when set, ends the waits between them); `on_chunk` sees every message as
+    it comes (bytes counted, progress)."""
     if (sizes is None) == (describe is None):
         raise ValueError("give the slice sizes or a describe function, one of the two")
     stream = _Stream(where)
@@ -182,14 +191,18 @@ def fetch_slices(
             offset=asm.received if asm is not None else 0,
             describe=not known,
         )
-        try:
-            call = stub.Fetch(request, metadata=auth_metadata(token), timeout=timeout)
-            if _read(call, stream, out, describe, seen):
-                call.cancel()  # a round closed while the stream was broken: that fragment starts over
+        call = stub.Fetch(request, metadata=auth_metadata(token), timeout=timeout)
+        with _Watchdog(call, stall) as watch:
+            try:
+                if _read(call, stream, out, describe, lambda m: (watch.heard(), seen(m))):
+                    call.cancel()  # a round closed while the stream was broken: that fragment starts over
+                    continue
+            except grpc.RpcError as e:
+                if watch.fired:  # it sent nothing for `stall` seconds: resumed as a break
+                    retries.broken(_STALLED, f"no message for {stall:g} s (the call stalled)", stalled=True)
+                else:
+                    retries.broken(e.code(), e.details())  # waits before the next call, or raises
                 continue
-        except grpc.RpcError as e:
-            retries.broken(e)  # waits before the next call, or raises FetchError
-            continue
         if not stream.order:
             raise FetchError(f"{where} ended the Fetch without sending anything")
         if stream.todo:  # the shard ended the stream early: a shard's fault, not the network's
@@ -226,14 +239,16 @@ class _Retries:
     def heard_from(self) -> None:
         self.heard = time.monotonic()
 
-    def broken(self, e: grpc.RpcError) -> None:
-        """A call failed with `e`: wait before the next, or raise the FetchError that ends the Fetch."""
-        code, details = e.code(), ((e.details() or "").strip().splitlines() or [""])[0]
+    def broken(self, code: grpc.StatusCode, details: str | None, stalled: bool = False) -> None:
+        """A call failed with `code` and `details` (`stalled`: ended here, as it brought nothing): wait
+        before the next, or raise the FetchError that ends the Fetch."""
+        details = ((details or "").strip().splitlines() or [""])[0]
         failed = f"Fetch from {self.where} failed: {code.name}: {details}"
         if self.patience is None:
-            if code != grpc.StatusCode.UNAVAILABLE or self.attempt == self.attempts:
+            if (code not in RETRY_ATTEMPTS and not stalled) or self.attempt == self.attempts:
                 raise FetchError(failed, code, details) from None
-            time.sleep(0.5 * self.attempt)  # the stream broke: resume from what was received
+            if self.stop.wait(self.backoff.next()):  # resumed from what was received, after a backoff
+                raise FetchError(f"Fetch from {self.where} stopped: the link is closing") from None
             return
         if self.heard > self.broke:  # it went on for a while: the next break waits briefly again
             self.backoff.reset()
@@ -262,6 +277,45 @@ class _Retries:
             )
         if self.stop.wait(wait):
             raise FetchError(f"Fetch from {self.where} stopped: the link is closing") from None
+
+
+# a call that brought no message for `stall` seconds (ended here): a break, as DEADLINE_EXCEEDED says
+_STALLED = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _Watchdog:
+    """Ends `call` (cancels it) once `stall` seconds pass without `heard()`; `fired` says it did. None:
+    never. One thread per call, for the call's life (a `with` block)."""
+
+    def __init__(self, call: grpc.Call, stall: float | None):
+        self.call, self.stall = call, stall
+        self.fired = False
+        self.last = time.monotonic()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+
+    def __enter__(self) -> _Watchdog:
+        if self.stall is not None:
+            self._thread = threading.Thread(target=self._watch, name="fetch-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        assert self.stall is not None
+        while not self._done.wait(max(0.0, self.last + self.stall - time.monotonic())):
+            if time.monotonic() - self.last >= self.stall:
+                self.fired = True
+                with contextlib.suppress(Exception):
+                    self.call.cancel()
+                return
 
 
 def _read(

@@ -45,6 +45,16 @@ from streamdiloco.worker.session import (
 log = logging.getLogger("streamdiloco.worker")
 
 JOIN_PROGRESS_EVERY = 5.0  # seconds between "waiting for shard" lines while a first Join finds no shard
+# a full edge (server/edge/slots.py ended this call to make room for a flood's, or this address holds its
+# limit of calls): a Join is tried again, with backoff (common/backoff.py), within its --join-timeout
+JOIN_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+# what a first Join tries again (a reconnect's Join: its Retry)
+JOIN_AGAIN = (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE, JOIN_BUSY)
+RETRY_LOG_EVERY = 10  # a Join tried again is logged the first time and every this many
+# a Fetch call that brings no message for this long is ended and resumed (common/fetch.py's stall): an honest
+# shard sends a chunk of --chunk-bytes (1 MiB) in seconds even over a slow link, and a hostile one that
+# opens the stream and sends nothing must not hold the link's thread for ever
+FETCH_STALL_SECONDS = 60.0
 
 
 class ShardConnection:
@@ -66,6 +76,7 @@ class ShardConnection:
         self.fingerprint, self.join_timeout, self.tls = fingerprint, join_timeout, tls
         # --reconnect-timeout: seconds a broken session (reconnecting) or Fetch goes on without an answer
         self.patience = patience
+        self.fetch_stall = min(FETCH_STALL_SECONDS, patience)  # a Fetch call silent this long is resumed
         self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
         self.channel = make_channel(self.target, tls, link)
         self.stub = pb_grpc.ShardStub(self.channel)
@@ -95,7 +106,8 @@ class ShardConnection:
         self, timeout: float | None = None, reconnecting: bool = False, config_only: bool = False
     ) -> SyncConfig:
         """Join the shard, waiting up to `timeout` for it to be reachable; returns the run's config. SyncError
-        if it refuses; when `reconnecting`, Retry if it cannot be reached (or still holds our old session).
+        if it refuses (a full edge, RESOURCE_EXHAUSTED, is tried again with backoff until `timeout`); when
+        `reconnecting`, Retry if it cannot be reached, is full, or still holds our old session.
         `config_only`: only ask for the run's config (no fingerprint, no session; the link stays unjoined)."""
         timeout = self.join_timeout if timeout is None else timeout
         give_up = time.monotonic() + timeout
@@ -108,6 +120,8 @@ class ShardConnection:
             protocol=PROTOCOL,
             config_only=config_only,
         )
+        busy = Backoff()  # the waits after a RESOURCE_EXHAUSTED
+        refusals = 0
         while True:
             try:
                 reply = self.stub.Join(
@@ -119,15 +133,27 @@ class ShardConnection:
                 break
             except grpc.RpcError as e:
                 code = e.code()
-                if reconnecting and code in JOIN_RETRYABLE:
+                if reconnecting and code in JOIN_RETRYABLE | {JOIN_BUSY}:
                     raise Retry(f"Join: {code.name}: {e.details()}") from None
                 # ALREADY_EXISTS: our own session from before a crash, not yet noticed by the shard (liveness:
-                # seconds); UNAVAILABLE: the connection dropped under the call (the channel reconnects)
-                if code in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAVAILABLE) and (
-                    time.monotonic() < give_up - 1
-                ):
-                    log.info("shard at %s: Join: %s; trying again", self.target, e.details())
-                    self.closed.wait(1.0)
+                # seconds); UNAVAILABLE: the connection dropped under the call (the channel reconnects);
+                # RESOURCE_EXHAUSTED: a full edge (a flood of calls made room, or this address is at its
+                # limit) or a bound the shard names: tried again with backoff until `timeout`, then named
+                wait = busy.next() if code == JOIN_BUSY else 1.0
+                left = give_up - 1 - time.monotonic()  # the last try has a second at least
+                if code in JOIN_AGAIN and left > 0:
+                    refusals += 1
+                    if refusals == 1 or refusals % RETRY_LOG_EVERY == 0:
+                        log.info(
+                            "shard at %s: Join: %s: %s; trying again in %.1f s (attempt %d)",
+                            self.target,
+                            code.name,
+                            e.details(),
+                            wait,
+                            refusals,
+                        )
+                    if self.closed.wait(min(wait, left)):
+                        raise SyncError(f"closed while joining the shard at {self.target}") from None
                     continue
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise SyncError(self._no_answer(timeout)) from None
@@ -275,7 +301,8 @@ class ShardConnection:
         stream breaks: when `patient`, after a backoff, as often as it takes, until `patience` seconds pass
         without a message from the shard (a link that drops and comes back, a shard that restarts); else
         three calls (a reconnect's resync: the reconnect tries again). SyncError when the shard sends what
-        does not fit (nothing of it is kept), refuses, or stays out of reach that long."""
+        does not fit (nothing of it is kept), refuses, or stays out of reach that long. A call that brings
+        nothing for `fetch_stall` seconds (a shard that stalls it) is ended and counts as broken."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
         try:
             got = fetch_slices(
@@ -286,6 +313,7 @@ class ShardConnection:
                 on_chunk=lambda m: self.count("in", m.ByteSize()),
                 patience=self.patience if patient else None,
                 stop=self.closed,
+                stall=self.fetch_stall,
             )
         except FetchError as e:
             if patient and e.code in TRANSIENT:

@@ -90,7 +90,7 @@ class ShardService(pb_grpc.ShardServicer):
         if request.config_only:  # a worker that takes its settings from the shard asks for them first
             return join_reply(sh.state, init_hash=sh.init_hash)
         try:
-            session = sh.roster.join(request.worker, identity, sh.clock())
+            session = sh.roster.join(request.worker, identity, sh.clock(), peer_host(context.peer()))
         except Refused as r:
             await abort(context, r)
         return join_reply(sh.state, session, sh.chunks.up, sh.init_hash)

@@ -9,10 +9,16 @@ the server's `maximum_concurrent_rpcs` slots meanwhile: streams that never send 
   the server's own limit on every message (`receive_limit`) is what the largest legitimate message needs,
   a push's chunk or an upload's first message, not 64 MiB;
 - calls waiting for it are counted per address (an IPv6 /64): past `--max-waiting-calls-per-peer`, a new
-  one is refused (RESOURCE_EXHAUSTED naming the limit); and in all: past `--max-waiting-calls`, the one that
-  has waited longest is ended, so that a flood from many addresses delays a worker's call by its own round
-  trip at most, and the server's slots (sized in server/main.py to hold these, the sessions and the
-  Fetches) never run out.
+  one is refused (RESOURCE_EXHAUSTED naming the limit); and in all: past `--max-waiting-calls`, one is ended
+  (RESOURCE_EXHAUSTED, which a worker's Join, Fetch and Pieces retry with backoff) to make room for the new
+  one, so that the server's slots (sized in server/main.py to hold these, the sessions and the Fetches)
+  never run out. The one ended is the oldest of the address holding the most waiting calls (server/trust/
+  bounds.py's Crowd: among addresses holding as many, of the network, an IPv4 /24 or an IPv6 /48, holding
+  the most). A worker's call alone at its address is therefore never ended by a flood from fewer addresses
+  than --max-waiting-calls (one of them holds two), however slowly its request arrives within
+  --request-timeout; and a flood from more addresses of one /24 or /48 ends its own calls before one alone
+  in its network. What this cannot do is spare a call whose request has started to arrive: gRPC hands the
+  interceptor whole messages only, so a call whose first bytes are in looks like one that sent nothing.
 
 What it must not do: look at what a request says (the servicer does), or hold a call once its request is
 in. Session is not here: its Hello has its own deadline and its streams their own caps
@@ -29,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from streamdiloco.server.trust.bounds import Limits, PeerCounts, peer_host
+from streamdiloco.server.trust.bounds import Crowd, Limits, PeerCounts, address_group, peer_host
 from streamdiloco.server.trust.throttle import Throttled
 
 log = logging.getLogger("streamdiloco.shard")
@@ -65,6 +71,7 @@ class _Waiter:
         self.peer = peer
         self.evicted: asyncio.Future = asyncio.get_running_loop().create_future()
         self.released = False
+        self.crowded = 0  # the calls its address held when it was ended to make room
 
 
 class WaitingCalls(grpc.aio.ServerInterceptor):
@@ -74,13 +81,13 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
     def __init__(self, limits: Limits, refused: dict[str, int] | None = None):
         self.timeout = limits.request_timeout
         self.total = limits.max_waiting_calls
-        # the total is not refused but made room for (the oldest ends): PeerCounts' own total never binds
+        # the total is not refused but made room for (one ends): PeerCounts' own total never binds
         self.counts = PeerCounts(
             "calls waiting for their request", limits.max_waiting_calls + 1, limits.max_waiting_calls_per_peer
         )
         self.refused = refused if refused is not None else {}
         self.throttled = Throttled(log)
-        self._waiting: dict[_Waiter, None] = {}  # oldest first
+        self._waiting: Crowd[_Waiter] = Crowd()  # by address: which one makes room
 
     @property
     def held(self) -> int:
@@ -174,7 +181,8 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
                     "evicted",
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the shard holds its limit of {self.total} calls waiting for their request "
-                    "(--max-waiting-calls), and this one had waited longest",
+                    f"(--max-waiting-calls), and {address_group(waiter.peer)} held the most of them "
+                    f"({waiter.crowded}): try again",
                 )
             await self._refuse(
                 context,
@@ -197,23 +205,25 @@ class WaitingCalls(grpc.aio.ServerInterceptor):
         return data, it
 
     async def _take_slot(self, peer: str, context: grpc.aio.ServicerContext) -> _Waiter:
-        """A waiting call's slot for the peer (the one waiting longest is ended past the total), or the call
-        is refused (past the peer's own limit)."""
+        """A waiting call's slot for the peer (past the total, another call ends: Crowd.crowded), or the
+        call is refused (past the peer's own limit)."""
         if (why := self.counts.acquire(peer)) is not None:
             await self._refuse(context, self.counts.what, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         waiter = _Waiter(peer)
-        self._waiting[waiter] = None
-        while len(self._waiting) > self.total:  # room for this one: the oldest waiting ends
-            oldest = next(iter(self._waiting))
-            self._release(oldest)
-            oldest.evicted.set_result(None)
+        self._waiting.add(waiter, peer)
+        while len(self._waiting) > self.total:  # room for this one: the crowded address's oldest ends
+            victim = self._waiting.crowded(sparing=waiter)
+            assert victim is not None  # the total is at least 1: another call is held
+            victim.crowded = self._waiting.held_from(victim.peer)
+            self._release(victim)
+            victim.evicted.set_result(None)
         return waiter
 
     def _release(self, waiter: _Waiter) -> None:
         if not waiter.released:
             waiter.released = True
             self.counts.release(waiter.peer)
-            self._waiting.pop(waiter, None)
+            self._waiting.discard(waiter)
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, kind: str, code: grpc.StatusCode, why: str

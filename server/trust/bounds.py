@@ -7,7 +7,10 @@ such resource gets a limit here, and a client over it gets a clear refusal (RESO
 connection) instead of the shard running short.
 
 Addresses are counted by `address_group`: an IPv4 address alone, an IPv6 one by its /64 (what one
-subscriber is given: counted per /128, one /64 had 2^64 times every per-address cap).
+subscriber is given: counted per /128, one /64 had 2^64 times every per-address cap). What a flood makes give
+way (`Crowd`: calls waiting for their request, Joins not yet followed by a Session) is taken from the address
+holding the most, and among addresses holding as many from the network (`network_group`: an IPv4 /24, an IPv6
+/48) holding the most: a flood from many addresses of one network ends its own calls first.
 
 Pure: no sockets, no files. Beside it by job: the caps the open-file limit allows (server/trust/fds.py),
 the bounded log lines a client can cause (server/trust/throttle.py), and the HTTP port's bounded accept
@@ -17,8 +20,12 @@ loop (server/httpconn.py).
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
+from typing import Generic, TypeVar
+from urllib.parse import unquote
 
 from streamdiloco.common.keepalive import LinkSettings
 
@@ -30,6 +37,10 @@ FETCHES_PER_PEER = 4  # Fetch calls at once from one address (a worker makes one
 MIN_UNREAD_BYTES = 256 << 20  # the default unread budget is at least this much
 MIN_STAGED_BYTES = 256 << 20  # the default budget of pushes arriving is at least this much
 IPV6_GROUP = 64  # IPv6 addresses are counted together by this prefix (one subscriber's usual allocation)
+# the networks that break ties between addresses holding as many of what a flood makes give way (Crowd): an
+# IPv4 /24 and an IPv6 /48 (what one site is given) are one network each
+IPV4_NETWORK = 24
+IPV6_NETWORK = 48
 
 
 @dataclass(frozen=True)
@@ -158,8 +169,11 @@ def grpc_options(
 
 def peer_host(peer: str) -> str:
     """The address of a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678", "unix:/path"), without
-    its port: connections from one machine count together."""
+    its port: connections from one machine count together. grpc-core (1.85) writes an IPv6 peer's brackets
+    percent-encoded ("ipv6:%5B::1%5D:5678"): read as it came, every connection of one machine was an address
+    of its own, with every per-address cap of its own."""
     kind, _, rest = peer.partition(":")
+    rest = unquote(rest)
     if kind == "ipv4":
         return rest.rpartition(":")[0] or rest
     if kind == "ipv6":
@@ -171,15 +185,99 @@ def address_group(host: str) -> str:
     """What connections from `host` (an address without its port, as peer_host gives it) count under: an
     IPv4 address as it is, an IPv6 address by its /64 ("2001:db8:1:2::/64"), an IPv4-mapped IPv6 address
     as its IPv4 one; anything else (a unix socket) as it is."""
+    return _group(host, 32, IPV6_GROUP)
+
+
+def network_group(host: str) -> str:
+    """The network of `host` (as address_group takes it): its IPv4 /24 ("10.1.2.0/24"), its IPv6 /48, an
+    IPv4-mapped address's IPv4 /24; anything else as it is."""
+    return _group(host, IPV4_NETWORK, IPV6_NETWORK)
+
+
+def _group(host: str, v4_prefix: int, v6_prefix: int) -> str:
     try:
         ip = ipaddress.ip_address(host.partition("%")[0])  # less a zone (fe80::1%eth0)
     except ValueError:
         return host
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, IPV6_GROUP), strict=False))
-    return str(ip)
+        if ip.ipv4_mapped is None:
+            return str(ipaddress.IPv6Network((ip, v6_prefix), strict=False))
+        ip = ip.ipv4_mapped
+    return str(ip) if v4_prefix == 32 else str(ipaddress.IPv4Network((ip, v4_prefix), strict=False))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Crowd(Generic[K]):
+    """Things held for clients (calls waiting for their request, Joins not yet followed by a Session), each
+    by the address it came from, and which one gives way when there is no room: `crowded()`, the oldest of
+    the address (address_group) holding the most; among addresses holding as many, of the one whose network
+    (network_group) holds the most; among those, the oldest. A client alone at its address loses nothing to
+    a flood from fewer addresses than the things held (one of them then holds two), and a flood from many
+    addresses of one network (an IPv4 /24, an IPv6 /48: one subscriber's /64s) gives way before a client
+    alone in its network. Linear in the addresses held (a few dozen: --max-waiting-calls)."""
+
+    def __init__(self) -> None:
+        self._addresses: dict[str, dict[K, int]] = {}  # address group -> its things, oldest first (-> seq)
+        self._network_of: dict[str, str] = {}  # address group -> its network
+        self._networks: dict[str, int] = {}  # network -> things held from it
+        self._where: dict[K, str] = {}  # thing -> its address group
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._where
+
+    def add(self, item: K, host: str) -> None:
+        """Hold `item` for `host` (an address without its port, as peer_host gives it)."""
+        if item in self._where:
+            raise ValueError(f"{item!r} is held already")
+        group = address_group(host)
+        if (held := self._addresses.get(group)) is None:
+            held = self._addresses[group] = {}
+            self._network_of[group] = network_group(host)
+        held[item] = next(self._seq)
+        network = self._network_of[group]
+        self._networks[network] = self._networks.get(network, 0) + 1
+        self._where[item] = group
+
+    def discard(self, item: K) -> None:
+        """Hold `item` no longer (nothing if it is not held)."""
+        group = self._where.pop(item, None)
+        if group is None:
+            return
+        held = self._addresses[group]
+        del held[item]
+        network = self._network_of[group]
+        self._networks[network] -= 1
+        if not self._networks[network]:
+            del self._networks[network]
+        if not held:
+            del self._addresses[group], self._network_of[group]
+
+    def held_from(self, host: str) -> int:
+        """Things held for `host`'s address group."""
+        return len(self._addresses.get(address_group(host), ()))
+
+    def crowded(self, sparing: K | None = None) -> K | None:
+        """The thing that gives way (see the class's docstring), never `sparing` (the newcomer that needs the
+        room); None when nothing else is held."""
+        best: tuple[int, int, int] | None = None
+        chosen: K | None = None
+        for group, held in self._addresses.items():
+            items = iter(held.items())
+            item, seq = next(items)
+            if item == sparing:
+                if (following := next(items, None)) is None:
+                    continue
+                item, seq = following
+            key = (len(held), self._networks[self._network_of[group]], -seq)
+            if best is None or key > best:
+                best, chosen = key, item
+        return chosen
 
 
 class PeerCounts:

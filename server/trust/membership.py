@@ -11,6 +11,7 @@ from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from streamdiloco.server.trust.auth import Auth, Identity, Refused
+from streamdiloco.server.trust.bounds import Crowd
 
 PENDING_SECONDS = 300.0  # a Join's session id is good for this long
 
@@ -20,6 +21,7 @@ class Pending:
     name: str
     identity: Identity
     since: float
+    peer: str = ""  # the address the Join came from
 
 
 class Sessions:
@@ -28,19 +30,29 @@ class Sessions:
     def __init__(self, auth: Auth, pending_seconds: float = PENDING_SECONDS, max_pending: int = 4096):
         self.auth, self.pending_seconds, self.max_pending = auth, pending_seconds, max_pending
         self.pending: dict[str, Pending] = {}
+        self.crowd: Crowd[str] = Crowd()  # the pending ids by the address they came from
 
-    def join(self, name: str, identity: Identity, now: float, connected: Container[str]) -> str:
+    def join(
+        self, name: str, identity: Identity, now: float, connected: Container[str], peer: str = ""
+    ) -> str:
         """A new session id for `name`, which `identity` proved it may use; Refused while the name has a
-        session (`connected`: the names with one)."""
+        session (`connected`: the names with one). Past `max_pending`, the oldest Join of the address
+        (`peer`'s) holding the most is forgotten (Crowd): a flood of Joins from fewer addresses than that
+        forgets none of a worker's that is alone at its address."""
         if name in connected:
             raise Refused("already_exists", f"worker {name!r} already has a session on this shard")
         for sid in [sid for sid, p in self.pending.items() if now - p.since > self.pending_seconds]:
-            del self.pending[sid]  # Joins never followed by a Session
-        while len(self.pending) >= self.max_pending:
-            del self.pending[next(iter(self.pending))]  # the oldest first
+            self._forget(sid)  # Joins never followed by a Session
         sid = secrets.token_hex(16)
-        self.pending[sid] = Pending(name, identity, now)
+        self.pending[sid] = Pending(name, identity, now, peer)
+        self.crowd.add(sid, peer)
+        while len(self.pending) > self.max_pending:
+            self._forget(self.crowd.crowded(sparing=sid) or next(iter(self.pending)))
         return sid
+
+    def _forget(self, sid: str) -> None:
+        del self.pending[sid]
+        self.crowd.discard(sid)
 
     def hello(self, sid: str, name: str, identity: Identity, now: float, connected: Container[str]) -> None:
         """Take the session id a Hello presents for `name`, with what the Session's own credentials
@@ -54,11 +66,11 @@ class Sessions:
             raise refused
         if name in connected:
             raise Refused("already_exists", f"worker {name!r} already has a session")
-        del self.pending[sid]
+        self._forget(sid)
 
     def revoke(self, names: Iterable[str], connected: Iterable[str]) -> set[str]:
         """Forget the Joins of `names`; returns those of them that have a session (to be ended)."""
         names = set(names)
         for sid in [sid for sid, p in self.pending.items() if p.name in names]:
-            del self.pending[sid]
+            self._forget(sid)
         return names & set(connected)

@@ -64,11 +64,13 @@ class Roster:
         self._leaving: list[Callable[[str], object]] = []  # told each member that stops being one
 
     # --- sessions ------------------------------------------------------------------------------------------
-    def join(self, name: str, identity: Identity, now: float) -> str:
-        """A session id for a Join that admission let in; Refused while the name has a session, or while
-        the run token holds as many other names as it may (Auth.names_allowed)."""
+    def join(self, name: str, identity: Identity, now: float, peer: str = "") -> str:
+        """A session id for a Join that admission let in from `peer` (its address); Refused while the name
+        has a session, or while the run token holds as many other names as it may (Auth.names_allowed).
+        Past the pending Joins' bound, one of the address holding the most of them is forgotten
+        (server/trust/membership.py)."""
         self._names_allowed(name, identity)
-        return self.joins.join(name, identity, now, self.open)
+        return self.joins.join(name, identity, now, self.open, peer)
 
     def hello(self, member: Member, session: str, identity: Identity, now: float) -> None:
         """Open `member`'s session with the id its Join gave (passive until `activate`); Refused, nothing
