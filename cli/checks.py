@@ -84,6 +84,7 @@ def check_server(args: argparse.Namespace) -> Any:
         init=args.init,
         init_expect=args.init_expect,
         init_timeout=args.init_timeout,
+        init_min_rate=args.init_min_rate,
         checkpoint_dir=checkpoint_dir,
         fresh=args.fresh,
         host=args.host,

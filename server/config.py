@@ -24,6 +24,11 @@ from streamdiloco.server.trust.bounds import Limits
 
 FROM_WORKER = "from-worker"  # --init from-worker: the first worker's layout and parameters
 INIT_TIMEOUT = 30.0  # --init-timeout: seconds an upload may go without sending values before it is refused
+# --init-min-rate: bytes of values a second an upload must average, past its first --init-timeout seconds, to
+# keep the only upload slot. 16 KiB/s is 131 kbit/s: an honest upload over a 1 Mbit/s link (122 KiB/s) keeps
+# 7.6 times that, and a worker gives up on its own upload below 512 kbit/s (worker/bootstrap.py) long before
+# the shard would; a trickle of one value per --init-timeout falls behind within the first one.
+INIT_MIN_RATE = 16384.0
 
 
 def _own(default: object, help: str, **more: object) -> object:
@@ -73,8 +78,16 @@ class ShardConfig:
     init_timeout: float = _own(  # type: ignore[assignment]
         INIT_TIMEOUT,
         "with --init from-worker: an upload that sends no values for this long is refused and frees the "
-        "only upload slot (default %(default)s)",
+        "only upload slot; also the grace before --init-min-rate counts (default %(default)s)",
         metavar="SECONDS",
+    )
+    init_min_rate: float = _own(  # type: ignore[assignment]
+        INIT_MIN_RATE,
+        "with --init from-worker: an upload must have sent this many bytes of values a second, on average, "
+        "once its first --init-timeout seconds have passed; one that falls behind is refused and frees the "
+        "slot (with --init-expect, for the next pinned upload waiting in line). The default, 131 kbit/s, is "
+        "an eighth of a 1 Mbit/s link (default %(default)s)",
+        metavar="BYTES_PER_S",
     )
     checkpoint_dir: str | None = _own(  # type: ignore[assignment]
         None,  # None here: no checkpoint (a restart starts over)
@@ -109,6 +122,10 @@ class ShardConfig:
                 )
         if not 0 < self.init_timeout < float("inf"):
             raise ValueError(f"--init-timeout must be a positive number of seconds, got {self.init_timeout}")
+        if not 0 < self.init_min_rate < float("inf"):
+            raise ValueError(
+                f"--init-min-rate must be a positive number of bytes a second, got {self.init_min_rate}"
+            )
         if not self.has_model and not self.init:
             raise ValueError("give the model (--model), its parameters (--init FILE) or --init from-worker")
         if self.init == FROM_WORKER and (self.has_model or self.model.blocks_path is not None):

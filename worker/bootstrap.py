@@ -9,6 +9,16 @@ left (it died between shards), and one with other values never uploads: it waits
 the run needs, and takes the run's values by Fetch as any joining worker. Shards that say two init hashes
 hold a mix: `check_one_start` refuses to join them, in one line.
 
+A shard's slot for the upload is held by one upload at a time, and only at a pace (server/edge/initialize.py):
+an upload told that another holds it (ABORTED), cut off by a flood of calls (RESOURCE_EXHAUSTED), by the
+network (UNAVAILABLE) or for falling behind (DEADLINE_EXCEEDED) is sent again after a backoff, saying so,
+until the shard has parameters (then this worker joins as any other) or the upload's time is spent.
+
+Nothing a shard says here is taken on trust: its index and shard count must make a run that --servers lists
+whole (`check_run`), the init hash it says must be one, and what it says in a refusal goes into the log and
+the error escaped and shortened. Every call has a deadline; a shard that stalls or refuses forever costs
+the worker --join-timeout plus its upload's time, and a one-line error.
+
 These are one-shot calls, each on a channel of its own; they must not keep a session or any state (joining
 is worker/join.py's, the session worker/link.py's).
 """
@@ -23,9 +33,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from streamdiloco.common.backoff import Backoff
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
-from streamdiloco.common.inithash import init_hash
+from streamdiloco.common.inithash import init_hash, parse_init_hash
+from streamdiloco.common.logs import escaped
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import auth_metadata, make_channel, parse_target, values_to_bytes
 from streamdiloco.protos import streamdiloco_pb2 as pb
@@ -55,13 +67,50 @@ def probe_shard(
     try:
         config = conn.join(config_only=True)
         assert conn.probed is not None
-        return ShardInfo(config, *conn.probed)
+        shard, num_shards, uninitialized, said = conn.probed
     finally:
         conn.close()
+    if not 0 <= shard < num_shards:
+        raise SyncError(f"shard at {target} sent an unusable Join reply (shard {shard} of {num_shards})")
+    try:
+        said = parse_init_hash(said) if said else ""
+    except ValueError:
+        raise SyncError(
+            f"shard at {target} sent an unusable Join reply: its init hash {said[:80]!r} is not 64 hex digits"
+        ) from None
+    return ShardInfo(config, shard, num_shards, uninitialized, said)
 
 
 INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
-UPLOAD_RATE = 1 << 18  # bytes a second an upload may take at the slowest (2 Mbit/s) before it gives up
+# bytes a second of the slowest upload a worker goes on with (262 kbit/s): its patience is --join-timeout and
+# its values' time at this rate (a 40 MB upload: 60 s + 20 min; it takes 5.3 min over 1 Mbit/s). Twice the
+# shard's --init-min-rate (16 KiB/s), so that a worker gives up on its own slow link before a shard would.
+MIN_UPLOAD_RATE = 1 << 15
+# what a shard may answer an upload that is worth sending again, and what it means
+RETRIED = {
+    grpc.StatusCode.ABORTED: "another worker's upload holds the shard's only upload slot",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the shard is at its limit of calls",
+    grpc.StatusCode.UNAVAILABLE: "the connection broke",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the upload fell behind the shard's pace, or its own deadline",
+}
+SAID_CHARS = 300  # of what a shard says in a refusal, at most, in a log line or an error
+
+
+def said(e: grpc.RpcError) -> str:
+    """What a shard said in refusing a call: one line, escaped, shortened (it may say anything)."""
+    text = escaped(e.details() or "")
+    return text if len(text) <= SAID_CHARS else text[:SAID_CHARS] + "..."
+
+
+def init_messages(head: dict, vectors: list[torch.Tensor], slices: list[tuple[int, int]]):
+    """An upload's Initialize messages: `head` (who, the fingerprint, the init hash and the slices' hashes)
+    with the first values, each fragment's slice in INIT_CHUNK_VALUES pieces, then the last mark."""
+    for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
+        for a in range(lo, hi, INIT_CHUNK_VALUES):
+            b = min(hi, a + INIT_CHUNK_VALUES)
+            yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
+            head = {}
+    yield pb.InitChunk(**head, last=True)
 
 
 def initialize_shard(
@@ -79,45 +128,61 @@ def initialize_shard(
     slice of each fragment, after the fingerprint and `init` (their init hash and every slice's hash:
     common/inithash.py). True once the shard has them (and has written them to its checkpoint); False when
     another worker's upload got there first (this one then joins as any worker and is checked against that
-    worker's fingerprint). SyncError when the shard refuses them."""
-    first = {
-        "worker": worker,
-        "token": token,
-        "fingerprint_json": json.dumps(fingerprint),
-        "init_hash": init[0],
-        "slice_hashes": init[1],
-    }
-
+    worker's fingerprint). A refusal of RETRIED is sent again after a backoff, saying so, for up to
+    `timeout` plus the upload's time at MIN_UPLOAD_RATE. SyncError when the shard refuses them, or
+    still has none by then."""
     slices = [slice_ranges(vec.numel(), info.num_shards)[info.shard] for vec in vectors]
-
-    def chunks():
-        head = first
-        for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
-            for a in range(lo, hi, INIT_CHUNK_VALUES):
-                b = min(hi, a + INIT_CHUNK_VALUES)
-                yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
-                head = {}
-        yield pb.InitChunk(**head, last=True)
-
-    give_up = time.monotonic() + timeout
-    # `timeout`, and time to send the values at UPLOAD_RATE at least: a large model's upload is no Join
-    deadline = timeout + 4 * sum(hi - lo for lo, hi in slices) / UPLOAD_RATE
+    head = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fingerprint)}
+    head |= {"init_hash": init[0], "slice_hashes": init[1]}
+    # `timeout`, and time to send the values at MIN_UPLOAD_RATE at least: a large model's upload is no Join
+    patience = timeout + 4 * sum(hi - lo for lo, hi in slices) / MIN_UPLOAD_RATE
+    give_up, backoff = time.monotonic() + patience, Backoff(first=1.0)
     with make_channel(parse_target(target), tls) as channel:
-        try:
-            stub = pb_grpc.ShardStub(channel)
-            stub.Initialize(chunks(), metadata=auth_metadata(token), timeout=deadline)
-            log.info("%s: sent its starting parameters to the shard at %s, which had none", worker, target)
-            return True
-        except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.ALREADY_EXISTS:
-                return False
-            if code != grpc.StatusCode.ABORTED:  # ABORTED: another worker is sending them now
+        stub = pb_grpc.ShardStub(channel)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                left = max(1.0, give_up - time.monotonic())
+                stub.Initialize(
+                    init_messages(head, vectors, slices), metadata=auth_metadata(token), timeout=left
+                )
+                log.info(
+                    "%s: sent its starting parameters to the shard at %s, which had none", worker, target
+                )
+                return True
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    return False
+                refusal = f"{code.name}: {said(e)}"
+                if code not in RETRIED:
+                    raise SyncError(
+                        f"shard at {target} refused this worker's starting parameters: {refusal}"
+                    ) from None
+            wait = backoff.next()
+            if time.monotonic() + wait >= give_up:
                 raise SyncError(
-                    f"shard at {target} refused this worker's starting parameters: {code.name}: {e.details()}"
-                ) from None
-    wait_initialized(target, worker, token, max(0.1, give_up - time.monotonic()), tls)
-    return False
+                    f"the shard at {target} still has no parameters after {patience:.0f} s of trying to send "
+                    f"them ({attempt} attempts; the last: {refusal}): if another worker's upload held the "
+                    "slot, start this one again once it is done"
+                )
+            log.info(
+                "%s: shard at %s: %s (%s); sending again in %.1f s",
+                worker,
+                target,
+                RETRIED[code],
+                refusal,
+                wait,
+            )
+            time.sleep(wait)
+            again = probe_shard(
+                target, worker, token, min(timeout, max(0.1, give_up - time.monotonic())), tls
+            )
+            if (again.shard, again.num_shards) != (info.shard, info.num_shards):
+                raise SyncError(f"the shard at {target} came back as another shard of another run")
+            if not again.uninitialized:  # another worker's upload went in meanwhile
+                return False
 
 
 def wait_initialized(
@@ -139,13 +204,25 @@ def wait_initialized(
     raise SyncError(f"the shard at {target} still has no parameters after {timeout:g} s: {fix}")
 
 
+def check_run(targets: list[str], infos: list[ShardInfo]) -> None:
+    """SyncError unless the shards make one run that `targets` lists whole: each says the same number of
+    shards, len(targets), and its own index (so a shard cannot make a worker hash or slice its values for
+    2^32 shards)."""
+    if sorted(i.shard for i in infos) != list(range(len(targets))) or any(
+        i.num_shards != len(targets) for i in infos
+    ):
+        got = ", ".join(f"{t} is shard {i.shard}/{i.num_shards}" for t, i in zip(targets, infos, strict=True))
+        raise SyncError(f"--servers must list each of the run's shards once: {got}")
+
+
 def check_one_start(targets: list[str], infos: list[ShardInfo]) -> str | None:
     """The run's init hash (None: no shard took a worker's upload); SyncError when two shards say two: they
-    started from two workers' values, a mix that no worker may train."""
-    said = {(t, i.init_hash) for t, i in zip(targets, infos, strict=True) if i.init_hash}
-    hashes = sorted({h for _, h in said})
+    started from two workers' values, a mix that no worker may train; or when they make no run (check_run)."""
+    check_run(targets, infos)
+    told = {(t, i.init_hash) for t, i in zip(targets, infos, strict=True) if i.init_hash}
+    hashes = sorted({h for _, h in told})
     if len(hashes) > 1:
-        where = ", ".join(f"{t} {h[:16]}..." for t, h in sorted(said))
+        where = ", ".join(f"{t} {h[:16]}..." for t, h in sorted(told))
         raise SyncError(
             f"the shards started from different parameters (init hashes {where}): two workers' uploads; "
             "start every shard again with --fresh (and --init-expect to pin one)"

@@ -16,8 +16,17 @@ The first message also names the upload's init hash and every slice's hash (comm
 checks that they make the init hash and, with `--init-expect`, that it is the pinned one, before it takes a
 value (so a pinned shard takes only the pinned layout, and no more values than it has); then that each of
 its slices hashes to what was said. The shard reports the init hash at every Join, so that a worker sees two
-shards that took two different uploads. The only upload slot has a deadline: `--init-timeout` seconds
-without a message that carries values (empty ones do not count) and the upload is refused, the slot free.
+shards that took two different uploads.
+
+The only upload slot is held only at a pace (`Pace`): `--init-timeout` seconds without a message that
+carries values (empty ones do not count), or an average below `--init-min-rate` bytes of values a second
+once the first `--init-timeout` seconds have passed, and the upload is refused, the slot free. So holding
+the slot costs bytes: a trickle of one value per `--init-timeout` loses it within the first one, and an
+upload can hold it no longer than `--init-timeout` + its declared size / `--init-min-rate`. While the slot
+is held, another upload is refused (ABORTED: the worker tries again); with `--init-expect` every upload
+that is taken carries the same values, so up to MAX_IN_LINE uploads naming the pinned hash wait in line
+(`UploadSlot`), each for up to `--init-timeout` seconds, and the first of them takes the slot the moment
+the holder falls behind or fails, before anyone else can open a call.
 
 `PendingShard.dispatch` is the gRPC server's handler: it routes calls to the pending shard until the upload
 is in, then to the running Shard's servicer, so the port stays the same and nobody reconnects.
@@ -29,7 +38,9 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -62,6 +73,7 @@ log = logging.getLogger("streamdiloco.shard")
 MAX_INIT_VALUES = 1 << 34  # values in one shard's slices that an upload may declare (64 GiB of fp32)
 MAX_INIT_CHUNK = 4 << 20  # bytes of values in one InitChunk (workers send about 1 MiB)
 MAX_CHUNK_BYTES = 16 << 20  # --chunk-bytes at most (ShardSettings)
+MAX_IN_LINE = 4  # pinned uploads that may wait for the slot at once (each holds its first message, <= 5 MiB)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Shard"].full_name
 WAITING = "the shard is waiting for its first worker's parameters (server --init from-worker)"
@@ -73,6 +85,84 @@ class InitRefused(ValueError):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast an upload must go to keep the slot (pure: times are the caller's clock, in seconds): values
+    within `grace` seconds of the last ones (--init-timeout), and from `grace` seconds after its first
+    message on, `rate` bytes of values a second on average (--init-min-rate). So an upload of B bytes holds
+    the slot for at most grace + B / rate seconds, and one that sends nothing for at most `grace`."""
+
+    grace: float
+    rate: float
+
+    def due(self, started: float, last_values: float, received: int) -> float:
+        """When more values must have come, for an upload that began at `started`, last sent values at
+        `last_values` and has sent `received` bytes of them."""
+        return min(last_values + self.grace, started + self.grace + received / self.rate)
+
+    def fault(self, started: float, last_values: float, received: int, now: float) -> str:
+        """What an upload that let `due` pass did wrong, in a sentence."""
+        if now >= last_values + self.grace:
+            return f"the upload sent no values for {self.grace:g} s (--init-timeout)"
+        return (
+            f"the upload fell behind --init-min-rate: {received:,} bytes of values in {now - started:.1f} s, "
+            f"and it must average {self.rate:g} bytes a second once its first {self.grace:g} s "
+            "(--init-timeout) have passed"
+        )
+
+
+class UploadSlot:
+    """The only upload slot and the line of uploads waiting for it (asyncio, on the shard's event loop).
+    `take` returns a ticket when the slot is free; `wait` stands in line (at most `room` at once) and
+    returns one when the holder's `release` hands the slot over, the first in line first; None otherwise.
+    A ticket's release hands the slot on once: a second release of it changes nothing."""
+
+    def __init__(self, room: int):
+        self.room = room
+        self.holder: str | None = None  # the worker whose upload holds the slot
+        self.ticket: object | None = None
+        self.line: deque[tuple[str, asyncio.Future[object]]] = deque()
+
+    def take(self, worker: str) -> object | None:
+        if self.ticket is not None:
+            return None
+        self.holder, self.ticket = worker, object()
+        return self.ticket
+
+    async def wait(self, worker: str, timeout: float) -> object | None:
+        """Stand in line for up to `timeout` seconds: the slot's ticket, or None (the line was full, or
+        the holder kept the slot). A waiter that leaves (its call ended) just as it was handed the slot
+        passes it on."""
+        if (ticket := self.take(worker)) is not None or len(self.line) >= self.room:
+            return ticket
+        handed: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        place = (worker, handed)
+        self.line.append(place)
+        got = None
+        try:
+            got = await asyncio.wait_for(asyncio.shield(handed), timeout)
+            return got
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if place in self.line:
+                self.line.remove(place)
+            elif got is None and handed.done():  # handed the slot as it timed out or its call ended
+                self.release(handed.result())
+
+    def release(self, ticket: object) -> None:
+        """The holder of `ticket` is done: the slot goes to the first in line, or is free."""
+        if ticket is not self.ticket:
+            return
+        self.holder = self.ticket = None
+        while self.line:
+            worker, handed = self.line.popleft()
+            if not handed.done():
+                self.holder, self.ticket = worker, object()
+                handed.set_result(self.ticket)
+                return
 
 
 def shard_fingerprint(theirs: dict, cfg: SyncConfig) -> tuple[FragmentLayout, dict]:
@@ -110,6 +200,7 @@ class Upload:
             )
         self.parts: list[list[torch.Tensor]] = [[] for _ in layout.fragments]
         self.fragment, self.received, self.done = 0, 0, False
+        self.bytes_in = 0  # bytes of values taken so far, of the 4 x `total` it declared
         self.hasher = hashlib.sha256()
         self._skip_empty()
 
@@ -163,6 +254,7 @@ class Upload:
             self.parts[fragment].append(x)
             self.hasher.update(values)
             self.received += x.numel()
+            self.bytes_in += len(values)
             self._skip_empty()
         if last:
             if self.fragment < len(self.ranges):
@@ -189,8 +281,9 @@ class PendingShard(pb_grpc.ShardServicer):
     running Shard (with its checkpoint) from it, on a thread. Its handlers are the servicer's (rpc_handlers),
     with Initialize added; its Join admits as the running one does (server/edge/admission.py), less the
     fingerprint, which the upload brings. The config's `init_expect`: the init hash an upload must have
-    (--init-expect; None: any); `init_timeout`: seconds an upload may go without sending values. It is
-    served as the running shard is (serve()): `attach`, `push_bytes`, `started`."""
+    (--init-expect; None: any); `pace`: how fast an upload must go to keep the slot (--init-timeout,
+    --init-min-rate); `slot`: the slot, and with --init-expect its line. It is served as the running shard
+    is (serve()): `attach`, `push_bytes`, `started`."""
 
     def __init__(
         self, config: ShardConfig, gates: Gates, make: Callable[[FragmentLayout, list, dict, str], Shard]
@@ -199,8 +292,9 @@ class PendingShard(pb_grpc.ShardServicer):
         self.cfg, self.shard, self.num_shards = config.sync, config.shard, config.num_shards
         self.auth, self.limits = config.auth, config.limits
         self.init_expect = None if config.init_expect is None else parse_init_hash(config.init_expect)
-        self.init_timeout = config.init_timeout
-        self.uploader: str | None = None  # the worker whose upload is in progress
+        self.pace = Pace(config.init_timeout, config.init_min_rate)
+        # with --init-expect every upload taken is the same values: others may wait in line for the slot
+        self.slot = UploadSlot(MAX_IN_LINE if self.init_expect is not None else 0)
         self.running: Shard | None = None  # the shard, once built from the upload and checkpointed
         self.arrived = asyncio.Event()  # set with `running`
         self.handlers = {
@@ -212,6 +306,11 @@ class PendingShard(pb_grpc.ShardServicer):
             ),
         }
         self.dispatch = _Dispatch(self)
+
+    @property
+    def uploader(self) -> str | None:
+        """The worker whose upload holds the slot now."""
+        return self.slot.holder
 
     # --- served as the running shard is (serve()) ------------------------------------------------------
     def attach(self, server: grpc.aio.Server) -> None:
@@ -285,27 +384,50 @@ class PendingShard(pb_grpc.ShardServicer):
             await abort(context, r)
         if self.running is not None:  # taken while this call waited for its first message: the first stays
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
-        if self.uploader is not None:
-            await context.abort(
-                grpc.StatusCode.ABORTED,
-                f"worker {short(self.uploader, 60)!r} is sending the parameters now: join once it is done",
-            )
-        self.uploader = first.worker
+        ticket = None
         try:
-            return await self._upload(first, it, context)
+            plan = self._plan(first)  # before the slot: a pinned shard lets only the pinned hash wait in line
+            ticket = await self._take_slot(first.worker)
+            return await self._upload(first, plan, it)
         except InitRefused as e:
-            log.warning("refused %s's upload of the starting parameters: %s", short(first.worker, 60), e)
-            # the slot is free before the refusal goes out: a worker that fixes its upload and sends it again
-            # at once must not be told that it (its own refused upload) is sending the parameters now
-            self.uploader = None
+            if e.code not in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED):  # not its fault
+                log.warning("refused %s's upload of the starting parameters: %s", short(first.worker, 60), e)
+            # the slot is handed on before the refusal goes out: a worker that fixes its upload and sends it
+            # again at once must not be told that it (its own refused upload) is sending the parameters now
+            if ticket is not None:
+                self.slot.release(ticket)
             await context.abort(e.code, str(e))
             raise  # not reached
         finally:
-            self.uploader = None
+            if ticket is not None:
+                self.slot.release(ticket)
 
-    async def _upload(
-        self, first: pb.InitChunk, it: AsyncIterator[pb.InitChunk], context: grpc.aio.ServicerContext
-    ) -> pb.InitReply:
+    async def _take_slot(self, worker: str) -> object:
+        """The slot's ticket for this upload; InitRefused when the shard has its parameters or another
+        upload holds the slot (with --init-expect, after waiting in line for up to --init-timeout)."""
+        if self.running is None and (ticket := self.slot.take(worker)) is not None:
+            return ticket
+        held_by = self.slot.holder
+        if self.running is None and self.slot.room:
+            ticket = await self.slot.wait(worker, self.pace.grace)
+            if ticket is not None and self.running is not None:
+                self.slot.release(ticket)  # the holder's upload was taken: on to the next in line
+            elif ticket is not None:
+                log.info("%s's upload takes the slot from the line", short(worker, 60))
+                return ticket
+            held_by = self.slot.holder or held_by
+        if self.running is not None:
+            raise InitRefused(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
+        line = f", {len(self.slot.line)} more in line" if self.slot.line else ""
+        raise InitRefused(
+            grpc.StatusCode.ABORTED,
+            f"worker {short(held_by or '?', 60)!r} is sending the parameters now{line}: try again in a few "
+            "seconds (an upload keeps the slot only while it keeps --init-min-rate)",
+        )
+
+    def _plan(self, first: pb.InitChunk) -> tuple[FragmentLayout, dict, str, list[bytes]]:
+        """What the first message declares, checked before any value: the layout, the shard's fingerprint
+        from it, the init hash and what this shard's slices must hash to."""
         try:
             theirs = parse_fingerprint(first.fingerprint_json)
         except ValueError as e:
@@ -313,31 +435,44 @@ class PendingShard(pb_grpc.ShardServicer):
         layout, fingerprint = shard_fingerprint(theirs, self.cfg)
         Upload(layout, self.shard, self.num_shards)  # not more than the shard takes, first
         init_hash, digests = self._claimed(first, layout)
-        upload = Upload(layout, self.shard, self.num_shards, digests)
+        return layout, fingerprint, init_hash, digests
+
+    async def _receive(self, upload: Upload, first: pb.InitChunk, it: AsyncIterator[pb.InitChunk]) -> None:
+        """Take the upload's messages until its last chunk, at `pace`: InitRefused when it falls behind."""
         loop = asyncio.get_running_loop()
-        progress = loop.time()  # of the last message that carried values: only values hold the slot
+        started = last_values = loop.time()  # of the first message, and of the last that carried values
         msg = first
         while True:
             upload.add(msg.fragment, msg.offset, msg.values, msg.last)
             if upload.done:
-                break
+                return
             if msg.values:
-                progress = loop.time()
+                last_values = loop.time()
+            due = self.pace.due(started, last_values, upload.bytes_in)
             try:
-                left = max(0.0, progress + self.init_timeout - loop.time())
-                msg = await asyncio.wait_for(it.__anext__(), left)
+                if loop.time() >= due:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(it.__anext__(), due - loop.time())
             except StopAsyncIteration:
                 raise InitRefused(
                     grpc.StatusCode.INVALID_ARGUMENT, "the upload ended before its last chunk"
                 ) from None
             except asyncio.TimeoutError:
-                raise InitRefused(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"the upload sent no values for {self.init_timeout:g} s (--init-timeout): the slot is "
-                    "free for another",
-                ) from None
+                fault = self.pace.fault(started, last_values, upload.bytes_in, loop.time())
+                then = "goes to the next upload in line" if self.slot.line else "is free for another"
+                raise InitRefused(grpc.StatusCode.DEADLINE_EXCEEDED, f"{fault}: the slot {then}") from None
             if isinstance(msg, Undecodable):
                 raise InitRefused(grpc.StatusCode.INVALID_ARGUMENT, f"the {msg.kind} does not parse")
+
+    async def _upload(
+        self,
+        first: pb.InitChunk,
+        plan: tuple[FragmentLayout, dict, str, list[bytes]],
+        it: AsyncIterator[pb.InitChunk],
+    ) -> pb.InitReply:
+        layout, fingerprint, init_hash, digests = plan
+        upload = Upload(layout, self.shard, self.num_shards, digests)
+        await self._receive(upload, first, it)
         if self.running is not None:  # not reached (one upload at a time); never a second service
             raise InitRefused(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
         try:  # the state, then its checkpoint, before the worker hears back
