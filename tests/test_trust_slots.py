@@ -1,26 +1,32 @@
 """What a client can hold before or outside the shard's first bounds (issue 26, items 4, 5 and 8).
 
 - Calls before their request (server/edge/slots.py): Join, Fetch and Initialize streams that send their
-headers
-  and never their request message held one of gRPC's concurrent-call slots each, for ever; 81 of them froze
-  every new call of a shard with `--max-sessions 8`. Now they are ended at `--request-timeout`, counted per
-  address and in total, and an honest Join is answered within a second while they are held. The attackers
-  are raw HTTP/2 connections (`StalledStreams`) from other loopback addresses (127.0.0.2, ...) than the
-  honest worker (127.0.0.1), as they would come from other machines. A request over its method's size, and
-  any message over what the largest legitimate one needs, are refused before they are parsed.
+  headers and never their request message held one of gRPC's concurrent-call slots each, for ever; 81 of
+  them froze every new call of a shard with `--max-sessions 8`. Now they are ended at `--request-timeout`,
+  counted per address and in total, and an honest Join is answered within a second while they are held. The
+  attackers are raw HTTP/2 connections (benchmarks/flood.py's `RawCalls`) from other loopback addresses
+  (127.0.0.2, ...) than the honest worker (127.0.0.1), as they would come from other machines. A request
+  over its method's size, and any message over what the largest legitimate one needs, are refused before
+  they are parsed.
 - Pushes arriving (server/rounds/staging.py): each staged push reserves its whole size from
-`--max-staged-bytes`
-  before its first chunk is copied; a worker stages one push at a time; 8 sessions that each stage every
-  fragment but the last chunk keep the shard's staged bytes within the budget, and the pushes it took
-  finish.
+  `--max-staged-bytes` before its first chunk is copied; a worker stages one push at a time; 8 sessions that
+  each stage every fragment but the last chunk keep the shard's staged bytes within the budget, and the
+  pushes it took finish.
 - HTTP (server/trust/bounds.py): a GET that announces a body and trickles it is closed at `--header-timeout`;
   IPv6 peers are counted by their /64.
+
+Issue 37, item 4: past `--max-waiting-calls` the call ended was the globally oldest, so a flood from 16
+addresses ended every honest Join whose request came 0.2 s after the call opened. Now it is the oldest of
+the address holding the most (ties: the /24 or /48 holding the most): the flood (benchmarks/flood.py's
+`RawCalls`, reopening every call the shard ends) ends only its own, and a worker's delayed Joins are all
+answered; the Joins never followed by a Session are forgotten by the same rule, so a flood of Joins from
+other addresses does not forget a worker's before its Hello; IPv6 peers, which grpc-core names with
+percent-encoded brackets, are counted by their /64 (each connection was an address of its own).
 """
 
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 
@@ -28,14 +34,22 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.flood import ADDRESSES, RawCalls, delayed_join
 from streamdiloco.common.codecs import encode, get_codec
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.config import FROM_WORKER
 from streamdiloco.server.edge.slots import REQUEST_BYTES
-from streamdiloco.server.trust.bounds import Limits, PeerCounts, address_group, peer_host
+from streamdiloco.server.trust.bounds import (
+    Crowd,
+    Limits,
+    PeerCounts,
+    address_group,
+    network_group,
+    peer_host,
+)
 from streamdiloco.worker.model import build_gpt
-from tests.support.inthread import RPC_TIMEOUT, InThreadShard, push_messages
+from tests.support.inthread import RPC_TIMEOUT, WAIT, InThreadShard, push_messages
 from tests.support.nano_shard import CFG, GOOD_FP
 from tests.support.procs import SLACK, wait_until
 from tests.support.shards import shard_of
@@ -43,116 +57,14 @@ from tests.support.shards import shard_of
 SERVICE = "/streamdiloco.v1.Shard/"
 
 
-# --- a raw HTTP/2 client: streams that send their headers and nothing else ---------------------------------
-def _hpack(headers: list[tuple[str, str]]) -> bytes:
-    """A header block of literal fields without indexing (no Huffman): all a server must take."""
-    out = bytearray()
-    for name, value in headers:
-        out.append(0)
-        for s in (name.encode(), value.encode()):
-            assert len(s) < 127
-            out.append(len(s))
-            out += s
-    return bytes(out)
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
-
-
-class StalledStreams:
-    """`n` gRPC calls of `method` on one HTTP/2 connection from `source` (a loopback address) that send their
-    headers and never a message. A thread answers the server's SETTINGS and PINGs and notes when it ended
-    each stream (RST_STREAM, or headers that end it) or the connection."""
-
-    def __init__(self, port: int, source: str, method: str, n: int):
-        self.sock = socket.socket()
-        self.sock.settimeout(RPC_TIMEOUT)
-        self.sock.bind((source, 0))
-        self.sock.connect(("127.0.0.1", port))
-        self.lock = threading.Lock()
-        self.opened = time.monotonic()
-        self.streams = [2 * i + 1 for i in range(n)]
-        self.ended: dict[int, float] = {}
-        self.pinged = threading.Event()
-        self.closed = False
-        headers = _hpack(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", SERVICE + method),
-                (":authority", f"127.0.0.1:{port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ]
-        )
-        out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0)
-        out += b"".join(_frame(1, 0x4, s, headers) for s in self.streams)  # END_HEADERS, not END_STREAM
-        out += _frame(6, 0, 0, b"stalled!")  # its answer comes once the server has read all the above
-        self._send(out)
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _send(self, data: bytes) -> None:
-        with self.lock:
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                pass
-
-    def _recv(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            more = self.sock.recv(n - len(data))
-            if not more:
-                raise ConnectionError
-            data += more
-        return data
-
-    def _read(self) -> None:
-        try:
-            while True:
-                head = self._recv(9)
-                length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
-                stream = int.from_bytes(head[5:], "big") & 0x7FFFFFFF
-                payload = self._recv(length)
-                if kind == 4 and not flags & 1:  # SETTINGS: acknowledged
-                    self._send(_frame(4, 1, 0))
-                elif kind == 6:  # PING
-                    if flags & 1:
-                        self.pinged.set()
-                    else:
-                        self._send(_frame(6, 1, 0, payload))
-                elif kind == 3 or (kind in (0, 1) and flags & 1):  # RST_STREAM, or END_STREAM
-                    self.ended.setdefault(stream, time.monotonic())
-        except (OSError, ConnectionError):
-            self.closed = True
-            now = time.monotonic()
-            for s in self.streams:
-                self.ended.setdefault(s, now)
-
-    @property
-    def open_streams(self) -> int:
-        return len(self.streams) - len(self.ended)
-
-    def lifetimes(self) -> list[float]:
-        return sorted(t - self.opened for t in self.ended.values())
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # ends the reader's recv (a close alone does not)
-        except OSError:
-            pass
-        self.sock.close()
-        self.thread.join(RPC_TIMEOUT)
-
-
 @pytest.fixture
 def attackers():
-    opened: list[StalledStreams] = []
+    """`make(port, source, method, n)`: n calls from `source` that send their headers and never a message
+    (benchmarks/flood.py's raw HTTP/2 client), closed after the test."""
+    opened: list[RawCalls] = []
 
-    def make(port: int, source: str, method: str, n: int) -> StalledStreams:
-        opened.append(StalledStreams(port, source, method, n))
+    def make(port: int, source: str, method: str, n: int) -> RawCalls:
+        opened.append(RawCalls(port, source, method, n, timeout=RPC_TIMEOUT))
         return opened[-1]
 
     yield make
@@ -190,7 +102,7 @@ def test_81_stalled_joins_from_11_addresses_hold_no_slot_and_an_honest_join_answ
     # gRPC's slots: 2 x 8 sessions + 64 = 80 on main, all taken by the 81 streams
     s = make_shard(max_sessions=8, max_sessions_per_peer=8, request_timeout=2.0)
     flood = [attackers(s.port, f"127.0.0.{2 + i}", "Join", 8 if i < 4 else 7) for i in range(11)]
-    assert sum(len(a.streams) for a in flood) == 81
+    assert sum(a.opened for a in flood) == 81
     for a in flood:
         assert a.pinged.wait(RPC_TIMEOUT), "the shard did not read the streams' headers"
     assert _timed_join(s, "honest") < 1.0
@@ -255,6 +167,117 @@ def test_a_request_over_its_methods_size_and_a_message_over_the_shards_are_refus
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert REQUEST_BYTES["Join"] < len(huge) < 64 << 20  # main took up to 64 MiB of anything
     assert _timed_join(s, "honest") < 1.0
+
+
+# === issue 37, item 4: a flood makes room from its own calls ============================================
+def test_a_flood_from_16_addresses_ends_no_honest_join_whose_request_comes_after_0_2_s(make_shard):
+    """The issue's probe, on an in-process shard (a real gRPC server; the flood in threads of this process):
+    32 waiting calls at most, every flood address reopening its 8 as fast as the shard ends them. Before,
+    each honest Join was ended by the 32 calls that came after it, within its 0.2 s."""
+    s = make_shard(max_waiting_calls=32)
+    waiting, refused = s.service.gates.waiting, s.service.gates.refused
+    flood = [RawCalls(s.port, a, "Join", 8, reopen=True) for a in ADDRESSES]
+    try:
+        s.wait_for(lambda: refused.get("evicted", 0) >= 32, "the flood to fill the table and churn")
+        evicted = refused["evicted"]
+        for i in range(6):  # one after the other: 0.2 s each under the flood
+            request = pb.JoinRequest(worker=f"honest{i}", fingerprint_json=s.fingerprint_json, protocol=1)
+            seconds, code, reply = delayed_join(s.channel, request, delay=0.2, timeout=RPC_TIMEOUT)
+            assert code == grpc.StatusCode.OK and reply is not None and reply.session, (i, code)
+            assert seconds >= 0.2
+        assert waiting.held == 32 and refused["evicted"] > evicted  # the flood went on meanwhile
+    finally:
+        for f in flood:
+            f.close()
+    s.wait_for(lambda: waiting.held == 0, "the flood's calls to end")
+
+
+def test_a_flood_of_joins_from_other_addresses_forgets_no_pending_join_of_a_worker(make_shard):
+    """Joins never followed by a Session are bounded (4 x --max-sessions: 8 here); the flood's (no
+    credentials needed on a shard without a token: a credentialed flood is the same) were forgotten oldest
+    first, a worker's among them, between its Join and its Hello."""
+    s = make_shard(max_sessions=2, max_sessions_per_peer=2)
+    honest = s.join("honest")
+    body = pb.JoinRequest(worker="flood", fingerprint_json=s.fingerprint_json, protocol=1).SerializeToString()
+    pending = s.service.roster.joins.pending
+    for a in ADDRESSES[:3]:  # 3 x 6 Joins, each answered with a session id
+        joins = RawCalls(s.port, a, "Join", 6, body=body)
+        try:
+            wait_until("the flood's Joins answered", lambda j=joins: j.open_streams == 0, timeout=WAIT)
+        finally:
+            joins.close()
+    assert s.on_loop(lambda: len(pending)) == 8
+    assert s.on_loop(lambda: honest.session in pending)
+    hello = pb.WorkerMessage(hello=pb.Hello(worker="honest", session=honest.session))
+    assert s.open_session(hello).next_message("welcome").welcome
+
+
+def test_what_gives_way_is_the_oldest_of_the_address_holding_most_then_of_the_most_crowded_network():
+    c: Crowd[str] = Crowd()
+    c.add("honest", "10.0.0.1")
+    for i in range(3):
+        c.add(f"a{i}", "10.9.9.2")
+    c.add("b0", "10.9.9.3")
+    assert c.crowded() == "a0" and c.held_from("10.9.9.2") == 3
+    for i in range(3):
+        c.discard(f"a{i}")
+    # all alone at their addresses: the network holding the most (10.9.9.0/24) gives way first
+    c.add("b1", "10.9.9.4")
+    assert c.crowded() == "b0"
+    assert c.crowded(sparing="b0") == "b1"  # never the newcomer that needs the room
+    c.discard("b0"), c.discard("b1")
+    c.add("later", "10.0.1.1")  # two networks of one each: the oldest
+    assert c.crowded() == "honest" and len(c) == 2 and "later" in c
+    with pytest.raises(ValueError, match="held already"):
+        c.add("later", "10.0.1.1")
+    # IPv6: a subscriber's /64s are addresses of one /48
+    c = Crowd()
+    c.add("honest", "2001:db8:1:1::1")
+    for i in range(3):
+        c.add(f"v{i}", f"2001:db8:2:{i}::1")
+    assert c.crowded() == "v0"
+    c.discard("honest"), c.discard("v0"), c.discard("v1"), c.discard("v2"), c.discard("none")
+    assert len(c) == 0 and c.crowded() is None
+
+
+def test_connections_from_one_ipv6_address_share_its_limit(tmp_path):
+    """A real gRPC server on ::1 behind the interceptor: three connections from ::1, one stalled Join each,
+    with 2 per address. grpc-core names the peer "ipv6:%5B::1%5D:PORT": read as it came, each connection
+    was an address of its own, and none was refused."""
+    import asyncio
+
+    from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+    from streamdiloco.server.edge.slots import WaitingCalls
+
+    waiting = WaitingCalls(Limits(max_waiting_calls_per_peer=2, request_timeout=RPC_TIMEOUT))
+    loop = asyncio.new_event_loop()
+    started: list = []
+
+    async def start() -> None:
+        server = grpc.aio.server(interceptors=[waiting])
+        pb_grpc.add_ShardServicer_to_server(pb_grpc.ShardServicer(), server)
+        started.extend([server, server.add_insecure_port("[::1]:0")])
+        await server.start()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(RPC_TIMEOUT)
+    server, port = started
+    calls = []
+    try:
+        for _ in range(3):
+            calls.append(RawCalls(port, "::1", "Join", 1))
+            assert calls[-1].pinged.wait(RPC_TIMEOUT)
+        wait_until("the third call refused", lambda: calls[2].open_streams == 0, timeout=SLACK)
+        assert waiting.held == 2 and calls[0].open_streams == calls[1].open_streams == 1
+        assert waiting.refused == {"calls waiting for their request": 1}
+    finally:
+        for c in calls:
+            c.close()
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(RPC_TIMEOUT)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(RPC_TIMEOUT)
+        loop.close()
 
 
 # === item 5: pushes arriving ==============================================================================
@@ -353,6 +376,11 @@ def test_ipv6_peers_are_counted_by_their_64():
     assert address_group("::ffff:10.0.0.1") == "10.0.0.1" == address_group("10.0.0.1")
     assert address_group("fe80::1%eth0") == "fe80::/64"
     assert address_group("unix:/tmp/sock") == "unix:/tmp/sock"
+    assert network_group("10.1.2.3") == "10.1.2.0/24" == network_group("::ffff:10.1.2.200")
+    assert network_group("2001:db8:1:2::1") == "2001:db8:1::/48" == network_group("2001:db8:1:ff::9")
+    # grpc-core (1.85) writes an IPv6 peer's brackets percent-encoded: the port is not part of the address
+    assert peer_host("ipv6:%5B2001:db8:1:2::1%5D:443") == "2001:db8:1:2::1"
+    assert peer_host("ipv6:[::1]:443") == "::1" and peer_host("ipv4:10.0.0.1:5") == "10.0.0.1"
     c = PeerCounts("sessions", total=100, per_peer=2)
     peers = [peer_host(f"ipv6:[2001:db8:1:2::{i:x}]:443") for i in range(1, 4)]
     assert c.acquire(peers[0]) is None and c.acquire(peers[1]) is None
