@@ -5,8 +5,12 @@ upload that holds the only slot, and an uploader that dies between shards. In-th
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,12 +25,13 @@ from streamdiloco.common.wire import values_to_bytes
 from streamdiloco.export import fetch_masters
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.edge.initialize import PendingShard
+from streamdiloco.server.edge.initialize import Pace, PendingShard, UploadSlot
 from streamdiloco.server.trust.bounds import Limits
+from streamdiloco.worker.bootstrap import ShardInfo, initialize_shard, probe_shard
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.model import build_gpt
 from tests.support.inthread import InThreadShard
-from tests.support.procs import Cluster, streamdiloco
+from tests.support.procs import Cluster, streamdiloco, wait_until
 from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -305,3 +310,207 @@ def test_a_pinned_shard_process_takes_the_worker_cli_of_the_pinned_seed_alone(tm
         assert c.procs["pinned"].wait(180) == 0, c.log("pinned")[-3000:]
         assert f"init hash {pin}" in c.log("s")
         assert json.loads((tmp_path / "s-checkpoint" / "meta.json").read_text())["init_hash"] == pin
+
+
+# --- the slot's pace (issue 37, item 6): real shard processes, uploads through the stub and the worker's own
+# function; and the worker's checks of what a shard says during the bootstrap
+
+
+def _trickle(fp: str, vectors, claim: dict, stop: threading.Event, every: float = 1.0):
+    """What issue 37 found holding the slot: the first message, then one value of fragment 0 every `every`
+    seconds (below --init-timeout, so each one reset the old timer) until `stop` is set."""
+    yield pb.InitChunk(worker="trickler", fingerprint_json=fp, **claim)
+    for i in range(vectors[0].numel()):
+        if stop.wait(every):
+            return
+        yield pb.InitChunk(fragment=0, offset=i, values=values_to_bytes(vectors[0][i : i + 1]))
+
+
+def _holding(c: Cluster, stub, start, other: pb.InitChunk):
+    """The call `start()` opens, once its upload holds the shard's slot: the shard's log says so (or, before
+    that line existed, an upload of `other`'s first message alone is told ABORTED). If that probe took the
+    slot as the trickle came (it then ends at once), the trickle is refused: it starts again."""
+    call = start()
+
+    def held():
+        nonlocal call
+        if call.done():
+            call = start()
+            return None
+        if "trickler is sending the starting parameters" in c.log("s"):
+            return call
+        try:
+            stub.Initialize(iter([other]), timeout=10)
+        except grpc.RpcError as e:
+            return call if e.code() == grpc.StatusCode.ABORTED and not call.done() else None
+        return None
+
+    return wait_until("the trickle to hold the upload slot", held)
+
+
+SYNC = ("--sync-every", "6", "--num-fragments", "3")
+
+
+def test_a_trickled_upload_loses_the_slot_and_the_honest_worker_then_uploads(tmp_path):
+    fp, honest = _values(_model(1))
+    layout = build_layout(_model(1), CFG.num_fragments)
+    stop = threading.Event()
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("s", "--init", "from-worker", "--init-timeout", "3", *SYNC)
+        channel = grpc.insecure_channel(target)
+        try:
+            stub = pb_grpc.ShardStub(channel)
+            alone = pb.InitChunk(worker="probe", fingerprint_json=fp, **_claim(fp, honest))
+            trickle = _holding(
+                c, stub, lambda: stub.Initialize.future(_trickle(fp, honest, _claim(fp, honest), stop)), alone
+            )
+            # the honest worker's own upload: told that another holds the slot, it tries again until it is in
+            info = probe_shard(target, "honest", timeout=10)
+            init = init_hash(layout, honest, 1)
+            assert initialize_shard(target, "honest", json.loads(fp), honest, info, init, timeout=30)
+            with pytest.raises(grpc.RpcError) as e:
+                trickle.result(30)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+            assert "fell behind --init-min-rate" in e.value.details()
+            assert "starting parameters from honest" in c.log("s")
+            assert _same(fetch_masters([target]), honest)
+        finally:
+            stop.set()
+            channel.close()
+
+
+def test_a_pinned_shard_gives_a_trickled_slot_to_the_honest_upload_waiting_in_line(tmp_path):
+    fp, honest = _values(_model(1))
+    _, other = _values(_model(2))
+    pin = _claim(fp, honest)["init_hash"]
+    stop = threading.Event()
+    with Cluster(tmp_path) as c:
+        target, _ = c.shard("s", "--init", "from-worker", "--init-expect", pin, "--init-timeout", "6", *SYNC)
+        channel = grpc.insecure_channel(target)
+        try:
+            stub = pb_grpc.ShardStub(channel)
+            not_pinned = pb.InitChunk(worker="probe", fingerprint_json=fp, **_claim(fp, other))
+            trickle = _holding(
+                c,
+                stub,
+                lambda: stub.Initialize.future(_trickle(fp, honest, _claim(fp, honest), stop)),
+                not_pinned,
+            )
+            # one call, no retry: it waits in line and takes the slot once the trickle falls behind
+            stub.Initialize(_chunks(fp, honest, worker="honest"), timeout=60)
+            with pytest.raises(grpc.RpcError) as e:
+                trickle.result(30)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+            assert "goes to the next upload in line" in e.value.details()
+            assert "starting parameters from honest" in c.log("s")
+            assert json.loads((tmp_path / "s-checkpoint" / "meta.json").read_text())["init_hash"] == pin
+        finally:
+            stop.set()
+            channel.close()
+
+
+def test_the_pace_and_the_line_in_closed_form():
+    pace = Pace(grace=30, rate=16384)
+    assert pace.due(0, 0, 0) == 30  # nothing sent: the first --init-timeout seconds, no more
+    assert pace.due(0, 29, 4) == pytest.approx(30 + 4 / 16384)  # one value per 29 s: behind at 30 s
+    assert pace.due(0, 100, 16384 * 100) == 130  # at the rate, the gap rule bounds it
+    assert pace.due(0, 10, 1 << 30) == 40  # far ahead of the rate: still values every 30 s
+    assert "--init-timeout" in pace.fault(0, 0, 0, 30) and "--init-min-rate" in pace.fault(0, 29, 4, 30.1)
+
+    async def line() -> None:
+        slot = UploadSlot(room=2)
+        first = slot.take("a")
+        assert first is not None and slot.take("b") is None and slot.holder == "a"
+        b = asyncio.ensure_future(slot.wait("b", 10))
+        c = asyncio.ensure_future(slot.wait("c", 10))
+        await asyncio.sleep(0)
+        assert await slot.wait("d", 10) is None  # the line is full
+        slot.release(first)  # to the first in line
+        second = await b
+        assert second is not None and slot.holder == "b" and not c.done()
+        slot.release(first)  # an old ticket changes nothing
+        assert slot.holder == "b"
+        c.cancel()  # c's call ended: out of the line
+        await asyncio.gather(c, return_exceptions=True)
+        slot.release(second)
+        assert slot.holder is None and slot.take("e") is not None
+        assert await slot.wait("f", 0.05) is None  # the holder kept it: a bounded wait
+
+    asyncio.run(line())
+
+
+class _LyingShard(pb_grpc.ShardServicer):
+    """A shard without parameters that says what the test scripts at Join and refuses every upload with
+    `refusal`, counting them."""
+
+    def __init__(self, shard=0, num_shards=1, init_hash="", refusal=(grpc.StatusCode.ABORTED, "busy")):
+        self.reply = pb.JoinReply(
+            config_json=json.dumps(CFG.to_dict()),
+            shard=shard,
+            num_shards=num_shards,
+            uninitialized=True,
+            init_hash=init_hash,
+        )
+        self.refusal, self.uploads = refusal, 0
+
+    def Join(self, request, context):
+        return self.reply
+
+    def Initialize(self, request_iterator, context):
+        self.uploads += 1
+        for _ in request_iterator:
+            pass
+        context.abort(*self.refusal)
+
+
+@pytest.fixture
+def liar():
+    servers = []
+
+    def start(shard: _LyingShard) -> str:
+        server = grpc.server(ThreadPoolExecutor(4))
+        pb_grpc.add_ShardServicer_to_server(shard, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0)
+
+
+FORGED = "busy\n2026-01-01T00:00:00.000+00:00 ERROR streamdiloco.worker: forged\x1b[31m"
+
+
+def test_a_shard_that_lies_at_the_probe_is_refused_in_one_line(liar):
+    for lie, words in [
+        (_LyingShard(shard=3, num_shards=2), "unusable Join reply"),
+        (_LyingShard(num_shards=1 << 20), "must list each of the run's shards once"),  # 2^20 slices to hash
+        (_LyingShard(init_hash="0" * 63 + "\n"), "is not 64 hex digits"),
+    ]:
+        started = time.monotonic()
+        with pytest.raises(SyncError, match=words) as e:
+            connect(_model(1), [liar(lie)], CFG, name="w", join_timeout=10)
+        assert "\n" not in str(e.value) and time.monotonic() - started < 10, str(e.value)
+        assert lie.uploads == 0
+
+
+def test_an_upload_the_shard_keeps_refusing_is_sent_again_then_given_up_in_one_line(liar, caplog):
+    vectors = [torch.ones(100), torch.ones(50)]
+    claim = ("a" * 64, [b"\0" * 32] * 2)
+    info = ShardInfo(CFG, 0, 1, True)
+    busy = _LyingShard(refusal=(grpc.StatusCode.ABORTED, FORGED))
+    with caplog.at_level(logging.INFO, "streamdiloco.worker"):
+        with pytest.raises(SyncError, match="still has no parameters after") as e:
+            initialize_shard(liar(busy), "w", {}, vectors, info, claim, timeout=4)
+    assert busy.uploads >= 2, busy.uploads  # sent again after a backoff
+    assert "sending again in" in caplog.text and "\n2026" not in caplog.text
+    for text in (str(e.value), caplog.text):
+        assert "\x1b" not in text and "forged\\x1b" in text
+    assert "\n" not in str(e.value) and "ABORTED" in str(e.value)
+    # a refusal that is not worth another try ends the upload at once, in one line
+    denied = _LyingShard(refusal=(grpc.StatusCode.PERMISSION_DENIED, FORGED))
+    with pytest.raises(SyncError, match="PERMISSION_DENIED") as e:
+        initialize_shard(liar(denied), "w", {}, vectors, info, claim, timeout=4)
+    assert denied.uploads == 1 and "\n" not in str(e.value) and "\x1b" not in str(e.value)

@@ -21,12 +21,13 @@ shards that took two different uploads.
 The only upload slot is held only at a pace (`Pace`): `--init-timeout` seconds without a message that
 carries values (empty ones do not count), or an average below `--init-min-rate` bytes of values a second
 once the first `--init-timeout` seconds have passed, and the upload is refused, the slot free. So holding
-the slot costs bytes: a trickle of one value per `--init-timeout` loses it within the first one, and an
-upload can hold it no longer than `--init-timeout` + its declared size / `--init-min-rate`. While the slot
-is held, another upload is refused (ABORTED: the worker tries again); with `--init-expect` every upload
-that is taken carries the same values, so up to MAX_IN_LINE uploads naming the pinned hash wait in line
-(`UploadSlot`), each for up to `--init-timeout` seconds, and the first of them takes the slot the moment
-the holder falls behind or fails, before anyone else can open a call.
+the slot costs bytes: a trickle of one value per `--init-timeout` loses it once its first `--init-timeout`
+seconds have passed, and an upload holds it at most `--init-timeout` + its declared bytes / `--init-min-rate`
+seconds. While the slot is held, another upload is refused (ABORTED: the worker tries again). With
+`--init-expect` an upload that completes can only bring the pinned values, whoever sends them: so up to
+MAX_IN_LINE uploads naming the pinned hash wait in line (`UploadSlot`), each for up to twice
+`--init-timeout` seconds, and the first of them takes the slot the moment the holder falls behind or
+fails, before a new call can.
 
 `PendingShard.dispatch` is the gRPC server's handler: it routes calls to the pending shard until the upload
 is in, then to the running Shard's servicer, so the port stays the same and nobody reconnects.
@@ -404,16 +405,15 @@ class PendingShard(pb_grpc.ShardServicer):
 
     async def _take_slot(self, worker: str) -> object:
         """The slot's ticket for this upload; InitRefused when the shard has its parameters or another
-        upload holds the slot (with --init-expect, after waiting in line for up to --init-timeout)."""
+        upload holds the slot (with --init-expect, after waiting in line for up to twice --init-timeout)."""
         if self.running is None and (ticket := self.slot.take(worker)) is not None:
             return ticket
         held_by = self.slot.holder
         if self.running is None and self.slot.room:
-            ticket = await self.slot.wait(worker, self.pace.grace)
+            ticket = await self.slot.wait(worker, 2 * self.pace.grace)
             if ticket is not None and self.running is not None:
                 self.slot.release(ticket)  # the holder's upload was taken: on to the next in line
             elif ticket is not None:
-                log.info("%s's upload takes the slot from the line", short(worker, 60))
                 return ticket
             held_by = self.slot.holder or held_by
         if self.running is not None:
@@ -472,6 +472,15 @@ class PendingShard(pb_grpc.ShardServicer):
     ) -> pb.InitReply:
         layout, fingerprint, init_hash, digests = plan
         upload = Upload(layout, self.shard, self.num_shards, digests)
+        log.info(
+            "shard %d: %s is sending the starting parameters (%s bytes for this shard): the slot is its "
+            "while it averages %g bytes a second after its first %g s (--init-min-rate, --init-timeout)",
+            self.shard,
+            short(first.worker, 60),
+            f"{4 * sum(hi - lo for lo, hi in upload.ranges):,}",
+            self.pace.rate,
+            self.pace.grace,
+        )
         await self._receive(upload, first, it)
         if self.running is not None:  # not reached (one upload at a time); never a second service
             raise InitRefused(grpc.StatusCode.ALREADY_EXISTS, "the shard has its parameters already")
