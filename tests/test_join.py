@@ -1,15 +1,27 @@
-"""Joining, without a network: the settings a worker gives adopted with the shard's (SyncConfig.given and
-SyncConfig.adopted, no half-built config), connect()'s options, and what LinkState now owns alone (the
-pushes not yet answered, where the shard is)."""
+"""Joining: the settings a worker gives adopted with the shard's (SyncConfig.given and SyncConfig.adopted, no
+half-built config), connect()'s options, and what LinkState now owns alone (the pushes not yet answered,
+where the shard is), without a network; and a Join that a full edge refuses (RESOURCE_EXHAUSTED: the shard
+made room for a flood's calls, or this address holds its limit of waiting calls), tried again with backoff
+against the standard in-process shard (issue 37, item 4: before, the worker stopped)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+
+import grpc
 import pytest
 
+from benchmarks.flood import RawCalls
 from streamdiloco.common.config import GivenSync, SyncConfig
+from streamdiloco.worker.connection import ShardConnection
 from streamdiloco.worker.join import JoinOptions, chosen_sync_fields, connect
 from streamdiloco.worker.linkstate import LinkState
 from streamdiloco.worker.model import build_gpt
+from streamdiloco.worker.session import Retry
+from tests.support.inthread import RPC_TIMEOUT
+from tests.support.procs import SLACK, wait_until
 
 
 def test_given_settings_valid_alone_are_a_plain_config_and_a_schedule_waits_for_the_shards():
@@ -70,3 +82,28 @@ def test_link_state_view_moves_the_welcome_on_by_what_came_since():
         [False, False, True],
         [False, False, False],
     )
+
+
+def test_a_join_refused_for_a_full_edge_is_tried_again_with_backoff(shard, caplog):
+    waiting, refused = shard.service.gates.waiting, shard.service.gates.refused
+    full = RawCalls(shard.port, "127.0.0.1", "Join", 8, timeout=RPC_TIMEOUT)  # this address's 8 waiting
+    conn = ShardConnection(shard.target, "w", json.loads(shard.fingerprint_json), join_timeout=30)
+    try:
+        shard.wait_for(lambda: waiting.held == 8, "8 calls from 127.0.0.1 waiting for their request")
+        with pytest.raises(Retry, match="Join: RESOURCE_EXHAUSTED: calls waiting for their request from "):
+            conn.join(timeout=RPC_TIMEOUT, reconnecting=True)  # a reconnect's: its backoff tries again
+        joined: list = []
+        thread = threading.Thread(target=lambda: joined.append(conn.join()), daemon=True)
+        with caplog.at_level(logging.INFO, logger="streamdiloco.worker"):
+            thread.start()
+            kind = "calls waiting for their request"
+            wait_until("the Join refused twice more", lambda: refused.get(kind, 0) >= 3, timeout=SLACK)
+            assert refused[kind] <= 4  # after a backoff each time, not at once
+            full.close()  # room again
+            thread.join(RPC_TIMEOUT)
+        assert joined and joined[0] == conn.config and conn.session_id
+        assert "Join: RESOURCE_EXHAUSTED" in caplog.text and "trying again in" in caplog.text
+    finally:
+        full.close()
+        conn.close()
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED.name in caplog.text
