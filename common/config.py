@@ -320,9 +320,36 @@ class PieceSettings:
         },
     )
 
+    data_sha256: str = field(
+        default="",
+        metadata={
+            "help": "shard 0: pin the run's data to this sha256 (with --data-tokens; a worker logs both when "
+            "it starts with --data-pieces): any other is refused. Unpinned, the data a worker with an "
+            "accepted push asks for is the run's",
+            "metavar": "HEX",
+        },
+    )
+    data_tokens: int = field(
+        default=0,
+        metadata={"help": "shard 0: the pinned data's train tokens (with --data-sha256)", "metavar": "N"},
+    )
+
     def __post_init__(self) -> None:
         if not 0 < self.piece_tokens <= 1 << 40:
             raise ValueError(f"--piece-tokens must be positive, got {self.piece_tokens}")
+        if bool(self.data_sha256) != bool(self.data_tokens):
+            raise ValueError("--data-sha256 and --data-tokens pin the data together: give both or neither")
+        if self.data_sha256 and not (
+            len(self.data_sha256) == 64 and all(c in "0123456789abcdef" for c in self.data_sha256)
+        ):
+            raise ValueError(f"--data-sha256 is 64 lowercase hex digits, got {self.data_sha256[:80]!r}")
+        if not 0 <= self.data_tokens <= 1 << 53:
+            raise ValueError(f"--data-tokens must be a count of tokens, got {self.data_tokens}")
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the operator pinned the run's data (--data-sha256 and --data-tokens)."""
+        return bool(self.data_sha256)
 
 
 C = TypeVar("C")

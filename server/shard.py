@@ -28,7 +28,7 @@ from streamdiloco.server.config import ShardConfig
 from streamdiloco.server.edge.gates import Gates
 from streamdiloco.server.edge.intake import Intake
 from streamdiloco.server.edge.outbox import Outbox
-from streamdiloco.server.edge.pieces import PieceDesk
+from streamdiloco.server.edge.pieces import LEDGER_WRITER, PieceDesk
 from streamdiloco.server.edge.service import ShardService, add_to_server
 from streamdiloco.server.edge.wiring import chunk_sizes, unread_budget
 from streamdiloco.server.observe.counters import Counters
@@ -38,8 +38,12 @@ from streamdiloco.server.observe.status import Observed, ShardStatus
 from streamdiloco.server.rounds.state import ShardState
 from streamdiloco.server.runner import COMPUTE_THREADS, RoundRunner
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
+from streamdiloco.server.storage.coalesced import CoalescedWrites
 from streamdiloco.server.storage.credits import Credits
-from streamdiloco.server.storage.ledger import Ledger
+from streamdiloco.server.storage.ledger import Dataset, Ledger
+from streamdiloco.server.storage.ledgerstate import from_state as ledger_from_state
+from streamdiloco.server.storage.ledgerstate import snapshot as ledger_snapshot
+from streamdiloco.server.storage.ledgerstate import to_state as ledger_state
 from streamdiloco.server.trust.auth import Identity
 from streamdiloco.server.trust.roster import Member, Roster
 
@@ -127,22 +131,33 @@ class Shard:
         return credits
 
     def _pieces(self) -> PieceDesk:
-        """Shard 0's data ledger, as its checkpoint saved it (else a new one), and its Pieces calls."""
-        ckpt, piece_tokens = self.checkpoint, self.config.pieces.piece_tokens
+        """Shard 0's data ledger, as its checkpoint saved it (else a new one; the operator's pinned dataset
+        bound), and its Pieces calls; the ledger is written (coalesced, off the loop) when it changed."""
+        ckpt, settings = self.checkpoint, self.config.pieces
+        piece_tokens = settings.piece_tokens
+        pinned = None
+        if settings.pinned:  # the operator's --data-sha256 and --data-tokens
+            pinned = Dataset(settings.data_tokens, piece_tokens, settings.data_sha256)
         saved = ckpt.restored("ledger") if ckpt is not None else None
         if saved is None:
-            ledger = Ledger(piece_tokens)
+            ledger = Ledger(piece_tokens, pinned=pinned)
         else:
             try:
-                ledger = Ledger.from_state(
-                    saved, piece_tokens, self.clock(), orphan_seconds=self.state.round_timeout
+                ledger = ledger_from_state(
+                    saved, piece_tokens, self.clock(), orphan_seconds=self.state.round_timeout, pinned=pinned
                 )
             except ValueError as e:
                 raise ValueError(f"checkpoint {ckpt.dir if ckpt else ''}: ledger.json: {e}") from None
         if ckpt is None:
-            return PieceDesk(ledger, self.roster)
-        ckpt.register("ledger", lambda: ledger.to_state() if ledger.dataset is not None else None)
-        return PieceDesk(ledger, self.roster, lambda state: ckpt.save_part("ledger", state))
+            return PieceDesk(ledger, self.roster, self.credits, self.state)
+        ckpt.register("ledger", lambda: ledger_state(ledger) if ledger.dataset is not None else None)
+        writes = CoalescedWrites(
+            lambda: ledger.changes,
+            lambda: ledger_snapshot(ledger),
+            lambda snap: ckpt.save_part("ledger", snap.to_state()),
+            LEDGER_WRITER.submit,
+        )
+        return PieceDesk(ledger, self.roster, self.credits, self.state, writes)
 
     def _save_credits(self) -> None:
         """Write the contribution credits on the pool if they changed, at most every CREDITS_SECONDS (and
@@ -190,6 +205,8 @@ class Shard:
         """After gRPC stopped: wait for the jobs still out, then write the whole checkpoint (OSError if a
         job or a checkpoint failed: the shard stopped for it)."""
         await self.runner.drain()  # jobs still out give their fragments back: the checkpoint is whole
+        if self.pieces is not None:
+            await self.pieces.settled()  # the ledger's write in flight goes first: the last one is newer
         if self.runner.fatal:
             raise OSError(self.runner.fatal)
         if self.checkpoint is not None and self.checkpoint.save_all(self.state):

@@ -10,6 +10,8 @@ import random
 import pytest
 
 from streamdiloco.server.storage.ledger import MAX_REPORT, Dataset, Ledger, LedgerError
+from streamdiloco.server.storage.ledgerstate import from_state, to_state
+from streamdiloco.server.storage.pieceset import PieceSet
 
 SHA = "ab" * 32
 
@@ -92,7 +94,7 @@ def test_epoch_ends_when_every_piece_is_done():
 def test_malformed_asks_change_nothing():
     led = ledger()
     led.ask("a", [], [], 1, 0.0)
-    before = json.dumps(led.to_state())
+    before = json.dumps(to_state(led))
     for done, held, want in [
         ([10], [], 1),
         ([], [-1], 1),
@@ -104,7 +106,7 @@ def test_malformed_asks_change_nothing():
         with pytest.raises(LedgerError) as e:
             led.ask("a", done, held, want, 0.0)
         assert e.value.kind == "invalid"
-    assert json.dumps(led.to_state()) == before
+    assert json.dumps(to_state(led)) == before
 
 
 def test_other_data_is_refused():
@@ -134,9 +136,7 @@ def test_random_run_trains_every_piece_once_per_epoch():
             led.release(w)
             del workers[w]
         elif action < 0.08:  # a save and a restart of the shard
-            led = Ledger.from_state(
-                json.loads(json.dumps(led.to_state())), 100, now, max_held=3, orphan_seconds=5
-            )
+            led = from_state(json.loads(json.dumps(to_state(led))), 100, now, max_held=3, orphan_seconds=5)
         else:
             mine = workers.get(w, [])
             done = mine[:1] if mine and rng.random() < 0.7 else []
@@ -160,8 +160,8 @@ def test_state_round_trip_and_orphans():
     led.ask("a", [], [], 2, 0.0)
     led.ask("b", [], [], 1, 0.0)
     led.ask("a", [0], [1], 1, 0.0)
-    back = Ledger.from_state(json.loads(json.dumps(led.to_state())), 100, now=10.0, orphan_seconds=5)
-    assert back.to_state() == led.to_state() and back.orphans == {"a": 15.0, "b": 15.0}
+    back = from_state(json.loads(json.dumps(to_state(led))), 100, now=10.0, orphan_seconds=5)
+    assert to_state(back) == to_state(led) and back.orphans == {"a": 15.0, "b": 15.0}
     assert ids(back.ask("a", [], [1], 1, 11.0)) == [1]  # back in time: keeps its piece
     assert back.expire(16.0) == ["b"] and ids(back.ask("c", [], [], 2, 16.0)) == [2, 3]
     check_rules(back)
@@ -173,13 +173,23 @@ def test_state_round_trip_and_orphans():
         (lambda s: s["held"].update(b=[1]), "held by both"),
         (lambda s: s["held"].update(b=[0]), "held by 'b' and done"),
         (lambda s: s["held"].update(b=[99]), "name piece 99"),
-        (lambda s: s["done"].update({"x": "a"}), "malformed entry"),
+        (lambda s: s["deferred"].update(b=[1]), "held by both"),
+        (lambda s: s.update(done="z1:@@"), "does not decode"),
+        (lambda s: s.update(done=PieceSet(80).encode()), "bytes long"),
+        (lambda s: s["done_by"].update(a=2), "add up"),
+        (lambda s: s["counted"].update(a=-1), "counted"),
+        (lambda s: s["recent"].update(a=[[0, 99]]), "recent"),
         (lambda s: s.update(epoch=-1), "epoch"),
         (lambda s: s["dataset"].update(piece_tokens=50), "--piece-tokens"),
         (lambda s: s["dataset"].update(sha256="zz"), "sha256"),
+        (lambda s: s["dataset"].update(confirmed="yes"), "confirmed"),
         (lambda s: s.pop("held"), "malformed"),
+        (lambda s: s.update(format=3), "format"),
         (
-            lambda s: (s["done"].update({str(p): "a" for p in range(10)}), s["held"].clear()),
+            lambda s: (
+                s.update(done=PieceSet(10, bytearray(b"\xff\x03")).encode(), done_by={"a": 10}),
+                s["held"].clear(),
+            ),
             "every piece done",
         ),
     ],
@@ -188,7 +198,26 @@ def test_damaged_state_is_refused(change, match):
     led = ledger()
     led.ask("a", [], [], 2, 0.0)
     led.ask("a", [0], [1], 1, 0.0)
-    state = json.loads(json.dumps(led.to_state()))
+    state = json.loads(json.dumps(to_state(led)))
     change(state)
     with pytest.raises(ValueError, match=match):
-        Ledger.from_state(state, 100, 0.0)
+        from_state(state, 100, 0.0)
+
+
+def test_a_checkpoint_of_the_first_format_loads():
+    """ledger.json as the shards before the bitmaps wrote it: every done piece with its worker."""
+    old = {
+        "format": 1,
+        "dataset": {"train_tokens": 1000, "piece_tokens": 100, "sha256": SHA},
+        "epoch": 1,
+        "done": {"0": "a", "1": "b"},
+        "previous": {str(p): "a" if p < 6 else "b" for p in range(10)},
+        "held": {"b": [2, 3]},
+    }
+    led = from_state(old, 100, now=5.0)
+    assert sorted(led.done) == [0, 1] and led.held == {"b": [2, 3]} and led.confirmed
+    assert (led.current.by, led.previous_by) == ({"a": 1, "b": 1}, {"a": 6, "b": 4})
+    assert led.ask("a", [0], [], 1, 6.0).repeated == [0]  # its report, retried: acknowledged
+    assert to_state(from_state(to_state(led), 100, 6.0)) == to_state(led)
+    unbound = {"format": 1, "dataset": old["dataset"], "epoch": 0, "done": {}, "previous": {}, "held": {}}
+    assert not from_state(unbound, 100, 0.0).confirmed  # nothing done under it: provisional

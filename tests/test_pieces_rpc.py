@@ -61,6 +61,17 @@ def ask(s: InThreadShard, w, done=(), held=(), want=1, sha=SHA, tokens=TOKENS, t
     return s.stub.Pieces(request, timeout=RPC_TIMEOUT)
 
 
+def credit(s: InThreadShard, name: str, tokens: float = 1e6) -> None:
+    """As if `name` had an accepted push whose round brought `tokens` into the model (the credits): its
+    asks confirm the run's data and its done reports are covered."""
+
+    def give() -> None:
+        row = s.service.credits.row(name)
+        row.pushes, row.rounds, row.tokens = row.pushes + 1, row.rounds + 1, row.tokens + tokens
+
+    s.on_loop(give)
+
+
 def ids(reply) -> list[int]:
     return [p.id for p in reply.held]
 
@@ -73,6 +84,7 @@ def refused(call) -> grpc.RpcError:
 
 def test_pieces_in_order_and_refusals_change_nothing(shard):
     a, b = shard.worker("a"), shard.worker("b")
+    credit(shard, "a")  # a pushed: its ask binds the data for good (b's other data is refused)
     r = ask(shard, a, want=2)
     assert [(p.id, p.start, p.end) for p in r.held] == [(0, 0, 100), (1, 100, 200)]
     assert (r.epoch, r.pieces_done, r.pieces_total, r.piece_tokens) == (0, 0, 11, 100)
@@ -129,6 +141,7 @@ def test_ledger_survives_a_restart_in_the_checkpoint(tmp_path):
     svc = service(tmp_path)
     s = InThreadShard(svc, tmp_path, fingerprint_json(svc), token=TOKEN)
     a = s.worker("a")
+    credit(s, "a")
     ask(s, a, want=2)
     ask(s, a, done=[0], held=[1], want=2)
     meta = json.loads((tmp_path / "ckpt-0" / "meta.json").read_text())
@@ -146,6 +159,7 @@ def test_ledger_survives_a_restart_in_the_checkpoint(tmp_path):
         b = s.worker("b")
         assert ids(ask(s, b, want=1)) == [3]  # a's pieces wait for it
         a = s.worker("a")
+        credit(s, "a")  # (the credits of the killed shard were not written yet)
         r = ask(s, a, done=[1], held=[2], want=1)  # back: it claims what it holds
         assert ids(r) == [2] and r.pieces_done == 2
     finally:

@@ -25,6 +25,7 @@ must not do: decide which piece is whose (the ledger does) or talk to any shard 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from typing import Any, Protocol
 
@@ -43,8 +44,12 @@ AHEAD = 1  # pieces asked for beyond the one being trained
 MAX_WANT = 8  # the ledger's MAX_HELD
 POLL_SECONDS = 1.0  # between asks while the ledger has no piece for this worker
 RPC_TIMEOUT = 30.0
-# answers that a later call may not get (the shard restarting, a session being reopened): asked again
-_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_REPORT = 64  # the ledger's bound on the done reports of one ask
+BACKOFF = (0.5, 8.0)  # seconds between asks that were answered with a refusal worth retrying: first, most
+# answers that a later call may not get, asked again with backoff: the shard restarting or stopping, a
+# session being reopened or still passive (UNAVAILABLE until its Ready), a call the shard shed under load
+# (RESOURCE_EXHAUSTED: a flood of waiting calls evicted it), a deadline
+_RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _NO_SESSION = "has no open session"  # FAILED_PRECONDITION while the link opens its session again: retried
 
 
@@ -52,6 +57,15 @@ def _retried(e: grpc.RpcError) -> bool:
     code = e.code() if hasattr(e, "code") else None
     details = (e.details() if hasattr(e, "details") else "") or ""
     return code in _RETRY or (code == grpc.StatusCode.FAILED_PRECONDITION and _NO_SESSION in details)
+
+
+def refusal_line(e: grpc.RpcError) -> str:
+    """What stops the stream, in one line: the status and the shard's words (a hostile shard's words
+    cannot start a line of their own in the worker's log)."""
+    code = e.code() if hasattr(e, "code") else None
+    details = (e.details() if hasattr(e, "details") else str(e)) or ""
+    words = " ".join(details.split())[:300]
+    return f"shard 0 refused to assign data: {words} ({code.name if code else 'no status'})"
 
 
 class PieceSource(Protocol):
@@ -241,11 +255,20 @@ class PieceStream:
     def start(self, source: PieceSource, interrupt: threading.Event | None = None) -> None:
         """Start asking `source` for pieces, on a thread of its own (after the worker joined)."""
         self._source, self.interrupt = source, interrupt
+        if isinstance(source, ShardPieces):
+            log.info(
+                "%s: pieces of data %s (%d train tokens); shard 0 pins it: --data-sha256 %s --data-tokens %d",
+                self.name,
+                source.sha256[:12],
+                source.train_tokens,
+                source.sha256,
+                source.train_tokens,
+            )
         self._thread = threading.Thread(target=self._asker, name="pieces", daemon=True)
         self._thread.start()
 
     def _asker(self) -> None:
-        backoff = 0.5
+        backoff = BACKOFF[0]
         leases = self.leases
         while True:
             with self._cond:
@@ -254,24 +277,22 @@ class PieceStream:
                         leases.idle = False  # a second without a piece: ask again
                 if self._closed:
                     return
-                done, claim = list(leases.pending), leases.claim()
+                done, claim = leases.pending[:MAX_REPORT], leases.claim()
                 want = min(MAX_WANT, len(leases.finished) + 1 + AHEAD)
             try:
                 assert self._source is not None
                 reply = self._source.ask(done, claim, want)
             except grpc.RpcError as e:
                 if _retried(e) and not self._closed:
-                    log.debug("%s: asking shard 0 for pieces: %s; again", self.name, e)
-                    self._sleep(backoff)
-                    backoff = min(5.0, backoff * 2)
+                    log.debug("%s: asking shard 0 for pieces: %s; again", self.name, refusal_line(e))
+                    self._sleep(backoff * random.uniform(0.5, 1.0))  # jittered: many workers, one shard
+                    backoff = min(BACKOFF[1], backoff * 2)
                     continue
                 with self._cond:
-                    self._error = (
-                        f"shard 0 refused to assign data: {e.details() if hasattr(e, 'details') else e}"
-                    )
+                    self._error = refusal_line(e)
                     self._cond.notify_all()
                 return
-            backoff = 0.5
+            backoff = BACKOFF[0]
             with self._cond:
                 self._error = leases.apply(reply, done, len(self.data)) or self._error
                 self._cond.notify_all()

@@ -240,7 +240,7 @@ class ShardService(pb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is stopping")
         await authenticate(sh.config.auth, context, request.token, request.worker)
         try:
-            return sh.pieces.answer(request, sh.clock())
+            return await sh.pieces.answer(request, sh.clock())
         except Refusal as r:
             await abort(context, r)
 

@@ -8,13 +8,32 @@ The rules, each checked by tests/test_ledger.py:
 - a piece that is neither done nor held is free, and the lowest free piece is leased first (in order);
 - when every piece is done the epoch ends: the counter goes up and every piece is free again;
 - an ask is idempotent: a worker that asks again with the same report (a retried call) gets the same pieces,
-  because what it holds is what it claims (`held`) and the lowest free pieces after that;
+  because what it holds is what it claims (`held`) and the lowest free pieces after that; an ask that
+  changes nothing counts no change (`changes`: the shard writes the ledger only when it moved);
 - a worker's pieces go back to the pool when it stops being a member (`release`, from the roster), when it
   does not claim them in an ask, and after a restart when it is not back within the grace (`expire`).
 
-Pure: no gRPC, no I/O, no torch; the clock is passed in. `to_state`/`from_state` are what the shard's
-checkpoint keeps (JSON data); `from_state` checks every field and the rules above, and refuses a state that
-breaks one (ValueError, one line). What it must not do: know about sessions, tokens or files.
+What a worker says is checked against what the shard knows of it (its `Standing`: accepted pushes, the
+tokens they brought into the model, a piece's expected time), the trust rules of tests/test_trust_ledger.py:
+- binding: the operator may pin the dataset (`pinned`); else the first ask binds it only provisionally,
+  and until a worker with an accepted push confirms a dataset by asking for it, a later ask that names
+  another takes the binding over (the provisional leases are dropped): an ask without a push never binds
+  the data for good, and never locks the honest workers out before their first push. A confirmed or pinned
+  dataset is the run's: any other is refused;
+- a done report is counted only while the worker's counted tokens stay within COVER times the tokens its
+  accepted pushes brought into the model (the credits'); a report beyond that is deferred: the piece stays
+  the worker's, trained, and is counted when its pushes cover it (at its next ask or the next tick), or goes
+  back to the pool when its lease lapses. A report sooner after the lease than 1/FAST of a piece's expected
+  time for that worker is refused (the piece goes back);
+- a lease lapses `lease_of(worker)` seconds after it was given (or reported, for a deferred piece); the
+  piece goes back and is barred to that worker for as long (so that an idle holder cannot take it again);
+- a worker without an accepted push owns at most `max_held` pieces (held and deferred); one with pushes at
+  most MAX_DEFERRED more.
+
+The done set of an epoch is a bitmap (server/storage/pieceset.py); who did how many pieces is counted per
+worker. Pure: no gRPC, no I/O, no torch; the clock is passed in. `snapshot` is what the shard's checkpoint
+keeps (server/storage/ledgerstate.py writes and reads it, and checks every field). What it must not do: know
+about sessions, tokens or files.
 """
 
 from __future__ import annotations
@@ -22,13 +41,19 @@ from __future__ import annotations
 import heapq
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-FORMAT = 1
+from streamdiloco.server.storage.pieceset import PieceSet
+
 MAX_HELD = 8  # pieces a worker may hold at once (the one it trains and those it asked for ahead)
 MAX_REPORT = 64  # ids in one ask's `done` or `held` list
-MAX_PIECES = 1 << 24  # pieces of one dataset (a ledger of 16M pieces is ~200 MB of JSON: not sensible)
+MAX_DEFERRED = MAX_REPORT  # trained pieces a worker with pushes may own beyond MAX_HELD, awaiting its pushes
+MAX_PIECES = 1 << 24  # pieces of one dataset (the done set is a bitmap of 2 MiB at this bound)
 ORPHAN_SECONDS = 300.0  # after a restart: how long a worker's pieces wait for it to come back and claim them
+COVER = 2.0  # done tokens per credited token: a piece's tokens exceed what trains in it by up to a window
+FAST = 8.0  # a report sooner than 1/FAST of a piece's expected time after its lease is refused
+RECENT = MAX_REPORT  # the pieces counted for a worker that a retried report is acknowledged for
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -71,12 +96,31 @@ class Dataset:
         start = piece * self.piece_tokens
         return start, min(self.train_tokens, start + self.piece_tokens)
 
+    def named(self) -> str:
+        return f"{self.sha256[:12]}... ({self.train_tokens:,} train tokens)"
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the shard knows of a worker that asks (server/edge/pieces.py makes it from the credits and the
+    run's pace): its accepted pushes, the tokens they brought into the model, and a piece's expected time
+    for it (0: not known yet)."""
+
+    pushes: int = 0
+    credited: float = 0.0
+    piece_seconds: float = 0.0
+
+
+TRUSTED = Standing(pushes=1, credited=math.inf)  # no trust rule holds it back (pure tests, benchmarks)
+
 
 @dataclass
 class Grant:
     """An ask's answer: the pieces the worker holds now, in the order to train them ((id, start, end)),
-    the epoch, pieces done in it of the total, the done reports refused (pieces it did not hold) and those
-    counted before (a report sent again: after a lost reply, or by a worker resumed from its checkpoint)."""
+    the epoch, pieces done in it of the total, the done reports refused (pieces it did not hold, or reported
+    faster than they train) and those counted before (a report sent again: after a lost reply, or by a
+    worker resumed from its checkpoint); `binding`: what the ask did to the binding ("bound", "confirmed",
+    "moved": it took a provisional binding over; None: nothing)."""
 
     held: list[tuple[int, int, int]]
     epoch: int
@@ -84,86 +128,222 @@ class Grant:
     total: int
     refused: list[int] = field(default_factory=list)
     repeated: list[int] = field(default_factory=list)
+    binding: str | None = None
+
+
+@dataclass
+class Epoch:
+    """One pass over the data: its number, its done pieces, and how many each worker did."""
+
+    number: int
+    done: PieceSet
+    by: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Tick:
+    """What a tick did: workers a restart waited for in vain, lapsed leases by worker, pieces counted."""
+
+    gone: list[str]
+    lapsed: dict[str, list[int]]
+    counted: int
+
+
+class Leases:
+    """Who owns which piece: the pieces each worker holds to train (`held`, in order) and those it reported
+    trained that wait for its pushes (`deferred`), and since when each lease runs."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+        self.deferred: dict[str, list[int]] = {}
+        self.owner: dict[int, str] = {}
+        self.since: dict[int, float] = {}  # when the lease began (or the report came, for a deferred one)
+
+    def owned(self, worker: str) -> int:
+        return len(self.held.get(worker, ())) + len(self.deferred.get(worker, ()))
+
+    def give(self, worker: str, piece: int, now: float) -> None:
+        self.owner[piece] = worker
+        self.since[piece] = now
+        self.held.setdefault(worker, []).append(piece)
+
+    def defer(self, worker: str, piece: int, now: float) -> None:
+        self._remove(self.held, worker, piece)
+        self.deferred.setdefault(worker, []).append(piece)
+        self.since[piece] = now
+
+    def drop(self, piece: int) -> str:
+        """The piece is nobody's any more; returns whose it was."""
+        worker = self.owner.pop(piece)
+        del self.since[piece]
+        table = self.deferred if piece in self.deferred.get(worker, ()) else self.held
+        self._remove(table, worker, piece)
+        return worker
+
+    @staticmethod
+    def _remove(table: dict[str, list[int]], worker: str, piece: int) -> None:
+        pieces = table[worker]
+        pieces.remove(piece)
+        if not pieces:
+            del table[worker]
 
 
 class Ledger:
-    """Pieces, their holders and the epoch's done set (see the module's docstring)."""
+    """Pieces, their holders and the epoch's done set (see the module's docstring). `pinned`: the dataset
+    the operator gave (--data-sha256, --data-tokens): the run's from the start, any other refused."""
 
-    def __init__(self, piece_tokens: int, max_held: int = MAX_HELD, orphan_seconds: float = ORPHAN_SECONDS):
+    def __init__(
+        self,
+        piece_tokens: int,
+        max_held: int = MAX_HELD,
+        orphan_seconds: float = ORPHAN_SECONDS,
+        pinned: Dataset | None = None,
+    ):
         if not 0 < piece_tokens <= 1 << 40:
             raise ValueError(f"--piece-tokens must be positive, got {piece_tokens}")
         if not 1 <= max_held <= MAX_HELD:
             raise ValueError(f"max_held must be in [1, {MAX_HELD}], got {max_held}")
         self.piece_tokens, self.max_held, self.orphan_seconds = piece_tokens, max_held, orphan_seconds
-        self.dataset: Dataset | None = None  # bound by the first ask: the run's data from then on
-        self.epoch = 0
-        self.done: dict[int, str] = {}  # piece -> the worker that trained it, this epoch
-        self.previous: dict[int, str] = {}  # the same for the epoch before (a retried report is acknowledged)
-        self.held: dict[str, list[int]] = {}  # worker -> its pieces, in the order it trains them
-        self.owner: dict[int, str] = {}  # piece -> the worker that holds it
+        self.dataset: Dataset | None = None
+        self.confirmed = False  # by a worker with an accepted push, or pinned: the run's data for good
+        self.pinned = pinned is not None
+        self.current = Epoch(0, PieceSet(0))
+        self.previous_by: dict[str, int] = {}  # pieces each worker did in the epoch before
+        self.leases = Leases()
+        self.counted: dict[str, int] = {}  # worker -> tokens of its done pieces counted, over the run
+        self.recent: dict[str, tuple[tuple[int, int], ...]] = {}  # worker -> its last (epoch, piece) counted
         self.orphans: dict[str, float] = {}  # after a restart: workers not back yet, and until when
-        self._next = 0  # pieces from here on have never been leased in this epoch
-        self._returned: list[int] = []  # heap: pieces below _next given back, free again
-        self.changes = 0  # counts changes: the shard saves the ledger when it moved
+        self.barred: dict[str, dict[int, float]] = {}  # worker -> pieces it let lapse, until when
+        self.loaded_at = -math.inf  # leases restored from a checkpoint run from here
+        self._cursor = 0  # pieces below it that are free are in _returned
+        self._returned: list[int] = []  # heap: pieces below _cursor given back, free again (some stale)
+        self.changes = 0  # counts changes of what the checkpoint keeps: the shard writes it when it moved
+        if pinned is not None:
+            self.bind(pinned)
+            self.confirmed = True
 
-    # --- asks ----------------------------------------------------------------------------------------------
-    def bind(self, dataset: Dataset) -> None:
-        """Take `dataset` as the run's (the first ask), or check that it is the run's; LedgerError if not."""
+    # --- views ---------------------------------------------------------------------------------------------
+    epoch = property(lambda self: self.current.number)
+    done = property(lambda self: self.current.done)
+    held = property(lambda self: self.leases.held)
+    owner = property(lambda self: self.leases.owner)
+
+    # --- the binding ---------------------------------------------------------------------------------------
+    def bind(self, dataset: Dataset, standing: Standing = TRUSTED) -> str | None:
+        """Take `dataset` as the run's, or check it against the run's (see the module's docstring); returns
+        what changed ("bound", "confirmed", "moved", None); LedgerError "mismatch", nothing changed, when the
+        run's data is confirmed (or pinned) and is another."""
         if dataset.piece_tokens != self.piece_tokens:
             raise LedgerError(
                 "mismatch",
                 f"the run's pieces are of {self.piece_tokens:,} tokens, not {dataset.piece_tokens:,}",
             )
-        if self.dataset is None:
-            self.dataset = dataset
+        pushed, ds = standing.pushes > 0, self.dataset
+        if ds is not None and (dataset.sha256, dataset.train_tokens) == (ds.sha256, ds.train_tokens):
+            if self.confirmed or not pushed:
+                return None
+            self.confirmed = True
             self.changes += 1
-        elif (dataset.sha256, dataset.train_tokens) != (self.dataset.sha256, self.dataset.train_tokens):
-            d = self.dataset
+            return "confirmed"
+        if ds is not None and self.confirmed:
+            how = "pinned by the operator" if self.pinned else "confirmed by a worker's accepted push"
             raise LedgerError(
                 "mismatch",
-                f"this run trains data {d.sha256[:12]}... ({d.train_tokens:,} train tokens); the worker "
-                f"has {dataset.sha256[:12]}... ({dataset.train_tokens:,}): give every worker the same data",
+                f"this run trains data {ds.named()}, {how}; the worker has {dataset.named()}: give every "
+                "worker the same data",
             )
+        moved = ds is not None
+        self.dataset, self.confirmed = dataset, pushed
+        self.current, self.previous_by = Epoch(0, PieceSet(dataset.pieces)), {}
+        self.leases, self.orphans, self.barred = Leases(), {}, {}
+        self._cursor, self._returned = 0, []
+        self.changes += 1
+        return "moved" if moved else "bound"
 
-    def ask(self, worker: str, done: list[int], held: list[int], want: int, now: float) -> Grant:
-        """`worker` reports the pieces it trained to the end (`done`), claims those it still holds (`held`)
-        and asks to hold up to `want` pieces after the call. Its pieces that it neither claims nor reports
-        go back to the pool; a done report of a piece it does not hold is refused (Grant.refused), not
-        applied. LedgerError, nothing changed, when the ask is malformed or no dataset is bound."""
-        ds = self._checked(done, held, want)
+    # --- asks ----------------------------------------------------------------------------------------------
+    def ask(
+        self,
+        worker: str,
+        done: list[int],
+        held: list[int],
+        want: int,
+        now: float,
+        standing: Standing = TRUSTED,
+        dataset: Dataset | None = None,
+    ) -> Grant:
+        """`worker` (named `dataset`, if given: bound or checked first) reports the pieces it trained to the
+        end (`done`), claims those it still holds (`held`) and asks to hold up to `want` pieces after the
+        call. Its pieces that it neither claims nor reports go back to the pool; a done report of a piece it
+        does not hold is refused (Grant.refused), not applied. LedgerError, nothing changed, when the ask is
+        malformed, names another dataset than the run's confirmed one, or no dataset is bound.
+        `standing`: what the shard knows of the worker (TRUSTED: for a caller that checks nothing)."""
+        ds = self._checked(dataset or self.dataset, done, held, want)
+        binding = self.bind(ds, standing) if dataset is not None else None
         self.orphans.pop(worker, None)  # it is back: what it does not claim is given back now
+        refused, repeated = self._reports(worker, done, now, standing)
+        claimed = set(held)
+        for p in [p for p in self.leases.held.get(worker, []) if p not in claimed]:
+            self._free(p)
+        self._count_covered(worker, standing)
+        cap = self.max_held + (MAX_DEFERRED if standing.pushes > 0 else 0)
+        mine = self.leases.held.get(worker, [])
+        while len(mine) < want and self.leases.owned(worker) < cap:
+            if (new := self._take(worker)) is None:
+                break
+            self.leases.give(worker, new, now)
+            self.changes += 1
+            mine = self.leases.held[worker]
+        leased = [(q, *ds.bounds(q)) for q in mine]
+        cur = self.current
+        return Grant(leased, cur.number, len(cur.done), ds.pieces, refused, repeated, binding)
+
+    def _reports(self, worker: str, done: list[int], now: float, standing: Standing) -> tuple[list, list]:
+        """Apply the done reports: deferred until counted (`_count_covered`), or refused, or acknowledged
+        as counted before."""
         refused, repeated = [], []
-        mine = self.held.get(worker, [])
+        recent = {p for e, p in self.recent.get(worker, ()) if e >= self.current.number - 1}
+        leases = self.leases
         for p in done:
-            if self.owner.get(p) == worker:
-                self.done[p] = worker
-                del self.owner[p]
-                mine.remove(p)
-            elif self.done.get(p) == worker or self.previous.get(p) == worker:
+            if leases.owner.get(p) == worker:
+                if p in leases.deferred.get(worker, ()):
+                    continue  # reported before: it waits for the worker's pushes
+                started = max(leases.since[p], self.loaded_at)
+                if standing.piece_seconds > 0 and now - started < standing.piece_seconds / FAST:
+                    self._free(p)  # faster than it trains: not counted, and not the worker's any more
+                    refused.append(p)
+                    continue
+                leases.defer(worker, p, now)
+                self.changes += 1
+            elif p in recent:
                 repeated.append(p)  # counted already
             else:
                 refused.append(p)  # not its piece (a lease it lost): not counted
-        claimed = set(held)
-        for p in [p for p in mine if p not in claimed]:
-            self._free(p)
-            mine.remove(p)
-        if len(self.done) == ds.pieces:  # every piece is done: the next epoch
-            self.epoch += 1
-            self.previous, self.done = self.done, {}
-            self._next, self._returned = 0, []
-        while len(mine) < want and (new := self._take()) is not None:
-            self.owner[new] = worker
-            mine.append(new)
-        if mine:
-            self.held[worker] = mine
-        else:
-            self.held.pop(worker, None)
-        self.changes += 1
-        leased = [(q, *ds.bounds(q)) for q in mine]
-        return Grant(leased, self.epoch, len(self.done), ds.pieces, refused, repeated)
+        return refused, repeated
 
-    def _checked(self, done: list[int], held: list[int], want: int) -> Dataset:
-        ds = self.dataset
+    def _count_covered(self, worker: str, standing: Standing) -> int:
+        """Count the worker's deferred pieces, oldest first, while its pushes cover them."""
+        ds, waiting, n = self.dataset, self.leases.deferred.get(worker), 0
+        assert ds is not None
+        while waiting:
+            p = waiting[0]
+            start, end = ds.bounds(p)
+            if self.counted.get(worker, 0) + (end - start) > COVER * standing.credited:
+                break
+            self.leases.drop(p)
+            self.current.done.add(p)
+            self.current.by[worker] = self.current.by.get(worker, 0) + 1
+            self.counted[worker] = self.counted.get(worker, 0) + end - start
+            self.recent[worker] = (*self.recent.get(worker, ())[-(RECENT - 1) :], (self.current.number, p))
+            self.changes += 1
+            n += 1
+            waiting = self.leases.deferred.get(worker)
+        if n and len(self.current.done) == ds.pieces:  # every piece is done: the next epoch
+            self.previous_by = self.current.by
+            self.current = Epoch(self.current.number + 1, PieceSet(ds.pieces))
+            self._cursor, self._returned, self.barred = 0, [], {}
+        return n
+
+    def _checked(self, ds: Dataset | None, done: list[int], held: list[int], want: int) -> Dataset:
         if ds is None:
             raise LedgerError("invalid", "no dataset is bound: the first ask names it")
         if not 0 <= want <= self.max_held:
@@ -181,29 +361,41 @@ class Ledger:
             raise LedgerError("invalid", "a piece is listed both done and held")
         return ds
 
-    def _take(self) -> int | None:
-        """The lowest free piece, taken; None when every piece is done or held."""
-        assert self.dataset is not None
-        if self._returned:
-            return heapq.heappop(self._returned)
-        if self._next < self.dataset.pieces:
-            self._next += 1
-            return self._next - 1
-        return None
+    def _take(self, worker: str) -> int | None:
+        """The lowest free piece that is not barred to `worker`, or None."""
+        bars, skipped, found = self.barred.get(worker, {}), [], None
+        owner, done = self.leases.owner, self.current.done
+        while self._returned and found is None:
+            p = heapq.heappop(self._returned)
+            if p in owner or p in done:
+                continue  # stale
+            if p in bars:
+                skipped.append(p)
+            else:
+                found = p
+        while found is None and (p := done.first_missing(self._cursor)) is not None:
+            self._cursor = p + 1
+            if p in bars:
+                skipped.append(p)
+            elif p not in owner:
+                found = p
+        for p in skipped:
+            heapq.heappush(self._returned, p)
+        return found
 
     def _free(self, piece: int) -> None:
-        del self.owner[piece]
+        self.leases.drop(piece)
         heapq.heappush(self._returned, piece)
+        self.changes += 1
 
-    # --- members that go -----------------------------------------------------------------------------------
+    # --- members that go, leases that lapse ----------------------------------------------------------------
     def release(self, worker: str) -> list[int]:
-        """The worker stopped being a member: its pieces go back to the pool (returned, lowest first)."""
-        pieces = self.held.pop(worker, [])
+        """The worker stopped being a member: the pieces it holds go back to the pool (returned, lowest
+        first); those it reported trained stay its own until its pushes count them or they lapse."""
+        pieces = list(self.leases.held.get(worker, []))
         for p in pieces:
             self._free(p)
         self.orphans.pop(worker, None)
-        if pieces:
-            self.changes += 1
         return pieces
 
     def expire(self, now: float) -> list[str]:
@@ -214,125 +406,46 @@ class Ledger:
             self.release(w)
         return gone
 
+    def tick(
+        self, now: float, standing_of: Callable[[str], Standing], lease_of: Callable[[str], float]
+    ) -> Tick:
+        """Each second: workers a restart waited for in vain give their pieces back (`expire`), leases older
+        than `lease_of(worker)` seconds lapse (the piece is barred to that worker as long), and deferred
+        pieces that the workers' pushes now cover are counted."""
+        gone, lapsed = self.expire(now), {}
+        for worker in sorted(set(self.leases.owner.values())):
+            lease = lease_of(worker)
+            mine = self.leases.held.get(worker, []) + self.leases.deferred.get(worker, [])
+            for p in [p for p in mine if now - max(self.leases.since[p], self.loaded_at) > lease]:
+                self._free(p)
+                self.barred.setdefault(worker, {})[p] = now + lease
+                lapsed.setdefault(worker, []).append(p)
+        for worker, bars in list(self.barred.items()):
+            for p in [p for p, until in bars.items() if until <= now]:
+                del bars[p]
+            if not bars:
+                del self.barred[worker]
+        counted = sum(self._count_covered(w, standing_of(w)) for w in list(self.leases.deferred))
+        return Tick(gone, lapsed, counted)
+
     # --- what it says --------------------------------------------------------------------------------------
     def status(self) -> dict:
         """/api/status's "data": progress through the dataset."""
         ds = self.dataset
         return {
             "bound": ds is not None,
+            "confirmed": self.confirmed,
+            "pinned": self.pinned,
             "piece_tokens": self.piece_tokens,
             "train_tokens": ds.train_tokens if ds else 0,
             "sha256": ds.sha256 if ds else "",
             "pieces_total": ds.pieces if ds else 0,
-            "pieces_done": len(self.done),
-            "pieces_held": len(self.owner),
-            "epoch": self.epoch,
-            "held": {w: list(ps) for w, ps in sorted(self.held.items())},
+            "pieces_done": len(self.current.done),
+            "pieces_held": sum(len(ps) for ps in self.leases.held.values()),
+            "pieces_deferred": sum(len(ps) for ps in self.leases.deferred.values()),
+            "epoch": self.current.number,
+            "held": {w: list(ps) for w, ps in sorted(self.leases.held.items())},
+            "done_by": dict(sorted(self.current.by.items())),
+            "previous_by": dict(sorted(self.previous_by.items())),
             "waiting_for": sorted(self.orphans),
         }
-
-    # --- checkpoint ----------------------------------------------------------------------------------------
-    def to_state(self) -> dict:
-        """What the shard's checkpoint keeps (JSON data)."""
-        ds = self.dataset
-        return {
-            "format": FORMAT,
-            "dataset": None
-            if ds is None
-            else {"train_tokens": ds.train_tokens, "piece_tokens": ds.piece_tokens, "sha256": ds.sha256},
-            "epoch": self.epoch,
-            "done": {str(p): w for p, w in sorted(self.done.items())},
-            "previous": {str(p): w for p, w in sorted(self.previous.items())},
-            "held": {w: list(ps) for w, ps in sorted(self.held.items())},
-        }
-
-    @classmethod
-    def from_state(
-        cls,
-        state: object,
-        piece_tokens: int,
-        now: float,
-        max_held: int = MAX_HELD,
-        orphan_seconds: float = ORPHAN_SECONDS,
-    ) -> Ledger:
-        """A ledger as `to_state` saved it, each field checked; the workers that hold pieces get
-        `orphan_seconds` from `now` to come back and claim them. ValueError (one line) when the state is
-        malformed, of other pieces than `piece_tokens`, or breaks a rule (a piece held twice, or held and
-        done)."""
-        led = cls(piece_tokens, max_held, orphan_seconds)
-        try:
-            led._load(state)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"the data ledger is malformed ({type(e).__name__}: {e})") from None
-        led.orphans = dict.fromkeys(led.held, now + orphan_seconds)
-        led.changes = 0
-        return led
-
-    def _load(self, state: object) -> None:
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"the data ledger is not of format {FORMAT}")
-        d = state["dataset"]
-        if d is None:
-            if state["done"] or state["held"] or state["previous"] or state["epoch"]:
-                raise ValueError("the data ledger has pieces but no dataset")
-            return
-        if not isinstance(d, dict) or not all(
-            isinstance(d[k], int) for k in ("train_tokens", "piece_tokens")
-        ):
-            raise ValueError("the data ledger's dataset is malformed")
-        if d["piece_tokens"] != self.piece_tokens:
-            raise ValueError(
-                f"the data ledger cuts pieces of {d['piece_tokens']:,} tokens, this shard "
-                f"{self.piece_tokens:,}: start it with the same --piece-tokens, or --fresh"
-            )
-        ds = self.dataset = Dataset(d["train_tokens"], d["piece_tokens"], str(d["sha256"]))
-        epoch = state["epoch"]
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 1 << 53:
-            raise ValueError(f"the data ledger's epoch is {epoch!r}")
-        self.epoch = epoch
-        self.done, self.previous = (
-            self._pieces_by_worker(state[k], ds.pieces, k) for k in ("done", "previous")
-        )
-        held = state["held"]
-        if not isinstance(held, dict):
-            raise ValueError("the data ledger's held is not a table")
-        for w, ps in held.items():
-            if (
-                not isinstance(w, str)
-                or not w
-                or not isinstance(ps, list)
-                or not 0 < len(ps) <= self.max_held
-            ):
-                raise ValueError(f"the data ledger's held pieces of {str(w)[:80]!r} are malformed")
-            for p in ps:
-                if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < ds.pieces:
-                    raise ValueError(f"the data ledger's held pieces of {w!r} name piece {p!r}")
-                if p in self.owner:
-                    raise ValueError(
-                        f"the data ledger has piece {p} held by both {self.owner[p]!r} and {w!r}"
-                    )
-                if p in self.done:
-                    raise ValueError(f"the data ledger has piece {p} held by {w!r} and done")
-                self.owner[p] = w
-            self.held[w] = list(ps)
-        if len(self.done) >= ds.pieces:
-            raise ValueError("the data ledger has every piece done and its epoch not ended")
-        taken = set(self.done) | set(self.owner)
-        self._next = max(taken) + 1 if taken else 0
-        self._returned = [p for p in range(self._next) if p not in taken]
-        heapq.heapify(self._returned)
-
-    @staticmethod
-    def _pieces_by_worker(table: object, pieces: int, what: str) -> dict[int, str]:
-        if not isinstance(table, dict):
-            raise ValueError(f"the data ledger's {what} is not a table")
-        out = {}
-        for k, w in table.items():
-            if (
-                not (isinstance(k, str) and k.isdigit() and int(k) < pieces)
-                or not isinstance(w, str)
-                or not w
-            ):
-                raise ValueError(f"the data ledger's {what} has a malformed entry {str(k)[:20]!r}")
-            out[int(k)] = w
-        return out
