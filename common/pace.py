@@ -17,9 +17,12 @@ clocks into the rounds, which the shards, the simulator and a resumed worker wou
 Speeds are measured, not declared: each worker reports the median of its recent seconds per inner step
 (training, data and anything else between two steps, but not the time it waited for updates) with its
 pushes; each shard answers every accepted push with the run's pace, the largest step time its members
-reported. k depends only on step times, which do not depend on k, so there is no feedback loop to drift;
-the slowest member (k = 1) sets the pace. A worker that lies about its speed can make the others do at
-most `max_steps_per_tick` inner steps per schedule step.
+with a recent accepted push reported, each clamped to within `max_steps_per_tick` of their upper median
+(server/rounds/members.py). k depends only on step times, which do not depend on k, so there is no
+feedback loop to drift; the slowest member (k = 1) sets the pace. A worker that lies about its speed can
+make the others do at most `max_steps_per_tick` inner steps per schedule step, and moves the pace by at
+most that factor of the others' median while it pushes (at M = 2, the upper median is its own word: a
+round at most --round-timeout).
 
 Pure: numbers in, numbers out; the engine, the shards and the simulator use these same functions.
 """
@@ -27,7 +30,7 @@ Pure: numbers in, numbers out; the engine, the shards and the simulator use thes
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from streamdiloco.common.config import SyncConfig
@@ -44,10 +47,21 @@ def valid_step_seconds(value: float) -> bool:
     return 0.0 < value <= MAX_STEP_SECONDS  # NaN fails both comparisons
 
 
-def pace_seconds(reported: Iterable[float | None]) -> float:
-    """The run's pace from its members' reported seconds per inner step: the slowest's (0.0: none known)."""
-    known = [s for s in reported if s is not None and valid_step_seconds(s)]
-    return max(known, default=0.0)
+def pace_seconds(reported: Iterable[float | None], spread: float = math.inf) -> float:
+    """The run's pace from its members' reported seconds per inner step (0.0: none known): the slowest's,
+    each report first clamped to within a factor `spread` of their upper median (`robust_pace`)."""
+    known = sorted(s for s in reported if s is not None and valid_step_seconds(s))
+    return robust_pace(known, spread)
+
+
+def robust_pace(known: Sequence[float], spread: float) -> float:
+    """The pace from valid reports sorted ascending: the largest, at most `spread` times their upper median
+    (0.0 for none). A report is a worker's word: clamped to [median / spread, median x spread], one liar's
+    cannot set the pace beyond a factor of the others' (of two, the upper median is the larger: a fast
+    claim cannot lower the honest member's pace, and a slow one is one member's word against one)."""
+    if not known:
+        return 0.0
+    return min(known[-1], spread * known[len(known) // 2])
 
 
 def steps_per_tick(pace: float, own: float | None, cfg: SyncConfig) -> float:

@@ -52,8 +52,8 @@ class RoundRunner:
     ) -> None:
         self.state, self.checkpoint, self.metrics, self.dashboard = state, checkpoint, metrics, dashboard
         self.down_chunk, self.deliver, self.on_closing, self.clock = down_chunk, deliver, closing, clock
-        # the contribution credits: each closed round's tokens per worker; and the shares of the pushes that
-        # fold jobs took out of a round still open ((fragment, round) -> worker -> summed shares)
+        # the contribution credits: each closed round's tokens per worker; and the credits of the pushes that
+        # fold jobs took out of a round still open ((fragment, round) -> worker -> summed credits)
         self.credits = credits if credits is not None else Credits(state.layout.num_fragments)
         self.folded: dict[tuple[int, int], dict[str, float]] = {}
         self.stopping = False  # shutting down: sessions end, but no round closes because of that
@@ -83,7 +83,7 @@ class RoundRunner:
         for fragment, why in self.state.due(now, pushed):
             started = self.state.open[fragment].started_at
             job = self.state.begin_close(fragment, why, now)
-            # every push of the round is settled now (its share: the weight after the caps)
+            # every push of the round is settled now (its credit: the weight after the caps, never stretched)
             job.credit(self.folded.pop((fragment, job.round), {}))
             self.on_closing(fragment)  # pushes still arriving for the closed round are late now
             self.closing[fragment] = self._start(self._close(job, started))
@@ -244,6 +244,6 @@ class RoundRunner:
 
 
 def add_shares(into: dict[str, float], pushes: Iterable[Push]) -> None:
-    """Add settled pushes' shares (their weights after the caps) into `into`, by worker."""
+    """Add settled pushes' credits (their weights after the caps, never stretched) into `into`, by worker."""
     for p in pushes:
-        into[p.worker] = into.get(p.worker, 0.0) + p.share
+        into[p.worker] = into.get(p.worker, 0.0) + p.credited

@@ -36,6 +36,9 @@ class Push:
     mult: float = 0.0  # what its values are multiplied by in the sum: share * scale
     loss: float | None = None  # the training loss it reported
     step_seconds: float | None = None  # the worker's seconds per inner step, as its header reported
+    # once settled: what the contribution credits and later quorums count it with (capped like `share`, never
+    # stretched; one token for a lone push nothing could check: server/rounds/defenses.py)
+    credited: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.share:  # not settled yet: as reported
@@ -54,6 +57,7 @@ class OpenRound:
     weights: list[float] = field(default_factory=list)  # every whole push's reported weight, and norm:
     norms: list[float] = field(default_factory=list)  # what caps and clips are relative to (and history)
     settled: float = 0.0  # the sum of the shares of the pushes settled so far (the mean's divisor)
+    counted: float = 0.0  # and of what they count with in the quorum (Push.credited)
     used_norms: list[float] = field(default_factory=list)  # their norms as used (clipped ones at the bound)
     clipped: list[str] = field(default_factory=list)  # workers whose push was clipped, or weight capped
     capped: list[str] = field(default_factory=list)
@@ -258,17 +262,17 @@ class CloseJob:
     opt: OuterOptimizer  # the fragment's, the job's until ShardState takes it back
     saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
     closing: ClosingRound
-    # worker -> the shares of its pushes in the round, those folded ahead included (`credit`: the
-    # contribution credits' tokens, logged with the round)
+    # worker -> what its pushes in the round are credited with (Push.credited: the share, bounded, never
+    # stretched), those folded ahead included (`credit`: the contribution credits' tokens, logged with the round)
     tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
 
     def credit(self, folded: dict[str, float]) -> None:
-        """The tokens the round credits per worker: the shares of its pushes that fold jobs took out of it
+        """The tokens the round credits per worker: the credits of its pushes that fold jobs took out of it
         while it was open (`folded`), and those of the pushes it closes with (settled now)."""
         self.tokens = dict(folded)
         for p in self.pushes:
-            self.tokens[p.worker] = self.tokens.get(p.worker, 0.0) + p.share
+            self.tokens[p.worker] = self.tokens.get(p.worker, 0.0) + p.credited
 
     @property
     def round(self) -> int:

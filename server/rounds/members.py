@@ -1,8 +1,16 @@
 """Who a shard's rounds wait for: its members (each from which round of each fragment on), those of them that
-are dormant (they missed a round: not expected until a push of theirs arrives again), what each last pushed
-(the weight a round counts on from it, and the step time it reported: the run's pace), and, after a restart,
-the members its checkpoint names, waited for as if they were here until they are back or their time is up
-(without them a round could close without a push it had acknowledged).
+are dormant (they missed a round: not expected until an accepted push of theirs), what each last pushed
+(the share a round counts on from it, the round of its last accepted push of each fragment, and the step
+time it reported: the run's pace), and, after a restart, the members its checkpoint names, waited for as if
+they were here until they are back or their time is up (without them a round could close without a push it
+had acknowledged).
+
+The pace is robust to one liar (issue 37): only members with a recent accepted push count (one that missed
+a round leaves it until an accepted push of its own), and each one's report is clamped to within
+`spread` (--max-steps-per-tick) of their upper median (common/pace.py's `robust_pace`). A late push wakes a
+dormant member only when it just missed one round (its last accepted push of that fragment is the round
+before the one that closed without it): waited for again, it catches up; a member further behind goes on
+from where the run is (the worker's skip-ahead), and a liar cannot keep itself expected with late chunks.
 
 Split from server/rounds/state.py (ShardState, which fixes a round's expected members from these when the
 round starts, and tells this class who pushed and who missed a round) by job. server/trust/roster.py is the
@@ -12,25 +20,45 @@ round closes.
 
 from __future__ import annotations
 
-from streamdiloco.common.pace import pace_seconds, valid_step_seconds
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from streamdiloco.common.pace import robust_pace, valid_step_seconds
+
+# Names whose last share and accepted rounds are kept after they leave (a member that reconnects is not
+# one that never pushed): at most this many beyond the members, the oldest forgotten first.
+MAX_REMEMBERED = 4096
 
 
+@dataclass
+class Known:
+    """What a member's accepted pushes told: the share its last settled push counted with (None: none
+    settled yet), and per fragment the round of its last accepted push (-1: none)."""
+
+    rounds: list[int]
+    share: float | None = None
+
+
+@dataclass
 class RoundMembers:
-    """The members of one shard's rounds, and those it waits for after a restart."""
+    """The members of one shard's rounds, and those it waits for after a restart. `spread`: how far one
+    member's reported step time may be from the others' upper median (--max-steps-per-tick)."""
 
-    def __init__(self, num_fragments: int):
-        self.num_fragments = num_fragments
-        self.members: set[str] = set()
-        self.member_from: dict[str, list[int]] = {}  # member -> first round of each fragment it pushes
-        self.restored: set[str] = set()  # the members the checkpoint names
-        self.returning: set[str] = set()  # those of them not back yet, waited for until `returning_until`
-        self.returning_until: float | None = None
-        # members that were expected by a round that closed without them: no round that starts from now on
-        # waits for them, until a push of theirs arrives (accepted or late: it is there and keeping a pace)
-        self.dormant: set[str] = set()
-        self.weights: dict[str, float] = {}  # member -> the share its last push had in a closed round
-        self.step_seconds: dict[str, float] = {}  # member -> the step time its last accepted push reported
-        self._pace: float | None = 0.0  # the largest of step_seconds (None: to be counted again)
+    num_fragments: int
+    spread: float = math.inf
+    members: set[str] = field(default_factory=set)
+    member_from: dict[str, list[int]] = field(default_factory=dict)  # member -> first round of each fragment
+    restored: set[str] = field(default_factory=set)  # the members the checkpoint names
+    returning: set[str] = field(default_factory=set)  # those not back yet, waited for until returning_until
+    returning_until: float | None = None
+    # members that were expected by a round that closed without them: no round that starts from now on
+    # waits for them, until an accepted push of theirs (or a late one, just behind: `late`)
+    dormant: set[str] = field(default_factory=set)
+    known: dict[str, Known] = field(default_factory=dict)  # oldest first (kept after a member leaves)
+    # members with a recent accepted push -> the step time it reported; its values, ascending (the pace)
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    _steps: list[float] = field(default_factory=list)
 
     def add(self, worker: str, from_rounds: list[int] | None = None) -> None:
         """Rounds that start from now on wait for this worker; with `from_rounds`, only rounds
@@ -49,8 +77,11 @@ class RoundMembers:
         self.members.discard(worker)
         self.member_from.pop(worker, None)
         self.dormant.discard(worker)
-        self.weights.pop(worker, None)
         self._forget_step(worker)
+        if len(self.known) > MAX_REMEMBERED + len(self.members) + MAX_REMEMBERED // 4:
+            # forget the oldest names that left (in batches: O(1) a departure, amortized)
+            for name in [n for n in self.known if n not in self.members][: len(self.known) - MAX_REMEMBERED]:
+                del self.known[name]
 
     def expected(self, fragment: int, number: int) -> frozenset[str]:
         """Who round `number` of the fragment waits for (dormant members aside)."""
@@ -70,37 +101,67 @@ class RoundMembers:
             self.returning_until = None
         return self.members | self.returning
 
-    def heard(self, worker: str, step_seconds: float | None = None) -> None:
-        """A push of the worker's arrived (accepted, with the step time it reported, or late): it is not
-        dormant from now on."""
+    def heard(
+        self, worker: str, step_seconds: float | None = None, fragment: int | None = None, round: int = -1
+    ) -> None:
+        """An accepted push of the worker's (of `round` of `fragment`, reporting `step_seconds`): it is not
+        dormant from now on, and its step time is in the pace."""
         self.dormant.discard(worker)
-        if step_seconds is not None:
+        if fragment is not None:
+            self._known(worker).rounds[fragment] = round
+        if step_seconds is not None and valid_step_seconds(step_seconds):
             self._forget_step(worker)
             self.step_seconds[worker] = step_seconds
-            if self._pace is not None and step_seconds > self._pace and valid_step_seconds(step_seconds):
-                self._pace = step_seconds
+            bisect.insort(self._steps, step_seconds)
+
+    def late(self, worker: str, fragment: int, open_round: int) -> bool:
+        """A push of the worker's for a closed round of `fragment` (whose open round is `open_round`)
+        arrived: it wakes the worker only if its last accepted push of the fragment was to the round before
+        the one that closed last (it just missed one). True if it was dormant and is woken."""
+        known = self.known.get(worker)
+        if worker not in self.dormant or known is None or known.rounds[fragment] != open_round - 2:
+            return False
+        self.dormant.discard(worker)
+        return True
+
+    def _known(self, worker: str) -> Known:
+        known = self.known.pop(worker, None)  # moved to the end: the most recent
+        if known is None:
+            known = Known([-1] * self.num_fragments)
+        self.known[worker] = known
+        return known
 
     def _forget_step(self, worker: str) -> None:
-        """The worker's step time leaves the pace: counted again (once) only if it was the pace."""
+        """The worker's step time leaves the pace."""
         old = self.step_seconds.pop(worker, None)
-        if old is not None and self._pace is not None and old >= self._pace:
-            self._pace = None
+        if old is not None:
+            del self._steps[bisect.bisect_left(self._steps, old)]
 
     def missed(self, workers: set[str]) -> None:
-        """A round closed without these expected members' pushes: they are dormant until they push again."""
-        self.dormant.update(w for w in workers if w in self.members)
+        """A round closed without these expected members' pushes: they are dormant until they push again,
+        and their step times leave the pace."""
+        for w in workers:
+            if w in self.members:
+                self.dormant.add(w)
+                self._forget_step(w)
 
     def pushed(self, shares: dict[str, float]) -> None:
-        """These members' pushes were settled at these shares: what later rounds count on from them."""
-        self.weights.update(shares)
+        """These members' pushes were settled at these shares (bounded, never stretched): what later rounds
+        count on from them."""
+        for worker, share in shares.items():
+            self._known(worker).share = share
+
+    def share(self, worker: str) -> float | None:
+        """The share the worker's last settled push counted with (None: it never had one)."""
+        known = self.known.get(worker)
+        return None if known is None else known.share
 
     def pace(self) -> float:
-        """The run's pace: the slowest member's reported seconds per inner step (0.0: none reported). Kept,
-        and counted over the members again only when the slowest one's report went down or it left: a
-        shard asks at every push, and with a thousand members counting each time made a round O(N^2)."""
-        if self._pace is None:
-            self._pace = pace_seconds(self.step_seconds.values())
-        return self._pace
+        """The run's pace: the slowest reported seconds per inner step of the members with a recent accepted
+        push, each clamped to within `spread` of their upper median (0.0: none reported). O(1): the reports
+        are kept sorted (O(log N) a report), as a shard asks at every push and a thousand members must not
+        make a round O(N^2)."""
+        return robust_pace(self._steps, self.spread)
 
     def saved(self) -> list[str]:
         """The members as a checkpoint names them."""

@@ -92,6 +92,15 @@ class RobustConfig:
         default=1,
         metadata={"help": "recent rounds of each fragment whose weights and norms join the medians"},
     )
+    trust_speed: bool = field(
+        default=False,
+        metadata={
+            "help": "--sync-schedule adaptive: stretch a push's weight cap by its site's speed over the pace "
+            "(k, from the step time the worker reports) and its norm clip by k^2, as an honest site k times "
+            "faster needs; a worker's word, so only for a run whose workers are all trusted (`launch` turns "
+            "it on); off: every push is held to the same bounds",
+        },
+    )
     trim: float = field(
         default=0.25,
         metadata={
@@ -131,7 +140,10 @@ class RobustConfig:
 
 
 def median(values: Sequence[float]) -> float | None:
-    """The median (the mean of the middle two for an even count), or None for no values."""
+    """The median (the mean of the middle two for an even count; of exactly two, the lower one: either may
+    be a liar's, and their mean is half the liar's), or None for no values."""
+    if len(values) == 2:
+        return min(values)
     return statistics.median(values) if values else None
 
 

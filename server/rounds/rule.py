@@ -1,17 +1,25 @@
 """When a shard's round closes: the rule, as pure arithmetic on what ShardState knows of the round (who has
-pushed, who is still waited for, the weight in hand, the clock and the run's pace). The design's reasons are
+pushed, who is still waited for, the shares in hand, the clock and the run's pace). The design's reasons are
 in docs/design.md ("Rounds that close on the run's pace"); in short, a round closes
 - "all": when every expected member still here (dormant ones aside) has pushed, with at least
   `min_workers` contributions;
-- "quorum": when its pushes carry `quorum` of the expected weight, with at least `min_workers`, and the
-  grace has passed since: `round_grace` of a round's length at the pace (H x the slowest member's step
-  time), at least GRACE_MIN seconds, at most `round_timeout`;
+- "quorum": when it holds the quorum, with at least `min_workers`, and no member it waits for is one that
+  never had an accepted push, once the grace has passed since the later of the quorum and a round's length
+  at the pace after the round opened (H x the pace: honest members push about then, whenever a liar's push
+  came). The grace is `round_grace` of a round's length at the pace, at least GRACE_MIN seconds, at most
+  `round_timeout`;
 - "deadline": when it holds the quorum `round_timeout` after it opened (the previous round closed), with at
   least `min_workers` or, when fewer can push (members that never pushed cannot), all of those;
 - "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (and
   at least --round-timeout after its first push), so that nothing waits forever, while a member that pushes
   the moment a round opens never closes one that the others have not reached;
 - "empty": when every expected member has left.
+
+The quorum counts only what has arrived (issue 37): --quorum of the distinct members (those that pushed
+against those pushed and still waited for, each counting) and --quorum of the weight (the pushes' shares,
+bounded and never stretched, against those plus each waited-for member's last share, capped at
+--weight-cap x the round's reference median). A member that never pushed adds no weight: it stands in for
+nobody's, and no typical weight of the pushes (a liar's own) stands in for it.
 
 Split from server/rounds/state.py (ShardState, which gathers the round's numbers and keeps `quorum_at`) by
 job. What it must not do: keep state, or read a clock.
@@ -60,20 +68,22 @@ class RoundRule:
             return self.round_timeout
         return min(max(self.round_grace * self.sync_every * pace, GRACE_MIN), self.round_timeout)
 
-    def holds_quorum(self, pushed: float, n: int, pending: list[float | None]) -> bool:
-        """Whether `pushed` (the weight of the round's n pushes, capped as the mean takes them) is --quorum
-        of the expected weight: it and the pending members' (the share of each one's last push; None, one
-        that never pushed, counts with the mean share of the pushes in hand)."""
-        if not pushed > 0:
+    def holds_quorum(self, pushed: float, n: int, pending: list[float | None], cap: float | None) -> bool:
+        """Whether the round's n pushes, of shares summing to `pushed` (bounded, never stretched), are
+        --quorum of the distinct members (the n and the `pending` members, every one counting) and of the
+        weight (`pushed` and the pending members' last shares, each at most `cap`: a member that never had
+        one, None, adds none)."""
+        if not pushed > 0 or n < self.quorum * (n + len(pending)):
             return False
-        typical = pushed / n
-        return pushed >= self.quorum * (pushed + sum(typical if w is None else w for w in pending))
+        waited = sum(w if cap is None else min(w, cap) for w in pending if w is not None)
+        return pushed >= self.quorum * (pushed + waited)
 
     def why(
         self,
         n: int,
         pending: int,
         can: int,
+        unknown: bool,
         opened_at: float,
         started_at: float,
         quorum_at: float | None,
@@ -81,16 +91,20 @@ class RoundRule:
         pace: float,
     ) -> str | None:
         """Why the round closes now (None: it does not), "empty" aside: `n` contributions, `pending` expected
-        members that have not pushed, `can`: how many of both ever pushed, the round open since `opened_at`,
-        its first push at `started_at`, the quorum held since `quorum_at`."""
+        members that have not pushed, `can`: how many of both ever pushed, `unknown`: one of the pending
+        never had an accepted push (the pace cannot say when its first arrives: no quorum close before the
+        deadline), the round open since `opened_at`, its first push at `started_at`, the quorum held since
+        `quorum_at`."""
         if not pending and n >= self.min_workers:
             return "all"
         # --min-workers waits for members that never pushed only until the deadline
         enough = n >= min(self.min_workers, can)
         length = self.sync_every * pace if pace else self.round_timeout  # a round's, at the pace
         deadline = opened_at + self.round_timeout
-        if quorum_at is not None and n >= self.min_workers and quorum_at + self.grace(pace) <= now < deadline:
-            return "quorum"
+        if quorum_at is not None and n >= self.min_workers and not unknown and now < deadline:
+            # the grace runs from the quorum, but not from before the honest members' pushes are due
+            if max(quorum_at, opened_at + length) + self.grace(pace) <= now:
+                return "quorum"
         if quorum_at is not None and enough and now >= deadline:
             return "deadline"
         # (and not sooner than --round-timeout after its first push: the pace is unknown at a run's start)

@@ -98,7 +98,7 @@ class ShardState:
             )
             for f, vec in enumerate(initial)
         ]
-        self.roll = RoundMembers(layout.num_fragments)
+        self.roll = RoundMembers(layout.num_fragments, spread=cfg.max_steps_per_tick)
         self.staging = Staging(shard, self.fragments, cfg, staged_limit)  # staged_limit: bytes arriving
         self.bytes_received = 0  # codec bytes (payload + scales) of accepted pushes
         self.pushes_accepted = 0
@@ -220,10 +220,10 @@ class ShardState:
         try:
             st = self.staging.chunk(self.defenses, chunk)
         except PushRejected as e:
-            if e.reason == "late":  # it is there: rounds from now wait for it again (by their grace)
-                # a worker far behind (resumed after a freeze, restarted from an older checkpoint) would else
-                # stay behind, none of its pushes counting; waited for, the others slow down and it catches up
-                self.roll.heard(worker)
+            if e.reason == "late":  # just behind (it missed only the round that closed last): waited for again
+                # by the rounds that start from now (by their grace), it catches up; further behind, the worker
+                # goes on from where the run is (its skip-ahead), and late chunks keep no liar expected
+                self.roll.late(worker, fragment, self.fragments[fragment].open.number)
             raise
         if st is None:
             return False
@@ -231,7 +231,7 @@ class ShardState:
         rnd = fr.open
         if rnd.started_at is None:  # the round starts with its first whole push: who is expected is fixed now
             rnd.start(now, self.roll.expected(fragment, rnd.number) | {worker})
-        self.roll.heard(worker, st.step_seconds)
+        self.roll.heard(worker, st.step_seconds, fragment, round)
         push = Push(
             worker, st.weight, st.asm, math.sqrt(st.sumsq), loss=st.loss, step_seconds=st.step_seconds
         )
@@ -288,14 +288,19 @@ class ShardState:
             and not self.staging.arriving(fr.index)
         ):
             return "empty"  # everyone expected has left: close with what there is
-        weights = self.roll.weights
+        roll = self.roll
+        shares = [roll.share(m) for m in pending]  # each one's last share (None: none settled yet)
         if rnd.quorum_at is None:
-            kept = self.defenses.shares(fr.recent, rnd, rnd.kept, pace, mean=False)
-            pushed = rnd.settled + sum(kept)  # folded: settled
-            if self.rule.holds_quorum(pushed, n, [weights.get(m) for m in pending]):
+            # what has arrived, bounded and never stretched (folded: settled) against the pending members'
+            # last shares, each capped
+            pushed = rnd.counted + sum(self.defenses.counted(fr.recent, rnd, rnd.kept))
+            cap = self.defenses.pending_cap(fr.recent, rnd)
+            if self.rule.holds_quorum(pushed, n, shares, cap):
                 rnd.quorum_at = now
-        can = n + sum(1 for m in pending if m in weights)  # members that never pushed cannot
-        return self.rule.why(n, len(pending), can, rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
+        can = n + sum(1 for w in shares if w is not None)  # members that never pushed cannot
+        unknown = any(m not in roll.known for m in pending)  # never had an accepted push: no quorum close
+        times = (rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
+        return self.rule.why(n, len(pending), can, unknown, *times)
 
     def close_round(self, fragment: int, why: str = "all", now: float | None = None) -> ClosedRound:
         """Close the open round: average, outer step, quantized update; opens the next round (at `now`).
@@ -343,7 +348,7 @@ class ShardState:
         """Settle pushes of the fragment's round about to be folded (server/rounds/defenses.py); their shares
         are what later rounds count on from their workers."""
         self.defenses.settle(fr.recent, fr.open, pushes, self.pace())
-        self.roll.pushed({p.worker: p.share for p in pushes})
+        self.roll.pushed({p.worker: p.credited for p in pushes})
 
     def hold(self, fragment: int) -> None:
         """Keep the fragment's state still (no close or fold) until `release`: a checkpoint is reading it."""
