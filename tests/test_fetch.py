@@ -5,7 +5,10 @@ one resumed from what was received, a round that closed meanwhile started over, 
 one line. Then a hostile shard: a real in-process gRPC server in front of a real shard (Join and Session
 pass through) whose Fetch sends non-finite values, or a slice of another size than the run's layout: a
 joining worker refuses it with the reason and its model keeps its parameters; a link that resynchronizes
-from it keeps its mirror's state as it was.
+from it keeps its mirror's state as it was. And (issue 37) a Fetch that a full edge refuses
+(RESOURCE_EXHAUSTED) is tried again after a backoff; a call that brings nothing for `stall` seconds is ended
+and resumed; a link whose resync Fetch the shard stalls resumes it, or, when every call stalls, fails in one
+line after --reconnect-timeout instead of holding its thread for ever.
 """
 
 from __future__ import annotations
@@ -254,6 +257,46 @@ def test_a_worker_link_fetch_is_patient_and_names_its_bound_when_it_gives_up(scr
     assert time.monotonic() - t0 < 10
 
 
+def test_a_fetch_of_attempts_tries_a_full_edge_again_after_a_backoff(scripted):
+    """RESOURCE_EXHAUSTED: the shard ended the call to make room for a flood's, or this address holds its
+    Fetch calls: a tool's Fetch (and a reconnect's resync) tries again, after 0.25..0.5 s, then 0.5..1 s."""
+    script, stub = scripted(_busy, _busy, lambda request, context: honest(request))
+    t0 = time.monotonic()
+    got = fetch_slices(stub, SIZES, where="shard 0 at here", attempts=3)
+    assert all(torch.equal(got.slices[f], values(f, 4)) for f in SIZES) and len(script.requests) == 3
+    assert time.monotonic() - t0 >= 0.75
+    _, stub = scripted(_busy)
+    with pytest.raises(FetchError, match="failed: RESOURCE_EXHAUSTED: 4 Fetch calls at once"):
+        fetch_slices(stub, SIZES, where="shard 0 at here", attempts=2)
+
+
+def stalled_after(n: int) -> Callable:
+    """The first `n` chunks of an honest stream, then nothing, with the call open until the client ends it."""
+
+    def call(request, context):
+        yield from honest(request)[:n]
+        while context.is_active():
+            time.sleep(0.01)
+
+    return call
+
+
+def test_a_call_silent_for_the_stall_deadline_is_ended_and_resumed(scripted):
+    script, stub = scripted(stalled_after(2), lambda request, context: honest(request))
+    t0 = time.monotonic()
+    got = fetch_slices(stub, SIZES, where="shard 0 at here", stall=0.5)
+    assert all(torch.equal(got.slices[f], values(f, 4)) for f in SIZES)
+    assert [(list(r.fragments), r.offset) for r in script.requests] == [([0, 1, 2], 0), ([0, 1, 2], 600)]
+    assert time.monotonic() - t0 >= 0.5
+    script, stub = scripted(stalled_after(0))  # every call: given up after its attempts, and said why
+    with pytest.raises(FetchError) as e:
+        fetch_slices(stub, SIZES, where="shard 0 at here", attempts=2, stall=0.3)
+    assert str(e.value) == (
+        "Fetch from shard 0 at here failed: DEADLINE_EXCEEDED: no message for 0.3 s (the call stalled)"
+    )
+    assert len(script.requests) == 2
+
+
 def test_in_describe_mode_the_sizes_come_from_the_shards_description(scripted):
     def described(request, context):
         chunks = honest(request)
@@ -321,15 +364,35 @@ class Hostile(pb_grpc.ShardServicer):
         yield from self.lie(list(self.upstream.Fetch(request, timeout=WAIT)))
 
 
+class Stalling(Hostile):
+    """A shard in front of a real one whose first `stalls` Fetch calls (every one: None) send nothing, the
+    call held open until the worker ends it; the others pass through."""
+
+    def __init__(self, upstream: pb_grpc.ShardStub, stalls: int | None):
+        super().__init__(upstream, lambda chunks: chunks)
+        self.stalls, self.calls = stalls, 0
+
+    def Fetch(self, request, context):
+        self.calls += 1
+        if self.stalls is None or self.calls <= self.stalls:
+            while context.is_active():
+                time.sleep(0.01)
+            return
+        yield from super().Fetch(request, context)
+
+
 @pytest.fixture
 def hostile(tmp_path):
     fp = model_fingerprint(build_layout(build_gpt("nano"), 3), CFG)
     shard = InThreadShard(shard_of(CFG, "nano", 0, 1), tmp_path, json.dumps(fp))
     servers = []
 
-    def start(lie) -> str:
+    def start(lie: Callable[[list], list] | None = None, stalls: int | None = None) -> str:
+        """A hostile shard's address: Fetch lies (`lie`), or stalls (`stalls` calls, every one: None)."""
+        front = Hostile(shard.stub, lie) if lie is not None else Stalling(shard.stub, stalls)
+        start.front = front  # type: ignore[attr-defined]
         server = grpc.server(ThreadPoolExecutor(8))
-        pb_grpc.add_ShardServicer_to_server(Hostile(shard.stub, lie), server)
+        pb_grpc.add_ShardServicer_to_server(front, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
@@ -359,31 +422,66 @@ def test_a_joining_worker_refuses_masters_that_do_not_check_and_keeps_its_parame
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def _lose_round_1(link: ShardLink, shard: InThreadShard) -> None:
+    """Worker "a" closes rounds 0..2 of fragment 0 on the real shard; the (passive) link takes round 0's
+    update and loses round 1's: a resync must fetch fragment 0's master."""
+    link.start()  # passive: it gets the updates through the hostile shard's Session
+    a = shard.worker("a")
+    n = shard.service.state.ranges[0][1]
+    for r in range(3):
+        delta = torch.randn(n, generator=torch.Generator().manual_seed(r)) * 1e-2
+        a.push(push_messages(encode(delta, CFG.uplink_codec, CFG.codec_block_size), round=r))
+        assert a.session.result().accepted
+        assert a.session.update(), r
+    link.wait_update(0, 0, timeout=WAIT)  # taken: the mirror holds round 0
+    deadline = time.monotonic() + WAIT
+    while not link.inspect(lambda st: {(0, 1), (0, 2)} <= set(st.arrived), timeout=WAIT):
+        assert time.monotonic() < deadline, "rounds 1 and 2 did not reach the link"
+        time.sleep(0.01)
+    link.inspect(lambda st: st.arrived.pop((0, 1)), timeout=WAIT)  # as if round 1's update were lost
+
+
+def _look(st) -> tuple:
+    return (list(st.held), list(st.covered), dict(st.masters), sorted(st.arrived))
+
+
 def test_a_link_that_resyncs_from_a_hostile_shard_keeps_its_state(hostile):
     link = ShardLink(hostile(non_finite), "L", hostile.fingerprint, join_timeout=10, reconnect_timeout=10)
-    shard = hostile.shard
     try:
-        link.start()  # passive: it gets the updates through the hostile shard's Session
-        a = shard.worker("a")
-        n = shard.service.state.ranges[0][1]
-        for r in range(3):
-            delta = torch.randn(n, generator=torch.Generator().manual_seed(r)) * 1e-2
-            a.push(push_messages(encode(delta, CFG.uplink_codec, CFG.codec_block_size), round=r))
-            assert a.session.result().accepted
-            assert a.session.update(), r
-        link.wait_update(0, 0, timeout=WAIT)  # taken: the mirror holds round 0
-        deadline = time.monotonic() + WAIT
-        while not link.inspect(lambda st: {(0, 1), (0, 2)} <= set(st.arrived), timeout=WAIT):
-            assert time.monotonic() < deadline, "rounds 1 and 2 did not reach the link"
-            time.sleep(0.01)
-        link.inspect(lambda st: st.arrived.pop((0, 1)), timeout=WAIT)  # as if round 1's update were lost
-
-        def look(st):
-            return (list(st.held), list(st.covered), dict(st.masters), sorted(st.arrived))
-
-        before = link.inspect(look, timeout=WAIT)
+        _lose_round_1(link, hostile.shard)
+        before = link.inspect(_look, timeout=WAIT)
         with pytest.raises(SyncError, match="shard 0 at .*: fragment 0: the chunk holds non-finite values"):
             link.resync(timeout=WAIT)
-        assert link.inspect(look, timeout=WAIT) == before == ([1, 0, 0], [0, 0, 0], {}, [(0, 2)])
+        assert link.inspect(_look, timeout=WAIT) == before == ([1, 0, 0], [0, 0, 0], {}, [(0, 2)])
+    finally:
+        link.close()
+
+
+def test_a_link_whose_resync_fetch_the_shard_stalls_ends_the_call_and_resumes_it(hostile):
+    """Before, the link's thread waited on the stalled stream for ever (resync() timed out here)."""
+    link = ShardLink(hostile(stalls=2), "L", hostile.fingerprint, join_timeout=10, reconnect_timeout=10)
+    link.conn.fetch_stall = 0.5  # the worker's is a minute
+    try:
+        _lose_round_1(link, hostile.shard)
+        link.resync(timeout=2 * WAIT)  # two calls ended at the deadline, the third brings the master
+        assert hostile.front.calls == 3 and link.fetches == 1
+        assert link.inspect(_look, timeout=WAIT)[1] == [3, 0, 0]  # the master holds rounds < 3
+    finally:
+        link.close()
+
+
+def test_a_link_whose_every_resync_fetch_stalls_fails_in_one_line_after_its_patience(hostile):
+    link = ShardLink(hostile(stalls=None), "L", hostile.fingerprint, join_timeout=10, reconnect_timeout=1.5)
+    link.conn.fetch_stall = 0.5
+    try:
+        _lose_round_1(link, hostile.shard)
+        before = link.inspect(_look, timeout=WAIT)
+        with pytest.raises(SyncError) as e:
+            link.resync(timeout=WAIT)
+        assert str(e.value).startswith("Fetch from shard 0 at 127.0.0.1:") and "\n" not in str(e.value)
+        assert "(last: DEADLINE_EXCEEDED: no message for 0.5 s (the call stalled)); giving up after " in str(
+            e.value
+        ) and str(e.value).endswith("--reconnect-timeout 1.5 s")
+        assert hostile.front.calls >= 2 and link.inspect(_look, timeout=WAIT) == before
     finally:
         link.close()
