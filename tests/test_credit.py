@@ -290,15 +290,16 @@ def test_a_shard_counts_pushes_rounds_and_tokens_and_keeps_them_across_a_restart
         credits = shard.status()["credits"]
         rows = {w["worker"]: w for w in credits["workers"]}
         p = CFG.num_fragments
-        # b's 300 tokens count as the median of the two, 200 (the weight cap): over the run's 3 fragments
-        assert rows["b"]["tokens"] == pytest.approx(200 / p) and rows["b"]["capped"] == 1
+        # b's 300 tokens count as the median of the two, the lower one (the weight cap; their mean, 200, was
+        # half a liar's claim): over the run's 3 fragments
+        assert rows["b"]["tokens"] == pytest.approx(100 / p) and rows["b"]["capped"] == 1
         assert rows["a"]["tokens"] == pytest.approx(100 / p) and rows["a"]["capped"] == 0
         assert (rows["a"]["pushes"], rows["a"]["late"], rows["a"]["refused"]) == (1, 1, {"bad_weight": 1})
         assert all(r["rounds"] == 1 and r["sessions"] == 1 and r["connected"] for r in rows.values())
         assert all(r["via"] == "nothing" for r in rows.values())  # a shard without credentials
         assert credits["identities"] == 2 and credits["others"]["identities"] == 0
         metrics = _get(shard.http_port, "/metrics")
-        assert f'streamdiloco_shard_credit_tokens{{worker="b"}} {200 / p!r}' in metrics
+        assert f'streamdiloco_shard_credit_tokens{{worker="b"}} {100 / p!r}' in metrics
         assert 'streamdiloco_shard_credit_pushes{outcome="late",worker="a"} 1.0' in metrics
         assert 'streamdiloco_shard_credit_tokens{worker=""} 0.0' in metrics  # the rest: nobody
         # the checkpoint as a crash would leave it now: the ledger written at the start (empty), and the

@@ -19,6 +19,7 @@ from streamdiloco.server.rounds.robust import RobustConfig
 
 ADAPTIVE = SyncConfig(sync_schedule="adaptive", max_steps_per_tick=4.0)
 FIXED = SyncConfig(sync_schedule="fixed")
+TRUSTED = RobustConfig(trust_speed=True)  # `launch`'s: the workers' reported speeds are believed
 
 
 def push(worker: str, weight: float, norm: float, loss: float | None = None, step_seconds=None) -> Push:
@@ -42,13 +43,15 @@ def test_a_reported_weight_is_cut_to_max_weight_times_its_stretch():
     assert unknown.reported(1e12) == 1e12 and unknown.weights_capped == 0
 
 
-def test_a_push_stretches_by_its_sites_speed_over_the_pace_only_with_the_adaptive_schedule():
-    adaptive, fixed = Defenses(RobustConfig(), ADAPTIVE), Defenses(RobustConfig(), FIXED)
+def test_a_push_stretches_by_its_sites_speed_over_the_pace_only_with_the_adaptive_schedule_and_trust():
+    adaptive, fixed = Defenses(TRUSTED, ADAPTIVE), Defenses(TRUSTED, FIXED)
     assert adaptive.stretch(2.0, 1.0) == 2.0  # twice as fast as the slowest member
     assert adaptive.stretch(10.0, 1.0) == 4.0  # at most max_steps_per_tick
     assert adaptive.stretch(1.0, 2.0) == 1.0  # slower than the pace: never below 1
     assert adaptive.stretch(2.0, None) == adaptive.stretch(0.0, 1.0) == 1.0  # either unknown
     assert fixed.stretch(2.0, 1.0) == 1.0
+    # the default (a shard facing the internet): a reported speed is a worker's word, and buys nothing
+    assert Defenses(RobustConfig(), ADAPTIVE).stretch(10.0, 1e-6) == 1.0
 
 
 def test_the_options_say_what_the_shard_measures_and_folds():
@@ -78,13 +81,28 @@ def test_settle_cuts_the_outliers_share_and_clips_its_norm_to_twice_the_median()
     assert d.closing(rnd) == {"weights": [1.0, 1.0], "norms": [1.0, 1.0]}  # the lower halves
 
 
-def test_a_faster_sites_share_and_clip_stretch_by_k_and_k_squared():
-    d = Defenses(RobustConfig(), ADAPTIVE)
+def test_a_faster_sites_share_and_clip_stretch_by_k_and_k_squared_but_not_its_credit():
+    d = Defenses(TRUSTED, ADAPTIVE)
     a, b, fast = push("a", 1.0, 1.0), push("b", 1.0, 1.0), push("fast", 10.0, 8.0, step_seconds=0.5)
     rnd = round_of([a, b, fast])
     d.settle(d.recent(), rnd, [a, b, fast], pace=1.0)  # k = 2: its share up to 2, its norm up to 2 * 4
     assert (fast.share, fast.scale) == (2.0, 1.0)
     assert rnd.used_norms == [1.0, 1.0, 8.0] and rnd.clipped == [] and rnd.capped == ["fast"]
+    # credits and quorums never count a stretched share: what it is credited with is the median's multiple
+    assert fast.credited == 1.0 and rnd.settled == 4.0 and rnd.counted == 3.0
+
+
+def test_a_lone_push_nothing_can_check_keeps_its_weight_in_the_mean_and_is_credited_one_token():
+    d = Defenses(RobustConfig(), FIXED)
+    liar = push("liar", 2.0**53, 1e6)
+    rnd = round_of([liar])
+    d.settle(d.recent(), rnd, [liar])
+    assert (liar.share, liar.scale, liar.credited) == (2.0**53, 1.0, 1.0)  # a mean of one: that push
+    assert d.closing(rnd) == {"weights": [], "norms": []}  # and it leaves no history to be relative to
+    bounded = Defenses(RobustConfig(max_weight=4096.0), FIXED)
+    liar = push("liar", 4096.0, 1e6)
+    bounded.settle(bounded.recent(), round_of([liar]), [liar])
+    assert liar.credited == 4096.0  # the operator's bound, where it set one
 
 
 def test_with_fewer_than_three_pushes_the_recent_rounds_join_the_median():
@@ -92,10 +110,25 @@ def test_with_fewer_than_three_pushes_the_recent_rounds_join_the_median():
     recent = d.recent({"weights": [[4.0, 4.0, 4.0]], "norms": [[1.0]]})
     liar = push("liar", 40.0, 1.0)
     rnd = round_of([liar])
-    assert d.shares(recent, rnd, [liar], pace=0.0, mean=False) == [4.0]  # median of 40, 4, 4, 4
+    assert (
+        d.shares(recent, rnd, [liar], pace=0.0) == d.counted(recent, rnd, [liar]) == [4.0]
+    )  # of 40, 4, 4, 4
     honest = push("h", 3.0, 1.0)
     alone = round_of([honest])
-    assert d.shares(recent, alone, [honest], pace=0.0) == [3.0]  # the round's weights are all alike
+    assert d.shares(recent, alone, [honest], pace=0.0) == [3.0]  # below the median of 3, 4, 4, 4
+    one = d.recent({"weights": [[4.0]], "norms": [[1.0]]})
+    assert d.shares(one, rnd, [liar], pace=0.0) == [4.0]  # a pool of two: the lower, not their mean (22)
+
+
+def test_a_round_of_two_is_capped_and_clipped_relative_to_the_lower_of_the_two():
+    # one of two may be a liar: their mean would be half its own weight and norm, and never cap or clip it
+    d = Defenses(RobustConfig(), FIXED)
+    honest, liar = push("h", 100.0, 1.0), push("liar", 2.0**53, 1e6)
+    rnd = round_of([honest, liar])
+    d.settle(d.recent(), rnd, [honest, liar])
+    assert (honest.share, honest.scale) == (100.0, 1.0)
+    assert liar.share == liar.credited == 100.0 and liar.scale == pytest.approx(2.0 / 1e6)
+    assert d.closing(rnd) == {"weights": [100.0], "norms": [1.0]}
 
 
 def test_recent_rounds_keep_the_last_history_rounds_that_brought_something():

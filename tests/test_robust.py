@@ -55,8 +55,9 @@ def test_a_norm_is_clipped_to_a_multiple_of_the_median():
     scales, bound = clip_scales(norms, norms, 2.0)
     assert bound == pytest.approx(2.2) and scales[:3] == [1.0, 1.0, 1.0]
     assert scales[3] == pytest.approx(2.2 / 100.0)
-    # two pushes and no history: the median is their mean, so neither is ever beyond twice it
-    assert clip_scales([1.0, 1000.0], [1.0, 1000.0], 2.0)[0] == [1.0, 1.0]
+    # two pushes and no history: of two values the median is the lower (their mean, 500.5, never clipped
+    # either: one of two may be a liar's, and the mean is half its own)
+    assert clip_scales([1.0, 1000.0], [1.0, 1000.0], 2.0)[0] == [1.0, 2e-3]
     # ... and the recent rounds' norms are what tells them apart
     assert clip_scales([1.0, 1000.0], [1.0, 1000.0, 1.0, 1.1, 0.9, 1.0], 2.0)[0][1] == pytest.approx(2e-3)
     assert clip_scales([5.0], [], 2.0) == ([1.0], math.inf)

@@ -1,6 +1,7 @@
 """Sites of unequal speed (issue 16, part 2): sync_schedule "adaptive" gives a faster worker more inner
 steps per schedule step (common/pace.py), so that it does not wait for a slower one; the shards validate
-the step times workers report and stretch their weight caps; the simulator measures the quality."""
+the step times workers report and, where told to trust them (--trust-speed, `launch`), stretch their weight
+caps; the simulator measures the quality."""
 
 from __future__ import annotations
 
@@ -83,11 +84,17 @@ def test_a_push_reporting_a_step_time_no_worker_can_have_is_refused(bad):
     assert problem is not None and "step time must be 0 (not measured) or in (0, 3600] seconds" in problem
 
 
-@pytest.mark.parametrize("schedule, fast_share", [("fixed", 1.5 / 2.5), ("adaptive", 2 / 3)])
-def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule(schedule, fast_share):
-    # two honest workers, one with twice the tokens: the fixed schedule's cap (1 x the median) cuts the
-    # larger weight, the adaptive one's stretches by the fast push's own k (it reports half the step time)
-    # and keeps the token weighting
+@pytest.mark.parametrize(
+    "schedule, trust_speed, fast_share",
+    [("fixed", True, 1 / 2), ("adaptive", True, 2 / 3), ("adaptive", False, 1 / 2)],
+)
+def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule_and_trust(
+    schedule, trust_speed, fast_share
+):
+    # two honest workers, one with twice the tokens: the fixed schedule's cap (1 x the median: of two, the
+    # lower) cuts the larger weight, the adaptive one's stretches by the fast push's own k (it reports half
+    # the step time) and keeps the token weighting, where the shard trusts reported speeds (--trust-speed,
+    # `launch`'s runs); without, a reported speed is a worker's word and stretches nothing
     cfg = SyncConfig(
         sync_every=6, num_fragments=3, sync_schedule=schedule, uplink_codec="fp32", downlink_codec="fp32",
         outer_momentum=0.0,
@@ -95,13 +102,15 @@ def test_a_faster_workers_tokens_count_in_full_only_with_the_adaptive_schedule(s
     model = build_gpt("nano")
     layout = build_layout(model, cfg.num_fragments, cfg.fragment_pattern)
     initial = [flatten(fragment_params(model, f)) for f in layout.fragments]
-    st = ShardState(0, 1, layout, cfg, initial, 0, robust=RobustConfig(clip_norm=0.0))
+    st = ShardState(
+        0, 1, layout, cfg, initial, 0, robust=RobustConfig(clip_norm=0.0, trust_speed=trust_speed)
+    )
     n = layout.fragments[0].numel
     zeros, ones = (encode(x, "fp32", cfg.codec_block_size) for x in (torch.zeros(n), torch.ones(n)))
     st.push("slow", 0, 0, zeros, 1000.0, None, step_seconds=0.2)
     st.push("fast", 0, 0, ones, 2000.0, None, step_seconds=0.1)
     closed = st.close_round(0)
-    assert closed.capped == (() if schedule == "adaptive" else ("fast",))
+    assert closed.capped == (() if fast_share > 1 / 2 else ("fast",))
     # outer lr 1, no momentum: the master moves by minus the weighted mean of 0 and 1, the fast one's share
     moved = initial[0] - st.master(0)
     assert torch.allclose(moved, torch.full_like(moved, fast_share), rtol=1e-6), (moved[:3], fast_share)
@@ -151,6 +160,7 @@ def test_simulated_adaptive_steps_are_no_worse_at_equal_wall_time_and_keep_the_f
                 eval_every=12,
                 step_seconds=(0.5, 1.0),  # worker 0 twice as fast (emulated)
                 sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule=schedule),
+                robust=RobustConfig(trust_speed=True),  # the shards believe the sites' speeds (`launch`)
             )
             results[schedule] = simulate(cfg, log=None)
     finally:
@@ -314,9 +324,9 @@ def test_simulate_takes_step_times_on_the_command_line(capsys):
 
 
 def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
-    """Its k inner steps per schedule step make its update about k times larger than the others': the shards'
-    norm clip (median-relative, default 2x) stretches by the push's own k squared (at most
-    max_steps_per_tick), as the weight caps stretch by k. Before the stretch a site twice as fast had 9 of its
+    """Its k inner steps per schedule step make its update about k times larger than the others': with
+    --trust-speed the shards' norm clip (median-relative, default 2x) stretches by the push's own k squared
+    (at most max_steps_per_tick), as the weight caps stretch by k. Before the stretch a site twice as fast had 9 of its
     pushes clipped here. (At k = 4, the most the default allows, 2 of its 12 pushes still exceed 8x the median
     norm: per-token norms would be the full fix.)"""
     threads = torch.get_num_threads()
@@ -329,6 +339,7 @@ def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
             eval_every=24,
             step_seconds=(0.5, 1.0, 1.0),  # worker 0 twice as fast: 2 inner steps per schedule step
             sync=SyncConfig(sync_every=6, num_fragments=3, sync_schedule="adaptive"),
+            robust=RobustConfig(trust_speed=True),  # the stretch is --trust-speed's (`launch`)
         )
         r = simulate(cfg, log=None)
     finally:
