@@ -14,8 +14,8 @@ the call to its reply, the 0.2 s included), how many were answered and how many 
 eviction: RESOURCE_EXHAUSTED), the flood's calls opened and the shard's evictions per second (its
 /api/status), and the shard's refusals by kind.
 
-    python -m benchmarks.flood                   # 20 s of flood, 40 delayed Joins, 10 worker Joins
-    python -m benchmarks.flood --quick           # 5 s, 10 and 3
+    python -m benchmarks.flood                   # 40 delayed Joins and 10 worker Joins per phase
+    python -m benchmarks.flood --quick           # 10 and 3
 
 Writes results.json, results.md and run.log under --out (default benchmarks/results/flood). The flood and
 the shard share the machine: the rate is what the machine allows both together. The raw client (`RawCalls`)
@@ -287,28 +287,42 @@ def honest_joins(port: int, fingerprint: str, n: int, workers: int, tag: str, de
 
 
 # --- the flood ---------------------------------------------------------------------------------------------
-def _flood_process(port: int, addresses: list[str], streams: int, seconds: float, out: Any) -> None:
-    """One process of the flood: a RawCalls per address, reopening, for `seconds`; puts the calls opened."""
+def _flood_process(port: int, addresses: list[str], streams: int, stop: Any, out: Any) -> None:
+    """One process of the flood: a RawCalls per address, reopening, until `stop` is set; puts "ready" once
+    they are open, then the calls opened and the seconds it flooded."""
+    t0 = time.monotonic()
     floods = [RawCalls(port, a, "Join", streams, reopen=True) for a in addresses]
-    time.sleep(seconds)
+    out.put("ready")
+    stop.wait()
     for f in floods:
         f.close()
-    out.put(sum(f.opened for f in floods))
+    out.put((sum(f.opened for f in floods), time.monotonic() - t0))
 
 
-def flood_parts(port: int, procs: int, streams: int, seconds: float) -> tuple[list, Any]:
-    """Start the flood: `procs` processes sharing the 16 addresses; returns them and their queue."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    parts = [
-        ctx.Process(
-            target=_flood_process, args=(port, ADDRESSES[i::procs], streams, seconds, queue), daemon=True
-        )
-        for i in range(procs)
-    ]
-    for p in parts:
-        p.start()
-    return parts, queue
+class Flood:
+    """The flood's processes (`procs` of them, sharing the 16 addresses), from start to stop()."""
+
+    def __init__(self, port: int, procs: int, streams: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.queue, self.stop_event = ctx.Queue(), ctx.Event()
+        self.parts = [
+            ctx.Process(
+                target=_flood_process, args=(port, ADDRESSES[i::procs], streams, self.stop_event, self.queue)
+            )
+            for i in range(procs)
+        ]
+        for p in self.parts:
+            p.start()
+        for _ in self.parts:
+            assert self.queue.get(timeout=120) == "ready"
+
+    def stop(self) -> float:
+        """Ends the flood; the calls it opened per second."""
+        self.stop_event.set()
+        ends = [self.queue.get(timeout=60) for _ in self.parts]
+        for p in self.parts:
+            p.join(30)
+        return sum(n / t for n, t in ends)
 
 
 def _refused(http_port: int) -> dict[str, int]:
@@ -325,27 +339,29 @@ def describe_fingerprint(port: int) -> str:
 
 
 def measure(port: int, http_port: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The idle phase, then the flood phase; their figures."""
+    """The idle phase, then the flood phase (the honest Joins once the shard ends calls to make room, the
+    flood stopped after them); their figures: the evictions per second are the shard's while the honest
+    Joins ran."""
     fingerprint = describe_fingerprint(port)
     idle = honest_joins(port, fingerprint, args.joins, args.workers, "idle", args.delay)
     say(f"idle: {idle.row()}")
-    before = _refused(http_port)
-    t0 = time.monotonic()
-    parts, queue = flood_parts(port, args.procs, args.streams, args.seconds)
-    time.sleep(min(2.0, args.seconds / 4))  # the flood at full rate first
-    during = honest_joins(port, fingerprint, args.joins, args.workers, "flood", args.delay)
-    opened = sum(queue.get(timeout=args.seconds + 60) for _ in parts)
-    for p in parts:
-        p.join(30)
-    seconds = time.monotonic() - t0
-    after = _refused(http_port)
+    flood = Flood(port, args.procs, args.streams)
+    try:
+        start, deadline = _refused(http_port).get("evicted", 0), time.monotonic() + 30
+        while _refused(http_port).get("evicted", 0) - start < 1000 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the flood at full rate first
+        before, t0 = _refused(http_port), time.monotonic()
+        during = honest_joins(port, fingerprint, args.joins, args.workers, "flood", args.delay)
+        after, seconds = _refused(http_port), time.monotonic() - t0
+    finally:
+        calls_per_second = flood.stop()
     refused = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
-    say(f"flood: {during.row()}; refused {refused}")
+    say(f"flood: {during.row()}; refused while the honest Joins ran ({seconds:.1f} s): {refused}")
     return {
         "idle": idle.row(),
         "flood": during.row(),
-        "flood_seconds": seconds,
-        "flood_calls_per_second": opened / seconds,
+        "honest_seconds": seconds,
+        "flood_calls_per_second": calls_per_second,
         "evictions_per_second": refused.get("evicted", 0) / seconds,
         "refused": refused,
     }
@@ -378,8 +394,7 @@ def table(r: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 s of flood, 10 delayed Joins, 3 worker Joins")
-    ap.add_argument("--seconds", type=float, default=None, help="seconds of flood (default 20)")
+    ap.add_argument("--quick", action="store_true", help="10 delayed Joins and 3 worker Joins per phase")
     ap.add_argument("--joins", type=int, default=None, help="delayed honest Joins per phase (default 40)")
     ap.add_argument("--workers", type=int, default=None, help="worker Joins per phase (default 10)")
     ap.add_argument("--delay", type=float, default=DELAY, help="seconds before a delayed Join's request")
@@ -388,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-flag", action="append", help="one more shard flag (repeat: --shard-flag=--x)")
     ap.add_argument("--out", type=Path, default=RESULTS / "flood")
     args = ap.parse_args(argv)
-    args.seconds = args.seconds or (5.0 if args.quick else 20.0)
     args.joins = args.joins or (10 if args.quick else 40)
     args.workers = args.workers or (3 if args.quick else 10)
     flags = ["--model", "nano", *(args.shard_flag or [])]

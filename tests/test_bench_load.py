@@ -1,5 +1,6 @@
 """The load benchmark (benchmarks/load.py): its figures' arithmetic, the flags it gives a shard, and its
---quick grid end to end (real shard processes, sessions spoken by hand from one asyncio process)."""
+--quick grid end to end (real shard processes, sessions spoken by hand from one asyncio process); and the
+flood benchmark (benchmarks/flood.py): its table, and its --quick run end to end."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 
 import pytest
 
+from benchmarks.flood import Honest
+from benchmarks.flood import table as flood_table
 from benchmarks.load import Timings, close_times, proc_stats, shard_flags, table
 from streamdiloco.server.trust.bounds import Limits
 from tests.support.procs import ROOT
@@ -70,3 +73,36 @@ def test_quick_run_end_to_end(tmp_path):
         assert all(c >= 0 for c in x["cpu_ms_per_push"])
     md = (tmp_path / "results.md").read_text()
     assert md.count("\n| ") == len(table(rows)) - 1  # the header and one line per point
+
+
+# --- benchmarks/flood.py: stalled calls from 16 addresses against honest Joins (issue 37, item 4) ----------
+def test_the_flood_table_says_what_the_honest_joins_got_and_what_the_flood_cost():
+    idle = Honest(latencies=[0.2, 0.21, 0.25], codes={"OK": 3}, worker_joins=[0.002])
+    during = Honest(latencies=[0.2, 0.3], codes={"OK": 2, "RESOURCE_EXHAUSTED": 1}, worker_failed=["refused"])
+    assert during.row()["answered"] == 2 and during.row()["joins"] == 3
+    assert idle.row()["p50_ms"] == pytest.approx(210.0) and idle.row()["max_ms"] == pytest.approx(250.0)
+    result = {
+        "idle": idle.row(),
+        "flood": during.row(),
+        "flood_calls_per_second": 2765.4,
+        "evictions_per_second": 2500.0,
+    }
+    lines = flood_table(result)
+    assert lines[2].startswith("| idle | 3 of 3 | 210 | 250 | 250 | 1 of 1 | 2 | - | - |")
+    assert lines[3] == "| flood | 2 of 3 | 200 | 300 | 300 | 0 of 1 | - | 2,765 | 2,500 |"
+
+
+@pytest.mark.slow  # a shard process and a flood at full rate for about 20 s: in `make test-slow`
+def test_flood_quick_run_end_to_end(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.flood", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["flood"]["answered"] == results["flood"]["joins"] == 10, results["flood"]
+    assert results["flood"]["worker_joined"] == 3 and not results["flood"]["worker_failed"]
+    assert results["evictions_per_second"] > 0  # the shard ended calls to make room all along
