@@ -103,7 +103,8 @@ class Limits:
         default=64,
         metadata={
             "help": "Join, Fetch, Pieces and Initialize calls at once that have not sent their request yet; "
-            "past it the one that has waited longest is ended"
+            "past it one is ended (RESOURCE_EXHAUSTED, which workers retry): the oldest of the address "
+            "holding the most (among those holding as many, of the /24 or IPv6 /48 holding the most)"
         },
     )
     max_waiting_calls_per_peer: int = field(
