@@ -1,21 +1,27 @@
 """Shard 0's Pieces calls, between the gRPC servicer and the data ledger (server/storage/ledger.py): a request
 is checked (the caller has an open, active session with the id its Join gave, the data it names is the
 run's, every id and list within bounds), handed to the ledger with what the shard knows of the caller (its
-`Standing`: accepted pushes and the tokens they brought, from the contribution credits, and a piece's
-expected time at the run's pace), and the reply goes out once the ledger as it is then is on disk.
+`Standing`: accepted pushes and the tokens they brought, from the contribution credits, and a piece's time
+at its own speed), and the reply goes out once the ledger as it is then is on disk.
 
 Durability without blocking the loop: the ledger counts its changes, an ask that changed nothing (a retried
 or repeated call) writes nothing, and one that did awaits a coalesced write (server/storage/coalesced.py: one
 write in flight, of the latest state, on the ledger's writer thread), so a piece leased or reported done is
 never lost by a restart of the shard, and 263 unchanged asks a second cost no write at all.
 
-The trust rules the desk feeds (stated in the ledger's docstring): a passive session holds no pieces (its
-ask is refused, retryably: UNAVAILABLE, until its Ready); a lease lapses after LEASE_PIECES times a piece's
-expected time at the run's pace plus LEASE_ROUNDS round timeouts (the time its rounds take to credit it).
-A piece's expected time for a worker is piece_tokens x H x pace / (its credited tokens per accepted push):
-under either schedule a worker pushes each fragment once per H schedule steps of the pace, so its tokens
-per push over H x pace is its speed. A worker without credited rounds yet gets the median of those that
-have; none yet: the round timeouts alone.
+The trust rules the desk feeds (stated in the ledger's docstring), and what it tells the ledger:
+- a passive session holds no pieces: its ask is refused, retryably (UNAVAILABLE), until its Ready;
+- what a worker's pushes cover: its credited tokens on this shard (the contribution credits: the bounded
+  share of each accepted push, never a claim) times the largest speed-up the adaptive schedule gives an
+  honest site (--max-steps-per-tick; 1 under the fixed schedule), whose share the caps hold to the median;
+- a piece's time at the worker's own speed, for the "faster than a piece trains" rule: piece_tokens x its
+  reported seconds per inner step / its reported tokens per inner step (from its latest accepted push: an
+  honest worker's report is never too fast for it; a liar's report can only loosen this rule, and the cover
+  bounds the liar);
+- a lease lasts LEASE_PIECES times a piece's time at the run's pace (piece_tokens x the pace / the member's
+  tokens per inner step, at most LEASE_SPREAD times the members' lower median, which one liar can only
+  shorten; a member without a report: that median) plus LEASE_ROUNDS round timeouts (the time the rounds
+  that credit a piece take to close).
 
 What this module must not do: decide who holds which piece (the ledger does), or who is a member (the
 roster does; it releases a member's pieces when it stops being one).
@@ -42,6 +48,8 @@ log = logging.getLogger("streamdiloco.shard")
 
 LEASE_PIECES = 4.0  # a lease lasts this many pieces' expected time at the run's pace...
 LEASE_ROUNDS = 2.0  # ...plus this many round timeouts (a piece is counted once its rounds credit it)
+LEASE_SPREAD = 4.0  # a member's own piece time counts for a lease up to this multiple of the members' median
+WARN_SECONDS = 60.0  # a worker's refused done reports are logged at most this often
 DEFAULT_ROUND_SECONDS = 120.0  # a round timeout for the lease when the shard has none (tests)
 LEDGER_WRITER = ThreadPoolExecutor(1, thread_name_prefix="ledger-write")  # not behind the rounds' jobs
 
@@ -70,33 +78,50 @@ class PieceDesk:
         self.ledger, self.roster, self.credits, self.state = ledger, roster, credits, state
         self.writes = writes
         self._typical: tuple[float, float] = (-math.inf, 0.0)  # (when, the median piece time then)
+        self._warned: dict[str, tuple[float, int]] = {}  # worker -> (its last warning, reports refused since)
         roster.when_leaving(ledger.release)  # a member that goes gives its pieces back
 
     # --- what the shard knows of a worker ------------------------------------------------------------------
     def standing(self, worker: str) -> Standing:
-        """The worker's accepted pushes, credited tokens and a piece's expected time for it (0: unknown)."""
+        """The worker's accepted pushes, the tokens they stand for, and a piece's time at its own speed."""
         row = self.credits.rows.get(worker)
         if row is None:
             return Standing()
-        pace, cfg = self.state.pace(), self.state.cfg
-        seconds = 0.0
-        if row.rounds > 0 and row.tokens > 0 and pace > 0:
-            per_push = row.tokens * self.credits.num_fragments / row.rounds
-            seconds = self.ledger.piece_tokens * cfg.sync_every * pace / per_push
-        return Standing(row.pushes, row.tokens, seconds)
+        cfg = self.state.cfg
+        stretch = cfg.max_steps_per_tick if cfg.sync_schedule == "adaptive" else 1.0
+        own = self._per_token(worker)
+        seconds = self.ledger.piece_tokens * own[1] / own[0] if own else 0.0
+        return Standing(row.pushes, row.tokens * stretch, seconds)
+
+    def _per_token(self, worker: str) -> tuple[float, float] | None:
+        """(tokens per inner step, seconds per inner step) the member's latest accepted push reported."""
+        member = self.roster.open.get(worker)
+        r = member.report if member is not None else None
+        if r is None or not r.step or not r.tokens or not r.step_seconds:
+            return None
+        return r.tokens / r.step, r.step_seconds
+
+    def _at_pace(self, worker: str) -> float:
+        """A piece's time for the member at the run's pace (0: not known)."""
+        own, pace = self._per_token(worker), self.state.pace()
+        return self.ledger.piece_tokens * pace / own[0] if own and pace > 0 else 0.0
 
     def lease_of(self, worker: str, now: float = 0.0) -> float:
         """How long a lease of `worker` lasts (see the module's docstring)."""
-        piece = self.standing(worker).piece_seconds or self._typical_piece_seconds(now)
+        typical = self._typical_piece_seconds(now)
+        piece = self._at_pace(worker) or typical
+        if typical > 0:
+            piece = min(piece, LEASE_SPREAD * typical)  # how much a slow claim lengthens its leases
         rt = self.state.round_timeout
         return LEASE_PIECES * piece + LEASE_ROUNDS * (rt if math.isfinite(rt) else DEFAULT_ROUND_SECONDS)
 
     def _typical_piece_seconds(self, now: float) -> float:
-        """The median piece time of the members that have one (worked out at most once a second)."""
+        """The lower median of the members' piece times at the pace (worked out at most once a second): one
+        liar's claim can shorten it, never lengthen it."""
         when, seconds = self._typical
         if now - when >= 1.0:
-            known = [s for m in self.roster.members() if (s := self.standing(m.name).piece_seconds) > 0]
-            seconds = statistics.median(known) if known else 0.0
+            known = [s for m in self.roster.members() if (s := self._at_pace(m.name)) > 0]
+            seconds = statistics.median_low(known) if known else 0.0
             self._typical = (now, seconds)
         return seconds
 
@@ -132,7 +157,9 @@ class PieceDesk:
         except LedgerError as e:
             code = invalid if e.kind == "invalid" else grpc.StatusCode.FAILED_PRECONDITION
             raise Refusal(code, str(e)) from None
-        self._said(request.worker, dataset, grant.binding, grant.refused)
+        self._said(request.worker, dataset, grant.binding)
+        if grant.refused:
+            self._refused(request.worker, grant.refused, now)
         if self.writes is not None and not await self.writes.durable():
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the shard cannot write its checkpoint: try again")
         reply = pb.PiecesReply(
@@ -147,7 +174,7 @@ class PieceDesk:
         return reply
 
     @staticmethod
-    def _said(worker: str, dataset: Dataset, binding: str | None, refused: list[int]) -> None:
+    def _said(worker: str, dataset: Dataset, binding: str | None) -> None:
         name = shown(worker)
         if binding == "bound":
             log.info(
@@ -161,12 +188,24 @@ class PieceDesk:
                 name,
                 dataset.named(),
             )
-        if refused:
-            log.warning(
-                "%s reported pieces %s done that it does not hold (or faster than they train): not counted",
-                name,
-                short(str(refused[:8]), 80),
-            )
+
+    def _refused(self, worker: str, refused: list[int], now: float) -> None:
+        """A warning for done reports refused, at most one a minute for each worker (a liar's thousands
+        of reports are one line a minute, with their count)."""
+        last, count = self._warned.get(worker, (-math.inf, 0))
+        count += len(refused)
+        if now - last < WARN_SECONDS:
+            self._warned[worker] = (last, count)
+            return
+        log.warning(
+            "%s reported %d pieces done that it did not hold (or sooner than they train), as %s: not counted",
+            shown(worker),
+            count,
+            short(str(refused[:8]), 80),
+        )
+        if len(self._warned) >= 4096:  # bounded: forget those not warned of within the minute
+            self._warned = {w: e for w, e in self._warned.items() if now - e[0] < WARN_SECONDS}
+        self._warned[worker] = (now, 0)
 
     async def settled(self) -> None:
         """Until the ledger's write in flight is done (the last checkpoint writes the ledger after it)."""

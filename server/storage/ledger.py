@@ -24,7 +24,7 @@ tokens they brought into the model, a piece's expected time), the trust rules of
   accepted pushes brought into the model (the credits'); a report beyond that is deferred: the piece stays
   the worker's, trained, and is counted when its pushes cover it (at its next ask or the next tick), or goes
   back to the pool when its lease lapses. A report sooner after the lease than 1/FAST of a piece's expected
-  time for that worker is refused (the piece goes back);
+  time for that worker is refused (the piece goes back, barred to that worker for a piece's time);
 - a lease lapses `lease_of(worker)` seconds after it was given (or reported, for a deferred piece); the
   piece goes back and is barred to that worker for as long (so that an idle holder cannot take it again);
 - a worker without an accepted push owns at most `max_held` pieces (held and deferred); one with pushes at
@@ -102,9 +102,9 @@ class Dataset:
 
 @dataclass(frozen=True)
 class Standing:
-    """What the shard knows of a worker that asks (server/edge/pieces.py makes it from the credits and the
-    run's pace): its accepted pushes, the tokens they brought into the model, and a piece's expected time
-    for it (0: not known yet)."""
+    """What the shard knows of a worker that asks (server/edge/pieces.py makes it from the credits and its
+    reports): its accepted pushes, the tokens they stand for (what its done pieces may add up to, over
+    COVER), and a piece's time at its own speed (0: not known yet)."""
 
     pushes: int = 0
     credited: float = 0.0
@@ -310,6 +310,7 @@ class Ledger:
                 started = max(leases.since[p], self.loaded_at)
                 if standing.piece_seconds > 0 and now - started < standing.piece_seconds / FAST:
                     self._free(p)  # faster than it trains: not counted, and not the worker's any more
+                    self.barred.setdefault(worker, {})[p] = now + standing.piece_seconds
                     refused.append(p)
                     continue
                 leases.defer(worker, p, now)
