@@ -29,6 +29,7 @@ from streamdiloco.common.fingerprint import model_fingerprint
 from streamdiloco.common.fragments import build_layout
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
+from streamdiloco.worker import connection
 from streamdiloco.worker.join import SyncError, connect
 from streamdiloco.worker.link import ShardLink
 from streamdiloco.worker.model import build_gpt
@@ -457,10 +458,10 @@ def test_a_link_that_resyncs_from_a_hostile_shard_keeps_its_state(hostile):
         link.close()
 
 
-def test_a_link_whose_resync_fetch_the_shard_stalls_ends_the_call_and_resumes_it(hostile):
+def test_a_link_whose_resync_fetch_the_shard_stalls_ends_the_call_and_resumes_it(hostile, monkeypatch):
     """Before, the link's thread waited on the stalled stream for ever (resync() timed out here)."""
+    monkeypatch.setattr(connection, "FETCH_STALL_SECONDS", 0.5)  # the worker's is a minute
     link = ShardLink(hostile(stalls=2), "L", hostile.fingerprint, join_timeout=10, reconnect_timeout=10)
-    link.conn.fetch_stall = 0.5  # the worker's is a minute
     try:
         _lose_round_1(link, hostile.shard)
         link.resync(timeout=2 * WAIT)  # two calls ended at the deadline, the third brings the master
@@ -470,9 +471,9 @@ def test_a_link_whose_resync_fetch_the_shard_stalls_ends_the_call_and_resumes_it
         link.close()
 
 
-def test_a_link_whose_every_resync_fetch_stalls_fails_in_one_line_after_its_patience(hostile):
+def test_a_link_whose_every_resync_fetch_stalls_fails_in_one_line_after_its_patience(hostile, monkeypatch):
+    monkeypatch.setattr(connection, "FETCH_STALL_SECONDS", 0.5)
     link = ShardLink(hostile(stalls=None), "L", hostile.fingerprint, join_timeout=10, reconnect_timeout=1.5)
-    link.conn.fetch_stall = 0.5
     try:
         _lose_round_1(link, hostile.shard)
         before = link.inspect(_look, timeout=WAIT)

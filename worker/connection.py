@@ -76,7 +76,6 @@ class ShardConnection:
         self.fingerprint, self.join_timeout, self.tls = fingerprint, join_timeout, tls
         # --reconnect-timeout: seconds a broken session (reconnecting) or Fetch goes on without an answer
         self.patience = patience
-        self.fetch_stall = min(FETCH_STALL_SECONDS, patience)  # a Fetch call silent this long is resumed
         self.metadata = auth_metadata(token)  # on every call: a session id alone proves nothing
         self.channel = make_channel(self.target, tls, link)
         self.stub = pb_grpc.ShardStub(self.channel)
@@ -302,7 +301,7 @@ class ShardConnection:
         without a message from the shard (a link that drops and comes back, a shard that restarts); else
         three calls (a reconnect's resync: the reconnect tries again). SyncError when the shard sends what
         does not fit (nothing of it is kept), refuses, or stays out of reach that long. A call that brings
-        nothing for `fetch_stall` seconds (a shard that stalls it) is ended and counts as broken."""
+        nothing for FETCH_STALL_SECONDS (`patience` if less: a shard that stalls it) is ended, as broken."""
         want = list(fragments) if fragments is not None else list(range(len(self.slices)))
         try:
             got = fetch_slices(
@@ -313,7 +312,7 @@ class ShardConnection:
                 on_chunk=lambda m: self.count("in", m.ByteSize()),
                 patience=self.patience if patient else None,
                 stop=self.closed,
-                stall=self.fetch_stall,
+                stall=min(FETCH_STALL_SECONDS, self.patience),
             )
         except FetchError as e:
             if patient and e.code in TRANSIENT:
