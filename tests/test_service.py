@@ -417,8 +417,8 @@ def test_a_bad_push_is_refused_changes_nothing_and_the_session_goes_on(shard, ca
     assert status["fragments"][0]["master_hash"] == tensor_digest(master)
     assert status["pushes_refused"] == {reason: 1}
     assert status["recent_rounds"][-1]["mean_loss"] == pytest.approx(closed.mean_loss)
-    # b's 300 tokens count as the median of the two, 200 (the weight cap: tests/test_robust.py)
-    assert closed.mean_loss == pytest.approx((2.5 * 100 + 3.5 * 200) / 300)
+    # b's 300 tokens count as the median of the two, the lower, 100 (the weight cap: tests/test_defenses.py)
+    assert closed.mean_loss == pytest.approx((2.5 * 100 + 3.5 * 100) / 200)
 
 
 def test_a_message_other_than_a_push_is_refused(shard):

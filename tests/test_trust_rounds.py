@@ -88,6 +88,7 @@ class Sim:
     honest: list[str]
     early: list[str] = field(default_factory=list)  # liars that push each round the moment it opens
     slow: list[str] = field(default_factory=list)  # liars that push once (3600 s/step), then a late chunk
+    lurk: list[str] = field(default_factory=list)  # liars that never push on time: a late chunk a round
     credits: Credits = field(default_factory=lambda: Credits(3))
     opened: list[float] = field(default_factory=list)  # when each round opened
     closed: list[tuple[float, str, tuple[str, ...]]] = field(default_factory=list)  # when, why, who
@@ -100,6 +101,8 @@ class Sim:
             heapq.heappush(events, (t, 0, who, r))
         for who in self.slow:
             heapq.heappush(events, (t + (0.0 if r == 0 else 1.0), 0, who, r))
+        for who in self.lurk if r > 0 else ():
+            heapq.heappush(events, (t + 1.0, 0, who, r))
         for i, who in enumerate(self.honest):
             heapq.heappush(events, (t + ROUND + 0.5 * i, 1, who, r))
 
@@ -107,7 +110,7 @@ class Sim:
         st = self.st
         if who in self.early:
             push(st, who, r, liar_values(st), LIAR_WEIGHT, when, 1e-6)
-        elif who in self.slow:  # round 0: a push that counts; after it, a late chunk of the round before
+        elif who in self.slow or who in self.lurk:  # a push that counts in round 0 (slow), then late chunks
             push(st, who, r if r == 0 else r - 1, honest_delta(st, 99, r), HONEST_WEIGHT, when, 3600.0)
         else:
             self.offered[who] += 1
@@ -153,7 +156,7 @@ def honest_names(m: int) -> list[str]:
     return [f"honest{i}" for i in range(m)]
 
 
-# --- hole 1: the early pusher --------------------------------------------------------------------------------
+# --- hole 1: the early pusher -------------------------------------------------------------------------------
 @pytest.mark.parametrize("m_honest", [1, 3])
 def test_an_early_pusher_with_claimed_speed_and_weight_does_not_take_the_rounds(m_honest):
     """M = 2 and M = 4, 40 rounds. Why 1.5x: the liar's push counts as one member's share (--weight-cap 1)
@@ -206,7 +209,7 @@ def test_a_lone_push_nobody_can_check_seeds_no_history_and_is_credited_as_one_to
     assert credits.rows["liar"].tokens == pytest.approx(3 / 3)
 
 
-# --- hole 2: the pace ------------------------------------------------------------------------------------------
+# --- hole 2: the pace ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("liars", [1, 2])
 def test_a_slow_pace_claim_and_a_late_chunk_a_round_cost_the_rounds_nothing_lasting(liars):
     """After one push claiming 3600 s a step, one late chunk a round: rounds stay within 1.5x of the honest
@@ -220,6 +223,17 @@ def test_a_slow_pace_claim_and_a_late_chunk_a_round_cost_the_rounds_nothing_last
     assert sim.honest_accepted >= 0.95
     assert sim.st.pace() == STEP  # the claim left the pace with the round it missed
     assert not set(slow) & set(sim.st.roll.expected(FRAGMENT, sim.st.round_of(FRAGMENT)))
+
+
+def test_a_member_that_never_pushes_on_time_is_not_kept_expected_by_its_late_chunks():
+    """A late chunk a round, and never a push on time: woken once (a worker whose first push came late is
+    waited for again, once a session), then never again; before, each of its late chunks made the next
+    round wait its grace (twice the honest round)."""
+    names = honest_names(3)
+    honest = Sim(make_state(names), names).run(40)
+    sim = Sim(make_state([*names, "lurker"]), names, lurk=["lurker"]).run(40)
+    assert sim.mean_round <= 1.2 * honest.mean_round, (sim.mean_round, honest.mean_round, sim.closed[:6])
+    assert sim.honest_accepted == 1.0
 
 
 def test_one_liar_cannot_move_the_pace_of_honest_members_beyond_a_factor():
@@ -258,7 +272,7 @@ def test_a_late_chunk_wakes_only_a_member_that_just_missed_one_round():
         assert st.roll.dormant == {"c"}
 
 
-# --- hole 7: the credits ---------------------------------------------------------------------------------------
+# --- hole 7: the credits ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("trust_speed", [False, True])
 def test_the_credits_of_an_early_pusher_are_bounded_by_the_median_honest_share(trust_speed):
     """Per round the liar is credited at most the median honest share, also where the shard trusts claimed

@@ -326,9 +326,9 @@ def test_simulate_takes_step_times_on_the_command_line(capsys):
 def test_a_fast_sites_larger_updates_are_not_clipped_as_outliers():
     """Its k inner steps per schedule step make its update about k times larger than the others': with
     --trust-speed the shards' norm clip (median-relative, default 2x) stretches by the push's own k squared
-    (at most max_steps_per_tick), as the weight caps stretch by k. Before the stretch a site twice as fast had 9 of its
-    pushes clipped here. (At k = 4, the most the default allows, 2 of its 12 pushes still exceed 8x the median
-    norm: per-token norms would be the full fix.)"""
+    (at most max_steps_per_tick), as the weight caps stretch by k. Before the stretch a site twice as fast
+    had 9 of its pushes clipped here. (At k = 4, the most the default allows, 2 of its 12 pushes still exceed
+    8x the median norm: per-token norms would be the full fix.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

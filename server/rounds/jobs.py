@@ -263,7 +263,8 @@ class CloseJob:
     saved: dict  # what a checkpoint keeps of the fragment, less the optimizer's state (after `run`)
     closing: ClosingRound
     # worker -> what its pushes in the round are credited with (Push.credited: the share, bounded, never
-    # stretched), those folded ahead included (`credit`: the contribution credits' tokens, logged with the round)
+    # stretched), those folded ahead included (`credit`: the contribution credits' tokens, logged with the
+    # round)
     tokens: dict[str, float] = field(default_factory=dict)
     update: Encoded | None = None
 

@@ -9,8 +9,9 @@ The pace is robust to one liar (issue 37): only members with a recent accepted p
 a round leaves it until an accepted push of its own), and each one's report is clamped to within
 `spread` (--max-steps-per-tick) of their upper median (common/pace.py's `robust_pace`). A late push wakes a
 dormant member only when it just missed one round (its last accepted push of that fragment is the round
-before the one that closed without it): waited for again, it catches up; a member further behind goes on
-from where the run is (the worker's skip-ahead), and a liar cannot keep itself expected with late chunks.
+before the one that closed without it), or, once a session, a member whose first push came late: waited
+for again, it catches up; a member further behind goes on from where the run is (the worker's
+skip-ahead), and a liar cannot keep itself expected with late chunks.
 
 Split from server/rounds/state.py (ShardState, which fixes a round's expected members from these when the
 round starts, and tells this class who pushed and who missed a round) by job. server/trust/roster.py is the
@@ -56,6 +57,7 @@ class RoundMembers:
     # waits for them, until an accepted push of theirs (or a late one, just behind: `late`)
     dormant: set[str] = field(default_factory=set)
     known: dict[str, Known] = field(default_factory=dict)  # oldest first (kept after a member leaves)
+    woken: set[str] = field(default_factory=set)  # members without an accepted push, woken once this session
     # members with a recent accepted push -> the step time it reported; its values, ascending (the pace)
     step_seconds: dict[str, float] = field(default_factory=dict)
     _steps: list[float] = field(default_factory=list)
@@ -68,6 +70,7 @@ class RoundMembers:
         self.members.add(worker)
         self.returning.discard(worker)
         self.dormant.discard(worker)  # a new session: it gets its chance again
+        self.woken.discard(worker)
         if from_rounds is not None:
             self.member_from[worker] = list(from_rounds)
         else:
@@ -77,6 +80,7 @@ class RoundMembers:
         self.members.discard(worker)
         self.member_from.pop(worker, None)
         self.dormant.discard(worker)
+        self.woken.discard(worker)
         self._forget_step(worker)
         if len(self.known) > MAX_REMEMBERED + len(self.members) + MAX_REMEMBERED // 4:
             # forget the oldest names that left (in batches: O(1) a departure, amortized)
@@ -117,10 +121,17 @@ class RoundMembers:
     def late(self, worker: str, fragment: int, open_round: int) -> bool:
         """A push of the worker's for a closed round of `fragment` (whose open round is `open_round`)
         arrived: it wakes the worker only if its last accepted push of the fragment was to the round before
-        the one that closed last (it just missed one). True if it was dormant and is woken."""
-        known = self.known.get(worker)
-        if worker not in self.dormant or known is None or known.rounds[fragment] != open_round - 2:
+        the one that closed last (it just missed one), or, for a worker that never had an accepted push (its
+        first came late: a slow start), once a session. True if it was dormant and is woken."""
+        if worker not in self.dormant:
             return False
+        known = self.known.get(worker)
+        if known is not None and known.rounds[fragment] != open_round - 2:
+            return False
+        if known is None:
+            if worker in self.woken:
+                return False
+            self.woken.add(worker)
         self.dormant.discard(worker)
         return True
 

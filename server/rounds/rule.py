@@ -3,11 +3,12 @@ pushed, who is still waited for, the shares in hand, the clock and the run's pac
 in docs/design.md ("Rounds that close on the run's pace"); in short, a round closes
 - "all": when every expected member still here (dormant ones aside) has pushed, with at least
   `min_workers` contributions;
-- "quorum": when it holds the quorum, with at least `min_workers`, and no member it waits for is one that
-  never had an accepted push, once the grace has passed since the later of the quorum and a round's length
-  at the pace after the round opened (H x the pace: honest members push about then, whenever a liar's push
-  came). The grace is `round_grace` of a round's length at the pace, at least GRACE_MIN seconds, at most
-  `round_timeout`;
+- "quorum": when it holds the quorum, with at least `min_workers`, once the grace has passed since the
+  later of the quorum and a round's length at the pace after the round opened (H x the pace: honest members
+  push about then, whenever a liar's push came). The grace is `round_grace` of a round's length at the
+  pace, at least GRACE_MIN seconds, at most `round_timeout`. Not at a run's start (ShardState: the fragment
+  has no history yet) while a member it waits for never had an accepted push: the pace, perhaps a lone
+  liar's claim, cannot say when that member's first push comes;
 - "deadline": when it holds the quorum `round_timeout` after it opened (the previous round closed), with at
   least `min_workers` or, when fewer can push (members that never pushed cannot), all of those;
 - "overdue": without a quorum, with the same numbers, a round's length at the pace after its deadline (and

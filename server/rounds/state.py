@@ -220,9 +220,10 @@ class ShardState:
         try:
             st = self.staging.chunk(self.defenses, chunk)
         except PushRejected as e:
-            if e.reason == "late":  # just behind (it missed only the round that closed last): waited for again
-                # by the rounds that start from now (by their grace), it catches up; further behind, the worker
-                # goes on from where the run is (its skip-ahead), and late chunks keep no liar expected
+            if e.reason == "late":
+                # just behind (it missed only the round that closed last): waited for again by the rounds
+                # that start from now (by their grace), it catches up; further behind, the worker goes on
+                # from where the run is (its skip-ahead), and late chunks keep no liar expected
                 self.roll.late(worker, fragment, self.fragments[fragment].open.number)
             raise
         if st is None:
@@ -298,7 +299,10 @@ class ShardState:
             if self.rule.holds_quorum(pushed, n, shares, cap):
                 rnd.quorum_at = now
         can = n + sum(1 for w in shares if w is not None)  # members that never pushed cannot
-        unknown = any(m not in roll.known for m in pending)  # never had an accepted push: no quorum close
+        # at a run's start (the fragment has no history yet: no round of it closed with two contributors),
+        # a waited-for member that never had an accepted push holds quorum closes back to the deadline: the
+        # pace (perhaps a lone liar's claim) cannot say when its first push comes
+        unknown = not fr.recent.weights and any(m not in roll.known for m in pending)
         times = (rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
         return self.rule.why(n, len(pending), can, unknown, *times)
 

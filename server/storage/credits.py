@@ -197,9 +197,9 @@ class Credits:
         void: bool = False,
     ) -> bool:
         """Credit a closed round: `tokens` maps each contributor to the summed credits (weights as the shard
-        bounded them, never a claim) of its pushes folded into it; `clipped` / `capped` name the pushes clipped or capped (once
-        each); `void`: its step came out non-finite, nothing reached the model. False when the round was
-        credited already (a restart replaying its log), nothing changed then."""
+        bounded them, never a claim) of its pushes folded into it; `clipped` / `capped` name the pushes
+        clipped or capped (once each); `void`: its step came out non-finite, nothing reached the model. False
+        when the round was credited already (a restart replaying its log), nothing changed then."""
         if not 0 <= fragment < self.num_fragments:
             raise ValueError(f"fragment {fragment} is outside 0..{self.num_fragments - 1}")
         if round < self.through[fragment]:
