@@ -194,7 +194,7 @@ def fetch_slices(
         call = stub.Fetch(request, metadata=auth_metadata(token), timeout=timeout)
         with _Watchdog(call, stall) as watch:
             try:
-                if _read(call, stream, out, describe, lambda m: (watch.heard(), seen(m))):
+                if _read(call, stream, out, describe, watch.heeding(seen)):
                     call.cancel()  # a round closed while the stream was broken: that fragment starts over
                     continue
             except grpc.RpcError as e:
@@ -284,8 +284,8 @@ _STALLED = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class _Watchdog:
-    """Ends `call` (cancels it) once `stall` seconds pass without `heard()`; `fired` says it did. None:
-    never. One thread per call, for the call's life (a `with` block)."""
+    """Ends `call` (cancels it) once `stall` seconds pass without a message (those its `heeding` sees);
+    `fired` says it did. None: never. One thread per call, for the call's life (a `with` block)."""
 
     def __init__(self, call: grpc.Call, stall: float | None):
         self.call, self.stall = call, stall
@@ -294,8 +294,14 @@ class _Watchdog:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def heard(self) -> None:
-        self.last = time.monotonic()
+    def heeding(self, then: Callable[[pb.MasterChunk], None]) -> Callable[[pb.MasterChunk], None]:
+        """What sees each message: this watchdog hears it, then `then` sees it."""
+
+        def heard(m: pb.MasterChunk) -> None:
+            self.last = time.monotonic()
+            then(m)
+
+        return heard
 
     def __enter__(self) -> _Watchdog:
         if self.stall is not None:
