@@ -5,6 +5,7 @@ ahead, a lost lease dropped, and the state carried through a checkpoint."""
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.storage.ledger import Dataset, Ledger
+from streamdiloco.worker import pieces as pieces_module
 from streamdiloco.worker.connection import SyncError
 from streamdiloco.worker.data import BatchStream, TokenData
 from streamdiloco.worker.pieces import PieceStream, make_stream, token_sha256
@@ -122,6 +124,40 @@ def test_a_session_being_reopened_is_asked_again_and_other_data_stops_the_worker
     other.start(Flaky())
     with pytest.raises(SyncError, match="shard 0 refused to assign data: this run trains data"):
         other.next()
+
+
+def test_a_shed_call_and_a_passive_sessions_refusal_are_asked_again_and_a_refusal_is_one_line(monkeypatch):
+    """A call the shard evicted under a flood (RESOURCE_EXHAUSTED) and the refusal of a session not yet
+    ready (UNAVAILABLE) are retried with backoff (the worker stopped at the first, issue 37 item 4); what it
+    cannot retry stops it with the shard's words on one line, and the status named."""
+    monkeypatch.setattr(pieces_module, "BACKOFF", (0.01, 0.04))
+    tokens = np.arange(100, dtype=np.int64)
+    ledger, stream, source = make(tokens)
+    answers = [
+        Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls waiting: this one gives way"),
+        Refusal(grpc.StatusCode.UNAVAILABLE, "worker 'a': a passive session holds no pieces"),
+        Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls waiting: this one gives way"),
+    ]
+    asked: list[float] = []
+
+    class Flaky:
+        def ask(self, done, held, want):
+            asked.append(time.monotonic())
+            if answers:
+                raise answers.pop(0)
+            return source.ask(done, held, want)
+
+    stream.start(Flaky())
+    x, _ = stream.next()
+    assert x[:, 0].tolist() == [0, 4] and len(asked) >= 4
+    stream.close()
+
+    other = PieceStream(tokens, 2, 4, "b")
+    answers.append(Refusal(grpc.StatusCode.INVALID_ARGUMENT, "want must be in [0, 8]\nERROR forged line"))
+    other.start(Flaky())
+    with pytest.raises(SyncError) as e:
+        other.next()
+    assert "\n" not in str(e.value) and str(e.value).endswith("ERROR forged line (INVALID_ARGUMENT)")
 
 
 def test_make_stream_chooses_pieces_only_with_data_pieces_and_one_rank():
