@@ -37,6 +37,7 @@ from streamdiloco.common.backoff import Backoff
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import FragmentLayout, slice_ranges
 from streamdiloco.common.inithash import init_hash, parse_init_hash
+from streamdiloco.common.keepalive import LinkSettings
 from streamdiloco.common.logs import escaped
 from streamdiloco.common.tls import ClientTLS
 from streamdiloco.common.wire import auth_metadata, make_channel, parse_target, values_to_bytes
@@ -81,7 +82,16 @@ def probe_shard(
     return ShardInfo(config, shard, num_shards, uninitialized, said)
 
 
-INIT_CHUNK_VALUES = 1 << 18  # fp32 values per Initialize message: 1 MiB
+# fp32 values per Initialize message: 256 KiB, 2 s over 1 Mbit/s, 16 s at the shard's --init-min-rate (a
+# message whose values have not all come does not count: the shard refuses 30 s, --init-timeout, without one)
+INIT_CHUNK_VALUES = 1 << 16
+# The upload's channel notices a dead shard within this many seconds (common/keepalive.py). An uploader hears
+# from the shard only its window updates, one per 2 MiB it reads (its 4 MiB receive window): 16 s apart at
+# 1 Mbit/s, 64 s at MIN_UPLOAD_RATE. So it pings, after a third of this bound without one, and that ping waits
+# behind the up to 4 MiB it has queued: 34 s at 1 Mbit/s, 128 s at MIN_UPLOAD_RATE, where the default bound
+# (10 s) gives it 6.7 s and cut every upload over 1 Mbit/s after about 10 s. 300 s: a ping after 100 s of
+# silence, 200 s for its ack.
+UPLOAD_LIVENESS = 300.0
 # bytes a second of the slowest upload a worker goes on with (262 kbit/s): its patience is --join-timeout and
 # its values' time at this rate (a 40 MB upload: 60 s + 20 min; it takes 5.3 min over 1 Mbit/s). Twice the
 # shard's --init-min-rate (16 KiB/s), so that a worker gives up on its own slow link before a shard would.
@@ -103,14 +113,15 @@ def said(e: grpc.RpcError) -> str:
 
 
 def init_messages(head: dict, vectors: list[torch.Tensor], slices: list[tuple[int, int]]):
-    """An upload's Initialize messages: `head` (who, the fingerprint, the init hash and the slices' hashes)
-    with the first values, each fragment's slice in INIT_CHUNK_VALUES pieces, then the last mark."""
+    """An upload's Initialize messages: `head` alone (who, the fingerprint, the init hash and the slices'
+    hashes: the call's request, which a shard wants within --request-timeout, 5 s, and which a MiB of values
+    would make 8 s long over 1 Mbit/s), each fragment's slice in INIT_CHUNK_VALUES pieces, the last mark."""
+    yield pb.InitChunk(**head)
     for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
         for a in range(lo, hi, INIT_CHUNK_VALUES):
             b = min(hi, a + INIT_CHUNK_VALUES)
-            yield pb.InitChunk(**head, fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
-            head = {}
-    yield pb.InitChunk(**head, last=True)
+            yield pb.InitChunk(fragment=f, offset=a - lo, values=values_to_bytes(vec[a:b]))
+    yield pb.InitChunk(last=True)
 
 
 def initialize_shard(
@@ -137,7 +148,7 @@ def initialize_shard(
     # `timeout`, and time to send the values at MIN_UPLOAD_RATE at least: a large model's upload is no Join
     patience = timeout + 4 * sum(hi - lo for lo, hi in slices) / MIN_UPLOAD_RATE
     give_up, backoff = time.monotonic() + patience, Backoff(first=1.0)
-    with make_channel(parse_target(target), tls) as channel:
+    with make_channel(parse_target(target), tls, LinkSettings(liveness_timeout=UPLOAD_LIVENESS)) as channel:
         stub = pb_grpc.ShardStub(channel)
         attempt = 0
         while True:
