@@ -185,7 +185,7 @@ def test_a_flood_from_16_addresses_ends_no_honest_join_whose_request_comes_after
             seconds, code, reply = delayed_join(s.channel, request, delay=0.2, timeout=RPC_TIMEOUT)
             assert code == grpc.StatusCode.OK and reply is not None and reply.session, (i, code)
             assert seconds >= 0.2
-        assert waiting.held == 32 and refused["evicted"] > evicted  # the flood went on meanwhile
+        assert refused["evicted"] > evicted  # the flood went on meanwhile
     finally:
         for f in flood:
             f.close()
