@@ -452,14 +452,14 @@ class _LyingShard(pb_grpc.ShardServicer):
             init_hash=init_hash,
         )
         self.refusal, self.uploads = refusal, 0
+        self.messages: list[pb.InitChunk] = []  # the last upload's
 
     def Join(self, request, context):
         return self.reply
 
     def Initialize(self, request_iterator, context):
         self.uploads += 1
-        for _ in request_iterator:
-            pass
+        self.messages = list(request_iterator)
         context.abort(*self.refusal)
 
 
@@ -514,3 +514,19 @@ def test_an_upload_the_shard_keeps_refusing_is_sent_again_then_given_up_in_one_l
     with pytest.raises(SyncError, match="PERMISSION_DENIED") as e:
         initialize_shard(liar(denied), "w", {}, vectors, info, claim, timeout=4)
     assert denied.uploads == 1 and "\n" not in str(e.value) and "\x1b" not in str(e.value)
+
+
+def test_an_upload_asks_with_its_fingerprint_alone_then_sends_its_values_in_small_messages(liar):
+    """Over 1 Mbit/s: the call's request (its first message) must come within the shard's 5 s
+    --request-timeout, and a message of values within --init-timeout (30 s) at the shard's --init-min-rate:
+    a MiB of values in either took 8 s and 64 s (tests/test_slow_upload.py runs the link itself)."""
+    shard = _LyingShard(refusal=(grpc.StatusCode.PERMISSION_DENIED, "no"))
+    vectors = [torch.ones(300_000), torch.ones(10)]
+    with pytest.raises(SyncError, match="PERMISSION_DENIED"):
+        initialize_shard(
+            liar(shard), "w", {"model": "m"}, vectors, ShardInfo(CFG, 0, 1, True), ("a" * 64, [])
+        )
+    first, *rest = shard.messages
+    assert first.fingerprint_json and not first.values and rest[-1].last
+    assert sum(len(m.values) for m in rest) == 4 * 300_010
+    assert max(len(m.values) for m in rest) <= 256 << 10
