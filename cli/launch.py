@@ -207,8 +207,9 @@ class Credentials:
 def run_settings(args: argparse.Namespace) -> Settings:
     """The run's settings as launch hands them to every shard and worker (OUT/run.toml): the user's
     (flags > --config file > defaults), with what launch knows of its own cluster where the user left it
-    unset: rounds wait for all M workers, --max-weight is a worker's tokens between two syncs, and the
-    shards take as many sessions from this machine's one address as it runs workers."""
+    unset: rounds wait for all M workers, --max-weight is a worker's tokens between two syncs, the shards
+    trust the workers' reported speeds (--trust-speed), and they take as many sessions from this machine's one
+    address as it runs workers."""
     settings: Settings = args.settings
     v, given = settings.values, settings.given
     if not v["server"]["min_workers"]:  # 0, as before: all of them
@@ -228,6 +229,8 @@ def run_settings(args: argparse.Namespace) -> Settings:
     settings.build("server")  # one-line errors before any process starts (and before torch is imported)
     if not v["robust"]["max_weight"]:  # the shards can know exactly what a worker of this run may report
         v["robust"]["max_weight"] = run_max_weight(args)
+    if "trust_speed" not in given["robust"]:  # one operator's own workers: their reported speeds are believed
+        v["robust"]["trust_speed"] = True
     for section in v:
         settings.build(section)
     return settings

@@ -7,7 +7,9 @@ fast spends half its time waiting at merges. With `"adaptive"` each worker does 
 schedule step, k = (the slowest member's seconds per inner step) / (its own), at most
 `max_steps_per_tick`: every site reaches a fragment's send at about the same wall time, and the fast one
 trains instead of waiting. Its push carries the tokens of all its steps, and the shards weight it by them
-(the mean is token-weighted; ShardState stretches its weight caps by `max_steps_per_tick`).
+(the mean is token-weighted) where they trust reported speeds (--trust-speed, `launch`'s runs: its caps
+stretch by its own k); a shard facing the internet holds every push to the same bounds, since a step time
+is the worker's word.
 
 Why this, and not rounds on a time budget: the schedule, the shards' round logic, the joining step and the
 checkpoints all stay in schedule steps, unchanged; only the mapping from inner steps to schedule steps

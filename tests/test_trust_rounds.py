@@ -305,3 +305,19 @@ def test_cycling_names_through_the_credits_does_not_evict_an_honest_contributor(
         c.disconnected(name, now=2.5 + i)
     assert c.rows["honest"].tokens == pytest.approx(HONEST_WEIGHT / 3) and "newcomer" in c.rows
     assert len(c.rows) <= c.max_rows and c.identities == 10_002
+
+
+def test_launch_trusts_its_own_workers_speeds_and_a_shard_does_not_unless_told(capsys):
+    """`launch` runs one operator's workers on one machine: their reported speeds are believed (the adaptive
+    schedule's stretch), unless the operator says otherwise; `server` (a shard facing the internet) believes
+    none by default."""
+    import tomllib
+
+    from streamdiloco.cli import main
+
+    base = ["launch", "--print-config", "--workers", "2", "--model", "nano"]
+    assert main(base) == 0
+    assert tomllib.loads(capsys.readouterr().out)["robust"]["trust_speed"] is True
+    assert main([*base, "--no-trust-speed"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["robust"]["trust_speed"] is False
+    assert RobustConfig().trust_speed is False

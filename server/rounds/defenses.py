@@ -142,11 +142,13 @@ class Defenses:
             top = min(rob.max_weight, rob.weight_cap * ref) if rob.max_weight else rob.weight_cap * ref
         return [min(p.weight, top) if top else p.weight for p in pushes]
 
-    def pending_cap(self, recent: RecentRounds, rnd: OpenRound) -> float | None:
-        """What a waited-for member's last share counts for at most in the round's quorum: --weight-cap
-        times the round's reference median (None: no cap, or no reference)."""
+    def in_hand(self, recent: RecentRounds, rnd: OpenRound) -> tuple[float, float | None]:
+        """What the round's pushes count with toward its quorum (those settled and those kept: bounded,
+        never stretched), and what a waited-for member's last share counts for at most: --weight-cap times
+        the round's reference median (None: no cap, or no reference)."""
+        pushed = rnd.counted + sum(self.counted(recent, rnd, rnd.kept))
         ref = self.reference(recent, rnd)
-        return self.robust.weight_cap * ref if self.robust.weight_cap and ref is not None else None
+        return pushed, self.robust.weight_cap * ref if self.robust.weight_cap and ref is not None else None
 
     def settle(self, recent: RecentRounds, rnd: OpenRound, pushes: list[Push], pace: float = 0.0) -> None:
         """Fix the share (capped weight), credit (`counted`) and clipping scale of pushes about to be folded,

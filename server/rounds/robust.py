@@ -8,22 +8,25 @@ or pushing 1e30 (either alone took the model). So, per fragment slice and round:
 
 - weights are cut to `max_weight` (the tokens one worker can process between two syncs, when the operator
   knows it: batch x context x H), and to `weight_cap` times the median of the weights of this round (and,
-  when it has fewer than 3 pushes, of the `history_rounds` rounds before it), unless the round's weights
-  are all alike (a cut would change no push's share). Honest workers of one run report the same weight, so
-  this changes nothing for them; one attacker among M takes at most weight_cap / (weight_cap + M - 1) of
-  the mean. Under the adaptive schedule each push's cap stretches by its own k, the inner steps per
-  schedule step of a worker of its reported speed (server/rounds/defenses.py);
+  when it has fewer than 3 pushes, of the `history_rounds` rounds before it), unless two or more pushes
+  came and their weights are all alike (a cut would change no push's share). Honest workers of one run
+  report the same weight, so this changes nothing for them; one attacker among M takes at most
+  weight_cap / (weight_cap + M - 1) of the mean. The median of exactly two values is the lower one: one of
+  two may be the liar, and their mean is half its own claim. With --trust-speed, under the adaptive
+  schedule, each push's cap stretches by its own k, the inner steps per schedule step of a worker of its
+  reported speed (server/rounds/defenses.py);
 - each push's L2 norm (over the shard's slice, measured as its chunks arrive) is clipped to `clip_norm` times
   the median of the norms of this round's pushes and of the `history_rounds` rounds before (times its own k
-  squared, at most max_steps_per_tick). Clipping scales the push down, direction kept: the worker stays a
-  contributor and nothing is refused. A round with no history leans on its own median, which holds while
-  honest pushes are the majority; the history covers rounds with one or two pushes. The history keeps of each
-  round only the lower half of its weights and norms (as used: clipped ones at their bound), so a liar cannot
-  feed it: with two pushes a round, a norm kept at each round's bound would otherwise raise the next round's
-  bound by itself, round after round. One round of history (the default) never clips honest pushes that grow
-  from one round to the next, as they do under a learning-rate warm-up: the history's values all lie below
-  this round's, so the median is at least this round's lower quartile, and twice it is at least the largest
-  while this round's norms are within 2x of each other;
+  squared, at most max_steps_per_tick, with --trust-speed). Clipping scales the push down, direction kept:
+  the worker stays a contributor and nothing is refused. A round with no history leans on its own median,
+  which holds while honest pushes are the majority; the history covers rounds with one or two pushes. The
+  history keeps of each round of two or more contributors only the lower half of its weights and norms (as
+  used: clipped ones at their bound), and nothing of a round of one (nothing checked its values), so a liar
+  cannot feed it: with two pushes a round, a norm kept at each round's bound would otherwise raise the next
+  round's bound by itself, round after round. One round of history (the default) never clips honest pushes
+  that grow from one round to the next, as they do under a learning-rate warm-up: the history's values all lie
+  below this round's, so the median is at least this round's lower quartile, and twice it is at least the
+  largest while this round's norms are within 2x of each other;
 - the pushes are combined by the weighted mean (the default: streaming, folded block by block), or, as
   options, the coordinate-wise trimmed mean or centered clipping (Karimireddy, He, Jaggi 2021, "Learning
   from History for Byzantine Robust Optimization"), which need every push of the round at once.

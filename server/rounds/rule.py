@@ -69,7 +69,7 @@ class RoundRule:
             return self.round_timeout
         return min(max(self.round_grace * self.sync_every * pace, GRACE_MIN), self.round_timeout)
 
-    def holds_quorum(self, pushed: float, n: int, pending: list[float | None], cap: float | None) -> bool:
+    def holds_quorum(self, pushed: float, cap: float | None, n: int, pending: list[float | None]) -> bool:
         """Whether the round's n pushes, of shares summing to `pushed` (bounded, never stretched), are
         --quorum of the distinct members (the n and the `pending` members, every one counting) and of the
         weight (`pushed` and the pending members' last shares, each at most `cap`: a member that never had

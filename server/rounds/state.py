@@ -22,10 +22,12 @@ norms, and both are settled when its pushes are handed to a fold: a group's when
 at the close. The master must come out of every outer step finite: a step that does not is undone (the
 round sends a zero update, why "nonfinite") and the outer optimizer starts again from the master before it.
 
-Rounds close by server/rounds/rule.py's rule (every expected member pushed; or a quorum of the expected
-weight and a grace from the run's pace; deadlines counted from the round's opening), which `due` applies;
-an expected member that a round closed without is dormant (server/rounds/members.py) until a push of its
-arrives (accepted, or late: it is there). The caller supplies the time (`now`), so tests drive the clock.
+Rounds close by server/rounds/rule.py's rule (every expected member pushed; or a quorum of the distinct
+members and of the expected weight, counting only what has arrived, and a grace from the run's pace that
+starts no earlier than a round's length after the round opened; deadlines counted from the round's
+opening), which `due` applies; an expected member that a round closed without is dormant
+(server/rounds/members.py) until an accepted push of its (or a late one, when it just missed one round).
+The caller supplies the time (`now`), so tests drive the clock.
 
 The arithmetic (folding, the outer step, encoding the update) is a job that `begin_close` / `begin_fold`
 hand out and `end_close` / `end_fold` take back: in between, the job owns the fragment's optimizer and the
@@ -220,10 +222,8 @@ class ShardState:
         try:
             st = self.staging.chunk(self.defenses, chunk)
         except PushRejected as e:
-            if e.reason == "late":
-                # just behind (it missed only the round that closed last): waited for again by the rounds
-                # that start from now (by their grace), it catches up; further behind, the worker goes on
-                # from where the run is (its skip-ahead), and late chunks keep no liar expected
+            if e.reason == "late":  # just behind (one round missed): waited for again, it catches up; further
+                # behind, the worker skips ahead, and late chunks keep no liar expected (members.py)
                 self.roll.late(worker, fragment, self.fragments[fragment].open.number)
             raise
         if st is None:
@@ -252,7 +252,7 @@ class ShardState:
 
     # --- closing rounds --------------------------------------------------------------------------------
     def pace(self) -> float:
-        """The run's pace as this shard sees it: its members' slowest reported seconds per inner step."""
+        """The run's pace as this shard sees it (server/rounds/members.py: a liar's claim clamped)."""
         return self.roll.pace()
 
     def grace(self, pace: float) -> float:
@@ -289,20 +289,14 @@ class ShardState:
             and not self.staging.arriving(fr.index)
         ):
             return "empty"  # everyone expected has left: close with what there is
-        roll = self.roll
-        shares = [roll.share(m) for m in pending]  # each one's last share (None: none settled yet)
-        if rnd.quorum_at is None:
-            # what has arrived, bounded and never stretched (folded: settled) against the pending members'
-            # last shares, each capped
-            pushed = rnd.counted + sum(self.defenses.counted(fr.recent, rnd, rnd.kept))
-            cap = self.defenses.pending_cap(fr.recent, rnd)
-            if self.rule.holds_quorum(pushed, n, shares, cap):
+        shares = [self.roll.share(m) for m in pending]  # each one's last share (None: none settled yet)
+        if rnd.quorum_at is None:  # what has arrived (bounded, never stretched) against the pending's shares
+            if self.rule.holds_quorum(*self.defenses.in_hand(fr.recent, rnd), n, shares):
                 rnd.quorum_at = now
         can = n + sum(1 for w in shares if w is not None)  # members that never pushed cannot
-        # at a run's start (the fragment has no history yet: no round of it closed with two contributors),
-        # a waited-for member that never had an accepted push holds quorum closes back to the deadline: the
-        # pace (perhaps a lone liar's claim) cannot say when its first push comes
-        unknown = not fr.recent.weights and any(m not in roll.known for m in pending)
+        # at a run's start (no round of the fragment closed with two contributors yet) a pending member that
+        # never had an accepted push holds quorum closes back: the pace cannot say when its first push comes
+        unknown = not fr.recent.weights and any(m not in self.roll.known for m in pending)
         times = (rnd.opened_at, rnd.started_at, rnd.quorum_at, now, pace)
         return self.rule.why(n, len(pending), can, unknown, *times)
 
@@ -349,8 +343,8 @@ class ShardState:
         return self.end_close(CloseJob(fragment, fr.outer, saved=self._saved(fr), closing=log).run())
 
     def _settle(self, fr: FragmentSlice, pushes: list[Push]) -> None:
-        """Settle pushes of the fragment's round about to be folded (server/rounds/defenses.py); their shares
-        are what later rounds count on from their workers."""
+        """Settle pushes of the fragment's round about to be folded (server/rounds/defenses.py); what they
+        are credited with (bounded, never stretched) is what later rounds count on from their workers."""
         self.defenses.settle(fr.recent, fr.open, pushes, self.pace())
         self.roll.pushed({p.worker: p.credited for p in pushes})
 
