@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -112,11 +113,13 @@ def said(e: grpc.RpcError) -> str:
     return text if len(text) <= SAID_CHARS else text[:SAID_CHARS] + "..."
 
 
-def init_messages(head: dict, vectors: list[torch.Tensor], slices: list[tuple[int, int]]):
+def init_messages(
+    head: pb.InitChunk, vectors: list[torch.Tensor], slices: list[tuple[int, int]]
+) -> Iterator[pb.InitChunk]:
     """An upload's Initialize messages: `head` alone (who, the fingerprint, the init hash and the slices'
     hashes: the call's request, which a shard wants within --request-timeout, 5 s, and which a MiB of values
     would make 8 s long over 1 Mbit/s), each fragment's slice in INIT_CHUNK_VALUES pieces, the last mark."""
-    yield pb.InitChunk(**head)
+    yield head
     for f, (vec, (lo, hi)) in enumerate(zip(vectors, slices, strict=True)):
         for a in range(lo, hi, INIT_CHUNK_VALUES):
             b = min(hi, a + INIT_CHUNK_VALUES)
@@ -143,8 +146,8 @@ def initialize_shard(
     `timeout` plus the upload's time at MIN_UPLOAD_RATE. SyncError when the shard refuses them, or
     still has none by then."""
     slices = [slice_ranges(vec.numel(), info.num_shards)[info.shard] for vec in vectors]
-    head = {"worker": worker, "token": token, "fingerprint_json": json.dumps(fingerprint)}
-    head |= {"init_hash": init[0], "slice_hashes": init[1]}
+    head = pb.InitChunk(worker=worker, token=token, fingerprint_json=json.dumps(fingerprint))
+    head.init_hash, head.slice_hashes[:] = init
     # `timeout`, and time to send the values at MIN_UPLOAD_RATE at least: a large model's upload is no Join
     patience = timeout + 4 * sum(hi - lo for lo, hi in slices) / MIN_UPLOAD_RATE
     give_up, backoff = time.monotonic() + patience, Backoff(first=1.0)
