@@ -285,7 +285,8 @@ def table(r: dict[str, Any]) -> list[str]:
         f"| {a['asks_per_second']:.0f} unchanged Pieces asks/s | {a['loaded_p50_ms']:.1f} | "
         f"{a['loaded_p95_ms']:.1f} |",
         "",
-        f"Checkpoint writes during the asks: {a['writes_during_asks']} (asks refused: {a['asks_failed']}).",
+        f"Checkpoint writes during the asks: {a['writes_during_asks']} (the contribution credits' included, "
+        f"written every 10 s while they change; asks refused: {a['asks_failed']}).",
     ]
     return out
 

@@ -374,12 +374,12 @@ class Ledger:
                 skipped.append(p)
             else:
                 found = p
-        while found is None and (p := done.first_missing(self._cursor)) is not None:
-            self._cursor = p + 1
-            if p in bars:
-                skipped.append(p)
-            elif p not in owner:
-                found = p
+        while found is None and (q := done.first_missing(self._cursor)) is not None:
+            self._cursor = q + 1
+            if q in bars:
+                skipped.append(q)
+            elif q not in owner:
+                found = q
         for p in skipped:
             heapq.heappush(self._returned, p)
         return found
@@ -413,7 +413,8 @@ class Ledger:
         """Each second: workers a restart waited for in vain give their pieces back (`expire`), leases older
         than `lease_of(worker)` seconds lapse (the piece is barred to that worker as long), and deferred
         pieces that the workers' pushes now cover are counted."""
-        gone, lapsed = self.expire(now), {}
+        gone = self.expire(now)
+        lapsed: dict[str, list[int]] = {}
         for worker in sorted(set(self.leases.owner.values())):
             lease = lease_of(worker)
             mine = self.leases.held.get(worker, []) + self.leases.deferred.get(worker, [])
