@@ -324,14 +324,17 @@ class PieceSettings:
         default="",
         metadata={
             "help": "shard 0: pin the run's data to this sha256 (with --data-tokens; a worker logs both when "
-            "it starts with --data-pieces): any other is refused. Unpinned, the data a worker with an "
-            "accepted push asks for is the run's",
+            "it starts with --data-pieces): any other is refused (default: not pinned; the data that a "
+            "worker with an accepted push asks for is the run's)",
             "metavar": "HEX",
         },
     )
     data_tokens: int = field(
         default=0,
-        metadata={"help": "shard 0: the pinned data's train tokens (with --data-sha256)", "metavar": "N"},
+        metadata={
+            "help": "shard 0: the pinned data's train tokens (with --data-sha256; default: not pinned)",
+            "metavar": "N",
+        },
     )
 
     def __post_init__(self) -> None:
