@@ -323,16 +323,17 @@ class PieceSettings:
     data_sha256: str = field(
         default="",
         metadata={
-            "help": "shard 0: pin the run's data to this sha256 (with --data-tokens; a worker logs both when "
-            "it starts with --data-pieces): any other is refused (default: not pinned; the data that a "
-            "worker with an accepted push asks for is the run's)",
+            "help": "shard 0: pin the run's data to this sha256 (a worker logs it, and its train tokens, "
+            "when it starts with --data-pieces): other data is refused (default: not pinned; the data "
+            "that a worker with an accepted push asks for is the run's)",
             "metavar": "HEX",
         },
     )
     data_tokens: int = field(
         default=0,
         metadata={
-            "help": "shard 0: the pinned data's train tokens (with --data-sha256; default: not pinned)",
+            "help": "shard 0: pin the run's data to this many train tokens (with --data-sha256: the data "
+            "is the run's from the start; default: not pinned)",
             "metavar": "N",
         },
     )
@@ -340,8 +341,6 @@ class PieceSettings:
     def __post_init__(self) -> None:
         if not 0 < self.piece_tokens <= 1 << 40:
             raise ValueError(f"--piece-tokens must be positive, got {self.piece_tokens}")
-        if bool(self.data_sha256) != bool(self.data_tokens):
-            raise ValueError("--data-sha256 and --data-tokens pin the data together: give both or neither")
         if self.data_sha256 and not (
             len(self.data_sha256) == 64 and all(c in "0123456789abcdef" for c in self.data_sha256)
         ):
@@ -351,8 +350,8 @@ class PieceSettings:
 
     @property
     def pinned(self) -> bool:
-        """Whether the operator pinned the run's data (--data-sha256 and --data-tokens)."""
-        return bool(self.data_sha256)
+        """Whether the operator pinned the run's data (--data-sha256, --data-tokens, or both)."""
+        return bool(self.data_sha256 or self.data_tokens)
 
 
 C = TypeVar("C")

@@ -40,7 +40,7 @@ from streamdiloco.server.runner import COMPUTE_THREADS, RoundRunner
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.server.storage.coalesced import CoalescedWrites
 from streamdiloco.server.storage.credits import Credits
-from streamdiloco.server.storage.ledger import Dataset, Ledger
+from streamdiloco.server.storage.ledger import Ledger, Pin
 from streamdiloco.server.storage.ledgerstate import from_state as ledger_from_state
 from streamdiloco.server.storage.ledgerstate import snapshot as ledger_snapshot
 from streamdiloco.server.storage.ledgerstate import to_state as ledger_state
@@ -135,9 +135,7 @@ class Shard:
         bound), and its Pieces calls; the ledger is written (coalesced, off the loop) when it changed."""
         ckpt, settings = self.checkpoint, self.config.pieces
         piece_tokens = settings.piece_tokens
-        pinned = None
-        if settings.pinned:  # the operator's --data-sha256 and --data-tokens
-            pinned = Dataset(settings.data_tokens, piece_tokens, settings.data_sha256)
+        pinned = Pin(settings.data_sha256, settings.data_tokens) if settings.pinned else None  # --data-sha256
         saved = ckpt.restored("ledger") if ckpt is not None else None
         if saved is None:
             ledger = Ledger(piece_tokens, pinned=pinned)

@@ -38,7 +38,7 @@ from streamdiloco.server.shard import Shard
 from streamdiloco.server.startup import build_shard
 from streamdiloco.server.storage.checkpoint import ShardCheckpoint
 from streamdiloco.server.storage.coalesced import CoalescedWrites
-from streamdiloco.server.storage.ledger import COVER, FAST, Dataset, Ledger, LedgerError, Standing
+from streamdiloco.server.storage.ledger import COVER, FAST, Dataset, Ledger, LedgerError, Pin, Standing
 from streamdiloco.server.storage.ledgerstate import from_state, snapshot, to_state
 from streamdiloco.server.trust.auth import Auth
 from tests.support.inthread import RPC_TIMEOUT, InThreadShard
@@ -91,6 +91,11 @@ def test_a_pinned_dataset_refuses_any_other_from_the_start():
     provisional.ask("mallory", [], [], 8, 0.0, NOBODY, FAKE)
     led = from_state(to_state(provisional), 100, 0.0, pinned=DATA)
     assert led.dataset == DATA and led.pinned and led.held == {}
+    sha_only = Ledger(100, pinned=Pin(sha256=SHA))  # the sha256 alone: the size comes from the asks
+    with pytest.raises(LedgerError, match="pinned by the operator"):
+        sha_only.ask("mallory", [], [], 8, 0.0, NOBODY, FAKE)
+    sha_only.ask("mallory", [], [], 8, 0.0, NOBODY, Dataset(100, 100, SHA))  # the right name, a wrong size
+    assert sha_only.ask("alice", [], [], 1, 1.0, pusher(), DATA).binding == "moved" and sha_only.confirmed
     confirmed = Ledger(100)  # a confirmed one is the run's: the operator must choose
     confirmed.ask("bob", [], [], 1, 0.0, pusher(), FAKE)
     with pytest.raises(ValueError, match="pin the same data, or start with --fresh"):

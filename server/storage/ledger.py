@@ -15,7 +15,8 @@ The rules, each checked by tests/test_ledger.py:
 
 What a worker says is checked against what the shard knows of it (its `Standing`: accepted pushes, the
 tokens they brought into the model, a piece's expected time), the trust rules of tests/test_trust_ledger.py:
-- binding: the operator may pin the dataset (`pinned`); else the first ask binds it only provisionally,
+- binding: the operator may pin the dataset (`pinned`: its sha256, its size or both); else the first ask
+  binds it only provisionally,
   and until a worker with an accepted push confirms a dataset by asking for it, a later ask that names
   another takes the binding over (the provisional leases are dropped): an ask without a push never binds
   the data for good, and never locks the honest workers out before their first push. A confirmed or pinned
@@ -98,6 +99,31 @@ class Dataset:
 
     def named(self) -> str:
         return f"{self.sha256[:12]}... ({self.train_tokens:,} train tokens)"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """The run's data as the operator pinned it on shard 0 (--data-sha256, --data-tokens), either or both
+    ("" and 0: that part is not pinned); an ask naming data that does not fit is refused."""
+
+    sha256: str = ""
+    train_tokens: int = 0
+
+    def fits(self, ds: Dataset) -> bool:
+        return (not self.sha256 or ds.sha256 == self.sha256) and (
+            not self.train_tokens or ds.train_tokens == self.train_tokens
+        )
+
+    def whole(self, piece_tokens: int) -> Dataset | None:
+        """The dataset, when both parts are pinned (ValueError, one line, if it is not one)."""
+        if not (self.sha256 and self.train_tokens):
+            return None
+        return Dataset(self.train_tokens, piece_tokens, self.sha256)
+
+    def named(self) -> str:
+        sha = f"{self.sha256[:12]}..." if self.sha256 else "any sha256"
+        tokens = f"{self.train_tokens:,} train tokens" if self.train_tokens else "any size"
+        return f"{sha} ({tokens})"
 
 
 @dataclass(frozen=True)
@@ -189,15 +215,16 @@ class Leases:
 
 
 class Ledger:
-    """Pieces, their holders and the epoch's done set (see the module's docstring). `pinned`: the dataset
-    the operator gave (--data-sha256, --data-tokens): the run's from the start, any other refused."""
+    """Pieces, their holders and the epoch's done set (see the module's docstring). `pinned`: the data the
+    operator pinned (--data-sha256, --data-tokens; a Dataset: both): data that does not fit is refused, and
+    a whole pin is the run's from the start."""
 
     def __init__(
         self,
         piece_tokens: int,
         max_held: int = MAX_HELD,
         orphan_seconds: float = ORPHAN_SECONDS,
-        pinned: Dataset | None = None,
+        pinned: Pin | Dataset | None = None,
     ):
         if not 0 < piece_tokens <= 1 << 40:
             raise ValueError(f"--piece-tokens must be positive, got {piece_tokens}")
@@ -206,7 +233,7 @@ class Ledger:
         self.piece_tokens, self.max_held, self.orphan_seconds = piece_tokens, max_held, orphan_seconds
         self.dataset: Dataset | None = None
         self.confirmed = False  # by a worker with an accepted push, or pinned: the run's data for good
-        self.pinned = pinned is not None
+        self.pin = Pin(pinned.sha256, pinned.train_tokens) if isinstance(pinned, Dataset) else pinned
         self.current = Epoch(0, PieceSet(0))
         self.previous_by: dict[str, int] = {}  # pieces each worker did in the epoch before
         self.leases = Leases()
@@ -218,9 +245,13 @@ class Ledger:
         self._cursor = 0  # pieces below it that are free are in _returned
         self._returned: list[int] = []  # heap: pieces below _cursor given back, free again (some stale)
         self.changes = 0  # counts changes of what the checkpoint keeps: the shard writes it when it moved
-        if pinned is not None:
-            self.bind(pinned)
+        if self.pin is not None and (whole := self.pin.whole(piece_tokens)) is not None:
+            self.bind(whole)
             self.confirmed = True
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin is not None
 
     # --- views ---------------------------------------------------------------------------------------------
     epoch = property(lambda self: self.current.number)
@@ -238,6 +269,12 @@ class Ledger:
                 "mismatch",
                 f"the run's pieces are of {self.piece_tokens:,} tokens, not {dataset.piece_tokens:,}",
             )
+        if self.pin is not None and not self.pin.fits(dataset):
+            raise LedgerError(
+                "mismatch",
+                f"this run's data is pinned by the operator to {self.pin.named()}; the worker has "
+                f"{dataset.named()}: give every worker the same data",
+            )
         pushed, ds = standing.pushes > 0, self.dataset
         if ds is not None and (dataset.sha256, dataset.train_tokens) == (ds.sha256, ds.train_tokens):
             if self.confirmed or not pushed:
@@ -246,11 +283,10 @@ class Ledger:
             self.changes += 1
             return "confirmed"
         if ds is not None and self.confirmed:
-            how = "pinned by the operator" if self.pinned else "confirmed by a worker's accepted push"
             raise LedgerError(
                 "mismatch",
-                f"this run trains data {ds.named()}, {how}; the worker has {dataset.named()}: give every "
-                "worker the same data",
+                f"this run trains data {ds.named()}, confirmed by a worker's accepted push; the worker has "
+                f"{dataset.named()}: give every worker the same data",
             )
         moved = ds is not None
         self.dataset, self.confirmed = dataset, pushed

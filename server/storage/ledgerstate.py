@@ -32,6 +32,7 @@ from streamdiloco.server.storage.ledger import (
     Dataset,
     Epoch,
     Ledger,
+    Pin,
 )
 from streamdiloco.server.storage.pieceset import PieceSet
 
@@ -107,12 +108,12 @@ def from_state(
     now: float,
     max_held: int = MAX_HELD,
     orphan_seconds: float = ORPHAN_SECONDS,
-    pinned: Dataset | None = None,
+    pinned: Pin | Dataset | None = None,
 ) -> Ledger:
     """A ledger as ledger.json saved it (format 2, or 1), each field checked; the workers that own pieces get
     `orphan_seconds` from `now` to come back and claim them, and every lease restarts at `now`. With `pinned`
-    (the operator's dataset): a saved provisional binding of other data is dropped; a confirmed one is
-    refused. ValueError (one line) when the state is malformed, of other pieces than `piece_tokens`, or
+    (the operator's pin): a saved provisional binding of data that does not fit is dropped; a confirmed one
+    is refused. ValueError (one line) when the state is malformed, of other pieces than `piece_tokens`, or
     breaks a rule."""
     led = Ledger(piece_tokens, max_held, orphan_seconds)
     try:
@@ -121,19 +122,20 @@ def from_state(
         _load(led, state)
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"the data ledger is malformed ({type(e).__name__}: {e})") from None
-    if pinned is not None and led.dataset is not None and led.dataset != pinned:
+    pin = Pin(pinned.sha256, pinned.train_tokens) if isinstance(pinned, Dataset) else pinned
+    if pin is not None and led.dataset is not None and not pin.fits(led.dataset):
         if led.confirmed:
             raise ValueError(
                 f"the data ledger trains {led.dataset.named()}, confirmed by a worker's push; --data-sha256 "
-                f"and --data-tokens pin {pinned.named()}: pin the same data, or start with --fresh"
+                f"and --data-tokens pin {pin.named()}: pin the same data, or start with --fresh"
             )
-        led = Ledger(piece_tokens, max_held, orphan_seconds, pinned=pinned)  # the provisional one is dropped
-        return led
-    if pinned is not None:
-        led.pinned = led.confirmed = True
-        if led.dataset is None:
-            led.bind(pinned)
-            return led
+        return Ledger(piece_tokens, max_held, orphan_seconds, pinned=pin)  # the provisional one is dropped
+    if pin is not None:
+        led.pin = pin
+        if pin.whole(piece_tokens) is not None:
+            if led.dataset is None:
+                return Ledger(piece_tokens, max_held, orphan_seconds, pinned=pin)
+            led.confirmed = True
     led.orphans = dict.fromkeys(set(led.leases.owner.values()), now + orphan_seconds)
     led.loaded_at = now
     led.changes = 0
