@@ -14,18 +14,17 @@ The rules, each checked by tests/test_ledger.py:
   does not claim them in an ask, and after a restart when it is not back within the grace (`expire`).
 
 What a worker says is checked against what the shard knows of it (its `Standing`: accepted pushes, the
-tokens they brought into the model, a piece's expected time), the trust rules of tests/test_trust_ledger.py:
+tokens they stand for, a piece's time at its own speed), the trust rules of tests/test_trust_ledger.py:
 - binding: the operator may pin the dataset (`pinned`: its sha256, its size or both); else the first ask
-  binds it only provisionally,
-  and until a worker with an accepted push confirms a dataset by asking for it, a later ask that names
-  another takes the binding over (the provisional leases are dropped): an ask without a push never binds
-  the data for good, and never locks the honest workers out before their first push. A confirmed or pinned
-  dataset is the run's: any other is refused;
+  binds it only provisionally, and until a worker with an accepted push confirms a dataset by asking for it,
+  a later ask that names another takes the binding over (the provisional leases are dropped): an ask without
+  a push never binds the data for good, and never locks the honest workers out before their first push. A
+  confirmed dataset is the run's, and data that does not fit a pin is refused;
 - a done report is counted only while the worker's counted tokens stay within COVER times the tokens its
-  accepted pushes brought into the model (the credits'); a report beyond that is deferred: the piece stays
-  the worker's, trained, and is counted when its pushes cover it (at its next ask or the next tick), or goes
-  back to the pool when its lease lapses. A report sooner after the lease than 1/FAST of a piece's expected
-  time for that worker is refused (the piece goes back, barred to that worker for a piece's time);
+  accepted pushes stand for (the credits'); a report beyond that is deferred: the piece stays the worker's,
+  trained, and is counted when its pushes cover it (at its next ask or the next tick), or goes back to the
+  pool when its lease lapses. A report sooner after the lease than 1/FAST of a piece's time at the worker's
+  own speed is refused (the piece goes back, barred to that worker for a piece's time);
 - a lease lapses `lease_of(worker)` seconds after it was given (or reported, for a deferred piece); the
   piece goes back and is barred to that worker for as long (so that an idle holder cannot take it again);
 - a worker without an accepted push owns at most `max_held` pieces (held and deferred); one with pushes at
