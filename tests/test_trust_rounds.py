@@ -161,10 +161,11 @@ def honest_names(m: int) -> list[str]:
 def test_an_early_pusher_with_claimed_speed_and_weight_does_not_take_the_rounds(m_honest):
     """M = 2 and M = 4, 40 rounds. Why 1.5x: the liar's push counts as one member's share (--weight-cap 1)
     at at most twice the honest norm (--clip-norm 2), so per round it moves the mean by at most the honest
-    push's own size, in its own direction; what stays of it after the honest members' share is bounded, and
-    the honest run's max|master| (the initial values plus 40 rounds of a common direction under Nesterov
-    momentum) is what it is compared with. Before this rule the liar took the rounds (30 of 84 honest pushes
-    accepted at M = 4 in the review) and the master ran away by orders of magnitude."""
+    push's own size, in its own direction (here the one that raises the largest values), against the honest
+    run's 40 rounds of a common direction under Nesterov momentum. Measured: 0.84x (M = 2) and 0.91x
+    (M = 4); with honest deltas of pure noise (no common direction, the worst case tried) 1.49x and 1.36x.
+    Before this rule the liar took the rounds (M = 2: it closed all 40 alone within 15 s, max|master| 4.9e5
+    against 4.1; M = 4: 42 of 118 honest pushes accepted, max|master| 10.3)."""
     names = honest_names(m_honest)
     honest = Sim(make_state(names), names).run(40)
     liar = Sim(make_state([*names, "liar"]), names, early=["liar"]).run(40)
