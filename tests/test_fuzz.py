@@ -50,6 +50,7 @@ from streamdiloco.common.inithash import init_hash
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, bytes_to_values, from_chunk, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.rounds.state import ShardState
+from streamdiloco.server.storage.ledgerstate import to_state as ledger_to_state
 from streamdiloco.worker.connection import ShardConnection
 from streamdiloco.worker.model import build_gpt
 from streamdiloco.worker.session import MAX_UPDATES_UNDER_WAY, SyncError, Updates
@@ -58,6 +59,7 @@ from tests.support.shards import shard_of
 
 CFG = SyncConfig(sync_every=6, num_fragments=3)
 TOKEN = "fuzz-token"
+PIECE_TOKENS = 4096  # shard 0's data ledger: pieces of this many tokens
 SEED = int(os.environ.get("FUZZ_SEED", "1125"))
 FAST_CASES = 200  # `make test`; test-slow runs 3 seeds of SLOW_CASES
 SLOW_CASES = 5000
@@ -100,7 +102,15 @@ def build():
 
     auth = Auth(token=TOKEN, names_per_token=1 << 16)  # the fuzzer's many names share the run token
     return shard_of(
-        CFG, "nano", shard=0, num_shards=2, min_workers=1, round_timeout=3600.0, auth=auth, chunk_bytes=256
+        CFG,
+        "nano",
+        shard=0,
+        num_shards=2,
+        min_workers=1,
+        round_timeout=3600.0,
+        auth=auth,
+        chunk_bytes=256,
+        piece_tokens=PIECE_TOKENS,
     )
 
 
@@ -178,6 +188,7 @@ class Case:
     what: list[str] = field(default_factory=list)
     undecodable: bool = False  # some message sent may not parse: gRPC's own refusal is allowed
     pushes: int = 0  # pushes the case sent (each may stay valid whatever its mutations)
+    leased: bool = False  # a Pieces call was answered: the data ledger may have changed (its leases)
 
     def say(self, text: str) -> None:
         self.what.append(text)
@@ -314,7 +325,10 @@ class Fuzzer:
 
     # --- what the shard holds ---
     def snapshot(self) -> dict:
-        return self.shard.snapshot()
+        """What refused input must leave unchanged: the shard's state, and shard 0's data ledger."""
+        snap = self.shard.snapshot()
+        snap["ledger"] = self.shard.on_loop(lambda: ledger_state(self.shard.service.pieces.ledger))
+        return snap
 
     def rounds(self) -> list[int]:
         return self.shard.on_loop(lambda: [self.shard.service.state.round_of(f) for f in range(3)])
@@ -323,7 +337,9 @@ class Fuzzer:
     def run_case(self, i: int) -> None:
         case = Case(self.seed, i)
         before = self.snapshot()
-        kind = self.rng.choices(["push", "hello", "join", "fetch", "raw"], [50, 12, 14, 12, 12])[0]
+        kind = self.rng.choices(["push", "hello", "join", "fetch", "raw", "pieces"], [46, 11, 13, 11, 11, 8])[
+            0
+        ]
         self.stats[kind] = self.stats.get(kind, 0) + 1
         case.say(kind)
         name = f"fz{i}"
@@ -333,6 +349,8 @@ class Fuzzer:
         assert self.shard.failure is None and self.shard.thread.is_alive(), f"the shard died {case}"
         self.check_health(case)
         after = self.snapshot()
+        if case.leased:  # an answered Pieces call leased pieces (released when its session ended)
+            before.pop("ledger"), after.pop("ledger")
         if after["accepted"] == before["accepted"]:
             assert after == before, f"refused input changed the shard {case}: {_diff(before, after)}"
         else:  # a push whose mutations left it valid: only its open round changed
@@ -351,12 +369,12 @@ class Fuzzer:
             raise AssertionError(f"Fetch is no longer answered: {e.code()} {e.details()} {case}") from None
         assert len(got) == 1 and got[0].last, str(case)
 
-    def check_status(self, case: Case, e: grpc.RpcError) -> None:
+    def check_status(self, case: Case, e: grpc.RpcError, more: frozenset = frozenset()) -> None:
         details = e.details() or ""
-        allowed = UNDECODABLE_CODES if case.undecodable else REFUSAL_CODES
+        allowed = (UNDECODABLE_CODES if case.undecodable else REFUSAL_CODES) | more
         code = e.code()
         assert code in allowed, f"refused with {code}: {details[:300]!r} {case}"
-        if code not in REFUSAL_CODES:
+        if code not in REFUSAL_CODES | more:
             assert UNDECODABLE_WORDS.search(details), f"{code} that is not about parsing: {details!r} {case}"
         assert one_bounded_line(details), (
             f"not one bounded line: {len(details)} chars {details[:300]!r} {case}"
@@ -444,6 +462,73 @@ class Fuzzer:
         assert [f for f, _ in got] == asked, f"Fetch answered fragments {[f for f, _ in got]} {case}"
         for j, (f, values) in enumerate(got):
             assert torch.equal(values, masters[f][offset if j == 0 else 0 :]), f"fragment {f}'s values {case}"
+
+    # --- Pieces: shard 0's data ledger ---
+    def case_pieces(self, case: Case, name: str) -> None:
+        """A Pieces call with its fields bent, from a worker with an open session (or not, or passive)."""
+        rng = self.rng
+        reply = self.join(name)
+        passive = rng.random() < 0.15
+        s = RawSession(self.channel())
+        s.send(
+            pb.WorkerMessage(
+                hello=pb.Hello(worker=name, session=reply.session, passive=passive)
+            ).SerializeToString()
+        )
+        self.settle(name, s, 0)
+        req = pb.PiecesRequest(
+            worker=name,
+            session=reply.session,
+            token=TOKEN,
+            train_tokens=1 << 20,
+            data_sha256="ab" * 32,
+            want=2,
+        )
+        for _ in range(rng.choice([0, 1, 1, 2, 3])):  # none: an honest ask, answered
+            self.mutate_pieces(req, case)
+        case.say(f"passive {passive}")
+        try:
+            got = self.shard.stub.Pieces(req, timeout=RPC_TIMEOUT)
+        except grpc.RpcError as e:  # UNAVAILABLE: a passive session's ask, which workers retry
+            self.check_status(case, e, frozenset({grpc.StatusCode.UNAVAILABLE}))
+        else:
+            case.leased = True
+            self.stats["leased"] = self.stats.get("leased", 0) + 1
+            self.check_pieces_reply(case, req, got)
+        self.check_session_items(case, s.finish())
+
+    def mutate_pieces(self, req: pb.PiecesRequest, case: Case) -> None:
+        rng = self.rng
+        f = rng.choice(
+            ["worker", "session", "token", "train_tokens", "data_sha256"] + ["done", "held", "want"] * 2
+        )
+        if f in ("worker", "session", "token"):
+            setattr(req, f, rng.choice([some_string(rng), "", "h0", getattr(req, f) + "x"]))
+        elif f == "train_tokens":
+            req.train_tokens = rng.choice(U64 + [PIECE_TOKENS - 1, PIECE_TOKENS, PIECE_TOKENS + 1])
+        elif f == "data_sha256":
+            req.data_sha256 = rng.choice(
+                ["AB" * 32, "ab" * 31, "ab" * 33, "g" * 64, "cd" * 32, some_string(rng)]
+            )
+        elif f in ("done", "held"):
+            ids = [
+                rng.choice(U32) if rng.random() < 0.5 else rng.randrange(64)
+                for _ in range(rng.choice([1, 8, 64, 65, 300]))
+            ]
+            getattr(req, f).extend(ids)
+        else:
+            req.want = rng.choice(U32 + [8, 9])
+        shown = getattr(req, f)
+        shown = f"{len(shown)} chars/ids" if isinstance(shown, str) or not isinstance(shown, int) else shown
+        case.say(f"pieces.{f} = {shown}")
+
+    def check_pieces_reply(self, case: Case, req: pb.PiecesRequest, got: pb.PiecesReply) -> None:
+        """An answered ask: its leases lie within the data it named, whole pieces, at most what it wanted."""
+        assert got.piece_tokens == PIECE_TOKENS and got.pieces_done <= got.pieces_total, f"{got} {case}"
+        assert len(got.held) <= max(req.want, len(req.held)), f"{len(got.held)} pieces held {case}"
+        for r in got.held:
+            assert r.start < r.end <= req.train_tokens and r.end - r.start <= PIECE_TOKENS, f"{r} {case}"
+            assert r.id < got.pieces_total and r.start == r.id * PIECE_TOKENS, f"{r} {case}"
 
     # --- a Session's first message ---
     def case_hello(self, case: Case, name: str) -> None:
@@ -700,6 +785,13 @@ class Fuzzer:
         assert tensor_digest(master) == tensor_digest(ref.master(f)), f"the master differs {where}"
 
 
+def ledger_state(ledger) -> str:
+    """Shard 0's data ledger as ledger.json would keep it (its binding, epoch, done set, leases, counts)."""
+    if ledger.dataset is None:
+        return "unbound"
+    return json.dumps(ledger_to_state(ledger), sort_keys=True)
+
+
 def _diff(before: dict, after: dict) -> str:
     return ", ".join(k for k in before if before[k] != after.get(k))[:300]
 
@@ -735,7 +827,9 @@ def run_fuzz(tmp_path, seed: int, cases: int) -> dict:
 def test_fuzzed_messages_are_refused_cleanly_and_change_nothing(tmp_path):
     stats = run_fuzz(tmp_path, SEED, FAST_CASES)
     # the cases reached every method and both outcomes: refusals, and pushes that stayed valid
-    assert all(stats.get(k, 0) > 0 for k in ("push", "hello", "join", "fetch", "raw", "accepted")), stats
+    assert all(
+        stats.get(k, 0) > 0 for k in ("push", "hello", "join", "fetch", "raw", "pieces", "accepted")
+    ), stats
     assert sum(v for k, v in stats.items() if k.startswith("reason:")) > FAST_CASES // 5, stats
 
 
