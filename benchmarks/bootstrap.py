@@ -185,7 +185,7 @@ def trickle_call(port: int, up: Starting, args: argparse.Namespace) -> dict[str,
                 break
             except grpc.FutureTimeoutError:
                 say(
-                    f"[trickle] {time.monotonic() - t0:5.1f} s: {sent.messages} messages, "
+                    f"[trickle] {time.monotonic() - t0:5.1f} s: {count(sent.messages, 'message')}, "
                     f"{sent.value_bytes:,} bytes of values sent"
                     f"{' (all but the last chunk: waiting)' if sent.exhausted else ''}; the call is open"
                 )
