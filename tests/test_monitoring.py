@@ -102,8 +102,8 @@ def test_metrics_and_series_count_what_the_shard_did(shard):
     assert m[(f"{p}_fragment_round", (("fragment", "1"),))] == 0
     assert m[(f"{p}_members", ())] == 2
     assert m[(f"{p}_ready", ())] == 1
-    # b's 300 tokens count as the median of the two, 200 (the weight cap: tests/test_robust.py)
-    assert m[(f"{p}_training_loss", ())] == pytest.approx((2.5 * 100 + 3.5 * 200) / 300)
+    # b's 300 tokens count as the lower of the two, a's 100 (the weight cap: tests/test_robust.py)
+    assert m[(f"{p}_training_loss", ())] == pytest.approx((2.5 * 100 + 3.5 * 100) / 200)
     assert m[(f"{p}_round_duration_seconds_count", ())] == 1
     assert m[(f"{p}_push_size_bytes_count", ())] == 2
     assert m[(f"{p}_push_size_bytes_sum", ())] == status["bytes"]["codec_in"] == 2 * ENC_A.nbytes
@@ -125,7 +125,7 @@ def test_metrics_and_series_count_what_the_shard_did(shard):
     assert [(r["fragment"], r["round"], r["why"], r["contributors"]) for r in series["rounds"]] == [
         (0, 0, "all", 2)
     ]
-    assert series["rounds"][0]["mean_loss"] == pytest.approx((2.5 * 100 + 3.5 * 200) / 300)
+    assert series["rounds"][0]["mean_loss"] == pytest.approx((2.5 * 100 + 3.5 * 100) / 200)
     b_points = series["workers"]["b"]
     assert [(x["step"], x["loss"], x["blocked_seconds"]) for x in b_points] == [(12, 3.5, 1.5)]
     assert [x["step"] for x in series["workers"]["a"]] == [12]  # late and refused pushes report nothing
