@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.server.trust.auth import Auth
-from tests.support.inthread import RPC_TIMEOUT, InThreadShard
+from tests.support.inthread import InThreadShard
+from tests.support.pieces import ask as pieces_ask
+from tests.support.pieces import credit
 from tests.support.shards import shard_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,28 +49,7 @@ def shard(tmp_path, shards):
 
 
 def ask(s: InThreadShard, w, done=(), held=(), want=1, sha=SHA, tokens=TOKENS, token=TOKEN, session=None):
-    request = pb.PiecesRequest(
-        worker=w.name,
-        session=w.join.session if session is None else session,
-        token=token,
-        train_tokens=tokens,
-        data_sha256=sha,
-        done=list(done),
-        held=list(held),
-        want=want,
-    )
-    return s.stub.Pieces(request, timeout=RPC_TIMEOUT)
-
-
-def credit(s: InThreadShard, name: str, tokens: float = 1e6) -> None:
-    """As if `name` had an accepted push whose round brought `tokens` into the model (the credits): its
-    asks confirm the run's data and its done reports are covered."""
-
-    def give() -> None:
-        row = s.service.credits.row(name)
-        row.pushes, row.rounds, row.tokens = row.pushes + 1, row.rounds + 1, row.tokens + tokens
-
-    s.on_loop(give)
+    return pieces_ask(s, w, sha, tokens, token, done, held, want, session)
 
 
 def ids(reply) -> list[int]:

@@ -14,82 +14,34 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from benchmarks import wan
-from benchmarks.wan import DC_ADDR, PROXY_PORT, SHARD_PORT, in_ns, proxy_limit, wan_py
+from benchmarks.wan import DC_ADDR, SHARD_PORT, in_ns
 from streamdiloco.common.keepalive import LIVENESS_SECONDS
+from tests.support.homelink import home_link, needs_namespaces, stamp
 
-ROOT = Path(__file__).resolve().parent.parent
 PREFIX = f"sdlt{os.getpid() % 100_000}-"  # this test's namespaces: apart from a benchmark's and other runs'
-RATE = 1.0  # Mbit/s each way
-QUEUE = 1.0  # seconds of that rate the modem holds
-DELAY = 0.025  # seconds one way: 50 ms round trips
 HTTP_PORT = 8080
 STEPS = 40  # H = 30, P = 5 (the defaults): a push every 6 steps, then the final sync of every fragment
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-needs_namespaces = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "nft")),
-    reason="network namespaces need root, iproute2 and nftables (scripts/system-deps.sh)",
-)
-
-
-def _start(argv: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            argv, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _wait_file(path: Path, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"{what} did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.05)
-
-
-def _stamp(line: str) -> float:
-    """The time of a log line (2026-11-28T13:44:08.915+00:00 ...) in seconds."""
-    from datetime import datetime
-
-    return datetime.fromisoformat(line.split()[0]).timestamp()
 
 
 @needs_namespaces
 def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
-    wan.Testbed.remove_all(PREFIX)
-    bed = wan.Testbed(1, prefix=PREFIX)
-    procs: list[subprocess.Popen] = []
-    try:
-        bed.create()
-        bed.shape(RATE, QUEUE)
-        ready = tmp_path / "proxy.ready"
-        limit = proxy_limit(DELAY, RATE)
-        argv = wan_py("_proxy", "--port", str(PROXY_PORT), "--delay", str(DELAY), "--limit", str(limit))
-        procs.append(_start(in_ns(bed.ns[0], *argv, "--ready", str(ready)), tmp_path / "proxy.log"))
-        _wait_file(ready, procs[-1], "the delaying proxy", tmp_path / "proxy.log")
-
+    with home_link(tmp_path, PREFIX) as link:
         shard_log, ready = tmp_path / "shard.log", tmp_path / "shard.ready"
         argv = [sys.executable, "-m", "streamdiloco", "server", "--host", DC_ADDR, "--port", str(SHARD_PORT)]
         argv += ["--http-port", str(HTTP_PORT), "--insecure", "--no-checkpoint", "--model", "tiny"]
-        procs.append(_start(in_ns(bed.dc, *argv, "--ready-file", str(ready)), shard_log))
-        _wait_file(ready, procs[-1], "the shard", shard_log)
+        link.start_ready(link.bed.dc, argv, shard_log, ready, "the shard")
 
         log, summary = tmp_path / "worker.log", tmp_path / "worker.json"
         argv = [sys.executable, "-m", "streamdiloco", "worker", "--servers", f"{DC_ADDR}:{SHARD_PORT}"]
         argv += ["--name", "home", "--model", "tiny", "--steps", str(STEPS), "--log-every", "10"]
         argv += ["--eval-every", "0", "--checkpoint-every", "0", "--checkpoint", str(tmp_path / "w.pt")]
-        worker = _start(in_ns(bed.ns[0], *argv, "--summary", str(summary)), log)
-        procs.append(worker)
+        worker = link.start(link.bed.ns[0], [*argv, "--summary", str(summary)], log)
         try:
             code = worker.wait(timeout=300)
         except subprocess.TimeoutExpired:
@@ -102,8 +54,8 @@ def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
         assert "ping_timeout" not in shard_log.read_text(errors="replace")
         # the first Fetch (from the shard's config to the parameters in place) took several bounds
         lines = text.splitlines()
-        asked = next(_stamp(x) for x in lines if "from the shard at" in x)
-        fetched = next(_stamp(x) for x in lines if " params in " in x)
+        asked = next(stamp(x) for x in lines if "from the shard at" in x)
+        fetched = next(stamp(x) for x in lines if " params in " in x)
         assert fetched - asked > 2 * LIVENESS_SECONDS, f"the Fetch took {fetched - asked:.1f} s"
         print(f"the Fetch took {fetched - asked:.1f} s; the liveness bound is {LIVENESS_SECONDS:g} s")
 
@@ -114,7 +66,7 @@ def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
             "import json,sys,urllib.request as u; print(u.urlopen(sys.argv[1], timeout=30).read().decode())"
         )
         out = subprocess.run(
-            in_ns(bed.dc, sys.executable, "-c", read, f"http://{DC_ADDR}:{HTTP_PORT}/api/status"),
+            in_ns(link.bed.dc, sys.executable, "-c", read, f"http://{DC_ADDR}:{HTTP_PORT}/api/status"),
             capture_output=True,
             text=True,
             timeout=60,
@@ -123,18 +75,6 @@ def test_a_worker_on_a_slow_link_stays_joined_and_ends_in_sync(tmp_path):
         status = json.loads(out)
         assert s["mirror_hashes"] == [[f["master_hash"]] for f in status["fragments"]]
         assert all(f["round"] >= 1 for f in status["fragments"]), status["fragments"]
-    finally:
-        for p in procs[::-1]:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-        wan.Testbed.remove_all(PREFIX)
-        assert not wan.Testbed.leftovers(PREFIX)
 
 
 def test_the_benchmark_reads_how_long_pings_waited_from_grpcs_trace():

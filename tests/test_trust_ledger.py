@@ -41,7 +41,8 @@ from streamdiloco.server.storage.coalesced import CoalescedWrites
 from streamdiloco.server.storage.ledger import COVER, FAST, Dataset, Ledger, LedgerError, Pin, Standing
 from streamdiloco.server.storage.ledgerstate import from_state, snapshot, to_state
 from streamdiloco.server.trust.auth import Auth
-from tests.support.inthread import RPC_TIMEOUT, InThreadShard
+from tests.support.inthread import InThreadShard
+from tests.support.pieces import ask, credit
 from tests.support.procs import Cluster, http_json, wait_until
 from tests.support.shards import shard_config
 
@@ -251,27 +252,7 @@ def pieces_shard(tmp_path, shards):
 
 
 def rpc_ask(s: InThreadShard, w, sha=SHA, done=(), held=(), want=1) -> pb.PiecesReply:
-    request = pb.PiecesRequest(
-        worker=w.name,
-        session=w.join.session,
-        token=TOKEN,
-        train_tokens=2000,
-        data_sha256=sha,
-        done=list(done),
-        held=list(held),
-        want=want,
-    )
-    return s.stub.Pieces(request, timeout=RPC_TIMEOUT)
-
-
-def credit(s: InThreadShard, name: str, tokens: float = 1e6) -> None:
-    """As if `name` had an accepted push whose round brought `tokens` into the model (the credits)."""
-
-    def give() -> None:
-        row = s.service.credits.row(name)
-        row.pushes, row.rounds, row.tokens = row.pushes + 1, row.rounds + 1, row.tokens + tokens
-
-    s.on_loop(give)
+    return ask(s, w, sha, 2000, TOKEN, done, held, want)
 
 
 def test_a_passive_session_holds_no_pieces_until_it_is_ready(pieces_shard):
