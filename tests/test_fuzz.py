@@ -284,11 +284,13 @@ def mutate_chunk(rng: random.Random, c: pb.Chunk, case: Case) -> None:
 
 
 def mutate_header(rng: random.Random, h: pb.PushHeader, case: Case) -> None:
-    name = rng.choice(["weight", "loss", "has_loss", "step", "blocked_seconds"])
-    if name in ("weight", "loss", "blocked_seconds"):
-        setattr(h, name, rng.choice(DOUBLES))
-    elif name == "step":
-        h.step = rng.choice(U64)
+    name = rng.choice(
+        ["weight", "loss", "has_loss", "step", "blocked_seconds", "step_seconds", "tokens", "total_steps"]
+    )
+    if name in ("weight", "loss", "blocked_seconds", "step_seconds"):  # step_seconds: a claimed speed
+        setattr(h, name, rng.choice(DOUBLES + [1e-6, 3600.0, 3600.5]))
+    elif name in ("step", "tokens", "total_steps"):
+        setattr(h, name, rng.choice(U64))
     else:
         h.has_loss = not h.has_loss
     case.say(f"header.{name} = {getattr(h, name)}")
