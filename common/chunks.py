@@ -25,6 +25,7 @@ from streamdiloco.common.codecs import (
     Encoded,
     accumulate,
     add_into,
+    block_scales,
     chunk_alignment,
     concat,
     decode,
@@ -77,7 +78,7 @@ def piece(enc: Encoded, lo: int, hi: int) -> Encoded:
         return enc
     spec = get_codec(enc.codec)
     b_lo, b_hi = lo * spec.bits // 8, (hi * spec.bits + 7) // 8
-    scales = enc.scales[lo // enc.block_size : -(-hi // enc.block_size)] if spec.scaled else enc.scales
+    scales = block_scales(enc, lo, hi)
     return Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], scales, enc.block_size)
 
 

@@ -33,6 +33,7 @@ and the CPU kernels and the torch ops compute the same stream.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -554,8 +555,8 @@ def chunk_alignment(codec: str, block_size: int) -> int:
     """Chunks start at multiples of this many values, so bytes and scales split cleanly."""
     spec = get_codec(codec)
     align = block_size if spec.scaled else 1
-    if spec.bits < 8:  # two values per byte
-        align = align * 2 if align % 2 else align
+    if spec.bits < 8:  # several values per byte (4-bit: two, 2-bit: four)
+        align = math.lcm(align, 8 // spec.bits)
     return max(1, align)
 
 
@@ -581,9 +582,19 @@ def split(enc: Encoded, values_per_chunk: int) -> list[tuple[int, Encoded]]:
     for lo in range(0, max(enc.numel, 1), values_per_chunk):
         hi = min(enc.numel, lo + values_per_chunk)
         b_lo, b_hi = lo * spec.bits // 8, (hi * spec.bits + 7) // 8
-        scales = enc.scales[lo // enc.block_size : -(-hi // enc.block_size)] if spec.scaled else enc.scales
+        scales = block_scales(enc, lo, hi)
         parts.append((lo, Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], scales, enc.block_size)))
     return parts
+
+
+def block_scales(enc: Encoded, lo: int, hi: int) -> torch.Tensor:
+    """The fp32 side values (scales, codebooks) of the blocks that values [lo, hi) of enc fall in (lo on a
+    block boundary): a view of enc.scales; all of them (none) for a codec without blocks."""
+    spec = get_codec(enc.codec)
+    if not spec.scaled:
+        return enc.scales
+    per = spec.scales_per_block
+    return enc.scales[lo // enc.block_size * per : -(-hi // enc.block_size) * per]
 
 
 def concat(parts: list[Encoded]) -> Encoded:
