@@ -33,6 +33,9 @@ PRECISIONS = ("fp32", "bf16")
 MAX_GRAD_ACCUM = 1024  # micro-batches per inner step: the step's batch is drawn whole, so it is bounded
 SYNC_SCHEDULES = ("fixed", "adaptive")
 CODEC_NAMES = tuple(CODECS)
+# the uplink's error-feedback decay when --uplink-feedback is unset and the codec has under 4 bits: MuLoCo's
+# 2-bit runs used about 0.9 (0.95 in its code; SparseLoCo 0.95)
+AUTO_UPLINK_FEEDBACK = 0.9
 
 
 def _at_least_one(cfg: Any, *names: str) -> None:
@@ -471,6 +474,19 @@ class SyncConfig:
         default="nearest",
         metadata={"choices": ROUNDINGS, "help": "the downlink codec's rounding (stochastic: unbiased)"},
     )
+    # the worker's error feedback on its pushes (worker/fragment.py): with decay d it sends enc(delta + d*e)
+    # and keeps e = what that encoding left out, one fp32 buffer per fragment (4 bytes per parameter, in its
+    # checkpoint). Unset: on (AUTO_UPLINK_FEEDBACK) for a codec under 4 bits, whose error without it costs
+    # quality (MuLoCo's 2-bit runs), off for the others, so that e3m0's pushes stay as they were
+    uplink_feedback: float | None = field(
+        default=None,
+        metadata={
+            "help": "decay d of the workers' error feedback on the uplink, in [0, 1]: each push sends the "
+            "outer gradient plus d times what earlier pushes' encoding left out (0: off; default: "
+            f"{AUTO_UPLINK_FEEDBACK} for an uplink codec under 4 bits, else 0)",
+            "metavar": "D",
+        },
+    )
     # measured best with momentum 0.95 at H=30 (BENCHMARKS.md; the paper: 0.7 or 0.4)
     outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
     outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
@@ -550,12 +566,24 @@ class SyncConfig:
         for name in ("uplink_rounding", "downlink_rounding"):
             if getattr(self, name) not in ROUNDINGS:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose {' or '.join(ROUNDINGS)}")
+        if self.uplink_feedback is not None and not 0.0 <= self.uplink_feedback <= 1.0:  # NaN fails too
+            raise ValueError(
+                f"--uplink-feedback must be a decay in [0, 1] (0: off), got {self.uplink_feedback}"
+            )
         if self.codec_block_size < 2 or self.codec_block_size % 2:
             raise ValueError(f"codec_block_size must be an even number >= 2, got {self.codec_block_size}")
         if self.outer_lr <= 0:
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+    @property
+    def uplink_decay(self) -> float:
+        """The uplink's error-feedback decay in force: --uplink-feedback, or when unset AUTO_UPLINK_FEEDBACK
+        for a codec under 4 bits and 0.0 (off) for the others (any codec of the registry)."""
+        if self.uplink_feedback is not None:
+            return float(self.uplink_feedback)
+        return AUTO_UPLINK_FEEDBACK if CODECS[self.uplink_codec].bits < 4 else 0.0
 
     @property
     def num_scheduled_fragments(self) -> int:

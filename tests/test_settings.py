@@ -48,7 +48,7 @@ def _candidates(f: dataclasses.Field, kind: type, default) -> list:
     if kind is int:
         return [default * 2 or 1, default + 1, 1] if default is not None else [48, 1]
     if kind is float:
-        return [default / 2 or 0.5, default * 2, 0.5]
+        return [default / 2 or 0.5, default * 2, 0.5] if default is not None else [0.5, 0.25]
     return ["nano", "int8", "stochastic", "cuda", "elsewhere.txt", "0f" * 32]  # the last: a sha256
 
 

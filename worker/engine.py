@@ -723,6 +723,8 @@ def _by_fragment(frags: list[dict]) -> dict:
         "snapshots": {i: f["snapshot"] for i, f in enumerate(frags) if f["snapshot"] is not None},
         "tokens_since_sync": [f["tokens"] for f in frags],
         "loss_since_sync": [f["loss"] for f in frags],
+        # the uplink's error-feedback residuals (--uplink-feedback): what the pushes so far left out
+        "feedback": {i: f["feedback"] for i, f in enumerate(frags) if f["feedback"] is not None},
     }
 
 
@@ -746,6 +748,8 @@ def _fragment_states(state: dict, count: int) -> list[dict]:
         fragment(f, "send step")["sent_at"][r] = t
     for f, snapshot in state.get("snapshots", {}).items():
         fragment(f, "send snapshot")["snapshot"] = snapshot
+    for f, residual in state.get("feedback", {}).items():  # none before the uplink's error feedback
+        fragment(f, "uplink error feedback")["feedback"] = residual
     return frags
 
 

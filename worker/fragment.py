@@ -2,13 +2,15 @@
 
 A `FragmentSync` holds, for one fragment (as torchft's `_StreamingDiLoCoFragment` does): the parameters'
 tensors, the fp32 mirror of the global parameters and the rounds it holds, the buffers its sends and merges
-reuse, the tokens and losses since its last send, the round in flight and the step that sent it, its latest
-send job and one future per round that says the round's update is in the mirror. Its methods are the
-mechanics of one sync, each on the thread that runs it:
+reuse, the uplink's error-feedback residual (--uplink-feedback), the tokens and losses since its last
+send, the round in flight and the step that sent it, its latest send job and one future per round that
+says the round's update is in the mirror. Its methods are the mechanics of one sync, each on the thread
+that runs it:
 - training thread: `prepare_send` (a snapshot of the parameters, and what the push reports) at the send
   step, `merge` (one multi-tensor lerp on the parameters' device) at the merge step;
-- sync thread: `encode` (the outer gradient, mirror - snapshot, encoded per shard slice) and `apply` (the
-  round's update added into the mirror; on CUDA also staged on the device for the lerp).
+- sync thread: `encode` (the outer gradient, mirror - snapshot, plus the decayed residual of the uplink's
+  error feedback when it is on, encoded per shard slice; the residual keeps what the codec left out) and
+  `apply` (the round's update added into the mirror; on CUDA also staged on the device for the lerp).
 On CUDA the snapshot is a device-side copy that the sync thread brings to a pinned host buffer on its own
 stream, and what the lerp reads is copied to the device there too (`Placement`). It saves and loads its own
 part of a worker checkpoint (`state_dict`, `load_state_dict`), as torchft's fragment does.
@@ -30,7 +32,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.nn as nn
 
-from streamdiloco.common.codecs import Encoded, add_into, encode
+from streamdiloco.common.codecs import Encoded, add_into, decode, encode
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import Fragment, slice_ranges
 from streamdiloco.common.outer import merge_local_, outer_gradient, rebase_local_
@@ -91,6 +93,8 @@ class FragmentSync:
         # process did not send, or one sent before a restart, is mixed as it is at the merge)
         self.snapshot_round: int | None = None
         self._delta: torch.Tensor | None = None  # the sync thread's outer gradient, reused
+        # the uplink's error-feedback residual (cfg.uplink_decay > 0 only): what the pushes so far left out
+        self.feedback: torch.Tensor | None = None
         self._staged: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # CUDA: on the device
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -166,14 +170,30 @@ class FragmentSync:
 
     def encode(self, snapshot: Any, generator: torch.Generator) -> list[Encoded]:
         """Sync thread: the outer gradient (mirror - snapshot), encoded with the uplink codec, one Encoded
-        per shard slice."""
+        per shard slice; with the uplink's error feedback (decay d = cfg.uplink_decay > 0) what is encoded
+        is v = delta + d * e, and e becomes v - decode(enc(v)), what the shards will not see of it."""
         local = self._host_snapshot(snapshot)
         delta = outer_gradient(self.mirror, local, out=self._delta_buffer())
         cfg = self.cfg
-        return [
+        decay = cfg.uplink_decay
+        if decay > 0:  # v = delta + d * e, in the delta buffer (free once the push is encoded)
+            delta.add_(self._feedback_buffer(), alpha=decay)
+        out = [
             encode(delta[lo:hi], cfg.uplink_codec, cfg.codec_block_size, cfg.uplink_rounding, generator)
             for lo, hi in self.ranges
         ]
+        if decay > 0:
+            residual = self._feedback_buffer()
+            for (lo, hi), enc in zip(self.ranges, out, strict=True):
+                decode(enc, out=residual[lo:hi])  # what the shard will add ...
+                torch.sub(delta[lo:hi], residual[lo:hi], out=residual[lo:hi])  # ... and what it will not
+        return out
+
+    def _feedback_buffer(self) -> torch.Tensor:
+        """The uplink's error-feedback residual e (fp32, host memory beside the mirror), zeros at first."""
+        if self.feedback is None:
+            self.feedback = self.place.host(self.spec.numel).zero_()
+        return self.feedback
 
     # --- merge: the update into the mirror on the sync thread, a lerp on the training thread ----------
     def apply(self, round: int, slices: Sequence[SliceUpdate]) -> int:
@@ -267,6 +287,8 @@ class FragmentSync:
             _copy_into(self.params, self.mirror_views)
         self.tokens, self.loss = 0, (0.0, 0)
         self._staged = None
+        if self.feedback is not None:  # what the old pushes left out goes with the steps that made them
+            self.feedback.zero_()
 
     # --- the rounds the mirror holds, and the futures that say an update is in --------------------------
     def hold_rounds(self, rounds: list[int]) -> None:
@@ -293,7 +315,8 @@ class FragmentSync:
         """This fragment's part of a worker checkpoint, once the latest send's push is in the transport: a
         copy of the mirror and the rounds it holds (taken as one: updates may be added meanwhile), the round
         in flight and the steps that sent its rounds, the snapshot of the send not merged yet (round,
-        copy), and the tokens and losses since the last send."""
+        copy), the tokens and losses since the last send, and the uplink's error-feedback residual (a copy,
+        or None without error feedback)."""
         if self.send_job is not None:
             self.send_job.result()
         with self.lock:
@@ -310,6 +333,7 @@ class FragmentSync:
             "snapshot": snapshot,
             "tokens": self.tokens,
             "loss": list(self.loss),
+            "feedback": None if self.feedback is None else self.feedback.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,6 +343,11 @@ class FragmentSync:
         if snapshot is not None and snapshot[1].shape != (self.spec.numel,):
             raise ValueError(
                 f"the checkpoint's send snapshot of fragment {self.index} does not fit this model"
+            )
+        feedback = state.get("feedback")  # none before the uplink had error feedback: zeros
+        if feedback is not None and (feedback.shape != (self.spec.numel,) or feedback.dtype != torch.float32):
+            raise ValueError(
+                f"the checkpoint's uplink error feedback of fragment {self.index} does not fit this model"
             )
         with self.lock:
             self.mirror.copy_(state["mirror"])
@@ -332,6 +361,10 @@ class FragmentSync:
         if snapshot is not None:
             self._host_buffer().copy_(snapshot[1])
             self.snapshot_round = int(snapshot[0])
+        if feedback is not None:
+            self._feedback_buffer().copy_(feedback)
+        elif self.feedback is not None:
+            self.feedback.zero_()
 
 
 def global_state_dict(model: nn.Module, fragments: Sequence[FragmentSync]) -> dict[str, torch.Tensor]:
