@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -34,6 +36,7 @@ from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.fragment import FragmentSync, Placement
 from streamdiloco.worker.model import build_gpt
 from tests.support.nano_shard import CFG, fingerprint
+from tests.support.procs import Cluster, wait_until
 
 N = 1000  # values of the test fragment: two parameters of 600 and 400, two shard slices of 500
 SPEC = Fragment(
@@ -276,3 +279,46 @@ def test_the_simulator_runs_the_feedback_with_mirrors_bit_identical_to_the_maste
     assert on["mirrors_match_masters"] and off["mirrors_match_masters"]
     assert on["bytes_sent_per_worker"] == off["bytes_sent_per_worker"]  # the same codec: the same bytes
     assert any(not torch.equal(x, y) for x, y in zip(on["global_params"], off["global_params"], strict=True))
+
+
+# --- a real worker process, stopped and resumed ------------------------------------------------------
+NANO = [
+    *("--model", "nano", "--sync-every", "6", "--num-fragments", "3", "--uplink-feedback", "0.9"),
+    *("--merge-policy", "fixed", "--sync-schedule", "fixed"),
+]
+
+
+def _one_worker_run(tmp: Path, stop: bool) -> tuple[list[torch.Tensor], dict]:
+    """A shard and one worker with the uplink's feedback; with `stop`, the worker is stopped (SIGTERM) after
+    its first checkpoint and started again with --resume. Returns its global parameters and what the stop
+    left (its checkpoint's residuals, its summary)."""
+    work = [*NANO, "--steps", "24", "--log-every", "6", "--checkpoint-every", "6", "--step-delay", "0.2"]
+    work += ["--save-global", str(tmp / "global.pt")]
+    info: dict = {}
+    with Cluster(tmp) as c:
+        target, _ = c.shard("shard", *NANO, "--min-workers", "1", "--round-timeout", "300")
+        c.worker("w", [target], *work)
+        if stop:
+            wait_until("the worker's first checkpoint", (tmp / "w.pt").exists, timeout=120)
+            c.procs["w"].send_signal(signal.SIGTERM)
+            assert c.procs["w"].wait(60) == 0, c.log("w")[-3000:]
+            ck = torch.load(tmp / "w.pt", map_location="cpu", weights_only=True)
+            info["feedback"], info["stopped_at"] = ck["engine"]["feedback"], ck["engine"]["step"]
+            c.worker("w", [target], *work, "--resume")
+        assert c.wait("w", timeout=240) == 0, c.log("w")[-4000:]
+        info["summary"] = c.summary("w")
+    return list(torch.load(tmp / "global.pt")), info
+
+
+@pytest.mark.slow  # two runs of a shard and a worker process (about 30 s); the in-process save and load above
+def test_a_worker_process_stopped_and_resumed_ends_as_if_uninterrupted(tmp_path):
+    """Its residuals go into the checkpoint and come back: the run ends with the global parameters, bit for
+    bit, of the run in which it never stopped (a residual lost at the resume would change every push after
+    it)."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "stop").mkdir()
+    want, _ = _one_worker_run(tmp_path / "ref", stop=False)
+    got, info = _one_worker_run(tmp_path / "stop", stop=True)
+    assert 6 <= info["stopped_at"] < 24 and info["summary"]["resumed"]
+    assert info["feedback"] and all(e.abs().max() > 0 for e in info["feedback"].values())
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))

@@ -4,7 +4,9 @@ its ranks'.
 
 A checkpoint is one torch file per worker (`WorkerConfig.checkpoint_path`), written atomically: the format
 number, the worker's name and data rank, the key of the settings it must be resumed with (`checkpoint_key`),
-the model's parameters, the inner optimizer, the data stream, the engine and the links. `resume_from`
+the model's parameters, the inner optimizer, the data stream, the engine (with its fragments' mirrors,
+send snapshots and, with --uplink-feedback, the uplink's error-feedback residuals: a checkpoint written
+before those loads with zeros) and the links. `resume_from`
 decides at start-up whether to resume (--resume, --auto-resume; rank 0's file for a torchrun group) and
 `load_checkpoint` refuses, in one line, a file written with other settings.
 
