@@ -36,8 +36,10 @@ from streamdiloco.common.codecs import (
 # on the worker), so that no weighted sum of accepted chunks, mean, outer step or mirror can overflow: outer
 # gradients and updates are parameter differences, and parameters, far below 1e30.
 MAX_ABS_VALUE = 1e30
-# The largest level of each scaled codec, relative to its block's scale (int8: 127 steps, e3m0: 2^0).
-_TOP_LEVEL = {"int8": 127.0, "e3m0": 1.0}
+# The largest level of each scaled codec, relative to its block's scale (int8: 127 steps, e3m0: 2^0; sq2's
+# codebook holds the values themselves).
+_TOP_LEVEL = {"int8": 127.0, "e3m0": 1.0, "sq2": 1.0}
+_SIDE_VALUE = {"sq2": "codebook value"}  # what a codec's fp32 side values are called in a refusal
 
 
 class ChunkError(ValueError):
@@ -173,11 +175,15 @@ class Assembly:
         if spec.scaled:
             top = float(part.scales.abs().amax()) if want_scales else 0.0  # NaN and inf survive abs, amax
             if not math.isfinite(top):
-                raise ChunkError("bad_scale", "the chunk has a non-finite scale")
+                raise ChunkError(
+                    "bad_scale", f"the chunk has a non-finite {_SIDE_VALUE.get(part.codec, 'scale')}"
+                )
             top *= _TOP_LEVEL[part.codec]
             if top > self.max_abs:
                 raise ChunkError(
-                    "bad_scale", f"the chunk's scales allow values up to {top:.3g}, above {self.max_abs:g}"
+                    "bad_scale",
+                    f"the chunk's {_SIDE_VALUE.get(part.codec, 'scale')}s allow values up to {top:.3g}, "
+                    f"above {self.max_abs:g}",
                 )
         else:
             top = float(decode(part).abs().amax())

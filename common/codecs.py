@@ -1,4 +1,4 @@
-"""Codecs for the values that cross the network: fp32, bf16, int8 and 4-bit E3M0.
+"""Codecs for the values that cross the network: fp32, bf16, int8, 4-bit E3M0 and 2-bit sq2.
 
 One registry (`CODECS`, plain data in common/codecspec.py, which the settings read without torch) and four
 functions: `encode`, `decode` (optionally straight into a caller's buffer), `accumulate` (acc += weight *
@@ -6,6 +6,12 @@ values, the shard's aggregation) and `add_into` (out += values, the worker's mir
 squared norm, which the shard checks each push's size by). The quantized codecs cut the flat vector into
 blocks of `block_size` values that share one fp32 scale; E3M0 packs two 4-bit codes per byte (the first
 value in the low nibble).
+
+sq2 (MuLoCo's 2-bit statistical quantizer): per block, four bins over the block's mean +- 1.9632 sigma
+(inner edges at the mean and at mean +- 0.9816 sigma, the Gaussian's Lloyd-Max thresholds), each value sent as
+its bin's 2-bit index (four per byte, the first value in the low bits) and the bins' means as the block's
+codebook (4 fp32 in `scales`; 0 for an empty bin). Decoding is a lookup: value = codebook[code]. See
+SQ2_EDGE for how the statistics stay exact, so that every implementation sends the same bytes.
 
 E3M0 (the paper's 4-bit float: 1 sign bit, 3 exponent bits, no mantissa): code 0 is zero and codes 1..7 are
 2^-6 .. 2^0 times the block's scale, which is the block's largest magnitude. Rounding is to the nearest level
@@ -55,6 +61,18 @@ _E3M0_BYTE_VALUES = torch.stack(
     [_E3M0_CODE_VALUES[torch.arange(256) & 0x0F], _E3M0_CODE_VALUES[torch.arange(256) >> 4]], dim=1
 )
 
+# sq2 (2-bit statistical quantization, MuLoCo's): per block, 4 bins with inner edges at mean - t, mean and
+# mean + t, t = SQ2_EDGE * the block's standard deviation, each value sent as its bin's 2-bit index and each
+# bin's mean (4 fp32 per block, the codebook) beside the payload. 0.9816 sigma is the inner threshold of the
+# Lloyd-Max 4-level quantizer of a Gaussian (bins over +-k sigma with k = 2 * 0.9816): with the bins' means as
+# the levels it is the MSE-optimal 4-level quantizer on Gaussian values (relative MSE 0.1175).
+SQ2_EDGE = 0.9816
+# The statistics are exact integer sums (order-free, so the torch ops and the CPU kernels agree to the bit) of
+# the block's values on a grid: q = rint(x * 2^(SQ2_GRID_BITS - e)), e the exponent of the block's largest
+# magnitude, so |q| <= 2^21 (2^23 for a block of denormals, on their own grid of 2^-149); q^2 summed over a
+# block of at most SQ2_MAX_BLOCK values stays below 2^63.
+SQ2_GRID_BITS = 20
+SQ2_MAX_BLOCK = 1 << 16
 _NON_FINITE = "cannot encode non-finite values (NaN or inf): the training has diverged"
 
 
@@ -96,6 +114,8 @@ def encode(
         raise ValueError(f"unknown rounding {rounding!r}: choose {' or '.join(ROUNDINGS)}")
     if spec.scaled and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if spec.name == "sq2" and block_size > SQ2_MAX_BLOCK:
+        raise ValueError(f"sq2 blocks hold at most {SQ2_MAX_BLOCK} values, got block_size {block_size}")
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
@@ -103,7 +123,7 @@ def encode(
     stochastic = rounding == "stochastic"
     seed = _draw_seed(generator, x.device) if stochastic else 0
     k = cpu_kernels() if x.device.type == "cpu" else None
-    if k is not None and (not spec.scaled or block_size % 2 == 0):
+    if k is not None and _kernel_fits(spec, block_size):
         return _encode_cpu(k, x, spec, block_size, stochastic, seed)
     return _encode_torch(x, spec, block_size, stochastic, seed)
 
@@ -118,7 +138,7 @@ def decode(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
     else:
         _check_target(enc, out, "out", (torch.float32,))
     k = cpu_kernels() if out.device.type == "cpu" else None
-    if k is not None and spec.scaled and enc.block_size % 2 == 0:
+    if k is not None and spec.scaled and _kernel_fits(spec, enc.block_size):
         _apply_cpu(k, enc, out, 0.0, 0)
     else:
         _decode_torch(enc, out)
@@ -133,7 +153,7 @@ def accumulate(enc: Encoded, acc: torch.Tensor, weight: float, overwrite: bool =
     _check_target(enc, acc, "acc", (torch.float64, torch.float32))
     weight = float(weight)
     k = cpu_kernels() if acc.device.type == "cpu" else None
-    if k is not None and (not get_codec(enc.codec).scaled or enc.block_size % 2 == 0):
+    if k is not None and _kernel_fits(get_codec(enc.codec), enc.block_size):
         _apply_cpu(k, enc, acc, weight, 2 if overwrite else 1)
     else:
         if overwrite:
@@ -164,7 +184,7 @@ def add_into(enc: Encoded, out: torch.Tensor) -> None:
     _check_encoded(enc)
     _check_target(enc, out, "out", (torch.float32,))
     k = cpu_kernels() if out.device.type == "cpu" else None
-    if k is not None and (not get_codec(enc.codec).scaled or enc.block_size % 2 == 0):
+    if k is not None and _kernel_fits(get_codec(enc.codec), enc.block_size):
         _apply_cpu(k, enc, out, 1.0, 1)  # fma(v, 1, a) is a + v rounded once: the same as an add
     else:
         out.add_(_decode_torch(enc))
@@ -176,7 +196,7 @@ def sumsq(enc: Encoded) -> float:
     push's norm with it as the chunks arrive. Values are bounded (at most 1e30), so it cannot overflow."""
     spec = _check_encoded(enc)
     k = cpu_kernels() if enc.payload.device.type == "cpu" else None
-    if k is None or (spec.scaled and enc.block_size % 2):
+    if k is None or not _kernel_fits(spec, enc.block_size):
         return float(_decode_torch(enc).to(torch.float64).square().sum())
     p = enc.payload.contiguous().numpy()
     s = enc.scales.contiguous().numpy()
@@ -189,9 +209,11 @@ def sumsq(enc: Encoded) -> float:
             return k.sumsq_bf16(p.view(np.uint16)[a:b])
         if enc.codec == "int8":
             return k.sumsq_int8(p.view(np.int8)[a:b], s[a // bs : -(-b // bs)], bs, b - a)
+        if enc.codec == "sq2":
+            return k.sumsq_sq2(p[a // 4 : (b + 3) // 4], s[a // bs * 4 : -(-b // bs) * 4], bs, b - a)
         return k.sumsq_e3m0(p[a // 2 : (b + 1) // 2], s[a // bs : -(-b // bs)], bs, b - a)
 
-    return float(sum(in_parallel(enc.numel, bs, run)))
+    return float(sum(in_parallel(enc.numel, chunk_alignment(enc.codec, bs), run)))
 
 
 def roundtrip(
@@ -219,6 +241,12 @@ def warm_up(codecs: tuple[str, ...] = ("e3m0",), block_size: int = 128) -> None:
         add_into(enc, out)
         accumulate(enc, torch.zeros(enc.numel, dtype=torch.float64), 0.5)
         sumsq(enc)
+
+
+def _kernel_fits(spec: Codec, block_size: int) -> bool:
+    """Whether the CPU kernels take this codec at this block size: every block starts on a byte (a block
+    size of whole bytes, and even), else the torch ops do the work."""
+    return not spec.scaled or block_size % max(2, 8 // spec.bits) == 0
 
 
 def _check_encoded(enc: Encoded) -> Codec:
@@ -341,6 +369,8 @@ def _encode_torch(x: torch.Tensor, spec: Codec, block_size: int, stochastic: boo
     absmax = mag.amax(dim=1)  # NaN propagates: one check on the scales covers every value
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError(_NON_FINITE)
+    if spec.name == "sq2":
+        return _encode_sq2_torch(blocks, absmax, n, block_size, stochastic, seed)
     u = _uniform(seed, blocks.numel(), dev).view(blocks.shape) if stochastic else None
 
     if spec.name == "int8":
@@ -372,6 +402,64 @@ def _encode_torch(x: torch.Tensor, spec: Codec, block_size: int, stochastic: boo
     return Encoded("e3m0", n, packed.contiguous(), scale, block_size)
 
 
+def _sq2_grid(absmax: torch.Tensor) -> torch.Tensor:
+    """2^(SQ2_GRID_BITS - e) per block (fp64, exact), e the exponent of the block's largest magnitude
+    (its exponent field minus 127); 2^149 for a block of denormals (and zeros), which makes them exact
+    integers below 2^23."""
+    field = absmax.view(torch.int32).long() >> 23
+    k = torch.where(field > 0, SQ2_GRID_BITS + 127 - field, 149)
+    return ((1023 + k) << 52).view(torch.float64)
+
+
+def _encode_sq2_torch(
+    blocks: torch.Tensor, absmax: torch.Tensor, n: int, block_size: int, stochastic: bool, seed: Any
+) -> Encoded:
+    """The reference sq2 encoder (see SQ2_EDGE): every statistic an exact integer sum on the grid, every
+    step from the sums one IEEE fp64 operation, so that the CPU kernel computes the same bytes."""
+    dev = blocks.device
+    valid = (torch.arange(blocks.numel(), device=dev) < n).view(blocks.shape)
+    grid = _sq2_grid(absmax)
+    q = torch.round(blocks.double() * grid.unsqueeze(1)).long() * valid
+    m = valid.sum(dim=1).double()
+    mean = q.sum(dim=1).double() / m
+    var = ((q * q).sum(dim=1).double() / m - mean * mean).clamp(min=0.0)
+    t = SQ2_EDGE * var.sqrt()
+    qd = q.double()
+    idx = (qd >= (mean - t).unsqueeze(1)).long() + (qd >= mean.unsqueeze(1)).long()
+    idx += (qd >= (mean + t).unsqueeze(1)).long()
+    sel = [(idx == b) & valid for b in range(4)]
+    count = torch.stack([c.sum(dim=1) for c in sel], dim=1).double()  # (blocks, 4)
+    total = torch.stack([(q * c).sum(dim=1) for c in sel], dim=1).double()
+    centre = total / count  # in grid units; NaN for an empty bin (never sent: its entry is 0)
+    books = torch.where(count > 0, centre / grid.unsqueeze(1), 0.0).to(torch.float32)
+    if stochastic:
+        idx = _sq2_dither(qd, idx, centre, count, _uniform(seed, blocks.numel(), dev).view(blocks.shape))
+    codes = (idx * valid).to(torch.uint8).reshape(-1)[:n]
+    pad = (-n) % 4
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    c = codes.view(-1, 4)
+    packed = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+    return Encoded("sq2", n, packed.contiguous(), books.reshape(-1).contiguous(), block_size)
+
+
+def _sq2_dither(
+    qd: torch.Tensor, idx: torch.Tensor, centre: torch.Tensor, count: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """Stochastic rounding between codebook entries: a value in bin b above (below) its bin's mean moves to
+    bin b + 1 (b - 1), when that bin is not empty, with probability (q - centre_b) / (centre_b+1 - centre_b)
+    (mirrored): unbiased between the outer bins' means, which the neighbouring bins' means always bracket."""
+    c = centre.gather(1, idx)
+    up_ok = (idx < 3) & (count.gather(1, (idx + 1).clamp(max=3)) > 0)
+    down_ok = (idx > 0) & (count.gather(1, (idx - 1).clamp(min=0)) > 0)
+    c_up = centre.gather(1, (idx + 1).clamp(max=3))
+    c_down = centre.gather(1, (idx - 1).clamp(min=0))
+    ud = u.double()
+    up = up_ok & (qd > c) & (ud < (qd - c) / (c_up - c))
+    down = down_ok & (qd < c) & (ud < (c - qd) / (c - c_down))
+    return idx + up.long() - down.long()
+
+
 def _decode_torch(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference decoder: torch ops on the payload's device, into `out` when given."""
     n = enc.numel
@@ -382,6 +470,11 @@ def _decode_torch(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor
     elif enc.codec == "int8":
         q = enc.payload.view(torch.int8).to(torch.float32)
         vals = _blocks(q, enc.block_size).mul_(enc.scales.unsqueeze(1)).reshape(-1)[:n]
+    elif enc.codec == "sq2":
+        p = enc.payload.long()
+        codes = torch.stack([(p >> sh) & 3 for sh in (0, 2, 4, 6)], dim=1).reshape(-1)[:n]
+        block = torch.arange(n, device=p.device) // enc.block_size
+        vals = enc.scales[block * 4 + codes]  # each value is its block's codebook entry
     elif enc.codec == "e3m0":
         lut = _table("bytes", enc.payload.device)
         vals = lut[enc.payload.long()].reshape(-1)[:n]  # one lookup per byte: two values
@@ -416,9 +509,14 @@ def _encode_cpu(
         ss = sn[a // bs : -(-b // bs)]
         if spec.name == "int8":
             return k.encode_int8(xs, xs.view(np.float32), bs, pn.view(np.int8)[a:b], ss, key, stochastic, a)
+        if spec.name == "sq2":
+            books = sn[a // bs * 4 : -(-b // bs) * 4]
+            return k.encode_sq2(
+                xs, xs.view(np.float32), bs, pn[a // 4 : (b + 3) // 4], books, key, stochastic, a
+            )
         return k.encode_e3m0(xs, xs.view(np.float32), bs, pn[a // 2 : (b + 1) // 2], ss, key, stochastic, a)
 
-    if any(in_parallel(n, bs, run)):
+    if any(in_parallel(n, chunk_alignment(spec.name, bs), run)):
         raise ValueError(_NON_FINITE)
     return Encoded(
         spec.name, n, payload, scales if spec.scaled else scales[:0], block_size if spec.scaled else 0
@@ -471,10 +569,13 @@ def _apply_cpu(k: Any, enc: Encoded, out: torch.Tensor, weight: float, mode: int
             k.apply_bf16(p.view(np.uint16)[a:b], o[a:b], w, mode)
         elif enc.codec == "int8":
             k.apply_int8(p.view(np.int8)[a:b], s[a // bs : -(-b // bs)], bs, b - a, o[a:b], w, mode)
+        elif enc.codec == "sq2":
+            books = s[a // bs * 4 : -(-b // bs) * 4]
+            k.apply_sq2(p[a // 4 : (b + 3) // 4], books, bs, b - a, o[a:b], w, mode)
         else:
             k.apply_e3m0(p[a // 2 : (b + 1) // 2], s[a // bs : -(-b // bs)], bs, b - a, o[a:b], w, mode)
 
-    in_parallel(enc.numel, bs, run)
+    in_parallel(enc.numel, chunk_alignment(enc.codec, bs), run)
 
 
 def fused_outer_step_available(codec: str, block_size: int, device: torch.device) -> bool:

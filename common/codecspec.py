@@ -40,4 +40,5 @@ CODECS: dict[str, Codec] = {
     "bf16": Codec("bf16", 16, 0),
     "int8": Codec("int8", 8, 1),
     "e3m0": Codec("e3m0", 4, 1),
+    "sq2": Codec("sq2", 2, 4),  # 2-bit statistical quantization: four bins per block, their means sent
 }

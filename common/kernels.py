@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 
 # The kernels are plain functions here and compiled on first use (numba's import costs 0.4 s, so processes
-# that never encode on the CPU do not pay it). `_f2i`, `_i2f` (bit casts) and `_fma` (a fused multiply-add,
-# which is what torch's add_ with alpha computes) are numba intrinsics put in place by `_load_kernels`.
+# that never encode on the CPU do not pay it). `_f2i`, `_i2f`, `_i2d` (bit casts) and `_fma` (a fused
+# multiply-add, which is what torch's add_ with alpha computes) are numba intrinsics put in place by
+# `_load_kernels`.
 _f2i: Any = None
 _i2f: Any = None
+_i2d: Any = None
 _fma: Any = None
 _U16 = np.uint64(16)
 _U15 = np.uint64(15)
@@ -33,6 +35,10 @@ _F127 = np.float32(127.0)
 _FM127 = np.float32(-127.0)
 _F2M6 = np.float32(2.0**-6)
 _F2M24 = np.float32(2.0**-24)
+# sq2's bin edges and statistics grid: the same numbers as common/codecs.py's SQ2_EDGE and SQ2_GRID_BITS
+# (tests/test_codecs.py checks they agree; this module may not import that one)
+SQ2_EDGE = 0.9816
+SQ2_GRID_BITS = 20
 
 
 def _nb_hash(key: Any, i: Any) -> Any:
@@ -119,6 +125,136 @@ def _nb_encode_int8(
             for j in range(m):
                 qb[j] = np.int8(min(max(np.rint(xb[j] / d), _FM127), _F127))
     return False
+
+
+def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
+    """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^21) and the sums of q and q^2."""
+    s1 = 0
+    s2 = 0
+    for j in range(xf.shape[0]):
+        v = np.int64(np.rint(np.float64(xf[j]) * grid))
+        q[j] = v
+        s1 += v
+        s2 += v * v
+    return s1, s2
+
+
+def _nb_sq2_bins(
+    q: Any, m: int, k0: int, k1: int, k2: int, codes: Any
+) -> tuple[int, int, int, int, int, int]:
+    """codes[j] = the bin of q[j] (integer edges k0 <= k1 <= k2); the sums of q and the counts at or above
+    each edge."""
+    a0 = a1 = a2 = 0
+    n0 = n1 = n2 = 0
+    for j in range(m):
+        v = q[j]
+        g0 = 1 if v >= k0 else 0
+        g1 = 1 if v >= k1 else 0
+        g2 = 1 if v >= k2 else 0
+        codes[j] = g0 + g1 + g2
+        a0 += v * g0
+        a1 += v * g1
+        a2 += v * g2
+        n0 += g0
+        n1 += g1
+        n2 += g2
+    return a0, a1, a2, n0, n1, n2
+
+
+def _nb_sq2_dither(q: Any, m: int, codes: Any, centre: Any, count: Any, key: int, base: int) -> None:
+    """Stochastic rounding between neighbouring bins' means (codecs._sq2_dither, value for value)."""
+    for j in range(m):
+        c = codes[j]
+        qd = np.float64(q[j])
+        ce = centre[c]
+        u = np.float64(np.float32(_nb_hash(key, base + j) >> _U8) * _F2M24)
+        if c < 3 and count[c + 1] > 0 and qd > ce:
+            if u < (qd - ce) / (centre[c + 1] - ce):
+                codes[j] = c + 1
+        elif c > 0 and count[c - 1] > 0 and qd < ce:
+            if u < (ce - qd) / (ce - centre[c - 1]):
+                codes[j] = c - 1
+
+
+def _nb_encode_sq2(
+    xi: Any, xf: Any, bs: int, payload: Any, books: Any, key: int, stochastic: bool, base: int
+) -> bool:
+    """sq2 (codecs._encode_sq2_torch, to the bit): per block the grid's integer sums give the mean and the
+    standard deviation, the bins and their means (the codebook, 4 fp32), then the 2-bit codes, four a byte."""
+    n = xi.shape[0]
+    q = np.empty(bs, np.int64)
+    codes = np.zeros(bs + 4, np.uint8)
+    centre = np.zeros(4, np.float64)
+    count = np.zeros(4, np.int64)
+    total = np.zeros(4, np.int64)
+    for b in range(books.shape[0] // 4):
+        lo = b * bs
+        m = min(bs, n - lo)
+        amax = _nb_block_absmax(xi[lo : lo + m])
+        if amax >= 0x7F800000:
+            return True
+        field = amax >> 23
+        grid = _i2d(np.int64(1023 + (SQ2_GRID_BITS + 127 - field if field > 0 else 149)) << 52)
+        s1, s2 = _nb_sq2_stats(xf[lo : lo + m], grid, q)
+        md = np.float64(m)
+        mean = np.float64(s1) / md
+        var = max(np.float64(s2) / md - mean * mean, 0.0)
+        t = SQ2_EDGE * np.sqrt(var)
+        # for an integer q, q >= e exactly when q >= ceil(e)
+        k0, k1, k2 = np.int64(np.ceil(mean - t)), np.int64(np.ceil(mean)), np.int64(np.ceil(mean + t))
+        a0, a1, a2, n0, n1, n2 = _nb_sq2_bins(q, m, k0, k1, k2, codes)
+        count[0], count[1], count[2], count[3] = m - n0, n0 - n1, n1 - n2, n2
+        total[0], total[1], total[2], total[3] = s1 - a0, a0 - a1, a1 - a2, a2
+        for i in range(4):
+            if count[i] > 0:
+                centre[i] = np.float64(total[i]) / np.float64(count[i])
+                books[4 * b + i] = np.float32(centre[i] / grid)
+            else:
+                centre[i] = 0.0
+                books[4 * b + i] = _F0
+        if stochastic:
+            _nb_sq2_dither(q, m, codes, centre, count, key, base + lo)
+        for j in range(m, m + 4):
+            codes[j] = 0
+        pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
+        for j in range(pb.shape[0]):
+            pb[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+    return False
+
+
+def _nb_apply_sq2(payload: Any, books: Any, bs: int, n: int, out: Any, w: Any, mode: int) -> None:
+    z = w - w  # +0 in out's type: as if out were zeros
+    for b in range(books.shape[0] // 4):
+        lut = books[4 * b : 4 * b + 4]
+        lo = b * bs
+        m = min(bs, n - lo)
+        pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
+        ob = out[lo : lo + m]
+        if mode == 0:
+            for j in range(m):
+                ob[j] = lut[(pb[j >> 2] >> ((j & 3) << 1)) & 3]
+        elif mode == 1:
+            for j in range(m):
+                ob[j] = _fma(lut[(pb[j >> 2] >> ((j & 3) << 1)) & 3], w, ob[j])
+        else:
+            for j in range(m):
+                ob[j] = _fma(lut[(pb[j >> 2] >> ((j & 3) << 1)) & 3], w, z)
+
+
+def _nb_sumsq_sq2(payload: Any, books: Any, bs: int, n: int) -> float:
+    """Each block's codes counted, times their codebook entries squared (in fp64)."""
+    total = 0.0
+    counts = np.zeros(4, np.int64)
+    for b in range(books.shape[0] // 4):
+        lo = b * bs
+        m = min(bs, n - lo)
+        counts[:] = 0
+        for j in range(lo, lo + m):
+            counts[(payload[j >> 2] >> ((j & 3) << 1)) & 3] += 1
+        for i in range(4):
+            v = np.float64(books[4 * b + i])
+            total += np.float64(counts[i]) * (v * v)
+    return total
 
 
 def _nb_copy_check(xi: Any, out: Any) -> bool:
@@ -373,15 +509,24 @@ def _load_kernels() -> Any:
     except ImportError:
         return False
     g = globals()
-    g["_f2i"], g["_i2f"], g["_fma"] = _bit_intrinsics(ir, types, intrinsic)
+    g["_f2i"], g["_i2f"], g["_i2d"], g["_fma"] = _bit_intrinsics(ir, types, intrinsic)
     jit = _jit_compiler(numba)
-    for name in ("_nb_hash", "_nb_block_absmax", "_nb_e3m0_value"):
+    inlined = (
+        "_nb_hash",
+        "_nb_block_absmax",
+        "_nb_e3m0_value",
+        "_nb_sq2_stats",
+        "_nb_sq2_bins",
+        "_nb_sq2_dither",
+    )
+    for name in inlined:
         g[name] = jit(g[name], inline="always")
     return _compiled_kernels(jit)
 
 
-def _bit_intrinsics(ir: Any, types: Any, intrinsic: Any) -> tuple[Any, Any, Any]:
-    """numba intrinsics `_f2i`, `_i2f` (bit casts) and `_fma` (a fused multiply-add), for the kernels."""
+def _bit_intrinsics(ir: Any, types: Any, intrinsic: Any) -> tuple[Any, Any, Any, Any]:
+    """numba intrinsics `_f2i`, `_i2f`, `_i2d` (bit casts) and `_fma` (a fused multiply-add), for the
+    kernels."""
 
     @intrinsic
     def f2i(typingctx: Any, x: Any) -> Any:
@@ -405,6 +550,17 @@ def _bit_intrinsics(ir: Any, types: Any, intrinsic: Any) -> tuple[Any, Any, Any]
         return types.float32(types.int64), codegen
 
     @intrinsic
+    def i2d(typingctx: Any, x: Any) -> Any:
+        """The fp64 number whose bits are an int64's."""
+        if x != types.int64:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.DoubleType())
+
+        return types.float64(types.int64), codegen
+
+    @intrinsic
     def fma(typingctx: Any, v: Any, w: Any, acc: Any) -> Any:
         """fma(v, w, acc) = v * w + acc rounded once, in acc's float type (v widened exactly)."""
         if not (isinstance(v, types.Float) and w == acc and isinstance(acc, types.Float)):
@@ -418,7 +574,7 @@ def _bit_intrinsics(ir: Any, types: Any, intrinsic: Any) -> tuple[Any, Any, Any]
 
         return acc(v, w, acc), codegen
 
-    return f2i, i2f, fma
+    return f2i, i2f, i2d, fma
 
 
 def _jit_compiler(numba: Any) -> Any:
@@ -442,6 +598,9 @@ def _compiled_kernels(jit: Any) -> Any:
         encode_e3m0 = jit(_nb_encode_e3m0)
         encode_int8 = jit(_nb_encode_int8)
         encode_bf16 = jit(_nb_encode_bf16)
+        encode_sq2 = jit(_nb_encode_sq2)
+        apply_sq2 = jit(_nb_apply_sq2)
+        sumsq_sq2 = jit(_nb_sumsq_sq2)
         copy_check = jit(_nb_copy_check)
         apply_e3m0 = jit(_nb_apply_e3m0)
         apply_int8 = jit(_nb_apply_int8)
