@@ -67,6 +67,37 @@ class Placement:
         return self._side
 
 
+class PushBuffers:
+    """A fragment's buffers on the sync thread's side of its pushes, in host memory beside the mirror (pinned
+    on CUDA): the outer gradient (reused by the rebase's correction once the push is through) and the
+    uplink's error-feedback residual e (cfg.uplink_decay > 0 only: 4 bytes per parameter, zeros at first)."""
+
+    def __init__(self, place: Placement, numel: int):
+        self.place, self.numel = place, numel
+        self.delta: torch.Tensor | None = None
+        self.feedback: torch.Tensor | None = None
+
+    def delta_buffer(self) -> torch.Tensor:
+        if self.delta is None:
+            self.delta = self.place.host(self.numel)
+        return self.delta
+
+    def feedback_buffer(self) -> torch.Tensor:
+        if self.feedback is None:
+            self.feedback = self.place.host(self.numel).zero_()
+        return self.feedback
+
+    def keep_residual(
+        self, v: torch.Tensor, encoded: Sequence[Encoded], ranges: Sequence[tuple[int, int]]
+    ) -> None:
+        """e = v - decode(enc(v)) slice by slice, `encoded` being enc(v)'s slices: what the shards will not
+        see of what this push meant to send."""
+        residual = self.feedback_buffer()
+        for (lo, hi), enc in zip(ranges, encoded, strict=True):
+            decode(enc, out=residual[lo:hi])  # what the shard will add ...
+            torch.sub(v[lo:hi], residual[lo:hi], out=residual[lo:hi])  # ... and what it will not
+
+
 class FragmentSync:
     """One fragment's sync state and the mechanics of its sends and merges (see the module's docstring)."""
 
@@ -92,9 +123,8 @@ class FragmentSync:
         # the round whose send the snapshot holds (merge_rule "rebase" mixes against it; a round this
         # process did not send, or one sent before a restart, is mixed as it is at the merge)
         self.snapshot_round: int | None = None
-        self._delta: torch.Tensor | None = None  # the sync thread's outer gradient, reused
-        # the uplink's error-feedback residual (cfg.uplink_decay > 0 only): what the pushes so far left out
-        self.feedback: torch.Tensor | None = None
+        # the sync thread's outer gradient (reused) and the uplink's error-feedback residual
+        self.buffers = PushBuffers(place, spec.numel)
         self._staged: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # CUDA: on the device
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -164,9 +194,12 @@ class FragmentSync:
         return buf
 
     def _delta_buffer(self) -> torch.Tensor:
-        if self._delta is None:
-            self._delta = self.place.host(self.spec.numel)
-        return self._delta
+        return self.buffers.delta_buffer()
+
+    @property
+    def feedback(self) -> torch.Tensor | None:
+        """The uplink's error-feedback residual: what the pushes so far left out (None while off)."""
+        return self.buffers.feedback
 
     def encode(self, snapshot: Any, generator: torch.Generator) -> list[Encoded]:
         """Sync thread: the outer gradient (mirror - snapshot), encoded with the uplink codec, one Encoded
@@ -177,23 +210,14 @@ class FragmentSync:
         cfg = self.cfg
         decay = cfg.uplink_decay
         if decay > 0:  # v = delta + d * e, in the delta buffer (free once the push is encoded)
-            delta.add_(self._feedback_buffer(), alpha=decay)
+            delta.add_(self.buffers.feedback_buffer(), alpha=decay)
         out = [
             encode(delta[lo:hi], cfg.uplink_codec, cfg.codec_block_size, cfg.uplink_rounding, generator)
             for lo, hi in self.ranges
         ]
         if decay > 0:
-            residual = self._feedback_buffer()
-            for (lo, hi), enc in zip(self.ranges, out, strict=True):
-                decode(enc, out=residual[lo:hi])  # what the shard will add ...
-                torch.sub(delta[lo:hi], residual[lo:hi], out=residual[lo:hi])  # ... and what it will not
+            self.buffers.keep_residual(delta, out, self.ranges)
         return out
-
-    def _feedback_buffer(self) -> torch.Tensor:
-        """The uplink's error-feedback residual e (fp32, host memory beside the mirror), zeros at first."""
-        if self.feedback is None:
-            self.feedback = self.place.host(self.spec.numel).zero_()
-        return self.feedback
 
     # --- merge: the update into the mirror on the sync thread, a lerp on the training thread ----------
     def apply(self, round: int, slices: Sequence[SliceUpdate]) -> int:
@@ -362,7 +386,7 @@ class FragmentSync:
             self._host_buffer().copy_(snapshot[1])
             self.snapshot_round = int(snapshot[0])
         if feedback is not None:
-            self._feedback_buffer().copy_(feedback)
+            self.buffers.feedback_buffer().copy_(feedback)
         elif self.feedback is not None:
             self.feedback.zero_()
 
