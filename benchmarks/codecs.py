@@ -36,7 +36,7 @@ import torch
 from streamdiloco.common import codecs as C
 
 OPS = ("encode", "decode", "add_into", "accumulate")
-CODECS = ("e3m0", "int8", "bf16", "fp32")
+CODECS = ("sq2", "e3m0", "int8", "bf16", "fp32")
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:

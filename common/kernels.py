@@ -128,30 +128,26 @@ def _nb_encode_int8(
 
 
 def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
-    """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^21) and the sums of q and q^2."""
+    """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^23) and the sums of q and q^2."""
     s1 = 0
     s2 = 0
     for j in range(xf.shape[0]):
-        v = np.int64(np.rint(np.float64(xf[j]) * grid))
+        v = np.int32(np.rint(np.float64(xf[j]) * grid))
         q[j] = v
-        s1 += v
-        s2 += v * v
+        w = np.int64(v)
+        s1 += w
+        s2 += w * w
     return s1, s2
 
 
-def _nb_sq2_bins(
-    q: Any, m: int, k0: int, k1: int, k2: int, codes: Any
-) -> tuple[int, int, int, int, int, int]:
-    """codes[j] = the bin of q[j] (integer edges k0 <= k1 <= k2); the sums of q and the counts at or above
-    each edge."""
+def _nb_sq2_sums(q: Any, k0: Any, k1: Any, k2: Any) -> tuple[Any, ...]:
+    """The sums of q and the counts at or above each (integer) edge k0 <= k1 <= k2 (numba sums int32 in
+    int64: exact for any block)."""
     a0 = a1 = a2 = 0
     n0 = n1 = n2 = 0
-    for j in range(m):
+    for j in range(q.shape[0]):
         v = q[j]
-        g0 = 1 if v >= k0 else 0
-        g1 = 1 if v >= k1 else 0
-        g2 = 1 if v >= k2 else 0
-        codes[j] = g0 + g1 + g2
+        g0, g1, g2 = np.int32(v >= k0), np.int32(v >= k1), np.int32(v >= k2)
         a0 += v * g0
         a1 += v * g1
         a2 += v * g2
@@ -161,9 +157,26 @@ def _nb_sq2_bins(
     return a0, a1, a2, n0, n1, n2
 
 
-def _nb_sq2_dither(q: Any, m: int, codes: Any, centre: Any, count: Any, key: int, base: int) -> None:
+def _nb_sq2_pack(q: Any, k0: Any, k1: Any, k2: Any, pb: Any) -> None:
+    """Each value's bin (how many edges it is at or above), four 2-bit codes a byte, the first lowest."""
+    m = q.shape[0]
+    for j in range(m >> 2):
+        c = np.uint8(0)
+        for i in range(4):
+            v = q[4 * j + i]
+            c |= (np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)) << (2 * i)
+        pb[j] = c
+    if m & 3:
+        c = np.uint8(0)
+        for i in range(m & 3):
+            v = q[(m & ~3) + i]
+            c |= (np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)) << (2 * i)
+        pb[m >> 2] = c
+
+
+def _nb_sq2_dither(q: Any, codes: Any, centre: Any, count: Any, key: int, base: int) -> None:
     """Stochastic rounding between neighbouring bins' means (codecs._sq2_dither, value for value)."""
-    for j in range(m):
+    for j in range(q.shape[0]):
         c = codes[j]
         qd = np.float64(q[j])
         ce = centre[c]
@@ -182,7 +195,7 @@ def _nb_encode_sq2(
     """sq2 (codecs._encode_sq2_torch, to the bit): per block the grid's integer sums give the mean and the
     standard deviation, the bins and their means (the codebook, 4 fp32), then the 2-bit codes, four a byte."""
     n = xi.shape[0]
-    q = np.empty(bs, np.int64)
+    q = np.empty(bs, np.int32)
     codes = np.zeros(bs + 4, np.uint8)
     centre = np.zeros(4, np.float64)
     count = np.zeros(4, np.int64)
@@ -194,29 +207,32 @@ def _nb_encode_sq2(
         if amax >= 0x7F800000:
             return True
         field = amax >> 23
-        grid = _i2d(np.int64(1023 + (SQ2_GRID_BITS + 127 - field if field > 0 else 149)) << 52)
-        s1, s2 = _nb_sq2_stats(xf[lo : lo + m], grid, q)
+        gexp = SQ2_GRID_BITS + 127 - field if field > 0 else 149
+        grid, inv = _i2d(np.int64(1023 + gexp) << 52), _i2d(np.int64(1023 - gexp) << 52)
+        qb = q[:m]
+        s1, s2 = _nb_sq2_stats(xf[lo : lo + m], grid, qb)
         md = np.float64(m)
         mean = np.float64(s1) / md
-        var = max(np.float64(s2) / md - mean * mean, 0.0)
-        t = SQ2_EDGE * np.sqrt(var)
-        # for an integer q, q >= e exactly when q >= ceil(e)
-        k0, k1, k2 = np.int64(np.ceil(mean - t)), np.int64(np.ceil(mean)), np.int64(np.ceil(mean + t))
-        a0, a1, a2, n0, n1, n2 = _nb_sq2_bins(q, m, k0, k1, k2, codes)
+        t = SQ2_EDGE * np.sqrt(max(np.float64(s2) / md - mean * mean, 0.0))
+        # for an integer q, q >= e exactly when q >= ceil(e); the edges lie within the values' range
+        k0, k1, k2 = np.int32(np.ceil(mean - t)), np.int32(np.ceil(mean)), np.int32(np.ceil(mean + t))
+        a0, a1, a2, n0, n1, n2 = _nb_sq2_sums(qb, k0, k1, k2)
         count[0], count[1], count[2], count[3] = m - n0, n0 - n1, n1 - n2, n2
         total[0], total[1], total[2], total[3] = s1 - a0, a0 - a1, a1 - a2, a2
         for i in range(4):
-            if count[i] > 0:
-                centre[i] = np.float64(total[i]) / np.float64(count[i])
-                books[4 * b + i] = np.float32(centre[i] / grid)
-            else:
-                centre[i] = 0.0
-                books[4 * b + i] = _F0
-        if stochastic:
-            _nb_sq2_dither(q, m, codes, centre, count, key, base + lo)
+            c = count[i]
+            centre[i] = np.float64(total[i]) / np.float64(c) if c > 0 else 0.0
+            books[4 * b + i] = np.float32(centre[i] * inv)  # inv = 1 / grid exactly: the same as dividing
+        pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
+        if not stochastic:
+            _nb_sq2_pack(qb, k0, k1, k2, pb)
+            continue
+        for j in range(m):
+            v = qb[j]
+            codes[j] = np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)
+        _nb_sq2_dither(qb, codes[:m], centre, count, key, base + lo)
         for j in range(m, m + 4):
             codes[j] = 0
-        pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
         for j in range(pb.shape[0]):
             pb[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
     return False
@@ -515,11 +531,10 @@ def _load_kernels() -> Any:
         "_nb_hash",
         "_nb_block_absmax",
         "_nb_e3m0_value",
-        "_nb_sq2_stats",
-        "_nb_sq2_bins",
-        "_nb_sq2_dither",
     )
     for name in inlined:
+        g[name] = jit(g[name], inline="always")
+    for name in ("_nb_sq2_stats", "_nb_sq2_sums", "_nb_sq2_pack", "_nb_sq2_dither"):
         g[name] = jit(g[name], inline="always")
     return _compiled_kernels(jit)
 

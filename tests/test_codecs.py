@@ -478,6 +478,24 @@ def test_sq2_stochastic_rounding_is_unbiased_between_the_outer_means():
     assert det.mean() > 10 * pooled_sigma  # nearest rounding's per-value error: far from exact
 
 
+@pytest.mark.parametrize("bs", [252, 256, 1020, 1024, 4096])
+def test_sq2_large_blocks_give_the_spec_bytes(bs):
+    """Blocks whose grid sums pass 2^31 (from 2^10 values at the top of the grid, 2^8 of denormals): the
+    kernel's sums do not overflow, the bytes are the spec's."""
+    g = torch.Generator().manual_seed(bs)
+    # random blocks, and blocks of values at the top of the grid (2^21 - 1 and 2^23 - 1 each)
+    top, denormal = torch.full((2 * bs,), 2.0 - 2.0**-20), torch.full((2 * bs,), 2.0**-126 - 2.0**-149)
+    for x in (
+        torch.randn(3 * bs + 4, generator=g) * 1e3,
+        torch.randn(3 * bs, generator=g) * 1e-39,
+        top,
+        denormal,
+    ):
+        enc = encode(x, "sq2", bs)
+        payload, books = ref_sq2(x, bs)
+        assert same(enc.payload, payload) and same(enc.scales, books)
+
+
 def test_sq2_constants_and_limits():
     assert kernels.SQ2_EDGE == codecs.SQ2_EDGE and kernels.SQ2_GRID_BITS == codecs.SQ2_GRID_BITS
     assert get_codec("sq2").sizes(1001, 128) == (251, 32)  # 4 codes a byte, 4 fp32 per block
