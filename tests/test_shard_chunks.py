@@ -564,3 +564,93 @@ def test_a_close_job_out_takes_pushes_for_the_next_round_and_publishes_the_maste
     ref.push("a", 0, 0, enc, 1.0)
     assert _closed_bits(ref.close_round(0)) == _closed_bits(closed)
     assert torch.equal(st.master(0), ref.master(0))
+
+
+# === sq2 through a real shard ============================================================================
+def _sq2_shard(tmp_path, shards):
+    """Shard 0 of 2 of the nano run with sq2 both ways, serving in a thread (chunks of 256 bytes)."""
+    import json
+
+    from tests.support.inthread import InThreadShard
+    from tests.support.nano_shard import fingerprint
+    from tests.support.shards import shard_of
+
+    cfg = SyncConfig(sync_every=6, num_fragments=3, uplink_codec="sq2", downlink_codec="sq2")
+    service = shard_of(cfg, "nano", shard=0, num_shards=2, min_workers=2, round_timeout=30.0, chunk_bytes=256)
+    return shards.add(InThreadShard(service, tmp_path, json.dumps(fingerprint(cfg))))
+
+
+def _sq2_delta(shard, seed: int) -> Encoded:
+    from tests.support.nano_shard import delta
+
+    lo, hi = shard.service.state.ranges[0]
+    return encode(delta(seed, hi - lo), "sq2", 128)
+
+
+def test_sq2_pushes_and_updates_through_a_real_shard_keep_mirrors_bit_identical(tmp_path, shards):
+    """Two workers push sq2 slices through the shard's gRPC edge (many chunks each); the round closes and
+    each gets the sq2 update, whose bytes a worker's Assembly adds into its mirror: the mirror equals the
+    shard's new master to the bit, and the update equals ShardState's for the same pushes."""
+    from streamdiloco.common.chunks import Assembly
+    from tests.support.inthread import push_messages
+
+    shard = _sq2_shard(tmp_path, shards)
+    mirror = shard.on_loop(lambda: shard.service.state.master(0).clone())
+    a, b = shard.worker("a"), shard.worker("b")
+    encs = {"a": _sq2_delta(shard, 1), "b": _sq2_delta(shard, 2)}
+    ref = make_state(uplink_codec="sq2", downlink_codec="sq2", members=("a", "b"))
+    for w, weight in ((a, 100.0), (b, 100.0)):
+        w.push(push_messages(encs[w.name], weight=weight, loss=3.0, values_per_chunk=512))
+        assert w.session.result().accepted
+        ref.push(w.name, 0, 0, encs[w.name], weight, 3.0)
+    closed = ref.close_round(0)
+    updates = {w.name: w.session.update() for w in (a, b)}  # the round has closed once they arrive
+    master = shard.on_loop(lambda: shard.service.state.master(0).clone())
+    assert torch.equal(master, ref.master(0))
+    for w in (a, b):
+        chunks_in = updates[w.name]
+        assert len(chunks_in) > 3 and all(c.codec == "sq2" and c.block_size == 128 for c in chunks_in)
+        got = concat([from_chunk(c) for c in chunks_in])
+        assert torch.equal(got.payload, closed.update.payload)
+        assert torch.equal(got.scales, closed.update.scales)
+        asm = Assembly(mirror.numel(), "sq2", 128, what="update", role="downlink")
+        for c in chunks_in:
+            asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last)
+        mine = mirror.clone()
+        asm.add_into(mine)
+        assert torch.equal(mine.view(torch.int32), master.view(torch.int32)), w.name
+    assert not torch.equal(master, mirror)  # the round moved the master
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (float("nan"), "non-finite codebook value"),
+        (float("inf"), "non-finite codebook value"),
+        (-float("inf"), "non-finite codebook value"),
+        (3e30, "codebook values allow values up to 3e+30, above 1e+30"),
+    ],
+)
+def test_an_sq2_push_with_a_bad_codebook_is_refused_and_nothing_is_folded(tmp_path, shards, bad, words):
+    """A codebook entry that is NaN, inf or past the value bound (in a later chunk, after good ones):
+    the push is refused with bad_scale and a message naming the codebook, the round keeps nothing of it,
+    and the worker's next, good push of the same round is accepted."""
+    from tests.support.inthread import push_messages
+
+    shard = _sq2_shard(tmp_path, shards)
+    a, _ = shard.worker("a"), shard.worker("b")
+    enc = _sq2_delta(shard, 1)
+    before = shard.snapshot()
+    msgs = push_messages(enc, values_per_chunk=512)
+    books = enc.scales.clone()
+    books[16 + 2] = bad  # in chunk 1 (512 values: 4 blocks, 16 codebook values a chunk)
+    bent = Encoded("sq2", enc.numel, enc.payload, books, 128)
+    bad_msgs = push_messages(bent, values_per_chunk=512)
+    assert bad_msgs[1].push.chunk.scales != msgs[1].push.chunk.scales
+    a.push(bad_msgs)
+    r = a.session.result()
+    assert (r.accepted, r.reason) == (False, "bad_scale") and words in r.message, r.message
+    shard.quiesce(a)
+    assert shard.snapshot() == before
+    a.push(msgs)
+    assert a.session.result().accepted
