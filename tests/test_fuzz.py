@@ -211,6 +211,7 @@ def some_string(rng: random.Random) -> str:
             "fp32",
             "e3m0",
             "int8",
+            "sq2",  # a codec that exists, not this run's: bad_codec, as any other name
             "E3M0",
             "e3m0 ",
             "x" * 4096,
