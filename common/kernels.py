@@ -128,11 +128,12 @@ def _nb_encode_int8(
 
 
 def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
-    """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^23) and the sums of q and q^2."""
+    """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^23) and the sums of q and q^2.
+    `grid` is fp32 where it fits (twice the lanes of fp64), else fp64: the product is exact either way."""
     s1 = 0
     s2 = 0
     for j in range(xf.shape[0]):
-        v = np.int32(np.rint(np.float64(xf[j]) * grid))
+        v = np.int32(np.rint(xf[j] * grid))
         q[j] = v
         w = np.int64(v)
         s1 += w
@@ -210,7 +211,10 @@ def _nb_encode_sq2(
         gexp = SQ2_GRID_BITS + 127 - field if field > 0 else 149
         grid, inv = _i2d(np.int64(1023 + gexp) << 52), _i2d(np.int64(1023 - gexp) << 52)
         qb = q[:m]
-        s1, s2 = _nb_sq2_stats(xf[lo : lo + m], grid, qb)
+        if gexp <= 127:
+            s1, s2 = _nb_sq2_stats(xf[lo : lo + m], np.float32(grid), qb)
+        else:  # blocks below 2^-107: 2^gexp is past fp32's range
+            s1, s2 = _nb_sq2_stats(xf[lo : lo + m].astype(np.float64), grid, qb)
         md = np.float64(m)
         mean = np.float64(s1) / md
         t = SQ2_EDGE * np.sqrt(max(np.float64(s2) / md - mean * mean, 0.0))
