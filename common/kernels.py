@@ -130,8 +130,8 @@ def _nb_encode_int8(
 def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
     """q[j] = rint(x[j] * grid) (exact: grid is a power of two, |q| <= 2^23) and the sums of q and q^2.
     `grid` is fp32 where it fits (twice the lanes of fp64), else fp64: the product is exact either way."""
-    s1 = 0
-    s2 = 0
+    s1: Any = 0  # (annotated for mypy only: local annotations are not in the bytecode numba compiles)
+    s2: Any = 0
     for j in range(xf.shape[0]):
         v = np.int32(np.rint(xf[j] * grid))
         q[j] = v
@@ -144,8 +144,12 @@ def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
 def _nb_sq2_sums(q: Any, k0: Any, k1: Any, k2: Any) -> tuple[Any, ...]:
     """The sums of q and the counts at or above each (integer) edge k0 <= k1 <= k2 (numba sums int32 in
     int64: exact for any block)."""
-    a0 = a1 = a2 = 0
-    n0 = n1 = n2 = 0
+    a0: Any = 0
+    a1: Any = 0
+    a2: Any = 0
+    n0: Any = 0
+    n1: Any = 0
+    n2: Any = 0
     for j in range(q.shape[0]):
         v = q[j]
         g0, g1, g2 = np.int32(v >= k0), np.int32(v >= k1), np.int32(v >= k2)
