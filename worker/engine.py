@@ -34,9 +34,10 @@ training thread would take longer than the step). Each fragment's state and mech
   merge_policy "fixed" it waits there if the update has not arrived and been added to the mirror yet, and
   counts that wait; with "adaptive" (the default) it goes on training and merges after the first later step
   by which the update is in, waiting only if it is still missing at the fragment's next send;
-- the sync thread (one per engine, jobs in order) computes the outer gradient (mirror - snapshot), encodes
-  it and hands it to the transport; and when the round's update arrives, decodes it into the mirror (and,
-  on CUDA, copies the fragment's mirror to the device for the lerp).
+- the sync thread (one per engine, jobs in order) computes the outer gradient (mirror - snapshot), adds the
+  decayed residual of the uplink's error feedback (--uplink-feedback) and keeps what the encoding leaves
+  out, encodes it and hands it to the transport; and when the round's update arrives, decodes it into the
+  mirror (and, on CUDA, copies the fragment's mirror to the device for the lerp).
 Each (fragment, round) has one future that the merge waits on; `request_stop()` cancels them.
 
 The transport (`Transport`) is what carries pushes and updates: the gRPC client in a worker process, an
