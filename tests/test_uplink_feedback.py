@@ -36,7 +36,7 @@ from streamdiloco.worker.engine import SyncEngine
 from streamdiloco.worker.fragment import FragmentSync, Placement
 from streamdiloco.worker.model import build_gpt
 from tests.support.nano_shard import CFG, fingerprint
-from tests.support.procs import Cluster, wait_until
+from tests.support.procs import Cluster, http_json, wait_until
 
 N = 1000  # values of the test fragment: two parameters of 600 and 400, two shard slices of 500
 SPEC = Fragment(
@@ -95,6 +95,23 @@ def test_what_was_sent_plus_the_new_residual_is_the_gradient_plus_the_decayed_ol
         f.merge(r)  # nothing applied: the mirror stays, the parameters too (alpha mixes them with it)
         for p, m in zip(params, f.views(f.mirror), strict=True):
             p.copy_(m)
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_conservation_holds_for_every_codec_of_the_registry(codec):
+    """The feedback goes through the codecs' public encode and decode only: any codec, present or to come."""
+    f, params = fragment(codec, 0.9)
+    gen = torch.Generator().manual_seed(7)
+    old = torch.zeros(N, dtype=torch.float64)
+    for r in range(2):
+        train(params, r)
+        delta = (f.mirror - torch.cat([p.flatten() for p in params])).double()
+        q = sent(push(f, params, r, gen)).double()
+        new = f.feedback.double()
+        bound = ULPS * EPS32 * (delta.abs() + 0.9 * old.abs() + q.abs())
+        assert ((q + new) - (delta + 0.9 * old)).abs().le(bound).all(), (codec, r)
+        old = new
+        f.merge(r)
 
 
 @pytest.mark.parametrize("codec", LOSSY)
@@ -296,7 +313,7 @@ def _one_worker_run(tmp: Path, stop: bool) -> tuple[list[torch.Tensor], dict]:
     work += ["--save-global", str(tmp / "global.pt")]
     info: dict = {}
     with Cluster(tmp) as c:
-        target, _ = c.shard("shard", *NANO, "--min-workers", "1", "--round-timeout", "300")
+        target, http = c.shard("shard", *NANO, "--min-workers", "1", "--round-timeout", "300")
         c.worker("w", [target], *work)
         if stop:
             wait_until("the worker's first checkpoint", (tmp / "w.pt").exists, timeout=120)
@@ -307,6 +324,8 @@ def _one_worker_run(tmp: Path, stop: bool) -> tuple[list[torch.Tensor], dict]:
             c.worker("w", [target], *work, "--resume")
         assert c.wait("w", timeout=240) == 0, c.log("w")[-4000:]
         info["summary"] = c.summary("w")
+        masters = [[f["master_hash"]] for f in http_json(http)["fragments"]]
+        assert info["summary"]["mirror_hashes"] == masters  # the mirrors are the masters, bit for bit
     return list(torch.load(tmp / "global.pt")), info
 
 
