@@ -190,6 +190,101 @@ def test_a_bad_chunk_is_refused_with_its_reason_and_changes_nothing(case):
     assert (list(asm.parts), asm.received, asm.nbytes) == state
 
 
+SQ2 = encode(values(1001, seed=5), "sq2", BS)
+SQ2_CS = wire_chunks(SQ2, 128)  # 8 chunks of 128 values: 32 payload bytes and 32 codebook values each
+
+SQ2_REFUSALS = {
+    "codebook-nan": (_scale(SQ2_CS[1][3], float("nan")), "bad_scale", "non-finite codebook value"),
+    "codebook-inf": (_scale(SQ2_CS[1][3], float("inf")), "bad_scale", "non-finite codebook value"),
+    "codebook-huge": (
+        _scale(SQ2_CS[1][3], -2e30),
+        "bad_scale",
+        "the chunk's codebook values allow values up to 2e+30, above 1e+30",
+    ),
+    "payload-short": (
+        _part(SQ2_CS[1][3], payload=SQ2_CS[1][3].payload[:-1]),
+        "bad_length",
+        "128 sq2 values need 32 payload bytes and 32 scales, got 31 and 32",
+    ),
+    "payload-long": (
+        _part(SQ2_CS[1][3], payload=torch.cat([SQ2_CS[1][3].payload, SQ2_CS[1][3].payload[:1]])),
+        "bad_length",
+        "got 33 and 32",
+    ),
+    "codebook-short": (  # 3 entries for the last block
+        _part(SQ2_CS[1][3], scales=SQ2_CS[1][3].scales[:-1]),
+        "bad_length",
+        "got 32 and 31",
+    ),
+    "count-mismatch": (  # the chunk says 124 values (aligned to 4, not to the block)
+        _part(SQ2_CS[1][3], numel=124),
+        "bad_length",
+        "a chunk other than the last must hold a multiple of 16 values, got 124",
+    ),
+}
+
+
+@pytest.mark.parametrize("role", ["uplink", "downlink"])
+@pytest.mark.parametrize("case", list(SQ2_REFUSALS), ids=list(SQ2_REFUSALS))
+def test_a_bad_sq2_chunk_is_refused_on_either_end_and_changes_nothing(case, role):
+    """A worker's push (the shard's uplink) and a shard's update (the worker's downlink) alike: a codebook
+    with NaN, inf or past the value bound, a payload or codebook longer or shorter than the chunk's count
+    says, a count that does not match the chunk: refused with the reason, the assembly as it was."""
+    bad, reason, words = SQ2_REFUSALS[case]
+    asm = Assembly(1001, "sq2", BS, what="push" if role == "uplink" else "update", role=role)
+    asm.add(*SQ2_CS[0])
+    state = (list(asm.parts), asm.received, asm.nbytes)
+    with pytest.raises(ChunkError) as e:
+        asm.add(*_with(SQ2_CS[1], part=bad))
+    assert e.value.reason == reason and words in str(e.value), str(e.value)
+    assert (list(asm.parts), asm.received, asm.nbytes) == state
+    for c in SQ2_CS[1:]:  # the good chunk is taken after the bad one
+        asm.add(*c)
+    out = torch.empty(1001)
+    asm.decode_into(out)
+    assert torch.equal(out, decode(SQ2))
+
+
+def test_bent_sq2_chunks_are_refused_or_decode_to_bounded_values():
+    """A small fuzzer of the sq2 format: chunk 2 of a push bent at random (payload bytes, codebook values
+    and counts, numel, block size, several at once): the assembly either refuses it with a ChunkError and
+    is unchanged, or takes it, and then every value it decodes is finite and within the bound."""
+    import random
+
+    rng = random.Random(38)
+    weird = [float("nan"), float("inf"), -float("inf"), 1e30, 1.01e30, 3.4e38, -0.0, 1e-45, 1.0]
+    for _ in range(300):
+        good = SQ2_CS[2][3]
+        kw: dict = {}
+        for what in rng.sample(["payload", "scales", "numel", "block_size", "values"], rng.randint(1, 3)):
+            if what == "payload":
+                n = max(0, good.payload.numel() + rng.choice([-3, -1, 0, 1, 4]))
+                kw["payload"] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            elif what == "scales":
+                n = max(0, good.scales.numel() + rng.choice([-4, -1, 0, 1, 4]))
+                kw["scales"] = torch.tensor([rng.choice(weird) for _ in range(n)], dtype=torch.float32)
+            elif what == "values":
+                books = good.scales.clone()
+                books[rng.randrange(books.numel())] = rng.choice(weird)
+                kw["scales"] = books
+            elif what == "numel":
+                kw["numel"] = max(0, good.numel + rng.choice([-128, -4, -1, 1, 4, 16, 128]))
+            else:
+                kw["block_size"] = rng.choice([0, 8, 32, 128])
+        asm = Assembly(1001, "sq2", BS, role=rng.choice(["uplink", "downlink"]))
+        asm.add(*SQ2_CS[0])
+        asm.add(*SQ2_CS[1])
+        state = (list(asm.parts), asm.received, asm.nbytes)
+        try:
+            asm.add(*_with(SQ2_CS[2], part=_part(good, **kw)))
+        except ChunkError:
+            assert (list(asm.parts), asm.received, asm.nbytes) == state, kw
+            continue
+        got = torch.empty(asm.received)
+        asm.decode_into(got)
+        assert torch.isfinite(got).all() and got.abs().max() <= MAX_ABS_VALUE, kw
+
+
 def test_int8_scales_count_the_largest_level():
     enc = encode(values(64), "int8", BS)
     big = Encoded("int8", 64, enc.payload, torch.full_like(enc.scales, 1e29), BS)
