@@ -207,11 +207,12 @@ def table(res: dict[str, Any]) -> str:
         f"{res['outer_steps']} outer step(s) measured; bytes are serialized protobuf messages as the shard "
         "counts them (message_bytes_in/out of one member), per parameter per outer step.",
         f"{res['ddp_formula']} = 2 ({m}-1)/{m} x 4 x {h} = {res['ddp_b_per_param']:.1f} B each direction.",
-        "Ratios: the reference's bytes over the codec's (times fewer); vs e3m0 at the same block.",
+        "Ratios: the reference's bytes over the codec's (times fewer); vs e3m0 at the same block (fp32 and "
+        "bf16: at the first). Framing up: the messages' bytes over the codec's payload and side values.",
         "",
         "| codec | block | bits/value | up B/param | down B/param | vs fp32 (up/down) | vs e3m0 (up/down) "
-        "| vs DDP (up/down) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs DDP (up/down) | framing up |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         block = "-" if r["block"] is None else str(r["block"])
@@ -219,7 +220,8 @@ def table(res: dict[str, Any]) -> str:
             f"| {r['codec']} | {block} | {r['bits_per_value']:.3f} | {r['up_b_per_param']:.4f} "
             f"| {r['down_b_per_param']:.4f} | {r['up_vs_fp32']:.2f}× / {r['down_vs_fp32']:.2f}× "
             f"| {r['up_vs_e3m0']:.2f}× / {r['down_vs_e3m0']:.2f}× "
-            f"| {r['up_vs_ddp']:.0f}× / {r['down_vs_ddp']:.0f}× |"
+            f"| {r['up_vs_ddp']:.0f}× / {r['down_vs_ddp']:.0f}× "
+            f"| {100 * (r['up_b_per_param'] / r['codec_b_per_param'] - 1):.2f} % |"
         )
     return "\n".join(out)
 
