@@ -448,7 +448,8 @@ def test_a_worker_setting_that_is_wrong_on_its_own_is_said_before_any_shard_is_a
     r = streamdiloco("worker", "--servers", "127.0.0.1:1", "--sync-every", "12", "--uplink-codec", "fp4")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0] == "streamdiloco: error: unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0, sq2"
+    want = "streamdiloco: error: unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0, sq2"
+    assert lines[0] == want
 
 
 def test_an_upload_is_checked_piece_by_piece_and_gives_the_shards_slices():
