@@ -139,7 +139,6 @@ class _Collector:
             f"{P}_checkpoint_errors", "Checkpoint writes that failed", value=ckpt.errors if ckpt else 0
         )
 
-
     def _members(self) -> Iterator[Metric]:
         """Who is here: members, passive sessions, members a restart still waits for."""
         parts, st = self.parts, self.parts.state
@@ -215,6 +214,7 @@ class _Collector:
                 "Token-weighted mean training loss reported with the pushes of the latest closed round",
                 value=parts.dashboard.last_loss,
             )
+
 
 def credit_metrics(parts: Observed) -> Iterator[Metric]:
     """The contribution credits (server/storage/credits.py): the CREDIT_LABELS identities with the most tokens
