@@ -4,10 +4,7 @@ flood benchmark (benchmarks/flood.py): its table, and its --quick run end to end
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +12,7 @@ from benchmarks.flood import Honest
 from benchmarks.flood import table as flood_table
 from benchmarks.load import Timings, close_times, proc_stats, shard_flags, table
 from streamdiloco.server.trust.bounds import Limits
-from tests.support.procs import ROOT
+from tests.support.procs import quick_benchmark
 
 
 def test_the_flags_hold_n_sessions_from_one_address():
@@ -51,15 +48,7 @@ def test_proc_stats_reads_memory_and_cpu():
 
 @pytest.mark.slow  # starts a shard per point (about a minute on a busy 2-core machine): in `make test-slow`
 def test_quick_run_end_to_end(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.load", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = quick_benchmark("load", tmp_path)
     rows = results["rows"]
     assert [(x["shards"], x["sessions"]) for x in rows] == [(1, 1), (1, 10), (2, 1), (2, 10)]
     fragments = 5  # the shards' default P
@@ -94,15 +83,7 @@ def test_the_flood_table_says_what_the_honest_joins_got_and_what_the_flood_cost(
 
 @pytest.mark.slow  # a shard process and a flood at full rate for about 20 s: in `make test-slow`
 def test_flood_quick_run_end_to_end(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.flood", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = quick_benchmark("flood", tmp_path)
     assert results["flood"]["answered"] == results["flood"]["joins"] == 10, results["flood"]
     assert results["flood"]["worker_joined"] == 3 and not results["flood"]["worker_failed"]
     assert results["evictions_per_second"] > 0  # the shard ended calls to make room all along

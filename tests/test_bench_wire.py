@@ -1,28 +1,16 @@
 """The wire benchmark (`python -m benchmarks.wire`) still runs and its numbers add up (slow: ~7 minutes on a
 quiet 2-core machine, longer beside other tests; `make test-slow`)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.support.procs import ROOT
+from tests.support.procs import quick_benchmark
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(1500)  # the default 600 s was too short beside the chaos bench in `make test-slow`
 def test_wire_benchmark_quick_run_agrees_with_the_codec(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.wire", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1400,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = quick_benchmark("wire", tmp_path, timeout=1400)
     assert (tmp_path / "results.md").read_text().strip()
     for run in results["a"]:  # (a): four independent counts of the codec bytes agree, framing is small
         for direction, d in run["directions"].items():

@@ -176,6 +176,20 @@ for argv, expect in cases:
 """
 
 
+def quick_benchmark(module: str, out: Path, timeout: float = 600) -> dict:
+    """`python -m benchmarks.MODULE --quick --out OUT` run to its end (exit 0, or the test fails with its
+    output's end); its results.json."""
+    r = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return json.loads((out / "results.json").read_text())
+
+
 def refused_in_one_line(cases: list[tuple[list[str], str]], heavy: tuple[str, ...] = ("torch",)) -> None:
     """Run every `streamdiloco ARGV` of `cases` ((argv, expected text) pairs) in one fresh interpreter, one
     after the other: each must exit 2 with one line, `streamdiloco: error: ...` holding its expected text,
