@@ -25,12 +25,13 @@ from streamdiloco.common.codecs import (
     Encoded,
     accumulate,
     add_into,
-    block_scales,
     chunk_alignment,
     concat,
     decode,
     get_codec,
+    piece,
 )
+from streamdiloco.common.topk import problem as topk_problem
 
 # No value a chunk stands for may exceed this in magnitude (a push on the shard; an update or a fetched master
 # on the worker), so that no weighted sum of accepted chunks, mean, outer step or mirror can overflow: outer
@@ -38,8 +39,9 @@ from streamdiloco.common.codecs import (
 MAX_ABS_VALUE = 1e30
 # The largest level of each scaled codec, relative to its block's scale (int8: 127 steps, e3m0: 2^0; sq2's
 # codebook holds the values themselves).
-_TOP_LEVEL = {"int8": 127.0, "e3m0": 1.0, "sq2": 1.0}
-_SIDE_VALUE = {"sq2": "codebook value"}  # what a codec's fp32 side values are called in a refusal
+_TOP_LEVEL = {"int8": 127.0, "e3m0": 1.0, "sq2": 1.0}  # (and 1.0 for top-k's codebooks)
+# what a codec's fp32 side values are called in a refusal
+_SIDE_VALUE = {"int8": "scale", "e3m0": "scale"}  # sq2's and top-k's: codebook values
 
 
 class ChunkError(ValueError):
@@ -73,17 +75,6 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
-def piece(enc: Encoded, lo: int, hi: int) -> Encoded:
-    """Values [lo, hi) of enc, as views of its payload and scales. lo must be a multiple of the codec's
-    chunk alignment (hi too, unless it is enc.numel), so that bytes and blocks split cleanly."""
-    if lo == 0 and hi == enc.numel:
-        return enc
-    spec = get_codec(enc.codec)
-    b_lo, b_hi = lo * spec.bits // 8, (hi * spec.bits + 7) // 8
-    scales = block_scales(enc, lo, hi)
-    return Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], scales, enc.block_size)
-
-
 class Assembly:
     """One encoded slice of `total` values arriving in chunks (a push on the shard, an update on the
     worker). `block_size` is the run's codec block size (unscaled codecs carry 0 in their chunks).
@@ -104,7 +95,7 @@ class Assembly:
     ):
         spec = get_codec(codec)
         self.total, self.codec = total, codec
-        self.block_size = block_size if spec.scaled else 0  # what every chunk must carry
+        self.block_size = spec.block(block_size)  # what every chunk must carry (top-k: its chunk)
         self.align = chunk_alignment(codec, block_size)
         self.what, self.role, self.where, self.max_abs = what, role, where, max_abs
         self.parts: list[tuple[int, Encoded]] = []  # (offset, part), in order
@@ -173,18 +164,18 @@ class Assembly:
         if part.payload.dtype != torch.uint8 or part.scales.dtype != torch.float32:
             raise ChunkError("bad_codec", "payload must be bytes (uint8) and scales fp32")
         if spec.scaled:
+            side = _SIDE_VALUE.get(part.codec, "codebook value")
             top = float(part.scales.abs().amax()) if want_scales else 0.0  # NaN and inf survive abs, amax
             if not math.isfinite(top):
-                raise ChunkError(
-                    "bad_scale", f"the chunk has a non-finite {_SIDE_VALUE.get(part.codec, 'scale')}"
-                )
-            top *= _TOP_LEVEL[part.codec]
+                raise ChunkError("bad_scale", f"the chunk has a non-finite {side}")
+            top *= _TOP_LEVEL.get(part.codec, 1.0)
             if top > self.max_abs:
                 raise ChunkError(
                     "bad_scale",
-                    f"the chunk's {_SIDE_VALUE.get(part.codec, 'scale')}s allow values up to {top:.3g}, "
-                    f"above {self.max_abs:g}",
+                    f"the chunk's {side}s allow values up to {top:.3g}, above {self.max_abs:g}",
                 )
+            if spec.sparse and (bad := topk_problem(part.payload, spec, part.numel)) is not None:
+                raise ChunkError("bad_value", bad)
         else:
             top = float(decode(part).abs().amax())
             if not math.isfinite(top):

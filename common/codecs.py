@@ -39,7 +39,6 @@ and the CPU kernels and the torch ops compute the same stream.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -50,7 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamdiloco.common.codecspec import CODECS, ROUNDINGS, Codec  # the registry, torch-free
+from streamdiloco.common import topk
+from streamdiloco.common.codecspec import CODECS, ROUNDINGS, Codec, lookup_codec  # the registry, torch-free
 from streamdiloco.common.kernels import cpu_kernels  # the CPU path's compiled loops
 
 # E3M0 magnitudes relative to the block scale: 0, 2^-6, ..., 2^0.
@@ -93,10 +93,8 @@ class Encoded:
 
 
 def get_codec(name: str) -> Codec:
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}: choose one of {', '.join(CODECS)}") from None
+    """The Codec of a name (the registry's, or a top-k family member); ValueError naming the choices."""
+    return lookup_codec(name)
 
 
 # --- the public functions --------------------------------------------------------------------------------
@@ -108,7 +106,8 @@ def encode(
     generator: torch.Generator | None = None,
 ) -> Encoded:
     """Encode a flat tensor on its own device (payload and scales stay there). Raises ValueError on an
-    unknown codec or rounding, a bad block size, or non-finite values."""
+    unknown codec or rounding, a bad block size, or non-finite values. A top-k codec's block is its chunk
+    (named by the codec): `block_size` is not used."""
     spec = get_codec(codec)
     if rounding not in ROUNDINGS:
         raise ValueError(f"unknown rounding {rounding!r}: choose {' or '.join(ROUNDINGS)}")
@@ -122,10 +121,27 @@ def encode(
     x = x.contiguous()
     stochastic = rounding == "stochastic"
     seed = _draw_seed(generator, x.device) if stochastic else 0
+    if spec.sparse:
+        return _encode_topk(x, spec, stochastic, seed)
     k = cpu_kernels() if x.device.type == "cpu" else None
     if k is not None and _kernel_fits(spec, block_size):
         return _encode_cpu(k, x, spec, block_size, stochastic, seed)
     return _encode_torch(x, spec, block_size, stochastic, seed)
+
+
+def _encode_topk(x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any) -> Encoded:
+    tk = topk.cpu_kernels() if x.device.type == "cpu" else None
+    if tk is None:
+        payload, books = topk.encode_torch(x, spec, stochastic, seed)
+    else:
+        key = int(_hash32(seed)) if stochastic else 0
+        done = topk.encode_cpu(
+            x, spec, stochastic, key, lambda align, run: in_parallel(x.numel(), align, run)
+        )
+        if done is None:
+            raise ValueError(_NON_FINITE)
+        payload, books = done
+    return Encoded(spec.name, x.numel(), payload, books, spec.chunk)
 
 
 def decode(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,7 +154,9 @@ def decode(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
     else:
         _check_target(enc, out, "out", (torch.float32,))
     k = cpu_kernels() if out.device.type == "cpu" else None
-    if k is not None and spec.scaled and _kernel_fits(spec, enc.block_size):
+    if spec.sparse:
+        _apply_topk(spec, enc, out, 0.0, 0)
+    elif k is not None and spec.scaled and _kernel_fits(spec, enc.block_size):
         _apply_cpu(k, enc, out, 0.0, 0)
     else:
         _decode_torch(enc, out)
@@ -149,11 +167,13 @@ def accumulate(enc: Encoded, acc: torch.Tensor, weight: float, overwrite: bool =
     """acc += weight * decode(enc), in acc's dtype (fp64 or fp32), in place: bit-identical to
     `acc.add_(decode(enc).to(acc.dtype), alpha=weight)` (one fused multiply-add per value), without the
     temporaries (one pass on the CPU). `overwrite`: as if acc were zeros first (its values are not read)."""
-    _check_encoded(enc)
+    spec = _check_encoded(enc)
     _check_target(enc, acc, "acc", (torch.float64, torch.float32))
     weight = float(weight)
     k = cpu_kernels() if acc.device.type == "cpu" else None
-    if k is not None and _kernel_fits(get_codec(enc.codec), enc.block_size):
+    if spec.sparse:
+        _apply_topk(spec, enc, acc, weight, 2 if overwrite else 1)
+    elif k is not None and _kernel_fits(spec, enc.block_size):
         _apply_cpu(k, enc, acc, weight, 2 if overwrite else 1)
     else:
         if overwrite:
@@ -181,10 +201,12 @@ def divide_into(acc: torch.Tensor, divisor: float, out: torch.Tensor) -> None:
 
 def add_into(enc: Encoded, out: torch.Tensor) -> None:
     """out += decode(enc) in fp32, in place: bit-identical to `out.add_(decode(enc))` (the mirror update)."""
-    _check_encoded(enc)
+    spec = _check_encoded(enc)
     _check_target(enc, out, "out", (torch.float32,))
     k = cpu_kernels() if out.device.type == "cpu" else None
-    if k is not None and _kernel_fits(get_codec(enc.codec), enc.block_size):
+    if spec.sparse:
+        _apply_topk(spec, enc, out, 1.0, 1)
+    elif k is not None and _kernel_fits(spec, enc.block_size):
         _apply_cpu(k, enc, out, 1.0, 1)  # fma(v, 1, a) is a + v rounded once: the same as an add
     else:
         out.add_(_decode_torch(enc))
@@ -195,6 +217,8 @@ def sumsq(enc: Encoded) -> float:
     block's is its codes' squared levels, summed exactly, times its scale squared): the shard measures each
     push's norm with it as the chunks arrive. Values are bounded (at most 1e30), so it cannot overflow."""
     spec = _check_encoded(enc)
+    if spec.sparse:
+        return _sumsq_topk(spec, enc)
     k = cpu_kernels() if enc.payload.device.type == "cpu" else None
     if k is None or not _kernel_fits(spec, enc.block_size):
         return float(_decode_torch(enc).to(torch.float64).square().sum())
@@ -246,7 +270,7 @@ def warm_up(codecs: tuple[str, ...] = ("e3m0",), block_size: int = 128) -> None:
 def _kernel_fits(spec: Codec, block_size: int) -> bool:
     """Whether the CPU kernels take this codec at this block size: every block starts on a byte (a block
     size of whole bytes, and even), else the torch ops do the work."""
-    return not spec.scaled or block_size % max(2, 8 // spec.bits) == 0
+    return not spec.scaled or spec.sparse or block_size % max(2, 8 // spec.bits) == 0
 
 
 def _check_encoded(enc: Encoded) -> Codec:
@@ -258,6 +282,10 @@ def _check_encoded(enc: Encoded) -> Codec:
     if enc.payload.dtype != torch.uint8 or enc.payload.dim() != 1:
         raise ValueError(
             f"payload must be a flat uint8 tensor, got {enc.payload.dtype} {tuple(enc.payload.shape)}"
+        )
+    if spec.sparse and enc.block_size != spec.chunk:
+        raise ValueError(
+            f"{enc.codec} is cut into chunks of {spec.chunk} values, got block size {enc.block_size}"
         )
     if spec.scaled:
         if enc.block_size < 1:
@@ -274,6 +302,8 @@ def _check_encoded(enc: Encoded) -> Codec:
             f"{enc.numel} {enc.codec} values take {nbytes} payload bytes and {nscales} scales, "
             f"got {enc.payload.numel()} and {enc.scales.numel()}"
         )
+    if spec.sparse and (bad := topk.problem(enc.payload, spec, enc.numel)) is not None:
+        raise ValueError(bad)
     return spec
 
 
@@ -319,13 +349,17 @@ def _draw_seed(generator: torch.Generator | None, device: torch.device) -> Any:
 
 def _uniform_bits(seed: Any, count: int, device: torch.device) -> torch.Tensor:
     """The 32-bit hash values of elements 0..count-1 (int64 tensor on `device`)."""
-    i = torch.arange(count, dtype=torch.int64, device=device)
-    return _hash32((i + _hash32(seed)) & _MASK32)
+    return _hash32((torch.arange(count, dtype=torch.int64, device=device) + _hash32(seed)) & _MASK32)
 
 
 def _uniform(seed: Any, count: int, device: torch.device) -> torch.Tensor:
     """u_i in [0, 1), multiples of 2^-24, fp32."""
-    return (_uniform_bits(seed, count, device) >> 8).to(torch.float32) * (2.0**-24)
+    return uniform_at(seed, torch.arange(count, dtype=torch.int64, device=device))
+
+
+def uniform_at(seed: Any, i: torch.Tensor) -> torch.Tensor:
+    """u_i of the elements `i` (an int64 tensor of positions): the same numbers as `_uniform`'s."""
+    return (_hash32((i + _hash32(seed)) & _MASK32) >> 8).to(torch.float32) * (2.0**-24)
 
 
 # --- the reference: torch ops on any device ----------------------------------------------------------------
@@ -418,6 +452,17 @@ def _encode_sq2_torch(
     step from the sums one IEEE fp64 operation, so that the CPU kernel computes the same bytes."""
     dev = blocks.device
     valid = (torch.arange(blocks.numel(), device=dev) < n).view(blocks.shape)
+    u = _uniform(seed, blocks.numel(), dev).view(blocks.shape) if stochastic else None
+    books, idx = sq2_quantize(blocks, valid, absmax, u)
+    return Encoded("sq2", n, pack2(idx.reshape(-1)[:n]), books.reshape(-1).contiguous(), block_size)
+
+
+def sq2_quantize(
+    blocks: torch.Tensor, valid: torch.Tensor, absmax: torch.Tensor, u: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sq2 on the rows of `blocks` (the values where `valid`, at least one a row; `absmax`: each row's
+    largest magnitude): each row's codebook (rows, 4) fp32 and each value's code (0 where not valid); `u`:
+    stochastic rounding's uniform numbers, one per value (None: nearest)."""
     grid = _sq2_grid(absmax)
     q = torch.round(blocks.double() * grid.unsqueeze(1)).long() * valid
     m = valid.sum(dim=1).double()
@@ -432,15 +477,25 @@ def _encode_sq2_torch(
     total = torch.stack([(q * c).sum(dim=1) for c in sel], dim=1).double()
     centre = total / count  # in grid units; NaN for an empty bin (never sent: its entry is 0)
     books = torch.where(count > 0, centre / grid.unsqueeze(1), 0.0).to(torch.float32)
-    if stochastic:
-        idx = _sq2_dither(qd, idx, centre, count, _uniform(seed, blocks.numel(), dev).view(blocks.shape))
-    codes = (idx * valid).to(torch.uint8).reshape(-1)[:n]
-    pad = (-n) % 4
+    if u is not None:
+        idx = _sq2_dither(qd, idx, centre, count, u)
+    return books, idx * valid
+
+
+def pack2(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (a flat integer tensor) packed four a byte, the first in the low bits."""
+    codes = codes.to(torch.uint8)
+    pad = (-codes.numel()) % 4
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     c = codes.view(-1, 4)
-    packed = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
-    return Encoded("sq2", n, packed.contiguous(), books.reshape(-1).contiguous(), block_size)
+    return (c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)).contiguous()
+
+
+def unpack2(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` 2-bit codes of a packed byte tensor (int64)."""
+    p = packed.long()
+    return torch.stack([(p >> sh) & 3 for sh in (0, 2, 4, 6)], dim=1).reshape(-1)[:count]
 
 
 def _sq2_dither(
@@ -471,9 +526,8 @@ def _decode_torch(enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor
         q = enc.payload.view(torch.int8).to(torch.float32)
         vals = _blocks(q, enc.block_size).mul_(enc.scales.unsqueeze(1)).reshape(-1)[:n]
     elif enc.codec == "sq2":
-        p = enc.payload.long()
-        codes = torch.stack([(p >> sh) & 3 for sh in (0, 2, 4, 6)], dim=1).reshape(-1)[:n]
-        block = torch.arange(n, device=p.device) // enc.block_size
+        codes = unpack2(enc.payload, n)
+        block = torch.arange(n, device=enc.payload.device) // enc.block_size
         vals = enc.scales[block * 4 + codes]  # each value is its block's codebook entry
     elif enc.codec == "e3m0":
         lut = _table("bytes", enc.payload.device)
@@ -578,6 +632,37 @@ def _apply_cpu(k: Any, enc: Encoded, out: torch.Tensor, weight: float, mode: int
     in_parallel(enc.numel, chunk_alignment(enc.codec, bs), run)
 
 
+def _apply_topk(spec: Codec, enc: Encoded, out: torch.Tensor, weight: float, mode: int) -> None:
+    """decode / add_into / accumulate of a top-k Encoded (positions already checked): only the kept values
+    are touched in modes 1 and 2's sums (mode 0 and 2 zero the rest)."""
+    tk = topk.cpu_kernels() if out.device.type == "cpu" else None
+    if tk is None:
+        topk.apply_torch(enc.payload, enc.scales, spec, enc.numel, out, weight, mode)
+        return
+    w = np.float64(weight) if out.dtype == torch.float64 else np.float32(weight)
+    o, p, s = out.numpy(), enc.payload.contiguous().numpy(), enc.scales.contiguous().numpy()
+    full, c = spec.block_payload(spec.chunk), spec.chunk
+
+    def run(a: int, b: int) -> bool:
+        books = s[a // c * 4 : -(-b // c) * 4]
+        return tk.apply(
+            p[a // c * full :], books, c, spec.keep, spec.index_bits, full, b - a, o[a:b], w, mode
+        )
+
+    if any(in_parallel(enc.numel, c, run)):
+        raise ValueError(f"a {enc.codec} position is past its chunk's values")
+
+
+def _sumsq_topk(spec: Codec, enc: Encoded) -> float:
+    tk = topk.cpu_kernels() if enc.payload.device.type == "cpu" else None
+    if tk is None:
+        return topk.sumsq_torch(enc.payload, enc.scales, spec, enc.numel)
+    p, s = enc.payload.contiguous().numpy(), enc.scales.contiguous().numpy()
+    return float(
+        tk.sumsq(p, s, spec.chunk, spec.keep, spec.index_bits, spec.block_payload(spec.chunk), enc.numel)
+    )
+
+
 def fused_outer_step_available(codec: str, block_size: int, device: torch.device) -> bool:
     """Whether `outer_step` runs (else the caller runs the torch ops)."""
     return codec in ("e3m0", "int8") and block_size % 2 == 0 and device.type == "cpu" and bool(cpu_kernels())
@@ -654,17 +739,16 @@ CHUNK_BYTES = 1 << 20
 
 def chunk_alignment(codec: str, block_size: int) -> int:
     """Chunks start at multiples of this many values, so bytes and scales split cleanly."""
-    spec = get_codec(codec)
-    align = block_size if spec.scaled else 1
-    if spec.bits < 8:  # several values per byte (4-bit: two, 2-bit: four)
-        align = math.lcm(align, 8 // spec.bits)
-    return max(1, align)
+    return get_codec(codec).alignment(block_size)
 
 
 def chunk_values(codec: str, block_size: int, target_bytes: int = CHUNK_BYTES) -> int:
     """Values per chunk: about target_bytes of payload, a multiple of the codec's alignment."""
+    spec = get_codec(codec)
     align = chunk_alignment(codec, block_size)
-    n = target_bytes * 8 // get_codec(codec).bits
+    if spec.sparse:  # whole chunks of about target_bytes (payload and codebooks)
+        return max(1, target_bytes // spec.encoded_nbytes(spec.chunk, spec.chunk)) * spec.chunk
+    n = target_bytes * 8 // spec.bits
     return max(align, n // align * align)
 
 
@@ -675,17 +759,24 @@ def expected_sizes(codec: str, numel: int, block_size: int) -> tuple[int, int]:
 
 def split(enc: Encoded, values_per_chunk: int) -> list[tuple[int, Encoded]]:
     """(offset, part) pieces of enc; each part decodes to the matching values of decode(enc)."""
-    spec = get_codec(enc.codec)
     align = chunk_alignment(enc.codec, enc.block_size)
     if values_per_chunk % align:
         raise ValueError(f"values_per_chunk {values_per_chunk} is not a multiple of {align}")
-    parts = []
-    for lo in range(0, max(enc.numel, 1), values_per_chunk):
-        hi = min(enc.numel, lo + values_per_chunk)
-        b_lo, b_hi = lo * spec.bits // 8, (hi * spec.bits + 7) // 8
-        scales = block_scales(enc, lo, hi)
-        parts.append((lo, Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], scales, enc.block_size)))
-    return parts
+    return [
+        (lo, piece(enc, lo, min(enc.numel, lo + values_per_chunk)))
+        for lo in range(0, max(enc.numel, 1), values_per_chunk)
+    ]
+
+
+def piece(enc: Encoded, lo: int, hi: int) -> Encoded:
+    """Values [lo, hi) of enc, as views of its payload and scales. lo must be a multiple of the codec's
+    chunk alignment (hi too, unless it is enc.numel), so that bytes and blocks split cleanly."""
+    if lo == 0 and hi == enc.numel:
+        return enc
+    spec = get_codec(enc.codec)
+    b_lo = spec.payload_offset(lo, enc.block_size)
+    b_hi = b_lo + spec.sizes(hi - lo, enc.block_size)[0]
+    return Encoded(enc.codec, hi - lo, enc.payload[b_lo:b_hi], block_scales(enc, lo, hi), enc.block_size)
 
 
 def block_scales(enc: Encoded, lo: int, hi: int) -> torch.Tensor:

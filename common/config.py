@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
-from streamdiloco.common.codecspec import CODECS, ROUNDINGS
+from streamdiloco.common.codecspec import CODEC_HELP, ROUNDINGS, canonical_codec, lookup_codec
 
 FRAGMENT_PATTERNS = ("strided", "sequential")
 MERGE_POLICIES = ("adaptive", "fixed")
@@ -32,7 +32,6 @@ MERGE_RULES = ("mix", "rebase")
 PRECISIONS = ("fp32", "bf16")
 MAX_GRAD_ACCUM = 1024  # micro-batches per inner step: the step's batch is drawn whole, so it is bounded
 SYNC_SCHEDULES = ("fixed", "adaptive")
-CODEC_NAMES = tuple(CODECS)
 # the uplink's error-feedback decay when --uplink-feedback is unset and the codec has under 4 bits: MuLoCo's
 # 2-bit runs used about 0.9 (0.95 in its code; SparseLoCo 0.95)
 AUTO_UPLINK_FEEDBACK = 0.9
@@ -454,17 +453,18 @@ class SyncConfig:
     )
     uplink_codec: str = field(
         default="e3m0",
-        metadata={"choices": CODEC_NAMES, "help": "how workers quantize their outer gradients"},
+        metadata={"help": f"how workers encode their outer gradients: {CODEC_HELP}", "metavar": "CODEC"},
     )
     downlink_codec: str = field(
         default="e3m0",
         metadata={
-            "choices": CODEC_NAMES,
-            "help": "how shards quantize the outer update (with error feedback)",
+            "help": f"how shards encode the outer update (with error feedback): {CODEC_HELP}",
+            "metavar": "CODEC",
         },
     )
     codec_block_size: int = field(
-        default=128, metadata={"help": "values that share one scale in the quantized codecs"}
+        default=128,
+        metadata={"help": "values that share one scale or codebook in the quantized codecs (not top-k's)"},
     )
     uplink_rounding: str = field(
         default="nearest",
@@ -561,8 +561,16 @@ class SyncConfig:
                 f"unknown fragment_pattern {self.fragment_pattern!r}: choose {' or '.join(FRAGMENT_PATTERNS)}"
             )
         for name in ("uplink_codec", "downlink_codec"):
-            if getattr(self, name) not in CODECS:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(CODECS)}")
+            try:
+                object.__setattr__(self, name, canonical_codec(getattr(self, name)))  # topk -> topk64_4096
+            except ValueError as e:
+                said = str(e)
+                said = (
+                    f"unknown {name}{said[len('unknown codec') :]}"
+                    if said.startswith("unknown codec")
+                    else said
+                )
+                raise ValueError(said) from None
         for name in ("uplink_rounding", "downlink_rounding"):
             if getattr(self, name) not in ROUNDINGS:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose {' or '.join(ROUNDINGS)}")
@@ -583,7 +591,7 @@ class SyncConfig:
         for a codec under 4 bits and 0.0 (off) for the others (any codec of the registry)."""
         if self.uplink_feedback is not None:
             return float(self.uplink_feedback)
-        return AUTO_UPLINK_FEEDBACK if CODECS[self.uplink_codec].bits < 4 else 0.0
+        return AUTO_UPLINK_FEEDBACK if lookup_codec(self.uplink_codec).bits < 4 else 0.0
 
     @property
     def num_scheduled_fragments(self) -> int:

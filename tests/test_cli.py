@@ -28,7 +28,7 @@ def run(*args, timeout=300):
         ),
         pytest.param(
             ["--uplink-codec", "fp4"],
-            "unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0, sq2",
+            "unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0, sq2, or topkK_C",
             marks=pytest.mark.slow,
         ),
         (["--data", "/nonexistent/file.txt"], "does not exist: give --data a path to a text file"),

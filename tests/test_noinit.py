@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from streamdiloco.common.codecspec import CODEC_HELP
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fingerprint import layout_from_fingerprint, model_fingerprint
 from streamdiloco.common.fragments import build_layout, flatten, fragment_params
@@ -448,7 +449,7 @@ def test_a_worker_setting_that_is_wrong_on_its_own_is_said_before_any_shard_is_a
     r = streamdiloco("worker", "--servers", "127.0.0.1:1", "--sync-every", "12", "--uplink-codec", "fp4")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    want = "streamdiloco: error: unknown uplink_codec 'fp4': choose one of fp32, bf16, int8, e3m0, sq2"
+    want = f"streamdiloco: error: unknown uplink_codec 'fp4': choose one of {CODEC_HELP}"
     assert lines[0] == want
 
 

@@ -1,0 +1,371 @@
+"""Chunked top-k (the `topk<K>_<C>` codecs of common/codecspec.py): the reference in torch ops and the CPU
+kernels, bit-identical.
+
+Format, per chunk of C values (the codec's block; a last chunk of m < C values keeps k = ceil(K m / C)):
+the k positions (within the chunk) of the values of largest magnitude, strictly ascending, each in
+ceil(log2 C) bits, packed into a little-endian bit stream (the first position in the lowest bits) of
+ceil(k bits / 8) bytes; then their k values, in the same order, as sq2's 2-bit codes (four a byte); the
+chunk's 4 fp32 codebook entries are its `scales`. Every other value is zero. Which values are kept is exact:
+the order is by magnitude (the fp32 bit pattern without its sign), ties to the lower position; sq2's
+statistics are taken over the k kept values (common/codecs.py's, to the bit), and stochastic rounding's
+uniform number for the t-th kept value of the chunk starting at value s is u_(s + t).
+
+Decoding writes only the kept positions: `add_into` and `accumulate` touch k values a chunk, so the shard
+adds M sparse pushes without densifying them. A position past the chunk's values is never written whatever a
+peer sent (`problem` finds it, and positions that are not strictly ascending, before anything is used).
+
+common/codecs.py is the only caller: it checks the arguments and cuts the work into ranges of whole chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamdiloco.common import kernels
+from streamdiloco.common.codecspec import Codec
+
+
+# --- the reference: torch ops on any device ----------------------------------------------------------------
+def _rows(spec: Codec, n: int) -> list[tuple[int, int, int]]:
+    """(first chunk, number of chunks, values per chunk) of the whole chunks and of a last shorter one."""
+    whole, rest = divmod(n, spec.chunk)
+    rows = [(0, whole, spec.chunk)] if whole else []
+    if rest:
+        rows.append((whole, 1, rest))
+    return rows
+
+
+def _pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, k) non-negative integers below 2^width -> (rows, ceil(k width / 8)) bytes: each row a
+    little-endian bit stream, the first value in the lowest bits."""
+    rows, k = values.shape
+    shifts = torch.arange(width, device=values.device)
+    bits = ((values.unsqueeze(-1) >> shifts) & 1).reshape(rows, k * width)
+    pad = (-(k * width)) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(rows, pad)], dim=1)
+    weights = torch.tensor([1 << i for i in range(8)], device=values.device)
+    return (bits.view(rows, -1, 8) * weights).sum(dim=2).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, k: int, width: int) -> torch.Tensor:
+    """The inverse of `_pack_bits`: (rows, k) int64."""
+    rows = packed.shape[0]
+    bits = (packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1
+    bits = bits.reshape(rows, -1)[:, : k * width].reshape(rows, k, width)
+    return (bits << torch.arange(width, device=packed.device)).sum(dim=2)
+
+
+def encode_torch(
+    x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, codebooks) of x (flat, contiguous fp32); ValueError on non-finite values."""
+    from streamdiloco.common.codecs import _NON_FINITE, pack2, sq2_quantize, uniform_at
+
+    n, dev = x.numel(), x.device
+    payload, books = [], []
+    for first, count, m in _rows(spec, n):
+        xs = x[first * spec.chunk : first * spec.chunk + count * m].view(count, m)
+        mag = xs.view(torch.int32).long() & 0x7FFFFFFF
+        kk = spec.kept(m)
+        key = (mag << 16) | (0xFFFF - torch.arange(m, device=dev))  # unique: ties go to the lower position
+        top = torch.topk(key, kk, dim=1).indices
+        if bool((mag.gather(1, top) >= 0x7F800000).any()):  # a NaN or inf is larger than any finite value
+            raise ValueError(_NON_FINITE)
+        pos = top.sort(dim=1).values
+        kept = xs.gather(1, pos)
+        absmax = kept.abs().amax(dim=1)
+        starts = (first + torch.arange(count, device=dev)) * spec.chunk
+        u = uniform_at(seed, starts.unsqueeze(1) + torch.arange(kk, device=dev)) if stochastic else None
+        valid = torch.ones_like(kept, dtype=torch.bool)
+        b, codes = sq2_quantize(kept, valid, absmax, u)
+        packed = torch.stack([pack2(row) for row in codes]) if count else codes.new_zeros(0, 0)
+        payload.append(
+            torch.cat([_pack_bits(pos, spec.index_bits), packed.to(torch.uint8)], dim=1).reshape(-1)
+        )
+        books.append(b.reshape(-1))
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8, device=dev), torch.empty(0, dtype=torch.float32, device=dev)
+    return torch.cat(payload), torch.cat(books)
+
+
+def _parse_torch(
+    payload: torch.Tensor, books: torch.Tensor, spec: Codec, n: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(global positions, values) of each row group of an Encoded's payload (torch ops)."""
+    from streamdiloco.common.codecs import unpack2
+
+    out = []
+    at = 0
+    for first, count, m in _rows(spec, n):
+        kk = spec.kept(m)
+        nib, per = (kk * spec.index_bits + 7) // 8, spec.block_payload(m)
+        rows = payload[at : at + count * per].view(count, per)
+        at += count * per
+        pos = _unpack_bits(rows[:, :nib], kk, spec.index_bits)
+        codes = torch.stack([unpack2(r, kk) for r in rows[:, nib:]]) if count else pos
+        lut = books[first * 4 : (first + count) * 4].view(count, 4)
+        vals = lut.gather(1, codes)
+        starts = (first + torch.arange(count, device=payload.device)) * spec.chunk
+        out.append(((starts.unsqueeze(1) + pos).reshape(-1), vals.reshape(-1)))
+    return out
+
+
+def problem_torch(payload: torch.Tensor, spec: Codec, n: int) -> str | None:
+    """What is wrong with the positions of a payload of the right size, or None (torch ops)."""
+    at = 0
+    for first, count, m in _rows(spec, n):
+        kk = spec.kept(m)
+        nib, per = (kk * spec.index_bits + 7) // 8, spec.block_payload(m)
+        pos = _unpack_bits(payload[at : at + count * per].view(count, per)[:, :nib], kk, spec.index_bits)
+        at += count * per
+        bad = (pos >= m).any(dim=1)
+        if kk > 1:
+            bad |= (pos[:, 1:] <= pos[:, :-1]).any(dim=1)
+        if bool(bad.any()):
+            return _problem_words(first + int(bad.nonzero()[0, 0]), m)
+    return None
+
+
+def _problem_words(chunk: int, m: int) -> str:
+    return (
+        f"top-k chunk {chunk}: its positions must be strictly ascending and below its {m} values "
+        "(a position repeated, out of order or out of range)"
+    )
+
+
+def apply_torch(payload: torch.Tensor, books: torch.Tensor, spec: Codec, n: int, out: torch.Tensor,
+                weight: float, mode: int) -> None:  # fmt: skip
+    """mode 0: out = the values; 1: out[kept] += weight * value (one fused multiply-add each, the same as
+    torch's add_ with alpha); 2: as 1 on zeros."""
+    if mode != 1:
+        out.zero_()
+    for pos, vals in _parse_torch(payload, books, spec, n):
+        if mode == 0:
+            out[pos] = vals
+        else:
+            sub = out[pos]
+            sub.add_(vals.to(out.dtype), alpha=weight)
+            out[pos] = sub
+
+
+def sumsq_torch(payload: torch.Tensor, books: torch.Tensor, spec: Codec, n: int) -> float:
+    return float(sum(float(v.double().square().sum()) for _, v in _parse_torch(payload, books, spec, n)))
+
+
+# --- the CPU kernels ---------------------------------------------------------------------------------------
+_sq2_encoder: Any = None  # the compiled sq2 encoder (kernels.cpu_kernels().encode_sq2), called per chunk
+_fma: Any = None
+
+
+def _nb_sift(heap: Any, i: int, size: int) -> None:
+    """Restore the min-heap below position i."""
+    v = heap[i]
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and heap[c + 1] < heap[c]:
+            c += 1
+        if heap[c] >= v:
+            break
+        heap[i] = heap[c]
+        i = c
+    heap[i] = v
+
+
+def _nb_read_bits(p: Any, bit: int, width: int) -> int:
+    """`width` (<= 16) bits of the byte array p from bit position `bit`, little-endian."""
+    i = bit >> 3
+    sh = bit & 7
+    v = np.int64(p[i])
+    need = (sh + width + 7) >> 3
+    if need > 1:
+        v |= np.int64(p[i + 1]) << 8
+    if need > 2:
+        v |= np.int64(p[i + 2]) << 16
+    return (v >> sh) & ((1 << width) - 1)
+
+
+def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, books: Any, key: int,
+                    stochastic: bool, base: int) -> bool:  # fmt: skip
+    """Chunks of xi (an int32 view of fp32 values; the first on a chunk boundary): per chunk, the K largest
+    magnitudes by a min-heap of (magnitude << 16 | 65535 - position) keys (one compare per value once it is
+    full), their positions sorted and packed, their values through the compiled sq2 encoder."""
+    n = xi.shape[0]
+    heap = np.empty(K, np.int64)
+    pos = np.empty(K, np.int64)
+    kv = np.empty(K, np.int32)
+    kf = kv.view(np.float32)
+    for b in range(books.shape[0] // 4):
+        lo = b * C
+        m = min(C, n - lo)
+        kk = (K * m + C - 1) // C
+        xb = xi[lo : lo + m]
+        for j in range(kk):
+            heap[j] = (np.int64(xb[j] & 0x7FFFFFFF) << 16) | (0xFFFF - j)
+        for i in range(kk // 2 - 1, -1, -1):
+            _nb_sift(heap, i, kk)
+        floor = heap[0]
+        for j in range(kk, m):
+            kj = (np.int64(xb[j] & 0x7FFFFFFF) << 16) | (0xFFFF - j)
+            if kj > floor:
+                heap[0] = kj
+                _nb_sift(heap, 0, kk)
+                floor = heap[0]
+        for t in range(kk):
+            if (heap[t] >> 16) >= 0x7F800000:  # a NaN or inf outranks every finite value: it is kept
+                return True
+            pos[t] = 0xFFFF - (heap[t] & 0xFFFF)
+        ps = np.sort(pos[:kk])
+        nib = (kk * ib + 7) >> 3
+        off = b * full
+        pb = payload[off : off + nib]
+        pb[:] = 0
+        for t in range(kk):
+            p = ps[t]
+            kv[t] = xb[p]
+            bit = t * ib
+            i = bit >> 3
+            sh = bit & 7
+            v = p << sh
+            pb[i] |= np.uint8(v & 0xFF)
+            if (sh + ib + 7) >> 3 > 1:
+                pb[i + 1] |= np.uint8((v >> 8) & 0xFF)
+            if (sh + ib + 7) >> 3 > 2:
+                pb[i + 2] |= np.uint8((v >> 16) & 0xFF)
+        codes = payload[off + nib : off + nib + ((kk + 3) >> 2)]
+        _sq2_encoder(kv[:kk], kf[:kk], kk, codes, books[4 * b : 4 * b + 4], key, stochastic, base + lo)
+    return False
+
+
+def _nb_apply_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int, n: int, out: Any, w: Any,
+                   mode: int) -> bool:  # fmt: skip
+    """mode 0: out = values; 1: out[p] = fma(value, w, out[p]) at the kept positions; 2: as 1 on +0. Never
+    writes past a chunk (True: a position out of range, nothing written from it)."""
+    z = w - w
+    bad = False
+    for b in range(books.shape[0] // 4):
+        lo = b * C
+        m = min(C, n - lo)
+        kk = (K * m + C - 1) // C
+        nib = (kk * ib + 7) >> 3
+        off = b * full
+        pb = payload[off : off + nib]
+        cb = payload[off + nib : off + nib + ((kk + 3) >> 2)]
+        lut = books[4 * b : 4 * b + 4]
+        ob = out[lo : lo + m]
+        if mode != 1:
+            for j in range(m):
+                ob[j] = z
+        for t in range(kk):
+            p = _nb_read_bits(pb, t * ib, ib)
+            if p >= m:
+                bad = True
+                continue
+            v = lut[(cb[t >> 2] >> ((t & 3) << 1)) & 3]
+            if mode == 0:
+                ob[p] = v
+            else:
+                ob[p] = _fma(v, w, ob[p])
+    return bad
+
+
+def _nb_sumsq_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int, n: int) -> float:
+    total = 0.0
+    for b in range(books.shape[0] // 4):
+        m = min(C, n - b * C)
+        kk = (K * m + C - 1) // C
+        nib = (kk * ib + 7) >> 3
+        cb = payload[b * full + nib : b * full + nib + ((kk + 3) >> 2)]
+        for t in range(kk):
+            v = np.float64(books[4 * b + ((cb[t >> 2] >> ((t & 3) << 1)) & 3)])
+            total += v * v
+    return total
+
+
+def _nb_check_topk(payload: Any, C: int, K: int, ib: int, full: int, n: int) -> int:
+    """The first chunk whose positions are not strictly ascending and below its values, or -1."""
+    for b in range(-(-n // C)):
+        m = min(C, n - b * C)
+        kk = (K * m + C - 1) // C
+        pb = payload[b * full : b * full + ((kk * ib + 7) >> 3)]
+        prev = -1
+        for t in range(kk):
+            p = _nb_read_bits(pb, t * ib, ib)
+            if p <= prev or p >= m:
+                return b
+            prev = p
+    return -1
+
+
+_KERNELS: Any = None
+_LOCK = threading.Lock()
+
+
+def cpu_kernels() -> Any:
+    """The compiled top-k kernels, or None where the torch ops do the work (as common/kernels.py's)."""
+    global _KERNELS
+    if _KERNELS is None:
+        with _LOCK:
+            if _KERNELS is None:
+                _KERNELS = _load() or False
+    return _KERNELS or None
+
+
+def _load() -> Any:
+    k = kernels.cpu_kernels()
+    if k is None:
+        return None
+    import numba
+
+    g = globals()
+    g["_sq2_encoder"], g["_fma"] = k.encode_sq2, kernels._fma
+    jit = kernels._jit_compiler(numba)
+    for name in ("_nb_sift", "_nb_read_bits"):
+        g[name] = jit(g[name], inline="always")
+
+    class TopK:
+        encode = jit(_nb_encode_topk)
+        apply = jit(_nb_apply_topk)
+        sumsq = jit(_nb_sumsq_topk)
+        check = jit(_nb_check_topk)
+
+    return TopK
+
+
+def problem(payload: torch.Tensor, spec: Codec, n: int) -> str | None:
+    """What is wrong with a well-sized top-k payload's positions (the first chunk that is wrong), or None."""
+    k = cpu_kernels() if payload.device.type == "cpu" else None
+    if k is None:
+        return problem_torch(payload, spec, n)
+    full = spec.block_payload(spec.chunk)
+    bad = k.check(payload.contiguous().numpy(), spec.chunk, spec.keep, spec.index_bits, full, n)
+    return None if bad < 0 else _problem_words(bad, min(spec.chunk, n - bad * spec.chunk))
+
+
+def encode_cpu(
+    x: torch.Tensor, spec: Codec, stochastic: bool, key: int, run_ranges: Any
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(payload, codebooks) by the kernels over ranges of whole chunks (`run_ranges(align, run)` runs
+    run(a, b) over them and returns the results); None on non-finite values."""
+    k = cpu_kernels()
+    n = x.numel()
+    nbytes, nscales = spec.sizes(n, spec.chunk)
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    books = torch.empty(nscales, dtype=torch.float32)
+    pn, bn, xi = payload.numpy(), books.numpy(), x.numpy().view(np.int32)
+    full = spec.block_payload(spec.chunk)
+
+    def run(a: int, b: int) -> bool:
+        c = a // spec.chunk
+        return k.encode(xi[a:b], spec.chunk, spec.keep, spec.index_bits, full, pn[c * full :],
+                        bn[c * 4 : -(-b // spec.chunk) * 4], key, stochastic, a)  # fmt: skip
+
+    if any(run_ranges(spec.chunk, run)):
+        return None
+    return payload, books
