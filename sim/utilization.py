@@ -9,22 +9,30 @@ Two models are run from here.
 **The event model** (`RunModel`, `simulate`, `needed_bandwidth`) is this project's system: M workers, each
 with its own uplink (worker -> shard) and downlink (shard -> worker), each a FIFO queue. A transfer holds
 its link for bytes * 8 / bandwidth and lands one latency later (the next transfer may start as soon as the
-previous one has left: latency is propagation, not occupancy). The bytes are the codecs' real sizes
-(common/codecs.py: payload plus one fp32 scale per block). A round closes at the shard when all M pushes
-have landed, then takes the shard's processing time (fixed + per value), then its update goes down every
-worker's downlink, behind earlier updates. Which fragment is sent and merged after which step comes from
+previous one has left: latency is propagation, not occupancy). The bytes are the codecs' real sizes, each
+direction its own codec's (common/codecspec.py's `encoded_nbytes`: the payload, top-k's positions included,
+and the fp32 scales or codebooks). A round closes at the shard when all M pushes have landed, then takes
+the shard's processing time (fixed + per value), then its update goes down every worker's downlink, behind
+earlier updates. Which fragment is sent and merged after which step comes from
 common/schedule.py's `events()`, the one definition of the schedule. Two merge policies:
 - "fixed": a round sent after step t is merged after step t + tau; if its update has not arrived,
   training stalls until it does (what the worker does today).
 - "adaptive": t + tau is the earliest merge; a late update is merged after the first later step by which it
   has arrived, and training stalls only if it is still missing when the fragment is next sent (t + H) or at
   the final sync. With tau = 0 it waits at once, as "fixed" does (blocking DiLoCo).
-Step times are fixed, or jittered (seeded: the same seed gives the same answer).
+Step times are fixed, or jittered (seeded: the same seed gives the same answer). The steady state (12
+periods of H steps, the first 2 not counted) counts a period as no shorter than its traffic takes on the
+slower link (or the shard): below that rate a queue fills for as long as the run lasts, and the adaptive
+policy would hide the filling from a window of 10 periods.
+
+**The planner** (`plan_codecs`, the `plan` command) runs one model with several pairs of codecs and gives,
+for each, the bytes per parameter per outer step and the link each way a target utilization needs.
 
 **The paper's recipe** for its Table 4 is the simpler model of sim/table4.py; `table4` below reproduces the
 table with it.
 
-Run `python -m streamdiloco.sim.utilization --help` for the command line: `table4`, `need`, `predict`.
+Run `python -m streamdiloco.sim.utilization --help` for the command line: `table4`, `need`, `predict`,
+`plan`.
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ import argparse
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from streamdiloco.common.codecs import CODECS, get_codec
+from streamdiloco.common.codecspec import CODEC_HELP, canonical_codec, lookup_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import assign_blocks
 from streamdiloco.common.schedule import Event, events, merge_deadline
@@ -106,7 +114,9 @@ class RunModel:
             raise ValueError(
                 "final_sync ends a run of given length: set steps too (the steady state has no end)"
             )
-        self.sync_config()  # H, P, tau and the codecs are checked where the real run checks them
+        cfg = self.sync_config()  # H, P, tau and the codecs are checked where the real run checks them
+        object.__setattr__(self, "uplink_codec", cfg.uplink_codec)  # topk -> topk64_4096, as the run names it
+        object.__setattr__(self, "downlink_codec", cfg.downlink_codec)
 
     @property
     def num_fragments(self) -> int:
@@ -132,14 +142,28 @@ class RunModel:
         )
 
     def push_bytes(self, fragment: int) -> int:
-        return get_codec(self.uplink_codec).encoded_nbytes(
+        """Bytes of one worker's push of `fragment`: the uplink codec's encoded size (top-k: its chunk)."""
+        return lookup_codec(self.uplink_codec).encoded_nbytes(
             self.fragment_values[fragment], self.codec_block_size
         )
 
     def update_bytes(self, fragment: int) -> int:
-        return get_codec(self.downlink_codec).encoded_nbytes(
+        """Bytes of the shard's update of `fragment` to one worker: the downlink codec's encoded size."""
+        return lookup_codec(self.downlink_codec).encoded_nbytes(
             self.fragment_values[fragment], self.codec_block_size
         )
+
+    def outer_step_bytes(self) -> tuple[int, int]:
+        """(up, down): the bytes one worker sends and receives per H inner steps, every fragment once."""
+        frags = range(self.num_fragments)
+        return sum(self.push_bytes(f) for f in frags), sum(self.update_bytes(f) for f in frags)
+
+    def average_bps(self) -> tuple[float, float]:
+        """(up, down): each worker's traffic at full compute, bit/s averaged over the H steps of a period;
+        a link slower than this cannot keep the workers computing all the time."""
+        up, down = self.outer_step_bytes()
+        period = self.sync_every * self.step_time
+        return up * 8 / period, down * 8 / period
 
 
 @dataclass(frozen=True)
@@ -307,9 +331,16 @@ class _Run:
         self.origin, self.origin_compute = self.now[:], self.compute[:]
 
     def prediction(self) -> Prediction:
-        nw = self.model.workers
+        m, nw = self.model, self.model.workers
         compute = [c - c0 for c, c0 in zip(self.compute, self.origin_compute, strict=True)]
         wall = [t - t0 for t, t0 in zip(self.now, self.origin, strict=True)]
+        if not m.steps:
+            # The steady state: a link (or shard) slower than the traffic fills its queue for as long as the
+            # run lasts, and under the adaptive policy the ten periods counted would still be filling it. In
+            # the long run a worker's period takes at least what its links and the shard take to carry it.
+            periods = (m.total_steps - m.warmup_steps) // m.sync_every  # each fragment sent once a period
+            busy = periods * max(sum(self.links.up_s), sum(self.links.down_s), sum(self.links.proc_s))
+            wall = [max(t, busy) for t in wall]
         per_worker = tuple(c / t for c, t in zip(compute, wall, strict=True))
         return Prediction(
             utilization=sum(per_worker) / nw,
@@ -341,17 +372,46 @@ def needed_bandwidth(model: RunModel, target: float, rel_tol: float = 1e-3) -> f
     trip then cap the utilization below the target (see `simulate` with unlimited links)."""
     if not 0 < target < 1:
         raise ValueError(f"target utilization must be in (0, 1), got {target}")
-    if not 0 < rel_tol < 1:
-        raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
 
     def util(bps: float) -> float:
         return simulate(replace(model, uplink_bps=bps, downlink_bps=bps)).utilization
 
+    return _smallest(util, target, rel_tol, lo=1.0, hi=1e9)
+
+
+def needed_links(model: RunModel, target: float, rel_tol: float = 1e-3) -> tuple[float, float]:
+    """The smallest (uplink, downlink) bandwidths in bit/s at which `model` reaches `target` utilization,
+    each in proportion to its direction's traffic (`RunModel.average_bps`): the link a pair of codecs needs
+    each way, where `needed_bandwidth` asks for the same rate both ways. (math.inf, math.inf) when no link
+    reaches the target."""
+    if not 0 < target < 1:
+        raise ValueError(f"target utilization must be in (0, 1), got {target}")
+    avg_up, avg_down = model.average_bps()
+
+    def links(k: float) -> tuple[float, float]:  # k times the traffic; a direction without bytes: no limit
+        return (k * avg_up if avg_up else math.inf), (k * avg_down if avg_down else math.inf)
+
+    def util(k: float) -> float:
+        up, down = links(k)
+        return simulate(replace(model, uplink_bps=up, downlink_bps=down)).utilization
+
+    k = _smallest(util, target, rel_tol, lo=0.01, hi=1.0)
+    return links(k)
+
+
+def _smallest(util: Callable[[float], float], target: float, rel_tol: float, lo: float, hi: float) -> float:
+    """The smallest x (to rel_tol) with util(x) >= target, util growing with x (the event model is a
+    max-plus system: a faster link never delays anything); math.inf when even util(math.inf) is short."""
+    if not 0 < rel_tol < 1:
+        raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
     if util(math.inf) < target:
         return math.inf
-    lo, hi = 1.0, 1e9
-    while util(hi) < target:  # utilization only grows with bandwidth (max-plus system), so bisect
+    while util(hi) < target:
         lo, hi = hi, hi * 1e3
+    while util(lo) >= target:
+        if lo < 1e-30:  # no link at all would do: nothing is sent
+            return 0.0
+        lo, hi = lo / 1e3, lo
     while hi / lo > 1 + rel_tol:
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if util(mid) < target else (lo, mid)
@@ -378,6 +438,127 @@ def fragment_values_for(
     per_layer = (params - embedding_params) / layers
     groups = assign_blocks(layers, num_fragments - 1, pattern)
     return tuple(round(per_layer * len(g)) for g in groups) + (round(embedding_params),)
+
+
+# --- the planner: one run, several codecs -------------------------------------------------------------------
+
+# What `plan` compares by default: the dense codecs, sq2 at two block sizes, and top-k up at two densities
+# with a dense downlink (M workers' top-k pushes add up to a dense update, so the downlink stays dense).
+PLAN_CODECS = (
+    "fp32",
+    "e3m0",
+    "sq2",
+    "sq2@1024",
+    "topk64_4096/e3m0",
+    "topk64_4096/sq2",
+    "topk64_4096/sq2@1024",
+    "topk256_4096/sq2@1024",
+)
+
+
+def parse_codecs(spec: str, block_size: int) -> tuple[str, str, int]:
+    """(uplink codec, downlink codec, block size) of `UP[/DOWN][@BLOCK]`: `sq2@1024` is sq2 both ways at
+    1024 values per codebook, `topk/e3m0` top-k up and e3m0 down at `block_size`. ValueError in one line."""
+    codecs, _, block = spec.strip().partition("@")
+    up, _, down = codecs.partition("/")
+    if block:
+        if not block.isdigit():
+            raise ValueError(f"codecs {spec!r}: the block size after @ must be a number of values")
+        block_size = int(block)
+    try:
+        return canonical_codec(up.strip()), canonical_codec((down or up).strip()), block_size
+    except ValueError as e:
+        raise ValueError(f"codecs {spec!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One pair of codecs on the planner's run: its bytes, its traffic and the link it needs, each way."""
+
+    model: RunModel  # the run with these codecs and block size (its links unlimited)
+    up_bytes: int  # each worker's pushes per H inner steps (every fragment once)
+    down_bytes: int  # the updates each worker receives per H inner steps
+    average_bps: tuple[float, float]  # (up, down) traffic at full compute
+    needed_bps: tuple[float, float]  # (up, down) link for the target utilization
+    at: tuple[float, ...]  # the utilization on each of the links asked about
+
+    @property
+    def label(self) -> str:
+        m = self.model
+        dense = [
+            c
+            for c in (m.uplink_codec, m.downlink_codec)
+            if lookup_codec(c).scaled and not lookup_codec(c).sparse
+        ]
+        return f"{m.uplink_codec} / {m.downlink_codec}" + (f" (block {m.codec_block_size})" if dense else "")
+
+    @property
+    def bytes_per_value(self) -> tuple[float, float]:
+        """(up, down) bytes per parameter per outer step."""
+        n = sum(self.model.fragment_values)
+        return self.up_bytes / n, self.down_bytes / n
+
+
+def plan_codecs(
+    base: RunModel,
+    codecs: Sequence[tuple[str, str, int]],
+    target: float,
+    links: Sequence[tuple[float, float]] = (),
+    rel_tol: float = 1e-3,
+) -> list[PlanRow]:
+    """For each (uplink codec, downlink codec, block size), `base` run with those codecs: its bytes per
+    outer step, its traffic each way, the link each way it needs for `target` utilization (`needed_links`)
+    and its utilization on each (uplink, downlink) of `links` (bit/s)."""
+    rows = []
+    for up, down, block in codecs:
+        m = replace(
+            base,
+            uplink_codec=up,
+            downlink_codec=down,
+            codec_block_size=block,
+            uplink_bps=math.inf,
+            downlink_bps=math.inf,
+        )
+        up_bytes, down_bytes = m.outer_step_bytes()
+        at = tuple(simulate(replace(m, uplink_bps=u, downlink_bps=d)).utilization for u, d in links)
+        rows.append(PlanRow(m, up_bytes, down_bytes, m.average_bps(), needed_links(m, target, rel_tol), at))
+    return rows
+
+
+def format_plan(rows: Sequence[PlanRow], target: float, links: Sequence[tuple[float, float]] = ()) -> str:
+    """The planner's rows as a markdown table, bandwidths in Mbit/s (up / down)."""
+
+    def mbit(pair: tuple[float, float]) -> str:
+        return " / ".join("unreachable" if math.isinf(b) else f"{b / 1e6:.3g}" for b in pair)
+
+    def link(u: float, d: float) -> str:
+        return f"{u / 1e6:g}" if u == d else f"{u / 1e6:g} / {d / 1e6:g}"
+
+    head = [
+        "codecs up / down",
+        "bits per value",
+        "bytes per parameter per outer step",
+        "largest push / update",
+        "average Mbit/s",
+        f"needed for {100 * target:g} %, Mbit/s",
+        *(f"on {link(u, d)} Mbit/s" for u, d in links),
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        m = r.model
+        bpv = r.bytes_per_value
+        largest = max(range(m.num_fragments), key=lambda f: m.fragment_values[f])
+        cells = [
+            r.label,
+            f"{8 * bpv[0]:.4g} / {8 * bpv[1]:.4g}",
+            f"{bpv[0]:.3g} / {bpv[1]:.3g}",
+            f"{_fmt_bytes(m.push_bytes(largest))} / {_fmt_bytes(m.update_bytes(largest))}",
+            mbit(r.average_bps),
+            mbit(r.needed_bps),
+            *(f"{100 * u:.1f} %" for u in r.at),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # --- the command line ---------------------------------------------------------------------------------------
@@ -408,7 +589,30 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _codec(text: str) -> str:
+    """A codec flag's value: any name the run takes (topk64_4096, `topk`...), refused in one line."""
+    try:
+        return canonical_codec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _links(text: str) -> list[tuple[float, float]]:
+    """`UP[/DOWN],...` in Mbit/s (one number: the same each way) -> [(up, down)] in bit/s."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            try:
+                rates = [float(x) * 1e6 for x in item.split("/")]
+            except ValueError:
+                rates = []
+            if len(rates) not in (1, 2) or not all(r > 0 for r in rates):
+                raise argparse.ArgumentTypeError(f"expected UP[/DOWN] Mbit/s, comma-separated, got {item!r}")
+            out.append((rates[0], rates[-1]))
+    return out
+
+
+def _add_model_args(p: argparse.ArgumentParser, codecs: bool = True) -> None:
     size = p.add_argument_group("model size (one of --fragment-values, --model, --params)")
     size.add_argument(
         "--fragment-values", type=_floats, help="values in each fragment, comma-separated (P = count)"
@@ -439,10 +643,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     link = p.add_argument_group("link and shard")
     link.add_argument("--latency", type=float, default=0.0, help="one-way seconds (default 0)")
-    link.add_argument("--codec", choices=tuple(CODECS), default="e3m0", help="uplink and downlink codec")
-    link.add_argument("--uplink-codec", choices=tuple(CODECS), help="overrides --codec up")
-    link.add_argument("--downlink-codec", choices=tuple(CODECS), help="overrides --codec down")
-    link.add_argument("--block-size", type=int, default=128, help="values per scale (default 128)")
+    if codecs:
+        link.add_argument(
+            "--codec", type=_codec, default="e3m0", metavar="CODEC", help=f"both ways: {CODEC_HELP}"
+        )
+        link.add_argument("--uplink-codec", type=_codec, metavar="CODEC", help="overrides --codec up")
+        link.add_argument("--downlink-codec", type=_codec, metavar="CODEC", help="overrides --codec down")
+    link.add_argument(
+        "--block-size", type=int, default=128, help="values per scale or codebook, not top-k's (default 128)"
+    )
     link.add_argument(
         "--round-fixed", type=float, default=0.001, help="shard seconds per round (default 0.001)"
     )
@@ -473,8 +682,8 @@ def _model_from_args(a: argparse.Namespace, policy: str) -> RunModel:
         policy=policy,
         workers=a.workers,
         latency=a.latency,
-        uplink_codec=a.uplink_codec or a.codec,
-        downlink_codec=a.downlink_codec or a.codec,
+        uplink_codec=getattr(a, "uplink_codec", None) or getattr(a, "codec", "e3m0"),
+        downlink_codec=getattr(a, "downlink_codec", None) or getattr(a, "codec", "e3m0"),
         codec_block_size=a.block_size,
         round_fixed_s=a.round_fixed,
         round_per_value_s=a.round_per_value,
@@ -486,12 +695,14 @@ def _model_from_args(a: argparse.Namespace, policy: str) -> RunModel:
     )
 
 
-def _describe(m: RunModel) -> str:
+def _describe(m: RunModel, codecs: bool = True) -> str:
     pushes = ", ".join(_fmt_bytes(m.push_bytes(f)) for f in range(m.num_fragments))
+    updates = ", ".join(_fmt_bytes(m.update_bytes(f)) for f in range(m.num_fragments))
+    sizes = f"pushes of {pushes} ({m.uplink_codec}), updates of {updates} ({m.downlink_codec}); "
     return (
-        f"{sum(m.fragment_values):,} values in {m.num_fragments} fragments, pushes of "
-        f"{pushes} ({m.uplink_codec} up, {m.downlink_codec} down); "
-        f"H={m.sync_every}, tau={m.fragment_sync_delay}, M={m.workers}, step {m.step_time} s, "
+        f"{sum(m.fragment_values):,} values in {m.num_fragments} fragments, "
+        + (sizes if codecs else "")
+        + f"H={m.sync_every}, tau={m.fragment_sync_delay}, M={m.workers}, step {m.step_time} s, "
         f"latency {m.latency * 1e3:g} ms one way; "
         + (f"a run of {m.steps} steps" if m.steps else "steady state")
         + (" with the final sync" if m.final_sync else "")
@@ -511,7 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "  table4\n"
         "  need --params 1e9 --layers 24 --step-time 0.1 --latency 0.05 --tau 1 --policy adaptive \\\n"
         "       --H 30 --P 5 --shards 2\n"
-        "  predict --model tiny --P 5 --H 30 --step-time 0.17 --latency 0.025 --bandwidths 0.25,1,4,16,64",
+        "  predict --model tiny --P 5 --H 30 --step-time 0.17 --latency 0.025 --bandwidths 0.25,1,4,16,64\n"
+        "  plan --params 1e9 --step-time 1 --H 100 --latency 0.05 --at 10/100,20/100",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -536,6 +748,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     pred.add_argument("--bandwidths", type=_floats, required=True, help="comma-separated, in --unit")
     pred.add_argument("--unit", choices=tuple(_UNITS), default="Mbit", help="per second (default Mbit)")
+    plan = sub.add_parser(
+        "plan",
+        help="per pair of codecs: bytes per parameter, traffic, and the link each way a target utilization "
+        "needs (markdown)",
+    )
+    _add_model_args(plan, codecs=False)
+    plan.add_argument(
+        "--codecs",
+        default=",".join(PLAN_CODECS),
+        metavar="UP[/DOWN][@BLOCK],...",
+        help=f"the rows: codec names ({CODEC_HELP}), up/down, @ a block size "
+        f"(default {','.join(PLAN_CODECS)})",
+    )
+    plan.add_argument(
+        "--policy", choices=POLICIES, default="adaptive", help="merge policy (default adaptive)"
+    )
+    plan.add_argument("--target", type=float, default=90, help="utilization in percent (default 90)")
+    plan.add_argument(
+        "--at",
+        type=_links,
+        default=[],
+        metavar="UP[/DOWN],...",
+        help="links to show the utilization on, Mbit/s",
+    )
     a = parser.parse_args(argv)
     try:
         if a.command == "table4":
@@ -545,6 +781,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ValueError(f"--dp-buckets takes a number of buckets or 'layers', got {dpb!r}")
                 dpb = int(dpb)
             print(format_table4(reproduce_table4(dp_buckets=dpb)))
+            return 0
+        if a.command == "plan":
+            if not 0 < a.target < 100:
+                raise ValueError(f"--target is a utilization in percent, in (0, 100), got {a.target:g}")
+            rows = [parse_codecs(c, a.block_size) for c in a.codecs.split(",") if c.strip()]
+            base = _model_from_args(a, a.policy)
+            print(_describe(base, codecs=False) + f"; {a.policy} merges")
+            print(format_plan(plan_codecs(base, rows, a.target / 100, a.at), a.target / 100, a.at))
             return 0
         models = {p: _model_from_args(a, p) for p in _policies(a.policy)}
         print(_describe(next(iter(models.values()))))
