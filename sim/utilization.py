@@ -674,6 +674,7 @@ def _model_from_args(a: argparse.Namespace, policy: str) -> RunModel:
         values = tuple(f.numel for f in build_layout(build_model(a.model), a.P).fragments)
     else:
         values = fragment_values_for(a.params, a.P, a.layers, a.embedding_params)
+    codec: str = getattr(a, "codec", "e3m0")
     return RunModel(
         fragment_values=values,
         step_time=a.step_time,
@@ -682,8 +683,8 @@ def _model_from_args(a: argparse.Namespace, policy: str) -> RunModel:
         policy=policy,
         workers=a.workers,
         latency=a.latency,
-        uplink_codec=getattr(a, "uplink_codec", None) or getattr(a, "codec", "e3m0"),
-        downlink_codec=getattr(a, "downlink_codec", None) or getattr(a, "codec", "e3m0"),
+        uplink_codec=getattr(a, "uplink_codec", None) or codec,  # `plan` has no codec flags: its rows
+        downlink_codec=getattr(a, "downlink_codec", None) or codec,
         codec_block_size=a.block_size,
         round_fixed_s=a.round_fixed,
         round_per_value_s=a.round_per_value,

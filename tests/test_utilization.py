@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from streamdiloco.common.codecspec import lookup_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import sends_through
 from streamdiloco.sim.table4 import (
@@ -18,7 +19,17 @@ from streamdiloco.sim.table4 import (
     recipe_utilization,
     reproduce_table4,
 )
-from streamdiloco.sim.utilization import RunModel, fragment_values_for, main, needed_bandwidth, simulate
+from streamdiloco.sim.utilization import (
+    PLAN_CODECS,
+    RunModel,
+    fragment_values_for,
+    main,
+    needed_bandwidth,
+    needed_links,
+    parse_codecs,
+    plan_codecs,
+    simulate,
+)
 
 
 def _model(**kw) -> RunModel:
@@ -204,6 +215,83 @@ def test_fragment_values_for_follows_the_layout():
     assert fragment_values_for(1e6, 1, layers=12) == (1_000_000,)
 
 
+def test_steady_state_below_the_traffic_runs_at_the_link_share():
+    # a link carrying half the traffic: the adaptive policy's queue fills until it waits, and then each
+    # period takes twice its compute; ten periods alone would not see the waits start
+    m = _model(policy="adaptive", downlink_bps=math.inf)
+    up_avg, _ = m.average_bps()
+    for share in (0.5, 0.9):
+        assert simulate(replace(m, uplink_bps=share * up_avg)).utilization == pytest.approx(share)
+    assert simulate(replace(m, uplink_bps=1.01 * up_avg)).utilization == 1.0
+
+
+# --- the planner: bytes per codec ---------------------------------------------------------------------------
+
+_PLAN_VALUES = fragment_values_for(3e6, 5, layers=8, embedding_params=5e5)  # unequal fragments, odd sizes
+
+
+def _plan_base(**kw) -> RunModel:
+    return _model(fragment_values=_PLAN_VALUES, sync_every=10, **kw)
+
+
+def test_plan_bytes_are_the_codecs_encoded_sizes():
+    rows = [parse_codecs(c, 128) for c in PLAN_CODECS]
+    assert {up for up, _, _ in rows} >= {"fp32", "e3m0", "sq2", "topk64_4096", "topk256_4096"}
+    plan = plan_codecs(_plan_base(), rows, 0.9, rel_tol=0.01)
+    for (up, down, block), row in zip(rows, plan, strict=True):
+        want_up = sum(lookup_codec(up).encoded_nbytes(v, block) for v in _PLAN_VALUES)
+        want_down = sum(lookup_codec(down).encoded_nbytes(v, block) for v in _PLAN_VALUES)
+        assert (row.up_bytes, row.down_bytes) == (want_up, want_down), (up, down, block)
+        assert row.model.outer_step_bytes() == (want_up, want_down)
+        period = row.model.sync_every * row.model.step_time
+        assert row.average_bps == pytest.approx((8 * want_up / period, 8 * want_down / period))
+    # sq2's codebook is per block, top-k's per chunk whatever the block size
+    sq2_128, sq2_1024 = (r for r in plan if r.model.uplink_codec == "sq2")
+    assert sq2_1024.up_bytes < sq2_128.up_bytes
+    topk = [r for r in plan if r.model.uplink_codec == "topk64_4096"]
+    assert len({r.up_bytes for r in topk}) == 1 and len({r.model.codec_block_size for r in topk}) == 2
+
+
+def test_parse_codecs():
+    assert parse_codecs("sq2@1024", 128) == ("sq2", "sq2", 1024)
+    assert parse_codecs("topk/e3m0", 256) == ("topk64_4096", "e3m0", 256)
+    with pytest.raises(ValueError, match="codecs 'topk2': unknown codec 'topk2'"):
+        parse_codecs("topk2", 128)
+    with pytest.raises(ValueError, match="block size after @"):
+        parse_codecs("sq2@big", 128)
+
+
+def test_utilization_rises_as_bytes_fall_at_a_fixed_link():
+    # each row sends no more than the one before it, both ways
+    specs = ["fp32", "e3m0", "sq2", "sq2@1024", "topk256_4096/sq2@1024", "topk64_4096/sq2@1024"]
+    base = _plan_base(policy="adaptive", latency=0.01)
+    e3m0_up, _ = replace(base, uplink_codec="e3m0", downlink_codec="e3m0").average_bps()
+    links = [(0.6 * e3m0_up, 0.6 * e3m0_up), (0.25 * e3m0_up, 4 * e3m0_up)]  # tight, and a home link
+    plan = plan_codecs(base, [parse_codecs(c, 128) for c in specs], 0.9, links, rel_tol=0.01)
+    for a, b in zip(plan, plan[1:]):
+        assert b.up_bytes <= a.up_bytes and b.down_bytes <= a.down_bytes
+    for i in range(len(links)):
+        utils = [r.at[i] for r in plan]
+        assert all(a <= b for a, b in zip(utils, utils[1:])), utils
+        assert utils[0] < utils[-1] == 1.0
+    tight = [r.at[0] for r in plan[:4]]  # the dense rows, all short of the traffic on the tight link
+    assert all(a < b for a, b in zip(tight, tight[1:])), tight
+    needed = [r.needed_bps for r in plan]
+    assert all(b[0] <= a[0] and b[1] <= a[1] for a, b in zip(needed, needed[1:]))
+
+
+def test_needed_links_follow_each_directions_bytes():
+    m = _plan_base(policy="adaptive", uplink_codec="topk64_4096", downlink_codec="sq2", latency=0.01)
+    up, down = needed_links(m, 0.9, rel_tol=1e-3)
+    up_avg, down_avg = m.average_bps()
+    assert up / down == pytest.approx(up_avg / down_avg)
+    assert simulate(replace(m, uplink_bps=up, downlink_bps=down)).utilization >= 0.9
+    assert simulate(replace(m, uplink_bps=up / 1.01, downlink_bps=down / 1.01)).utilization < 0.9
+    # the fixed policy with tau = 1 needs the round trip within a step: far more than the traffic
+    fixed_up, _ = needed_links(replace(m, policy="fixed"), 0.9, rel_tol=1e-2)
+    assert fixed_up > 3 * up
+
+
 # --- validation and the command line ------------------------------------------------------------------------
 
 
@@ -249,6 +337,39 @@ def test_cli_predict_and_need(capsys):
     assert main(["need", *args, "--policy", "adaptive", "--targets", "50,99"]) == 0
     out = capsys.readouterr().out
     assert "| 99 % |" in out and "bit/s" in out
+
+
+def test_cli_takes_topk_and_refuses_a_bad_codec_in_one_line(capsys):
+    args = "--fragment-values 100000,100000 --P 2 --H 10 --step-time 0.1".split()
+    assert (
+        main(["predict", *args, "--uplink-codec", "topk", "--downlink-codec", "sq2", "--bandwidths", "1"])
+        == 0
+    )
+    assert "(topk64_4096), updates of" in capsys.readouterr().out
+    assert main(["predict", *args, "--codec", "topk16_1024", "--bandwidths", "1"]) == 0
+    capsys.readouterr()
+    for flag, name in (("--codec", "topk_4096"), ("--uplink-codec", "fp8"), ("--downlink-codec", "topk9_4")):
+        with pytest.raises(SystemExit):
+            main(["need", *args, flag, name])
+        err = capsys.readouterr().err.strip().splitlines()[-1]  # usage, then the one line of the error
+        assert err.startswith("python -m streamdiloco.sim.utilization need: error: argument " + flag), err
+        assert name in err
+
+
+def test_cli_plan(capsys):
+    args = "--params 3e6 --P 5 --H 10 --step-time 0.1 --latency 0.01".split()
+    assert main(["plan", *args, "--at", "2/20,1", "--codecs", "e3m0,topk/sq2@1024"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "needed for 90 %, Mbit/s" in out[1] and "on 2 / 20 Mbit/s" in out[1] and "on 1 Mbit/s" in out[1]
+    assert out[3].startswith("| e3m0 / e3m0 (block 128) | 4.25 / 4.25 | 0.531 / 0.531 |")
+    assert out[4].startswith("| topk64_4096 / sq2 (block 1024) | 0.25")  # a short last chunk: 0.2501
+    assert len(out) == 5
+    with pytest.raises(SystemExit):
+        main(["plan", *args, "--codecs", "sq2,zip"])
+    assert "codecs 'zip': unknown codec 'zip'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", *args, "--target", "100"])
+    assert "--target is a utilization in percent" in capsys.readouterr().err
 
 
 def test_cli_refuses_two_model_sizes(capsys):
