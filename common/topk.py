@@ -64,7 +64,7 @@ def encode_torch(
     x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, codebooks) of x (flat, contiguous fp32); ValueError on non-finite values."""
-    from streamdiloco.common.codecs import _NON_FINITE, pack2, sq2_quantize, uniform_at
+    from streamdiloco.common.codecs import _NON_FINITE, sq2_quantize, uniform_at
 
     n, dev = x.numel(), x.device
     payload, books = [], []
@@ -83,7 +83,7 @@ def encode_torch(
         u = uniform_at(seed, starts.unsqueeze(1) + torch.arange(kk, device=dev)) if stochastic else None
         valid = torch.ones_like(kept, dtype=torch.bool)
         b, codes = sq2_quantize(kept, valid, absmax, u)
-        packed = torch.stack([pack2(row) for row in codes]) if count else codes.new_zeros(0, 0)
+        packed = _pack_bits(codes, 2)  # four codes a byte, the first lowest: sq2's packing, row by row
         payload.append(
             torch.cat([_pack_bits(pos, spec.index_bits), packed.to(torch.uint8)], dim=1).reshape(-1)
         )
@@ -97,8 +97,6 @@ def _parse_torch(
     payload: torch.Tensor, books: torch.Tensor, spec: Codec, n: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(global positions, values) of each row group of an Encoded's payload (torch ops)."""
-    from streamdiloco.common.codecs import unpack2
-
     out = []
     at = 0
     for first, count, m in _rows(spec, n):
@@ -107,7 +105,7 @@ def _parse_torch(
         rows = payload[at : at + count * per].view(count, per)
         at += count * per
         pos = _unpack_bits(rows[:, :nib], kk, spec.index_bits)
-        codes = torch.stack([unpack2(r, kk) for r in rows[:, nib:]]) if count else pos
+        codes = _unpack_bits(rows[:, nib:], kk, 2)
         lut = books[first * 4 : (first + count) * 4].view(count, 4)
         vals = lut.gather(1, codes)
         starts = (first + torch.arange(count, device=payload.device)) * spec.chunk
