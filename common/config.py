@@ -35,6 +35,11 @@ SYNC_SCHEDULES = ("fixed", "adaptive")
 # the uplink's error-feedback decay when --uplink-feedback is unset and the codec has under 4 bits: MuLoCo's
 # 2-bit runs used about 0.9 (0.95 in its code; SparseLoCo 0.95)
 AUTO_UPLINK_FEEDBACK = 0.9
+# the outer step. nesterov: SGD with (Nesterov) momentum on the mean outer gradient, the paper's. sparseloco:
+# SparseLoCo's (arXiv 2508.15706): a plain averaged step, theta -= lr * mean, with the workers' uplink error
+# feedback as the momentum (decay SPARSELOCO_FEEDBACK unless --uplink-feedback says otherwise)
+OUTER_VARIANTS = ("nesterov", "sparseloco")
+SPARSELOCO_FEEDBACK = 0.95
 
 
 def _at_least_one(cfg: Any, *names: str) -> None:
@@ -483,14 +488,28 @@ class SyncConfig:
         metadata={
             "help": "decay d of the workers' error feedback on the uplink, in [0, 1]: each push sends the "
             "outer gradient plus d times what earlier pushes' encoding left out (0: off; default: "
-            f"{AUTO_UPLINK_FEEDBACK} for an uplink codec under 4 bits, else 0)",
+            f"{SPARSELOCO_FEEDBACK} with --outer-variant sparseloco, else {AUTO_UPLINK_FEEDBACK} for an "
+            "uplink codec under 4 bits, else 0)",
             "metavar": "D",
         },
     )
     # measured best with momentum 0.95 at H=30 (BENCHMARKS.md; the paper: 0.7 or 0.4)
-    outer_lr: float = field(default=1.0, metadata={"help": "outer Nesterov learning rate"})
+    outer_lr: float = field(default=1.0, metadata={"help": "outer learning rate"})
     outer_momentum: float = field(default=0.95, metadata={"help": "outer momentum"})
     outer_nesterov: bool = field(default=True, metadata={"help": "Nesterov momentum in the outer step"})
+    # sparseloco: the shard's step is theta -= outer_lr * mean(pushes), no momentum buffer (outer_momentum and
+    # outer_nesterov unused: a momentum other than the default is refused), and the uplink's error feedback
+    # is on at SPARSELOCO_FEEDBACK by default, whatever the codec: its buffer is the momentum
+    outer_variant: str = field(
+        default="nesterov",
+        metadata={
+            "choices": OUTER_VARIANTS,
+            "help": "nesterov: SGD with outer momentum on the mean outer gradient; sparseloco: SparseLoCo's "
+            "plain averaged step (theta -= outer_lr * mean; --outer-momentum and --outer-nesterov unused, "
+            "left at their defaults), the workers' uplink error feedback as the momentum (--uplink-feedback "
+            f"default {SPARSELOCO_FEEDBACK})",
+        },
+    )
     # adaptive: a worker does as many inner steps per schedule step as it is faster than the run's slowest
     # member (common/pace.py), so that every site reaches a fragment's send at about the same wall time; its
     # push carries (and is weighted by) the tokens of all those steps. The default: with equal speeds it
@@ -584,13 +603,27 @@ class SyncConfig:
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_variant not in OUTER_VARIANTS:
+            raise ValueError(
+                f"unknown outer_variant {self.outer_variant!r}: choose {' or '.join(OUTER_VARIANTS)}"
+            )
+        # the defaults of outer_momentum and outer_nesterov are taken for unset (a value set equal to its
+        # default cannot be told apart: it is unused)
+        if self.outer_variant == "sparseloco" and (self.outer_momentum != 0.95 or not self.outer_nesterov):
+            raise ValueError(
+                "--outer-variant sparseloco takes no outer momentum (its uplink error feedback is the "
+                "momentum: --uplink-feedback D): leave --outer-momentum and --outer-nesterov unset"
+            )
 
     @property
     def uplink_decay(self) -> float:
-        """The uplink's error-feedback decay in force: --uplink-feedback, or when unset AUTO_UPLINK_FEEDBACK
-        for a codec under 4 bits and 0.0 (off) for the others (any codec of the registry)."""
+        """The uplink's error-feedback decay in force: --uplink-feedback, or when unset SPARSELOCO_FEEDBACK
+        with --outer-variant sparseloco, else AUTO_UPLINK_FEEDBACK for a codec under 4 bits and 0.0 (off) for
+        the others (any codec of the registry)."""
         if self.uplink_feedback is not None:
             return float(self.uplink_feedback)
+        if self.outer_variant == "sparseloco":
+            return SPARSELOCO_FEEDBACK
         return AUTO_UPLINK_FEEDBACK if lookup_codec(self.uplink_codec).bits < 4 else 0.0
 
     @property

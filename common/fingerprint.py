@@ -160,6 +160,8 @@ def model_fingerprint(
     if cfg.sync_schedule != "fixed":  # likewise: the shards stretch their caps for it, so both must agree
         fp["sync_schedule"] = cfg.sync_schedule
         fp["max_steps_per_tick"] = float(cfg.max_steps_per_tick)
+    if cfg.outer_variant != "nesterov":  # likewise: the shards step so, and the workers' pushes carry its
+        fp["outer_variant"] = cfg.outer_variant  # error feedback (SparseLoCo's momentum)
     if cfg.uplink_decay:  # likewise (the uplink's error feedback): every worker of a run pushes alike
         fp["uplink_feedback"] = float(cfg.uplink_decay)
     return fp
@@ -202,6 +204,7 @@ _SETTINGS = (
     "blocks_path",
     "sync_schedule",
     "max_steps_per_tick",
+    "outer_variant",
     "uplink_feedback",
 )
 
@@ -220,6 +223,11 @@ def _settings_diff(ours: dict, theirs: dict, us: str, them: str) -> str | None:
         if key == "sync_schedule" and ours.get(key, "fixed") != theirs.get(key, "fixed"):
             mine, other = ours.get(key, "fixed"), theirs.get(key, "fixed")
             return f"sync_schedule is {mine!r} on the {us}, {other!r} on the {them}"
+        if key == "outer_variant":  # absent: nesterov
+            mine, other = ours.get(key, "nesterov"), theirs.get(key, "nesterov")
+            if mine != other:
+                return f"outer_variant is {mine!r} on the {us}, {other!r} on the {them} (--outer-variant)"
+            continue
         if key == "uplink_feedback":  # absent: 0.0, off
             mine, other = ours.get(key, 0.0), theirs.get(key, 0.0)
             if mine != other:

@@ -10,6 +10,10 @@ Worker, tau steps after the send:    mirror <- mirror + u_hat
 
 The master moves by exactly u_hat, and so does every worker's mirror, with the same fp32 addition: mirrors
 and master stay bit-identical however coarse the downlink codec is.
+
+With --outer-variant sparseloco (SparseLoCo, arXiv 2508.15706) the shard's step is plain SGD on the mean,
+theta_new = theta_old - lr * mean(delta), with no momentum buffer: the workers' uplink error feedback
+(worker/fragment.py: push enc(delta + d*e), keep e = what the encoding left out) is its momentum.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from streamdiloco.common.codecs import (
     fused_outer_step_available,
     outer_step,
 )
+from streamdiloco.common.config import SyncConfig
+
+
+def outer_momentum(cfg: SyncConfig) -> tuple[float, bool]:
+    """The outer step's momentum and Nesterov flag in force: cfg's, or none (0.0, False) with --outer-variant
+    sparseloco, whose step is the plain averaged one."""
+    if cfg.outer_variant == "sparseloco":
+        return 0.0, False
+    return cfg.outer_momentum, cfg.outer_nesterov
 
 
 def outer_gradient(

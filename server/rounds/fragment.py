@@ -16,7 +16,7 @@ import torch
 
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.fragments import slice_ranges
-from streamdiloco.common.outer import OuterOptimizer
+from streamdiloco.common.outer import OuterOptimizer, outer_momentum
 from streamdiloco.server.rounds.defenses import RecentRounds
 from streamdiloco.server.rounds.jobs import CloseJob, FoldJob, OpenRound, fold, ordered
 
@@ -56,11 +56,12 @@ class FragmentSlice:
             )
         s, num_shards = shard
         lo, hi = slice_ranges(numel, num_shards)[s]
+        momentum, nesterov = outer_momentum(cfg)  # none with --outer-variant sparseloco
         outer = OuterOptimizer(
             initial[lo:hi].to(torch.float32).clone(),
             lr=cfg.outer_lr,
-            momentum=cfg.outer_momentum,
-            nesterov=cfg.outer_nesterov,
+            momentum=momentum,
+            nesterov=nesterov,
             downlink_codec=cfg.downlink_codec,
             block_size=cfg.codec_block_size,
             rounding=cfg.downlink_rounding,

@@ -200,7 +200,9 @@
       `τ=${c.fragment_sync_delay}`,
       `α=${c.fragment_update_alpha}`,
       `codecs ${c.uplink_codec} up, ${c.downlink_codec} down`,
-      `outer lr ${c.outer_lr}, momentum ${c.outer_momentum}${c.outer_nesterov ? " (Nesterov)" : ""}`,
+      c.outer_variant === "sparseloco"
+        ? `outer lr ${c.outer_lr}, SparseLoCo (no outer momentum: the uplink's error feedback)`
+        : `outer lr ${c.outer_lr}, momentum ${c.outer_momentum}${c.outer_nesterov ? " (Nesterov)" : ""}`,
       `min workers ${s.min_workers}`,
       `round timeout ${s.round_timeout} s`,
     ].join(" · ");

@@ -159,6 +159,8 @@ def read_meta(directory: Path, shard: int, num_shards: int, cfg: SyncConfig) -> 
             f"not shard {shard} of {num_shards}: give each shard its own --checkpoint-dir"
         )
     config = c if isinstance(c := meta.get("config"), dict) else {}
+    if config:  # written before --outer-variant existed: its step was nesterov's
+        config = {"outer_variant": "nesterov", **config}
     ours = cfg.to_dict()
     if config != ours:
         changed = sorted(k for k in set(config) | set(ours) if config.get(k) != ours.get(k))
