@@ -44,7 +44,7 @@ SPEC = Fragment(
     entries=(ParamEntry("a", (600,), 0, 600, "float32"), ParamEntry("b", (400,), 600, 400, "float32")),
     blocks=(),
 )
-LOSSY = ("e3m0", "int8")  # the uplink codecs the tests run (any codec of the registry would do)
+LOSSY = ("e3m0", "int8", "sq2", "topk16_64")  # the uplink codecs the tests run (any codec would do)
 # |sent + e_new - (delta + d * e_old)| per value, in units of the fp32 rounding of the values involved:
 # v = delta + d * e_old is rounded once (fma-free: the product, then the sum), and e_new = v - q once more
 ULPS = 4.0
@@ -132,7 +132,7 @@ def test_with_full_feedback_the_pushes_add_up_to_the_gradients_but_the_last_resi
     assert errors[1.0] < errors[0.0] / 2, errors
 
 
-@pytest.mark.parametrize("codec", LOSSY)
+@pytest.mark.parametrize("codec", ("e3m0", "int8"))  # unset is off at 4 bits and more
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_off_the_pushes_are_todays_byte_for_byte(codec, rounding):
     """--uplink-feedback 0, and unset with a codec of 4 bits or more: the bytes the code sent before it
