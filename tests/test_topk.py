@@ -4,6 +4,8 @@ workers' mirrors equal to the masters bit for bit."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -348,3 +350,100 @@ def test_cuda_writes_the_cpu_bytes_and_adds_the_cpu_values(name):
         accumulate(cpu, acc, 0.3)
         accumulate(dev, acc_dev, 0.3)
         assert torch.equal(acc_dev.cpu(), acc)
+
+
+# --- fuzzing the format on both ends --------------------------------------------------------------------
+FUZZ_CASES = 400
+CHUNK_REASONS = {"bad_chunk", "bad_offset", "bad_length", "bad_codec", "bad_scale", "bad_value"}
+
+
+def _mutate(rng, c, spec) -> str:
+    """One random change to a wire Chunk of a top-k slice; its name."""
+    import struct
+
+    what = rng.choice(
+        ["flip", "random", "cut", "grow", "book", "numel", "block", "codec", "positions", "none"]
+    )
+    p = bytearray(c.payload)
+    if what == "flip" and p:
+        for _ in range(rng.randint(1, 8)):
+            p[rng.randrange(len(p))] ^= 1 << rng.randrange(8)
+    elif what == "random":
+        p = bytearray(rng.randbytes(len(p)))
+    elif what == "cut" and p:
+        del p[rng.randrange(len(p)) :]
+    elif what == "grow":
+        p += rng.randbytes(rng.randint(1, 300))
+    elif what == "book":
+        books = bytearray(c.scales)
+        at = 4 * rng.randrange(max(1, len(books) // 4))
+        books[at : at + 4] = struct.pack(
+            "<f", rng.choice([math.nan, math.inf, -math.inf, 3e30, -1e31, 0.0, 1e-3])
+        )
+        c.scales = bytes(books)
+    elif what == "numel":
+        c.numel = max(0, c.numel + rng.choice([-4096, -1, 1, 4096, 2**40]))
+    elif what == "block":
+        c.block_size = rng.choice([0, 1, 128, 4095, 4097, 2**32 - 1])
+    elif what == "codec":
+        c.codec = rng.choice(["topk", "topk65_4096", "topk64_4097", "sq2", "e3m0", "", "topk64_4096\x00"])
+    elif what == "positions" and c.numel:  # valid-looking positions, random but ascending
+        m = min(spec.chunk, c.numel)
+        pos = sorted(rng.sample(range(m), spec.kept(m)))
+        nib = (spec.kept(m) * spec.index_bits + 7) // 8
+        p[:nib] = bytes(topk._pack_bits(torch.tensor([pos]), spec.index_bits)[0].tolist())
+    c.payload = bytes(p)
+    return what
+
+
+@pytest.mark.parametrize("role", ["uplink", "downlink"])
+def test_fuzzed_topk_chunks_are_refused_cleanly_or_decode_to_bounded_values(role):
+    """Seeded mutations of a top-k slice's wire chunks, taken the way the shard takes a push and the worker
+    an update (wire Chunk -> from_chunk -> Assembly): each is refused with a chunk reason and a one-line
+    message, changing nothing of what was assembled, or taken, and then whatever was taken decodes, adds
+    and accumulates to finite values within the bound, never writing outside its slice."""
+    import random
+
+    from streamdiloco.common.chunks import MAX_ABS_VALUE
+    from streamdiloco.common.wire import to_chunks
+
+    spec = get_codec("topk64_4096")
+    n = 3 * 4096 + 777
+    enc = encode(_x(n, 21), spec.name)
+    rng = random.Random(1125 + (role == "downlink"))
+    refused = taken = 0
+    for case in range(FUZZ_CASES):
+        chunks_out = to_chunks(enc, 0, 0, 4096)
+        asm = Assembly(n, spec.name, 128, role=role, what="push" if role == "uplink" else "update")
+        target = rng.randrange(len(chunks_out))
+        what = _mutate(rng, chunks_out[target], spec)
+        for c in chunks_out:
+            before = asm.received
+            try:
+                asm.add(c.seq, c.offset, c.total, from_chunk(c), c.last)
+            except ChunkError as e:
+                assert e.reason in CHUNK_REASONS and "\n" not in str(e) and len(str(e)) < 400, (case, what, e)
+                assert asm.received == before, (case, what)
+                refused += 1
+                break
+            except ValueError as e:  # from_chunk: scales that are not whole fp32 numbers
+                assert "whole fp32" in str(e), (case, what, e)
+                refused += 1
+                break
+        else:
+            taken += 1
+            guard = torch.full((n + 8,), 5.0, dtype=torch.float64)
+            acc = guard[4 : 4 + n]
+            asm.accumulate_into(acc, 0.5)
+            assert torch.equal(guard[:4], torch.full((4,), 5.0, dtype=torch.float64)), (case, what)
+            assert torch.equal(guard[-4:], torch.full((4,), 5.0, dtype=torch.float64)), (case, what)
+            out = torch.empty(n)
+            asm.decode_into(out)
+            assert bool(torch.isfinite(out).all()) and float(out.abs().max()) <= MAX_ABS_VALUE, (case, what)
+            assert int((out != 0).sum()) <= sum(
+                spec.kept(min(spec.chunk, n - c)) for c in range(0, n, spec.chunk)
+            )
+    assert refused > FUZZ_CASES // 3 and taken > 20, (
+        refused,
+        taken,
+    )  # both sides of the check were exercised
