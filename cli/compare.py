@@ -54,6 +54,17 @@ _FULL = SETUPS["full"]
 SETUPS["full-plain"] = {**_FULL, "weight_cap": 0.0, "clip_norm": 0.0}
 SETUPS["full-trimmed"] = {**_FULL, "aggregator": "trimmed"}
 SETUPS["full-cclip"] = {**_FULL, "aggregator": "centered-clip"}
+# Below four bits (the uplink's error feedback on, at its default for these codecs): 2-bit sq2 both ways, at
+# blocks of 128 and 1024 values; top-k 64 of 4,096 up (sq2 down) with SparseLoCo's step and with Nesterov
+SETUPS["full-sq2"] = {**_FULL, "uplink_codec": "sq2", "downlink_codec": "sq2"}
+SETUPS["full-sq2-1024"] = {**SETUPS["full-sq2"], "codec_block_size": 1024}
+SETUPS["full-topk"] = {
+    **_FULL,
+    "uplink_codec": "topk64_4096",
+    "downlink_codec": "sq2",
+    "outer_variant": "sparseloco",
+}
+SETUPS["full-topk-nesterov"] = {**_FULL, "uplink_codec": "topk64_4096", "downlink_codec": "sq2"}
 SETUP_LABELS = {
     "dp": "Data-parallel",
     "diloco": "DiLoCo (P=1, τ=0, fp32)",
@@ -64,6 +75,10 @@ SETUP_LABELS = {
     "full-plain": "+ E3M0, no defenses (plain mean)",
     "full-trimmed": "+ E3M0, trimmed mean",
     "full-cclip": "+ E3M0, centered clipping",
+    "full-sq2": "+ sq2 up and down (block 128)",
+    "full-sq2-1024": "+ sq2 up and down (block 1024)",
+    "full-topk": "+ top-k 1.56 % up, sq2 down, SparseLoCo step",
+    "full-topk-nesterov": "+ top-k 1.56 % up, sq2 down, Nesterov",
 }
 
 
