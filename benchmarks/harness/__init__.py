@@ -13,6 +13,8 @@
   command lines, `start_shards`, `Run`, `wait_files`, `http_json`, `free_port`(s).
 - netns.py: network namespaces, veth pairs and links (root, iproute2), for the WAN testbed and the chaos
   benchmark's dropped link.
+- inthread.py: `ThreadShard`, a shard serving in a thread of this process (the bytes benchmark; the tests'
+  InThreadShard builds on it). Imported from its module, not from here: it loads the shard's code.
 
 The benchmarks are modules (or packages) of the package `benchmarks` and run from the repository's root:
 `python -m benchmarks.wire`. They import this package; it imports the installed package (never the other

@@ -1,27 +1,27 @@
 """A shard serving in a thread of the test's process, and a worker's side of a Session driven by hand:
 the messages it sends and what the shard answers (tests/test_service.py, tests/test_elastic_units.py).
-The standard nano shard built on it is nano_shard.py's.
+The standard nano shard built on it is nano_shard.py's; the shard's thread is the benchmarks' ThreadShard
+(benchmarks/harness/inthread.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
+from benchmarks.harness.inthread import ThreadShard
 from streamdiloco.common.codecs import Encoded
 from streamdiloco.common.tls import ClientTLS, ServerTLS
 from streamdiloco.common.wire import PROTOCOL, auth_metadata, make_channel, to_chunks
 from streamdiloco.protos import streamdiloco_pb2 as pb
 from streamdiloco.protos import streamdiloco_pb2_grpc as pb_grpc
-from streamdiloco.server.main import serve
 from streamdiloco.server.observe.run_view import Peers
 from streamdiloco.server.shard import Shard
 
@@ -162,10 +162,11 @@ class Worker:
         self.session.send(pb.WorkerMessage(ready=pb.Ready(from_rounds=list(from_rounds))))
 
 
-class InThreadShard:
-    """A shard (`serve`) on an event loop in a thread of its own, on port `port` (0: any); with `http`, its
-    HTTP app too, on `http_port`; with `tls`, both over TLS (the test's channel then trusts `client`);
-    `peers`: the run's shards for its dashboard's run view."""
+class InThreadShard(ThreadShard):
+    """A shard (`serve`) on an event loop in a thread of its own (benchmarks/harness/inthread.py), on port
+    `port` (0: any); with `http`, its HTTP app too, on `http_port`; with `tls`, both over TLS (the test's
+    channel then trusts `client`); `peers`: the run's shards for its dashboard's run view. Adds the test's
+    channel, the worker's side of Join, Session and Fetch, and reads of the shard's state."""
 
     def __init__(
         self,
@@ -179,49 +180,12 @@ class InThreadShard:
         client: ClientTLS | None = None,
         peers: Peers | None = None,
     ):
-        self.service, self.fingerprint_json, self.token = service, fingerprint_json, token
-        self.peers = peers
-        self.tls, self.client = tls, client
-        self.loop = asyncio.new_event_loop()
-        self.stop: asyncio.Event | None = None
-        self.failure: BaseException | None = None
+        super().__init__(service, tmp_path, port, http, tls, peers)
+        self.fingerprint_json, self.token, self.client = fingerprint_json, token, client
         self.down = False
-        ready = tmp_path / f"ready-{id(self)}-{time.monotonic_ns()}.json"
-        self.thread = threading.Thread(target=self._run, args=(str(ready), port, http), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert self.failure is None, f"the shard failed to start: {self.failure!r}"
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the shard did not start"
-            time.sleep(0.01)
-        ports = json.loads(ready.read_text())
-        self.port, self.http_port = ports["grpc_port"], ports["http_port"]
-        self.target = f"127.0.0.1:{self.port}"
         self.channel = make_channel(self.target, client)
         self.stub = pb_grpc.ShardStub(self.channel)
         self.sessions: list[Session] = []
-
-    def _run(self, ready: str, port: int, http: bool) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def main() -> None:
-            self.stop = asyncio.Event()
-            http_port = 0 if http else None
-            where = dict(host="127.0.0.1", port=port, http_port=http_port, ready_file=ready)
-            config = replace(self.service.config, **where, tls=self.tls, peers=self.peers)
-            await serve(self.service, config, self.stop)
-
-        try:
-            self.loop.run_until_complete(main())
-        except BaseException as e:  # noqa: BLE001 - reported by the test that waits for the shard
-            self.failure = e
-        finally:  # as asyncio.run does: end what is left (the shard's own cancelled tasks), then close
-            left = asyncio.all_tasks(self.loop)
-            for task in left:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
 
     def shutdown(self, stop_first: bool = False) -> None:
         """End the test's sessions and stop the shard; `stop_first`: stop the shard while the sessions are
@@ -233,21 +197,13 @@ class InThreadShard:
             for s in self.sessions:
                 s.cancel()
         self.channel.close()
-        if self.stop is not None and self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(15)
-        for s in self.sessions:
-            s.cancel()
-        assert not self.thread.is_alive(), "the shard did not stop"
-        assert self.failure is None, f"the shard failed: {self.failure!r}"
+        try:
+            self.close()
+        finally:
+            for s in self.sessions:
+                s.cancel()
 
     # --- reading the shard's state on its own loop ---
-    def on_loop(self, fn):
-        async def call():
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(WAIT)
-
     def wait_for(self, cond, what: str) -> None:
         deadline = time.monotonic() + WAIT
         while not self.on_loop(cond):
