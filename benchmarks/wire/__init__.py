@@ -26,6 +26,10 @@ worker's time goes to training. Each figure is measured beside a reference in th
               once before the final sync). Both again with every worker on all the cores (--threads),
               torch's default, where launch gives each worker cores / M threads and each shard one.
 
+pushframing.py (`python -m benchmarks.wire.pushframing`, apart from the three parts): one push's framing
+beyond its codec bytes counted without a network, per fragment, codec and number of shards (issue 38's
+small top-k pushes); the bytes benchmark (benchmarks/bytes.py) sets it beside a counting proxy's figures.
+
 Timings suffer from anything else running on the machine: before each timed run the benchmark waits (up to
 --max-wait s) for the CPUs to be nearly idle, and it reports the CPU that other processes used.
 

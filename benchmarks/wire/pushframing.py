@@ -10,7 +10,7 @@ counting proxy of part (a) sees the same frames: benchmarks/bytes.py checks the 
 answer down (a PushResult) is counted the same way. TCP/IP headers are not counted here or by the proxy;
 `tcp_ip_bytes` estimates them apart (52 B per segment of at most MSS bytes: IPv4, TCP with timestamps).
 
-    python -m benchmarks.wire.pushframing            # tiny's fragments, top-k and e3m0
+    python -m benchmarks.wire.pushframing            # tiny's fragments, top-k, sq2, e3m0; 1 and 2 shards
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from streamdiloco.common.codecs import chunk_values, encode, lookup_codec
 from streamdiloco.common.config import SyncConfig
-from streamdiloco.common.fragments import build_layout
+from streamdiloco.common.fragments import build_layout, slice_ranges
 from streamdiloco.common.modelspec import build_model
 from streamdiloco.common.progress import Progress, progress_to_proto
 from streamdiloco.common.wire import to_chunks
@@ -116,22 +116,27 @@ def push_bytes(
     return PushBytes(codec_b, chunk_fields, header_b, wrappers, grpc, http2, len(chunks), answer)
 
 
-def fragment_pushes(model: str, codec: str, block_size: int, cfg: SyncConfig | None = None) -> list[dict]:
-    """Each fragment's push of seeded deltas of about 1e-3 in `codec`: its size and framing."""
+def fragment_pushes(
+    model: str, codec: str, block_size: int, shards: int = 1, cfg: SyncConfig | None = None
+) -> list[dict]:
+    """Each fragment's push of seeded deltas of about 1e-3 in `codec` to the first of `shards` shards (its
+    slice of the fragment: common/fragments.py's slice_ranges): its size and framing."""
     cfg = cfg or SyncConfig()
     layout = build_layout(build_model(model, 0), cfg.num_fragments, cfg.fragment_pattern)
     g = torch.Generator().manual_seed(0)
     out = []
     for f, frag in enumerate(layout.fragments):
-        p = push_bytes(torch.randn(frag.numel, generator=g) * 1e-3, codec, block_size, f)
-        assert p.codec == lookup_codec(codec).encoded_nbytes(frag.numel, block_size)
+        lo, hi = slice_ranges(frag.numel, shards)[0]
+        p = push_bytes(torch.randn(hi - lo, generator=g) * 1e-3, codec, block_size, f)
+        assert p.codec == lookup_codec(codec).encoded_nbytes(hi - lo, block_size)
         out.append(
             {
                 "model": model,
+                "shards": shards,
                 "codec": codec,
                 "block": block_size,
                 "fragment": f,
-                "values": frag.numel,
+                "values": hi - lo,
                 "codec_bytes": p.codec,
                 "chunk_fields": p.chunk_fields,
                 "header": p.header,
@@ -150,6 +155,7 @@ def fragment_pushes(model: str, codec: str, block_size: int, cfg: SyncConfig | N
 
 COLUMNS = [  # (heading, the cell's format over a row of fragment_pushes)
     ("model", "{model}"),
+    ("shards", "{shards}"),
     ("codec", "{codec}"),
     ("block", "{block}"),
     ("fragment (values)", "{fragment} ({values:,})"),
@@ -166,7 +172,7 @@ COLUMNS = [  # (heading, the cell's format over a row of fragment_pushes)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
+    lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|---|---:|---|" + "---:|" * (len(COLUMNS) - 3)]
     lines += ["| " + " | ".join(cell.format(**r) for _, cell in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -178,8 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--codecs", default="topk64_4096,topk256_4096,sq2,e3m0")
     ap.add_argument("--block-size", type=int, default=1024, help="--codec-block-size (top-k: its chunk)")
+    ap.add_argument("--shards", default="1,2", help="numbers of shards (each push: one shard's slice)")
     a = ap.parse_args(argv)
-    rows = [r for c in a.codecs.split(",") for r in fragment_pushes(a.model, c, a.block_size)]
+    rows = [
+        r
+        for n in (int(x) for x in a.shards.split(","))
+        for c in a.codecs.split(",")
+        for r in fragment_pushes(a.model, c, a.block_size, n)
+    ]
     print(table(rows))
     return 0
 
