@@ -110,6 +110,7 @@ class ShardConfig:
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag} must be 0..65535, got {port}")
         RoundRule.of(self.server, self.sync.sync_every)  # the round rule's own checks (--min-workers)
+        self.robust.check_codec(self.sync.uplink_codec)  # no trimmed mean of sparse pushes
         if self.init_expect is not None:
             if self.init != FROM_WORKER:
                 raise ValueError(

@@ -31,6 +31,14 @@ or pushing 1e30 (either alone took the model). So, per fragment slice and round:
   options, the coordinate-wise trimmed mean or centered clipping (Karimireddy, He, Jaggi 2021, "Learning
   from History for Byzantine Robust Optimization"), which need every push of the round at once.
 
+With a sparse uplink codec (top-k: each push sends K of every C values, the rest zeros) the weight cap and
+the norm clip keep their meaning (a push's weight is one number whatever its codec, and its norm is that of
+the values it sent, codecs.sumsq), and so does the mean; centered clipping measures each push's distance
+from a center that is the union of the pushes (about the push's own norm where their supports overlap
+little), so it acts as a second norm clip. The trimmed mean does not: at a coordinate most pushes are
+zeros, and trimming drops the one or two values sent, so a shard refuses that combination at its start
+(RobustConfig.check_codec).
+
 Medians are of a handful of scalars per round; the per-value work (norms, folds, the options' passes) is
 vectorized and linear in the values.
 """
@@ -43,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from streamdiloco.common.codecspec import lookup_codec
 from streamdiloco.common.progress import MAX_REPORTED_LOSS
 
 # torch is imported where it is used: `streamdiloco SUB --help` reads RobustConfig without it
@@ -132,6 +141,17 @@ class RobustConfig:
             raise ValueError(f"--trim must be in [0, 0.5), got {self.trim}")
         if not 1 <= self.center_iters <= 100:
             raise ValueError(f"--center-iters must be 1..100, got {self.center_iters}")
+
+    def check_codec(self, uplink_codec: str) -> None:
+        """ValueError (one line) when the aggregator makes no sense with the uplink codec: the trimmed mean
+        of sparse pushes (top-k) trims, at each coordinate, the one or two pushes that sent it among the
+        zeros of all the others, and so drops the values the round has."""
+        if self.aggregator == "trimmed" and lookup_codec(uplink_codec).sparse:
+            raise ValueError(
+                f"--aggregator trimmed does not go with the sparse uplink codec {uplink_codec}: a "
+                "coordinate's trimmed mean over pushes that are mostly zeros drops the few values sent; "
+                "use mean or centered-clip"
+            )
 
     @classmethod
     def off(cls) -> RobustConfig:
