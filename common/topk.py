@@ -160,22 +160,6 @@ _sq2_encoder: Any = None  # the compiled sq2 encoder (kernels.cpu_kernels().enco
 _fma: Any = None
 
 
-def _nb_sift(heap: Any, i: int, size: int) -> None:
-    """Restore the min-heap below position i."""
-    v = heap[i]
-    while True:
-        c = 2 * i + 1
-        if c >= size:
-            break
-        if c + 1 < size and heap[c + 1] < heap[c]:
-            c += 1
-        if heap[c] >= v:
-            break
-        heap[i] = heap[c]
-        i = c
-    heap[i] = v
-
-
 def _nb_read_bits(p: Any, bit: int, width: int) -> int:
     """`width` (<= 16) bits of the byte array p from bit position `bit`, little-endian."""
     i = bit >> 3
@@ -189,14 +173,60 @@ def _nb_read_bits(p: Any, bit: int, width: int) -> int:
     return (v >> sh) & ((1 << width) - 1)
 
 
+# A chunk's candidates: the values at or above a magnitude threshold, the r-th largest of _SAMPLE evenly
+# spaced values with r chosen so that about 3 k values pass, then moved halfway to the largest magnitude (at
+# most 4 times) while more than 2 k pass; when fewer than k pass (an unlucky sample) every value is one. The
+# sample decides the cost alone: which values are kept does not depend on it.
+_SAMPLE = 128
+
+
+def _nb_count_at_least(a: Any, f: Any) -> int:
+    """How many of a's values are >= f."""
+    c = 0
+    for i in range(a.shape[0]):
+        c += np.int64(a[i] >= f)
+    return c
+
+
+def _nb_kth(a: Any, c: int, k: int) -> Any:
+    """The k-th smallest (from 0) of a[:c], which it reorders: quickselect, the pivot the median of three."""
+    lo, hi = 0, c - 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        x, y, z = a[lo], a[mid], a[hi]
+        piv = max(min(x, y), min(max(x, y), z))
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < piv:
+                i += 1
+            while a[j] > piv:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return a[k]
+    return a[k]
+
+
 def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, books: Any, key: int,
                     stochastic: bool, base: int) -> bool:  # fmt: skip
-    """Chunks of xi (an int32 view of fp32 values; the first on a chunk boundary): per chunk, the K largest
-    magnitudes by a min-heap of (magnitude << 16 | 65535 - position) keys (one compare per value once it is
-    full), their positions sorted and packed, their values through the compiled sq2 encoder."""
+    """Chunks of xi (an int32 view of fp32 values; the first on a chunk boundary): per chunk, the magnitudes
+    (a NaN or inf anywhere is kept, so the chunk is refused), the candidates at or above a sampled threshold
+    (in position order), the k-th largest of their keys (magnitude << 16 | 65535 - position: unique, ties to
+    the lower position) by bisection, the candidates at or above it (their positions ascending), packed, and
+    their values through the compiled sq2 encoder."""
     n = xi.shape[0]
-    heap = np.empty(K, np.int64)
-    pos = np.empty(K, np.int64)
+    mag = np.empty(C, np.int32)
+    cand = np.empty(C + 1, np.int64)
+    ckey = np.empty(C, np.int64)
+    pos = np.empty(C + 1, np.int64)
+    samp = np.empty(_SAMPLE, np.int32)
     kv = np.empty(K, np.int32)
     kf = kv.view(np.float32)
     for b in range(books.shape[0] // 4):
@@ -204,28 +234,63 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
         m = min(C, n - lo)
         kk = (K * m + C - 1) // C
         xb = xi[lo : lo + m]
-        for j in range(kk):
-            heap[j] = (np.int64(xb[j] & 0x7FFFFFFF) << 16) | (0xFFFF - j)
-        for i in range(kk // 2 - 1, -1, -1):
-            _nb_sift(heap, i, kk)
-        floor = heap[0]
-        for j in range(kk, m):
-            kj = (np.int64(xb[j] & 0x7FFFFFFF) << 16) | (0xFFFF - j)
-            if kj > floor:
-                heap[0] = kj
-                _nb_sift(heap, 0, kk)
-                floor = heap[0]
-        for t in range(kk):
-            if (heap[t] >> 16) >= 0x7F800000:  # a NaN or inf outranks every finite value: it is kept
-                return True
-            pos[t] = 0xFFFF - (heap[t] & 0xFFFF)
-        ps = np.sort(pos[:kk])
+        mb = mag[:m]
+        amax = 0
+        for j in range(m):
+            v = xb[j] & 0x7FFFFFFF
+            mb[j] = v
+            amax = max(amax, v)
+        if amax >= 0x7F800000:  # a NaN or inf outranks every finite value: it would be kept
+            return True
+        thr = 0
+        if m >= 4 * _SAMPLE and 4 * kk <= m:
+            step = m // _SAMPLE
+            for s in range(_SAMPLE):
+                samp[s] = mb[s * step]
+            r = min(3 * kk * _SAMPLE // m + 1, _SAMPLE)
+            thr = _nb_kth(samp, _SAMPLE, _SAMPLE - r)
+            above = _nb_count_at_least(mb, thr)
+            if above < kk:
+                thr = 0
+            else:  # halve the gap to the largest magnitude while far more than k values pass
+                top = amax + 1
+                for _ in range(4):
+                    if above <= 2 * kk:
+                        break
+                    mid = thr + ((top - thr) >> 1)
+                    a = _nb_count_at_least(mb, mid)
+                    if a >= kk:
+                        thr, above = mid, a
+                    else:
+                        top = mid
+        c = 0
+        for j in range(m):
+            v = mb[j]
+            cand[c] = j
+            ckey[c] = (np.int64(v) << 16) | (0xFFFF - j)
+            c += np.int64(v >= thr)
+        # the k-th largest key: the largest f with at least k keys >= f (bisection, counting passes)
+        floor = np.int64(0)
+        if c > kk:
+            ck = ckey[:c]
+            below, past = np.int64(0), np.int64(1) << 47
+            while past - below > 1:
+                mid = below + ((past - below) >> 1)
+                if _nb_count_at_least(ck, mid) >= kk:
+                    below = mid
+                else:
+                    past = mid
+            floor = below
+        t = 0
+        for i in range(c):
+            pos[t] = cand[i]
+            t += np.int64(ckey[i] >= floor)
         nib = (kk * ib + 7) >> 3
         off = b * full
         pb = payload[off : off + nib]
         pb[:] = 0
         for t in range(kk):
-            p = ps[t]
+            p = pos[t]
             kv[t] = xb[p]
             bit = t * ib
             i = bit >> 3
@@ -324,7 +389,7 @@ def _load() -> Any:
     g = globals()
     g["_sq2_encoder"], g["_fma"] = k.encode_sq2, kernels._fma
     jit = kernels._jit_compiler(numba)
-    for name in ("_nb_sift", "_nb_read_bits"):
+    for name in ("_nb_read_bits", "_nb_kth", "_nb_count_at_least"):
         g[name] = jit(g[name], inline="always")
 
     class TopK:
