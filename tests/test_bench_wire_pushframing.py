@@ -19,7 +19,7 @@ def test_a_few_kb_top_k_push_and_an_e3m0_push_frame_under_five_percent():
     for r in few_kb:
         assert r["codec_bytes"] < 8000 and r["framing_pct"] < LIMIT_PCT, r
     # a push in one chunk and one frame (up to 16 KB) costs about 130 B beside its codec bytes whatever its
-    # size, most of it the PushHeader; so any push of 3 KB or more stays under 5 %
+    # size, most of it the PushHeader; so any push above 3 KB stays under 5 %
     for r in topk + e3m0:
         assert r["header"] <= 80, r
         if r["codec_bytes"] < 16000:
