@@ -141,42 +141,35 @@ def _nb_sq2_stats(xf: Any, grid: Any, q: Any) -> tuple[int, int]:
     return s1, s2
 
 
-def _nb_sq2_sums(q: Any, k0: Any, k1: Any, k2: Any) -> tuple[Any, ...]:
-    """The sums of q and the counts at or above each (integer) edge k0 <= k1 <= k2 (numba sums int32 in
-    int64: exact for any block)."""
-    a0: Any = 0
-    a1: Any = 0
-    a2: Any = 0
-    n0: Any = 0
-    n1: Any = 0
-    n2: Any = 0
+def _nb_sq2_codes(q: Any, k0: Any, k1: Any, k2: Any, codes: Any) -> tuple[Any, ...]:
+    """Each value's bin (how many of the integer edges k0 <= k1 <= k2 it is at or above) into `codes`, and the
+    sums of q and the counts at or above each edge, over at most 128 values: int32 sums are exact (|q| <=
+    2^23) and take twice the lanes of int64."""
+    a0 = np.int32(0)
+    a1 = np.int32(0)
+    a2 = np.int32(0)
+    n0 = np.int32(0)
+    n1 = np.int32(0)
+    n2 = np.int32(0)
     for j in range(q.shape[0]):
         v = q[j]
         g0, g1, g2 = np.int32(v >= k0), np.int32(v >= k1), np.int32(v >= k2)
-        a0 += v * g0
-        a1 += v * g1
-        a2 += v * g2
-        n0 += g0
-        n1 += g1
-        n2 += g2
+        a0 = np.int32(a0 + (v & -g0))
+        a1 = np.int32(a1 + (v & -g1))
+        a2 = np.int32(a2 + (v & -g2))
+        n0 = np.int32(n0 + g0)
+        n1 = np.int32(n1 + g1)
+        n2 = np.int32(n2 + g2)
+        codes[j] = np.uint8(g0 + g1 + g2)
     return a0, a1, a2, n0, n1, n2
 
 
-def _nb_sq2_pack(q: Any, k0: Any, k1: Any, k2: Any, pb: Any) -> None:
-    """Each value's bin (how many edges it is at or above), four 2-bit codes a byte, the first lowest."""
-    m = q.shape[0]
-    for j in range(m >> 2):
-        c = np.uint8(0)
-        for i in range(4):
-            v = q[4 * j + i]
-            c |= (np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)) << (2 * i)
-        pb[j] = c
-    if m & 3:
-        c = np.uint8(0)
-        for i in range(m & 3):
-            v = q[(m & ~3) + i]
-            c |= (np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)) << (2 * i)
-        pb[m >> 2] = c
+def _nb_sq2_pack(words: Any, pb: Any) -> None:
+    """Four 2-bit codes a byte, the first lowest, from the codes' bytes read four at a time (little-endian
+    uint32 words: byte i of a word is its code i)."""
+    for j in range(pb.shape[0]):
+        w = words[j]
+        pb[j] = np.uint8((w & 3) | ((w >> 6) & 0xC) | ((w >> 12) & 0x30) | ((w >> 18) & 0xC0))
 
 
 def _nb_sq2_dither(q: Any, codes: Any, centre: Any, count: Any, key: int, base: int) -> None:
@@ -194,55 +187,87 @@ def _nb_sq2_dither(q: Any, codes: Any, centre: Any, count: Any, key: int, base: 
                 codes[j] = c - 1
 
 
+# sq2 encodes blocks in groups of about this many values: first each block's grid, sums and edges, then each
+# block's codes and codebook, so that one block's chain of divisions and square root (the edges, then the
+# bins' means) runs beside the next block's vector loops instead of stalling them.
+_SQ2_GROUP = 2048
+
+
 def _nb_encode_sq2(
     xi: Any, xf: Any, bs: int, payload: Any, books: Any, key: int, stochastic: bool, base: int
 ) -> bool:
     """sq2 (codecs._encode_sq2_torch, to the bit): per block the grid's integer sums give the mean and the
     standard deviation, the bins and their means (the codebook, 4 fp32), then the 2-bit codes, four a byte."""
     n = xi.shape[0]
-    q = np.empty(bs, np.int32)
-    codes = np.zeros(bs + 4, np.uint8)
+    nb = books.shape[0] // 4
+    g = max(1, min(nb, _SQ2_GROUP // bs))
+    q = np.empty(g * bs, np.int32)
+    codes = np.zeros(g * bs + 4, np.uint8)
+    words = codes.view(np.uint32)
+    edges = np.empty(4 * g, np.int64)  # per block: k0, k1, k2 and the sum of q
+    invs = np.empty(g, np.float64)
     centre = np.zeros(4, np.float64)
     count = np.zeros(4, np.int64)
-    total = np.zeros(4, np.int64)
-    for b in range(books.shape[0] // 4):
-        lo = b * bs
-        m = min(bs, n - lo)
-        amax = _nb_block_absmax(xi[lo : lo + m])
-        if amax >= 0x7F800000:
-            return True
-        field = amax >> 23
-        gexp = SQ2_GRID_BITS + 127 - field if field > 0 else 149
-        grid, inv = _i2d(np.int64(1023 + gexp) << 52), _i2d(np.int64(1023 - gexp) << 52)
-        qb = q[:m]
-        if gexp <= 127:
-            s1, s2 = _nb_sq2_stats(xf[lo : lo + m], np.float32(grid), qb)
-        else:  # blocks below 2^-107: 2^gexp is past fp32's range
-            s1, s2 = _nb_sq2_stats(xf[lo : lo + m].astype(np.float64), grid, qb)
-        md = np.float64(m)
-        mean = np.float64(s1) / md
-        t = SQ2_EDGE * np.sqrt(max(np.float64(s2) / md - mean * mean, 0.0))
-        # for an integer q, q >= e exactly when q >= ceil(e); the edges lie within the values' range
-        k0, k1, k2 = np.int32(np.ceil(mean - t)), np.int32(np.ceil(mean)), np.int32(np.ceil(mean + t))
-        a0, a1, a2, n0, n1, n2 = _nb_sq2_sums(qb, k0, k1, k2)
-        count[0], count[1], count[2], count[3] = m - n0, n0 - n1, n1 - n2, n2
-        total[0], total[1], total[2], total[3] = s1 - a0, a0 - a1, a1 - a2, a2
-        for i in range(4):
-            c = count[i]
-            centre[i] = np.float64(total[i]) / np.float64(c) if c > 0 else 0.0
-            books[4 * b + i] = np.float32(centre[i] * inv)  # inv = 1 / grid exactly: the same as dividing
-        pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
-        if not stochastic:
-            _nb_sq2_pack(qb, k0, k1, k2, pb)
-            continue
-        for j in range(m):
-            v = qb[j]
-            codes[j] = np.uint8(v >= k0) + np.uint8(v >= k1) + np.uint8(v >= k2)
-        _nb_sq2_dither(qb, codes[:m], centre, count, key, base + lo)
-        for j in range(m, m + 4):
-            codes[j] = 0
-        for j in range(pb.shape[0]):
-            pb[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+    for first in range(0, nb, g):
+        gn = min(g, nb - first)
+        for i in range(gn):
+            lo = (first + i) * bs
+            m = min(bs, n - lo)
+            amax = _nb_block_absmax(xi[lo : lo + m])
+            if amax >= 0x7F800000:
+                return True
+            field = amax >> 23
+            gexp = SQ2_GRID_BITS + 127 - field if field > 0 else 149
+            grid = _i2d(np.int64(1023 + gexp) << 52)
+            invs[i] = _i2d(np.int64(1023 - gexp) << 52)
+            qb = q[i * bs : i * bs + m]
+            if gexp <= 127:
+                s1, s2 = _nb_sq2_stats(xf[lo : lo + m], np.float32(grid), qb)
+            else:  # blocks below 2^-107: 2^gexp is past fp32's range
+                s1, s2 = _nb_sq2_stats(xf[lo : lo + m].astype(np.float64), grid, qb)
+            md = np.float64(m)
+            mean = np.float64(s1) / md
+            t = SQ2_EDGE * np.sqrt(max(np.float64(s2) / md - mean * mean, 0.0))
+            # for an integer q, q >= e exactly when q >= ceil(e); the edges lie within the values' range
+            edges[4 * i] = np.int64(np.ceil(mean - t))
+            edges[4 * i + 1] = np.int64(np.ceil(mean))
+            edges[4 * i + 2] = np.int64(np.ceil(mean + t))
+            edges[4 * i + 3] = s1
+        for i in range(gn):
+            b = first + i
+            lo = b * bs
+            m = min(bs, n - lo)
+            k0, k1, k2 = np.int32(edges[4 * i]), np.int32(edges[4 * i + 1]), np.int32(edges[4 * i + 2])
+            s1 = edges[4 * i + 3]
+            a0, a1, a2, n0, n1, n2 = 0, 0, 0, 0, 0, 0
+            for at in range(0, m, 128):
+                hi = min(at + 128, m)
+                at_ = i * bs + at
+                b0, b1, b2, c0, c1, c2 = _nb_sq2_codes(q[at_ : i * bs + hi], k0, k1, k2, codes[at:hi])
+                a0 += b0
+                a1 += b1
+                a2 += b2
+                n0 += c0
+                n1 += c1
+                n2 += c2
+            c0, c1, c2, c3 = m - n0, n0 - n1, n1 - n2, n2
+            inv = invs[i]  # 1 / grid exactly: multiplying by it is the same as dividing
+            e0 = np.float64(s1 - a0) / np.float64(c0) if c0 > 0 else 0.0
+            e1 = np.float64(a0 - a1) / np.float64(c1) if c1 > 0 else 0.0
+            e2 = np.float64(a1 - a2) / np.float64(c2) if c2 > 0 else 0.0
+            e3 = np.float64(a2) / np.float64(c3) if c3 > 0 else 0.0
+            books[4 * b] = np.float32(e0 * inv)
+            books[4 * b + 1] = np.float32(e1 * inv)
+            books[4 * b + 2] = np.float32(e2 * inv)
+            books[4 * b + 3] = np.float32(e3 * inv)
+            if stochastic:
+                centre[0], centre[1], centre[2], centre[3] = e0, e1, e2, e3
+                count[0], count[1], count[2], count[3] = c0, c1, c2, c3
+                _nb_sq2_dither(q[i * bs : i * bs + m], codes[:m], centre, count, key, base + lo)
+            for j in range(m, m + 4):
+                codes[j] = 0
+            pb = payload[lo >> 2 : (lo >> 2) + ((m + 3) >> 2)]
+            _nb_sq2_pack(words[: pb.shape[0]], pb)
     return False
 
 
@@ -542,7 +567,7 @@ def _load_kernels() -> Any:
     )
     for name in inlined:
         g[name] = jit(g[name], inline="always")
-    for name in ("_nb_sq2_stats", "_nb_sq2_sums", "_nb_sq2_pack", "_nb_sq2_dither"):
+    for name in ("_nb_sq2_stats", "_nb_sq2_codes", "_nb_sq2_pack", "_nb_sq2_dither"):
         g[name] = jit(g[name], inline="always")
     return _compiled_kernels(jit)
 
