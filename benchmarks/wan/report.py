@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -212,6 +213,7 @@ def predict_runs(runs: list[dict], settings: dict, policy: str) -> list[tuple[fl
     model = build_model(settings["model"], settings["seed"], settings["block_size"])
     layout = build_layout(model, settings["num_fragments"], "strided")
     values = tuple(f.numel for f in layout.fragments)
+    codecs = _codec_flags(settings.get("sdl_flags", ""))
     out = []
     for r in sorted(mine, key=lambda r: r["rate_mbit"] or float("inf")):
         bps = float("inf") if r["rate_mbit"] is None else r["rate_mbit"] * 1e6 * 0.956  # TCP payload of tbf
@@ -226,8 +228,34 @@ def predict_runs(runs: list[dict], settings: dict, policy: str) -> list[tuple[fl
             latency=r["delay_ms"] / 1e3,
             steps=settings["steps"],
             final_sync=True,
+            **codecs,
         )
         out.append((float("inf") if r["rate_mbit"] is None else r["rate_mbit"], simulate(m).utilization))
+    return out
+
+
+def _codec_flags(flags: str) -> dict:
+    """The codec settings that --sdl-flags gives the run (RunModel's fields), so that the event model counts
+    the bytes the run sent: `--uplink-codec sq2 --codec-block-size=1024` -> {uplink_codec: sq2, ...}."""
+    names = {
+        "--uplink-codec": "uplink_codec",
+        "--downlink-codec": "downlink_codec",
+        "--codec-block-size": None,
+    }
+    out: dict = {}
+    words = shlex.split(flags or "")
+    for i, w in enumerate(words):
+        flag, eq, value = w.partition("=")
+        if flag not in names:
+            continue
+        if not eq:
+            if i + 1 >= len(words):
+                continue
+            value = words[i + 1]
+        if names[flag] is None:
+            out["codec_block_size"] = int(value)
+        else:
+            out[names[flag]] = value
     return out
 
 
