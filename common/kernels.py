@@ -172,19 +172,24 @@ def _nb_sq2_pack(words: Any, pb: Any) -> None:
         pb[j] = np.uint8((w & 3) | ((w >> 6) & 0xC) | ((w >> 12) & 0x30) | ((w >> 18) & 0xC0))
 
 
-def _nb_sq2_dither(q: Any, codes: Any, centre: Any, count: Any, key: int, base: int) -> None:
-    """Stochastic rounding between neighbouring bins' means (codecs._sq2_dither, value for value)."""
+def _nb_sq2_dither(q: Any, codes: Any, e: Any, count: Any, key: int, base: int) -> None:
+    """Stochastic rounding between neighbouring bins' means (codecs._sq2_dither, value for value), without
+    branches: each value's bin mean and its neighbours' by selects, both moves' tests computed, at most one
+    true. `e`: the four bins' means (grid units), `count`: their counts."""
+    e0, e1, e2, e3 = e[0], e[1], e[2], e[3]
+    h0, h1, h2, h3 = count[0] > 0, count[1] > 0, count[2] > 0, count[3] > 0
     for j in range(q.shape[0]):
-        c = codes[j]
+        c = np.int64(codes[j])
         qd = np.float64(q[j])
-        ce = centre[c]
+        ce = e0 if c == 0 else (e1 if c == 1 else (e2 if c == 2 else e3))
+        cu = e1 if c == 0 else (e2 if c == 1 else e3)  # bin c + 1's mean (c < 3)
+        cd = e0 if c == 1 else (e1 if c == 2 else e2)  # bin c - 1's mean (c > 0)
+        ok_up = ((c == 0) & h1) | ((c == 1) & h2) | ((c == 2) & h3)
+        ok_down = ((c == 1) & h0) | ((c == 2) & h1) | ((c == 3) & h2)
         u = np.float64(np.float32(_nb_hash(key, base + j) >> _U8) * _F2M24)
-        if c < 3 and count[c + 1] > 0 and qd > ce:
-            if u < (qd - ce) / (centre[c + 1] - ce):
-                codes[j] = c + 1
-        elif c > 0 and count[c - 1] > 0 and qd < ce:
-            if u < (ce - qd) / (ce - centre[c - 1]):
-                codes[j] = c - 1
+        up = ok_up & (qd > ce) & (u < (qd - ce) / (cu - ce))
+        down = ok_down & (qd < ce) & (u < (ce - qd) / (ce - cd))
+        codes[j] = np.uint8(c + np.int64(up) - np.int64(down))
 
 
 # sq2 encodes blocks in groups of about this many values: first each block's grid, sums and edges, then each
