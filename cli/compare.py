@@ -65,6 +65,10 @@ SETUPS["full-topk"] = {
     "outer_variant": "sparseloco",
 }
 SETUPS["full-topk-nesterov"] = {**_FULL, "uplink_codec": "topk64_4096", "downlink_codec": "sq2"}
+SETUPS["full-topk256"] = {**SETUPS["full-topk"], "uplink_codec": "topk256_4096"}
+SETUPS["full-topk1024"] = {**SETUPS["full-topk"], "uplink_codec": "topk1024_4096"}
+SETUPS["full-topk256-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk256_4096"}
+SETUPS["full-topk1024-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk1024_4096"}
 SETUP_LABELS = {
     "dp": "Data-parallel",
     "diloco": "DiLoCo (P=1, τ=0, fp32)",
@@ -79,6 +83,10 @@ SETUP_LABELS = {
     "full-sq2-1024": "+ sq2 up and down (block 1024)",
     "full-topk": "+ top-k 1.56 % up, sq2 down, SparseLoCo step",
     "full-topk-nesterov": "+ top-k 1.56 % up, sq2 down, Nesterov",
+    "full-topk256": "+ top-k 6.25 % up, sq2 down, SparseLoCo step",
+    "full-topk1024": "+ top-k 25 % up, sq2 down, SparseLoCo step",
+    "full-topk256-nesterov": "+ top-k 6.25 % up, sq2 down, Nesterov",
+    "full-topk1024-nesterov": "+ top-k 25 % up, sq2 down, Nesterov",
 }
 
 
