@@ -69,6 +69,10 @@ SETUPS["full-topk256"] = {**SETUPS["full-topk"], "uplink_codec": "topk256_4096"}
 SETUPS["full-topk1024"] = {**SETUPS["full-topk"], "uplink_codec": "topk1024_4096"}
 SETUPS["full-topk256-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk256_4096"}
 SETUPS["full-topk1024-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk1024_4096"}
+SETUPS["full-topk-both"] = {
+    **SETUPS["full-topk-nesterov"],
+    "downlink_codec": "topk64_4096",
+}  # a WAN at 0.1 Mbit/s
 SETUP_LABELS = {
     "dp": "Data-parallel",
     "diloco": "DiLoCo (P=1, τ=0, fp32)",
@@ -87,6 +91,7 @@ SETUP_LABELS = {
     "full-topk1024": "+ top-k 25 % up, sq2 down, SparseLoCo step",
     "full-topk256-nesterov": "+ top-k 6.25 % up, sq2 down, Nesterov",
     "full-topk1024-nesterov": "+ top-k 25 % up, sq2 down, Nesterov",
+    "full-topk-both": "+ top-k 1.56 % up and down, Nesterov",
 }
 
 
