@@ -207,7 +207,7 @@ def _nb_encode_sq2(
     nb = books.shape[0] // 4
     g = max(1, min(nb, _SQ2_GROUP // bs))
     q = np.empty(g * bs, np.int32)
-    codes = np.zeros(g * bs + 4, np.uint8)
+    codes = np.zeros((g * bs + 7) & ~3, np.uint8)  # whole uint32 words, 4 past the last code
     words = codes.view(np.uint32)
     edges = np.empty(4 * g, np.int64)  # per block: k0, k1, k2 and the sum of q
     invs = np.empty(g, np.float64)

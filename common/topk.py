@@ -188,43 +188,31 @@ def _nb_count_at_least(a: Any, f: Any) -> int:
     return c
 
 
-def _nb_kth(a: Any, c: int, k: int) -> Any:
-    """The k-th smallest (from 0) of a[:c], which it reorders: quickselect, the pivot the median of three."""
-    lo, hi = 0, c - 1
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        x, y, z = a[lo], a[mid], a[hi]
-        piv = max(min(x, y), min(max(x, y), z))
-        i, j = lo, hi
-        while i <= j:
-            while a[i] < piv:
-                i += 1
-            while a[j] > piv:
-                j -= 1
-            if i <= j:
-                a[i], a[j] = a[j], a[i]
-                i += 1
-                j -= 1
-        if k <= j:
-            hi = j
-        elif k >= i:
-            lo = i
+def _nb_rank_value(a: Any, r: int, top: int) -> int:
+    """The r-th largest of a's values (r >= 1, all in [0, top)): the largest f with at least r values >= f,
+    by bisection (counting passes, no branches in them)."""
+    lo, hi = 0, top
+    while hi - lo > 1:
+        mid = lo + ((hi - lo) >> 1)
+        if _nb_count_at_least(a, np.int32(mid)) >= r:
+            lo = mid
         else:
-            return a[k]
-    return a[k]
+            hi = mid
+    return lo
 
 
 def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, books: Any, key: int,
                     stochastic: bool, base: int) -> bool:  # fmt: skip
     """Chunks of xi (an int32 view of fp32 values; the first on a chunk boundary): per chunk, the magnitudes
     (a NaN or inf anywhere is kept, so the chunk is refused), the candidates at or above a sampled threshold
-    (in position order), the k-th largest of their keys (magnitude << 16 | 65535 - position: unique, ties to
-    the lower position) by bisection, the candidates at or above it (their positions ascending), packed, and
-    their values through the compiled sq2 encoder."""
+    (in position order), the k-th largest of their magnitudes by bisection, the candidates above it and the
+    first of those equal to it (ties go to the lower position: the torch reference's keys, magnitude << 16 |
+    65535 - position), their positions ascending, packed, and their values through the compiled sq2
+    encoder."""
     n = xi.shape[0]
     mag = np.empty(C, np.int32)
-    cand = np.empty(C + 1, np.int64)
-    ckey = np.empty(C, np.int64)
+    cand = np.empty(C, np.int32)
+    cmag = np.empty(C, np.int32)
     pos = np.empty(C + 1, np.int64)
     samp = np.empty(_SAMPLE, np.int32)
     kv = np.empty(K, np.int32)
@@ -248,8 +236,8 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
             for s in range(_SAMPLE):
                 samp[s] = mb[s * step]
             r = min(3 * kk * _SAMPLE // m + 1, _SAMPLE)
-            thr = _nb_kth(samp, _SAMPLE, _SAMPLE - r)
-            above = _nb_count_at_least(mb, thr)
+            thr = _nb_rank_value(samp, r, amax + 1)
+            above = _nb_count_at_least(mb, np.int32(thr))
             if above < kk:
                 thr = 0
             else:  # halve the gap to the largest magnitude while far more than k values pass
@@ -258,33 +246,30 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
                     if above <= 2 * kk:
                         break
                     mid = thr + ((top - thr) >> 1)
-                    a = _nb_count_at_least(mb, mid)
+                    a = _nb_count_at_least(mb, np.int32(mid))
                     if a >= kk:
                         thr, above = mid, a
                     else:
                         top = mid
         c = 0
+        t32 = np.int32(thr)
         for j in range(m):
-            v = mb[j]
             cand[c] = j
-            ckey[c] = (np.int64(v) << 16) | (0xFFFF - j)
-            c += np.int64(v >= thr)
-        # the k-th largest key: the largest f with at least k keys >= f (bisection, counting passes)
-        floor = np.int64(0)
-        if c > kk:
-            ck = ckey[:c]
-            below, past = np.int64(0), np.int64(1) << 47
-            while past - below > 1:
-                mid = below + ((past - below) >> 1)
-                if _nb_count_at_least(ck, mid) >= kk:
-                    below = mid
-                else:
-                    past = mid
-            floor = below
+            c += np.int64(mb[j] >= t32)
+        cm = cmag[:c]
+        for i in range(c):
+            cm[i] = mb[cand[i]]
+        # the k-th largest magnitude f, and how many of the values of magnitude f are kept (the first ones:
+        # ties go to the lower position)
+        f = _nb_rank_value(cm, kk, amax + 1)
+        ties = kk - _nb_count_at_least(cm, np.int32(f + 1))
         t = 0
         for i in range(c):
+            v = cm[i]
+            eq = np.int64(v == f)
             pos[t] = cand[i]
-            t += np.int64(ckey[i] >= floor)
+            t += np.int64(v > f) | (eq & np.int64(ties > 0))
+            ties -= eq
         nib = (kk * ib + 7) >> 3
         off = b * full
         pb = payload[off : off + nib]
@@ -389,7 +374,7 @@ def _load() -> Any:
     g = globals()
     g["_sq2_encoder"], g["_fma"] = k.encode_sq2, kernels._fma
     jit = kernels._jit_compiler(numba)
-    for name in ("_nb_read_bits", "_nb_kth", "_nb_count_at_least"):
+    for name in ("_nb_read_bits", "_nb_rank_value", "_nb_count_at_least"):
         g[name] = jit(g[name], inline="always")
 
     class TopK:
