@@ -132,15 +132,15 @@ def encode(
 def _encode_topk(x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any) -> Encoded:
     tk = topk.cpu_kernels() if x.device.type == "cpu" else None
     if tk is None:
-        payload, books = topk.encode_torch(x, spec, stochastic, seed)
+        done = topk.encode_torch(x, spec, stochastic, seed, sq2_quantize, uniform_at)
     else:
         key = int(_hash32(seed)) if stochastic else 0
         done = topk.encode_cpu(
             x, spec, stochastic, key, lambda align, run: in_parallel(x.numel(), align, run)
         )
-        if done is None:
-            raise ValueError(_NON_FINITE)
-        payload, books = done
+    if done is None:
+        raise ValueError(_NON_FINITE)
+    payload, books = done
     return Encoded(spec.name, x.numel(), payload, books, spec.chunk)
 
 

@@ -61,11 +61,10 @@ def _unpack_bits(packed: torch.Tensor, k: int, width: int) -> torch.Tensor:
 
 
 def encode_torch(
-    x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, codebooks) of x (flat, contiguous fp32); ValueError on non-finite values."""
-    from streamdiloco.common.codecs import _NON_FINITE, sq2_quantize, uniform_at
-
+    x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any, sq2: Any, uniform_at: Any
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(payload, codebooks) of x (flat, contiguous fp32); None on non-finite values. `sq2` and `uniform_at`
+    are common/codecs.py's `sq2_quantize` and `uniform_at` (its caller: this module stays below it)."""
     n, dev = x.numel(), x.device
     payload, books = [], []
     for first, count, m in _rows(spec, n):
@@ -75,14 +74,14 @@ def encode_torch(
         key = (mag << 16) | (0xFFFF - torch.arange(m, device=dev))  # unique: ties go to the lower position
         top = torch.topk(key, kk, dim=1).indices
         if bool((mag.gather(1, top) >= 0x7F800000).any()):  # a NaN or inf is larger than any finite value
-            raise ValueError(_NON_FINITE)
+            return None
         pos = top.sort(dim=1).values
         kept = xs.gather(1, pos)
         absmax = kept.abs().amax(dim=1)
         starts = (first + torch.arange(count, device=dev)) * spec.chunk
         u = uniform_at(seed, starts.unsqueeze(1) + torch.arange(kk, device=dev)) if stochastic else None
         valid = torch.ones_like(kept, dtype=torch.bool)
-        b, codes = sq2_quantize(kept, valid, absmax, u)
+        b, codes = sq2(kept, valid, absmax, u)
         packed = _pack_bits(codes, 2)  # four codes a byte, the first lowest: sq2's packing, row by row
         payload.append(
             torch.cat([_pack_bits(pos, spec.index_bits), packed.to(torch.uint8)], dim=1).reshape(-1)
@@ -177,22 +176,22 @@ def _nb_read_bits(p: Any, bit: int, width: int) -> int:
 # spaced values with r chosen so that about 3 k values pass, then moved halfway to the largest magnitude (at
 # most 4 times) while more than 2 k pass; when fewer than k pass (an unlucky sample) every value is one. The
 # sample decides the cost alone: which values are kept does not depend on it.
-_SAMPLE = 128
+_SAMPLE = 64
 
 
 def _nb_count_at_least(a: Any, f: Any) -> int:
-    """How many of a's values are >= f."""
-    c = 0
+    """How many of a's values (at most a chunk's: below 2^31) are >= f; counted in int32 lanes."""
+    c = np.int32(0)
     for i in range(a.shape[0]):
-        c += np.int64(a[i] >= f)
+        c = np.int32(c + np.int32(a[i] >= f))
     return c
 
 
-def _nb_rank_value(a: Any, r: int, top: int) -> int:
-    """The r-th largest of a's values (r >= 1, all in [0, top)): the largest f with at least r values >= f,
-    by bisection (counting passes, no branches in them)."""
-    lo, hi = 0, top
-    while hi - lo > 1:
+def _nb_rank_value(a: Any, r: int, lo: int, hi: int, width: int) -> int:
+    """A value f in [lo, hi) with at least r of a's values >= f, within `width` of the largest such (the r-th
+    largest value for width 1), by bisection (counting passes, no branches in them); at least r of a's values
+    must be >= lo."""
+    while hi - lo > width:
         mid = lo + ((hi - lo) >> 1)
         if _nb_count_at_least(a, np.int32(mid)) >= r:
             lo = mid
@@ -236,7 +235,7 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
             for s in range(_SAMPLE):
                 samp[s] = mb[s * step]
             r = min(3 * kk * _SAMPLE // m + 1, _SAMPLE)
-            thr = _nb_rank_value(samp, r, amax + 1)
+            thr = _nb_rank_value(samp, r, 0, amax + 1, 1 << 16)  # within 2^-7 of it
             above = _nb_count_at_least(mb, np.int32(thr))
             if above < kk:
                 thr = 0
@@ -261,7 +260,7 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
             cm[i] = mb[cand[i]]
         # the k-th largest magnitude f, and how many of the values of magnitude f are kept (the first ones:
         # ties go to the lower position)
-        f = _nb_rank_value(cm, kk, amax + 1)
+        f = _nb_rank_value(cm, kk, thr, amax + 1, 1)
         ties = kk - _nb_count_at_least(cm, np.int32(f + 1))
         t = 0
         for i in range(c):

@@ -40,10 +40,12 @@ def _x(n: int, seed: int = 0) -> torch.Tensor:
 def _torch_bytes(
     x: torch.Tensor, name: str, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from streamdiloco.common.codecs import _draw_seed
+    from streamdiloco.common.codecs import _draw_seed, sq2_quantize, uniform_at
 
     s = _draw_seed(torch.Generator().manual_seed(seed), x.device) if stochastic else 0
-    return topk.encode_torch(x, get_codec(name), stochastic, s)
+    done = topk.encode_torch(x, get_codec(name), stochastic, s, sq2_quantize, uniform_at)
+    assert done is not None
+    return done
 
 
 # --- what is kept ------------------------------------------------------------------------------------------
