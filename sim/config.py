@@ -50,3 +50,4 @@ class SimConfig:
             )
         if not all(valid_step_seconds(t) for t in self.step_seconds):
             raise ValueError(f"--step-seconds must be in (0, 3600] seconds each, got {self.step_seconds}")
+        self.robust.check_codec(self.sync.uplink_codec)  # as a shard would: trimmed + top-k is refused

@@ -60,3 +60,11 @@ def test_a_top_k_push_far_beyond_the_median_norm_is_clipped_and_its_weight_cappe
     bound = 2 * statistics.median(norms)
     want = sum(x * min(1.0, bound / n) for x, n in zip(xs, norms, strict=True)) / 4
     torch.testing.assert_close((before - st.master(0)).to(torch.float64), want, rtol=0, atol=1e-7)
+
+
+def test_the_simulator_refuses_it_as_a_shard_does():
+    from streamdiloco.compare import SETUPS, sim_config
+
+    with pytest.raises(ValueError, match=REFUSED):
+        sim_config({"method": "streaming"}, **{**SETUPS["full-topk"], "aggregator": "trimmed"})
+    assert sim_config({"method": "streaming"}, **{**SETUPS["full-topk"], "aggregator": "centered-clip"})
