@@ -714,7 +714,7 @@ def _policies(choice: str) -> tuple[str, ...]:
     return POLICIES if choice == "both" else (choice,)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m streamdiloco.sim.utilization",
         description="Predict Streaming DiLoCo's compute utilization from the link, or the link from a target "
@@ -773,47 +773,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="UP[/DOWN],...",
         help="links to show the utilization on, Mbit/s",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     a = parser.parse_args(argv)
     try:
-        if a.command == "table4":
-            dpb = a.dp_buckets
-            if dpb not in (None, "layers"):
-                if not dpb.isdigit() or int(dpb) < 1:
-                    raise ValueError(f"--dp-buckets takes a number of buckets or 'layers', got {dpb!r}")
-                dpb = int(dpb)
-            print(format_table4(reproduce_table4(dp_buckets=dpb)))
-            return 0
-        if a.command == "plan":
-            if not 0 < a.target < 100:
-                raise ValueError(f"--target is a utilization in percent, in (0, 100), got {a.target:g}")
-            rows = [parse_codecs(c, a.block_size) for c in a.codecs.split(",") if c.strip()]
-            base = _model_from_args(a, a.policy)
-            print(_describe(base, codecs=False) + f"; {a.policy} merges")
-            print(format_plan(plan_codecs(base, rows, a.target / 100, a.at), a.target / 100, a.at))
-            return 0
-        models = {p: _model_from_args(a, p) for p in _policies(a.policy)}
-        print(_describe(next(iter(models.values()))))
-        caps = ", ".join(f"{p} {simulate(m).utilization:.1%}" for p, m in models.items())
-        print(f"at unlimited bandwidth (latency and the shard's processing alone): {caps}\n")
-        if a.command == "need":
-            print("| utilization | " + " | ".join(f"{p} tau={a.tau}" for p in models) + " |")
-            print("|---|" + "---|" * len(models))
-            for t in a.targets:
-                need_bps = [fmt_bps(needed_bandwidth(m, t / 100, rel_tol=0.01)) for m in models.values()]
-                print(f"| {t:g} % | " + " | ".join(need_bps) + " |")
-        else:
-            print(f"| {a.unit}/s each way | " + " | ".join(f"{p} tau={a.tau}" for p in models) + " |")
-            print("|---|" + "---|" * len(models))
-            for b in a.bandwidths:
-                bps = b * _UNITS[a.unit]
-                utils = [
-                    simulate(replace(m, uplink_bps=bps, downlink_bps=bps)).utilization
-                    for m in models.values()
-                ]
-                print(f"| {b:g} | " + " | ".join(f"{100 * u:.1f} %" for u in utils) + " |")
+        _run(a)
     except ValueError as e:
         parser.error(str(e))
     return 0
+
+
+def _run(a: argparse.Namespace) -> None:
+    """One command's output; ValueError on settings that do not go together."""
+    if a.command == "table4":
+        dpb = a.dp_buckets
+        if dpb not in (None, "layers"):
+            if not dpb.isdigit() or int(dpb) < 1:
+                raise ValueError(f"--dp-buckets takes a number of buckets or 'layers', got {dpb!r}")
+            dpb = int(dpb)
+        print(format_table4(reproduce_table4(dp_buckets=dpb)))
+        return
+    if a.command == "plan":
+        if not 0 < a.target < 100:
+            raise ValueError(f"--target is a utilization in percent, in (0, 100), got {a.target:g}")
+        rows = [parse_codecs(c, a.block_size) for c in a.codecs.split(",") if c.strip()]
+        base = _model_from_args(a, a.policy)
+        print(_describe(base, codecs=False) + f"; {a.policy} merges")
+        print(format_plan(plan_codecs(base, rows, a.target / 100, a.at), a.target / 100, a.at))
+        return
+    models = {p: _model_from_args(a, p) for p in _policies(a.policy)}
+    print(_describe(next(iter(models.values()))))
+    caps = ", ".join(f"{p} {simulate(m).utilization:.1%}" for p, m in models.items())
+    print(f"at unlimited bandwidth (latency and the shard's processing alone): {caps}\n")
+    if a.command == "need":
+        print("| utilization | " + " | ".join(f"{p} tau={a.tau}" for p in models) + " |")
+        print("|---|" + "---|" * len(models))
+        for t in a.targets:
+            need_bps = [fmt_bps(needed_bandwidth(m, t / 100, rel_tol=0.01)) for m in models.values()]
+            print(f"| {t:g} % | " + " | ".join(need_bps) + " |")
+        return
+    print(f"| {a.unit}/s each way | " + " | ".join(f"{p} tau={a.tau}" for p in models) + " |")
+    print("|---|" + "---|" * len(models))
+    for b in a.bandwidths:
+        bps = b * _UNITS[a.unit]
+        utils = [simulate(replace(m, uplink_bps=bps, downlink_bps=bps)).utilization for m in models.values()]
+        print(f"| {b:g} | " + " | ".join(f"{100 * u:.1f} %" for u in utils) + " |")
 
 
 if __name__ == "__main__":
