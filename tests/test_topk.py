@@ -258,6 +258,23 @@ def test_the_settings_take_topk_names_and_say_what_is_wrong_in_one_line():
         SyncConfig(downlink_codec="topk_64")
 
 
+def test_a_worker_with_another_density_or_chunk_is_told_at_join_which_setting_differs():
+    from streamdiloco.common.fingerprint import fingerprint_diff, model_fingerprint
+    from streamdiloco.common.fragments import build_layout
+    from streamdiloco.worker.model import build_gpt
+
+    layout = build_layout(build_gpt("nano"), 3)
+    shard = model_fingerprint(layout, SyncConfig(sync_every=6, num_fragments=3, uplink_codec="topk"))
+    for mine in ("topk256_4096", "topk64_2048", "sq2"):
+        worker = model_fingerprint(layout, SyncConfig(sync_every=6, num_fragments=3, uplink_codec=mine))
+        said = fingerprint_diff(worker, shard)
+        assert said and said.endswith(
+            f"uplink_codec is {mine!r} on the worker, 'topk64_4096' on the server"
+        ), said
+    same = model_fingerprint(layout, SyncConfig(sync_every=6, num_fragments=3, uplink_codec="topk64_4096"))
+    assert fingerprint_diff(same, shard) is None  # `topk` is its canonical name
+
+
 # --- through a real shard -------------------------------------------------------------------------------
 def _shard(tmp_path, shards, up: str, down: str):
     import json
