@@ -5,7 +5,7 @@ one call of about 8 minutes, every result under one folder.
 Parts, in order, each a subprocess with its own time limit; a part that fails or runs out of time is
 recorded (its status and the tail of its output) and the next one runs:
   header       nvidia-smi, Python, torch and its CUDA, the GPU, the commit
-  tests        the CUDA tests: tests/test_device.py's and tests/test_codecs.py's, `-k cuda` (junit xml)
+  tests        the CUDA tests: tests/test_device.py's, tests/test_codecs.py's and tests/test_topk.py's, `-k cuda`
   utilization  benchmarks/sync_cost.py with REAL training steps: the built-in GPT at ~100M (`large`) and
                ~300M (benchmarks.sync_cost:gpt_300m) parameters on the GPU, two shard processes on the same
                machine, tau = 1 and 2; utilization against the same steps with no sync, and the training
@@ -200,7 +200,7 @@ def part_header(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
 def part_tests(run: Runner, plan: Plan, deadline: float, tmp: Path) -> dict:
     xml = tmp / "tests.xml"
     argv = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", "-k", "cuda", "-rs"]
-    argv += ["--junitxml", str(xml), "tests/test_device.py", "tests/test_codecs.py"]
+    argv += ["--junitxml", str(xml), "tests/test_device.py", "tests/test_codecs.py", "tests/test_topk.py"]
     code, out = run(argv, deadline)
     if code == 124 or not xml.exists():
         check(code if code else 1, out, "pytest")
