@@ -293,9 +293,13 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
 def _nb_apply_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int, n: int, out: Any, w: Any,
                    mode: int) -> bool:  # fmt: skip
     """mode 0: out = values; 1: out[p] = fma(value, w, out[p]) at the kept positions; 2: as 1 on +0. Never
-    writes past a chunk (True: a position out of range, nothing written from it)."""
+    writes past a chunk (True: a position out of range, nothing written from it). Per chunk the positions
+    and values are read first, then written in a loop of independent updates (a sparse add into a buffer
+    larger than the caches waits on memory: the short loop keeps more of its reads in flight)."""
     z = w - w
     bad = False
+    pp = np.empty(K, np.int64)
+    vv = np.empty(K, books.dtype)
     for b in range(books.shape[0] // 4):
         lo = b * C
         m = min(C, n - lo)
@@ -306,19 +310,25 @@ def _nb_apply_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int,
         cb = payload[off + nib : off + nib + ((kk + 3) >> 2)]
         lut = books[4 * b : 4 * b + 4]
         ob = out[lo : lo + m]
-        if mode != 1:
-            for j in range(m):
-                ob[j] = z
+        c = 0
         for t in range(kk):
             p = _nb_read_bits(pb, t * ib, ib)
             if p >= m:
                 bad = True
                 continue
-            v = lut[(cb[t >> 2] >> ((t & 3) << 1)) & 3]
-            if mode == 0:
-                ob[p] = v
-            else:
-                ob[p] = _fma(v, w, ob[p])
+            pp[c] = p
+            vv[c] = lut[(cb[t >> 2] >> ((t & 3) << 1)) & 3]
+            c += 1
+        if mode != 1:
+            for j in range(m):
+                ob[j] = z
+        if mode == 0:
+            for t in range(c):
+                ob[pp[t]] = vv[t]
+        else:
+            for t in range(c):
+                q = pp[t]
+                ob[q] = _fma(vv[t], w, ob[q])
     return bad
 
 
