@@ -159,7 +159,7 @@ _sq2_encoder: Any = None  # the compiled sq2 encoder (kernels.cpu_kernels().enco
 _fma: Any = None
 
 
-def _nb_read_bits(p: Any, bit: int, width: int) -> int:
+def _nb_read_bits(p: Any, bit: int, width: int) -> Any:
     """`width` (<= 16) bits of the byte array p from bit position `bit`, little-endian."""
     i = bit >> 3
     sh = bit & 7
@@ -172,14 +172,14 @@ def _nb_read_bits(p: Any, bit: int, width: int) -> int:
     return (v >> sh) & ((1 << width) - 1)
 
 
-# A chunk's candidates: the values at or above a magnitude threshold, the r-th largest of _SAMPLE evenly
+# A chunk's candidates: the values at or above a magnitude threshold, about the r-th largest of _SAMPLE evenly
 # spaced values with r chosen so that about 3 k values pass, then moved halfway to the largest magnitude (at
 # most 4 times) while more than 2 k pass; when fewer than k pass (an unlucky sample) every value is one. The
 # sample decides the cost alone: which values are kept does not depend on it.
 _SAMPLE = 64
 
 
-def _nb_count_at_least(a: Any, f: Any) -> int:
+def _nb_count_at_least(a: Any, f: Any) -> Any:
     """How many of a's values (at most a chunk's: below 2^31) are >= f; counted in int32 lanes."""
     c = np.int32(0)
     for i in range(a.shape[0]):
@@ -250,7 +250,7 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
                         thr, above = mid, a
                     else:
                         top = mid
-        c = 0
+        c: Any = 0  # (annotated for mypy only: local annotations are not in the bytecode numba compiles)
         t32 = np.int32(thr)
         for j in range(m):
             cand[c] = j
@@ -262,7 +262,7 @@ def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, b
         # ties go to the lower position)
         f = _nb_rank_value(cm, kk, thr, amax + 1, 1)
         ties = kk - _nb_count_at_least(cm, np.int32(f + 1))
-        t = 0
+        t: Any = 0
         for i in range(c):
             v = cm[i]
             eq = np.int64(v == f)
