@@ -13,6 +13,7 @@ STREAMDILOCO_CODECS_NUMBA=0), for the ratio.
     python -m benchmarks.codecs            # 16M values, about a minute
     python -m benchmarks.codecs --quick    # 1M values
     python -m benchmarks.codecs --values 64M --repeats 9 --json out.json
+    python -m benchmarks.codecs --codecs sq2,topk64_4096 --repeats 9   # some rows only
     python -m benchmarks.codecs --device cuda --values 64M   # on a GPU, against a device-to-device copy
 
 On a GPU (`--device cuda`, `device_table()`) the same four operations run on the tensor's device (the torch
@@ -84,7 +85,10 @@ def _ops(x: torch.Tensor, codec: str, block: int, compiled: bool) -> dict[str, C
 
 
 def codec_table(
-    quick: bool = False, values: int | None = None, repeats: int | None = None
+    quick: bool = False,
+    values: int | None = None,
+    repeats: int | None = None,
+    codecs: tuple[str, ...] = CODECS,
 ) -> tuple[str, dict]:
     """Run the measurements; (a markdown table, the raw numbers)."""
     threads = C.codec_threads()  # what large tensors get by default
@@ -98,7 +102,7 @@ def codec_table(
     memcpy = n / _time(lambda: dst.copy_(x), repeats) / 1e6
     compiled = C.cpu_kernels() is not None
     rows: list[dict[str, Any]] = []
-    for codec in CODECS:
+    for codec in codecs:
         # each row against copies timed around it (a loaded machine's speed drifts over a run)
         copies = [n / _time(lambda: dst.copy_(x), repeats) / 1e6 for _ in range(2)]
         fast = {op: n / _time(fn, repeats) / 1e6 for op, fn in _ops(x, codec, block, compiled).items()}
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "--device",
         help="measure on this device (cuda: the GPU) against a device-to-device copy (device_table)",
     )
+    ap.add_argument("--codecs", help=f"comma-separated rows to measure (default all: {','.join(CODECS)})")
     ap.add_argument("--json", help="write the raw numbers here")
     a = ap.parse_args(argv)
     if a.values is not None and a.values < 256:
@@ -232,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.device:
         md, raw = device_table(a.device, a.values, a.repeats)
     else:
-        md, raw = codec_table(a.quick, a.values, a.repeats)
+        md, raw = codec_table(
+            a.quick, a.values, a.repeats, tuple(a.codecs.split(",")) if a.codecs else CODECS
+        )
     print(md)
     if a.json:
         with open(a.json, "w") as f:
