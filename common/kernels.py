@@ -1,10 +1,12 @@
 """The CPU codec kernels: single-pass numba functions for encode, decode, accumulate, sumsq and the
 shard's fused outer step, compiled on first use.
 
-common/codecs.py is their only caller: it owns the formats, checks the arguments and cuts the work into ranges
-of whole blocks; this module holds the loops alone. Bit-identical to codecs.py's torch reference (the tests
-compare them byte for byte). `cpu_kernels()` returns the compiled namespace, or None where numba is missing or
-STREAMDILOCO_CODECS_NUMBA=0 switches it off. Must not import torch: its inputs are numpy views.
+common/codecs.py and common/topk.py are their only callers: they own the formats, check the arguments and
+cut the work into ranges of whole blocks; this module holds the loops alone (top-k's too: its encoder has
+sq2's compiled into it, and numba stamps a function's disk cache with its own file alone, so they share
+one). Bit-identical to the torch reference (the tests compare them byte for byte). `cpu_kernels()` returns
+the compiled namespace, or None where numba is missing or STREAMDILOCO_CODECS_NUMBA=0 switches it off. Must
+not import torch: its inputs are numpy views.
 """
 
 from __future__ import annotations
@@ -538,6 +540,222 @@ def _nb_outer(g: Any, buf: Any, old: Any, res: Any, new: Any, payload: Any, scal
     return False
 
 
+# --- chunked top-k (common/topk.py owns the format; these are its loops) ------------------------------------
+_sq2_encoder: Any = None  # the compiled sq2 encoder, which the top-k encoder calls per chunk
+
+
+def _nb_read_bits(p: Any, bit: int, width: int) -> Any:
+    """`width` (<= 16) bits of the byte array p from bit position `bit`, little-endian."""
+    i = bit >> 3
+    sh = bit & 7
+    v = np.int64(p[i])
+    need = (sh + width + 7) >> 3
+    if need > 1:
+        v |= np.int64(p[i + 1]) << 8
+    if need > 2:
+        v |= np.int64(p[i + 2]) << 16
+    return (v >> sh) & ((1 << width) - 1)
+
+
+# A chunk's candidates: the values at or above a magnitude threshold, about the r-th largest of _SAMPLE evenly
+# spaced values with r chosen so that about 3 k values pass, then moved halfway to the largest magnitude (at
+# most 4 times) while more than 2 k pass; when fewer than k pass (an unlucky sample) every value is one. The
+# sample decides the cost alone: which values are kept does not depend on it.
+_SAMPLE = 64
+
+
+def _nb_count_at_least(a: Any, f: Any) -> Any:
+    """How many of a's values (at most a chunk's: below 2^31) are >= f; counted in int32 lanes."""
+    c = np.int32(0)
+    for i in range(a.shape[0]):
+        c = np.int32(c + np.int32(a[i] >= f))
+    return c
+
+
+def _nb_rank_value(a: Any, r: int, lo: int, hi: int, width: int) -> int:
+    """A value f in [lo, hi) with at least r of a's values >= f, within `width` of the largest such (the r-th
+    largest value for width 1), by bisection (counting passes, no branches in them); at least r of a's values
+    must be >= lo."""
+    while hi - lo > width:
+        mid = lo + ((hi - lo) >> 1)
+        if _nb_count_at_least(a, np.int32(mid)) >= r:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _nb_topk_threshold(mb: Any, kk: int, amax: int, samp: Any) -> int:
+    """A magnitude that at least kk of mb's values reach and not many more (0 where the chunk is small or
+    the sample unlucky: every value is then a candidate)."""
+    m = mb.shape[0]
+    if m < 4 * _SAMPLE or 4 * kk > m:
+        return 0
+    step = m // _SAMPLE
+    for s in range(_SAMPLE):
+        samp[s] = mb[s * step]
+    r = min(3 * kk * _SAMPLE // m + 1, _SAMPLE)
+    thr = _nb_rank_value(samp, r, 0, amax + 1, 1 << 16)  # within 2^-7 of it
+    above = _nb_count_at_least(mb, np.int32(thr))
+    if above < kk:
+        return 0
+    top = amax + 1  # halve the gap to the largest magnitude while far more than k values pass
+    for _ in range(4):
+        if above <= 2 * kk:
+            break
+        mid = thr + ((top - thr) >> 1)
+        a = _nb_count_at_least(mb, np.int32(mid))
+        if a >= kk:
+            thr, above = mid, a
+        else:
+            top = mid
+    return thr
+
+
+def _nb_pack_positions(pb: Any, pos: Any, kk: int, ib: int) -> None:
+    """pos[:kk] (each below 2^ib) into pb as a little-endian stream of ib-bit fields."""
+    pb[:] = 0
+    for t in range(kk):
+        bit = t * ib
+        i = bit >> 3
+        sh = bit & 7
+        v = pos[t] << sh
+        pb[i] |= np.uint8(v & 0xFF)
+        if (sh + ib + 7) >> 3 > 1:
+            pb[i + 1] |= np.uint8((v >> 8) & 0xFF)
+        if (sh + ib + 7) >> 3 > 2:
+            pb[i + 2] |= np.uint8((v >> 16) & 0xFF)
+
+
+def _nb_encode_topk(xi: Any, C: int, K: int, ib: int, full: int, payload: Any, books: Any, key: int,
+                    stochastic: bool, base: int) -> bool:  # fmt: skip
+    """Chunks of xi (an int32 view of fp32 values; the first on a chunk boundary): per chunk, the magnitudes
+    (a NaN or inf anywhere is kept, so the chunk is refused), the candidates at or above a sampled threshold
+    (in position order), the k-th largest of their magnitudes by bisection, the candidates above it and the
+    first of those equal to it (ties go to the lower position: the torch reference's keys, magnitude << 16 |
+    65535 - position), their positions ascending, packed, and their values through the compiled sq2
+    encoder."""
+    n = xi.shape[0]
+    mag = np.empty(C, np.int32)
+    cand = np.empty(C, np.int32)
+    cmag = np.empty(C, np.int32)
+    pos = np.empty(C + 1, np.int64)
+    samp = np.empty(_SAMPLE, np.int32)
+    kv = np.empty(K, np.int32)
+    kf = kv.view(np.float32)
+    for b in range(books.shape[0] // 4):
+        lo = b * C
+        m = min(C, n - lo)
+        kk = (K * m + C - 1) // C
+        xb = xi[lo : lo + m]
+        mb = mag[:m]
+        amax = 0
+        for j in range(m):
+            v = xb[j] & 0x7FFFFFFF
+            mb[j] = v
+            amax = max(amax, v)
+        if amax >= 0x7F800000:  # a NaN or inf outranks every finite value: it would be kept
+            return True
+        thr = _nb_topk_threshold(mb, kk, amax, samp)
+        c: Any = 0  # (annotated for mypy only: local annotations are not in the bytecode numba compiles)
+        t32 = np.int32(thr)
+        for j in range(m):
+            cand[c] = j
+            c += np.int64(mb[j] >= t32)
+        cm = cmag[:c]
+        for i in range(c):
+            cm[i] = mb[cand[i]]
+        # the k-th largest magnitude f, and how many of the values of magnitude f are kept (the first ones:
+        # ties go to the lower position)
+        f = _nb_rank_value(cm, kk, thr, amax + 1, 1)
+        ties = kk - _nb_count_at_least(cm, np.int32(f + 1))
+        t: Any = 0
+        for i in range(c):
+            v = cm[i]
+            eq = np.int64(v == f)
+            pos[t] = cand[i]
+            t += np.int64(v > f) | (eq & np.int64(ties > 0))
+            ties -= eq
+        nib = (kk * ib + 7) >> 3
+        off = b * full
+        _nb_pack_positions(payload[off : off + nib], pos, kk, ib)
+        for t in range(kk):
+            kv[t] = xb[pos[t]]
+        codes = payload[off + nib : off + nib + ((kk + 3) >> 2)]
+        _sq2_encoder(kv[:kk], kf[:kk], kk, codes, books[4 * b : 4 * b + 4], key, stochastic, base + lo)
+    return False
+
+
+def _nb_apply_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int, n: int, out: Any, w: Any,
+                   mode: int) -> bool:  # fmt: skip
+    """mode 0: out = values; 1: out[p] = fma(value, w, out[p]) at the kept positions; 2: as 1 on +0. Never
+    writes past a chunk (True: a position out of range, nothing written from it). Per chunk the positions
+    and values are read first, then written in a loop of independent updates (a sparse add into a buffer
+    larger than the caches waits on memory: the short loop keeps more of its reads in flight)."""
+    z = w - w
+    bad = False
+    pp = np.empty(K, np.int64)
+    vv = np.empty(K, books.dtype)
+    for b in range(books.shape[0] // 4):
+        lo = b * C
+        m = min(C, n - lo)
+        kk = (K * m + C - 1) // C
+        nib = (kk * ib + 7) >> 3
+        off = b * full
+        pb = payload[off : off + nib]
+        cb = payload[off + nib : off + nib + ((kk + 3) >> 2)]
+        lut = books[4 * b : 4 * b + 4]
+        ob = out[lo : lo + m]
+        c = 0
+        for t in range(kk):
+            p = _nb_read_bits(pb, t * ib, ib)
+            if p >= m:
+                bad = True
+                continue
+            pp[c] = p
+            vv[c] = lut[(cb[t >> 2] >> ((t & 3) << 1)) & 3]
+            c += 1
+        if mode != 1:
+            for j in range(m):
+                ob[j] = z
+        if mode == 0:
+            for t in range(c):
+                ob[pp[t]] = vv[t]
+        else:
+            for t in range(c):
+                q = pp[t]
+                ob[q] = _fma(vv[t], w, ob[q])
+    return bad
+
+
+def _nb_sumsq_topk(payload: Any, books: Any, C: int, K: int, ib: int, full: int, n: int) -> float:
+    total = 0.0
+    for b in range(books.shape[0] // 4):
+        m = min(C, n - b * C)
+        kk = (K * m + C - 1) // C
+        nib = (kk * ib + 7) >> 3
+        cb = payload[b * full + nib : b * full + nib + ((kk + 3) >> 2)]
+        for t in range(kk):
+            v = np.float64(books[4 * b + ((cb[t >> 2] >> ((t & 3) << 1)) & 3)])
+            total += v * v
+    return total
+
+
+def _nb_check_topk(payload: Any, C: int, K: int, ib: int, full: int, n: int) -> int:
+    """The first chunk whose positions are not strictly ascending and below its values, or -1."""
+    for b in range(-(-n // C)):
+        m = min(C, n - b * C)
+        kk = (K * m + C - 1) // C
+        pb = payload[b * full : b * full + ((kk * ib + 7) >> 3)]
+        prev = -1
+        for t in range(kk):
+            p = _nb_read_bits(pb, t * ib, ib)
+            if p <= prev or p >= m:
+                return b
+            prev = p
+    return -1
+
+
 _KERNELS: Any = None  # None: not loaded yet; False: unavailable (no numba, or switched off)
 _KERNELS_LOCK = threading.Lock()
 
@@ -665,8 +883,26 @@ def _compiled_kernels(jit: Any) -> Any:
         sumsq_f32 = jit(_nb_sumsq_f32)
         sumsq_bf16 = jit(_nb_sumsq_bf16)
         outer = _compiled_outer(jit, encode_e3m0, encode_int8, apply_e3m0, apply_int8)
+        topk = _compiled_topk(jit, encode_sq2)
 
     return Kernels
+
+
+def _compiled_topk(jit: Any, encode_sq2: Any) -> Any:
+    """common/topk.py's kernels, compiled: the encoder calls the compiled sq2 encoder by global name."""
+    g = globals()
+    g["_sq2_encoder"] = encode_sq2
+    for name in ("_nb_read_bits", "_nb_rank_value", "_nb_count_at_least", "_nb_topk_threshold"):
+        g[name] = jit(g[name], inline="always")
+    g["_nb_pack_positions"] = jit(_nb_pack_positions, inline="always")
+
+    class TopK:
+        encode = jit(_nb_encode_topk)
+        apply = jit(_nb_apply_topk)
+        sumsq = jit(_nb_sumsq_topk)
+        check = jit(_nb_check_topk)
+
+    return TopK
 
 
 def _compiled_outer(jit: Any, encode_e3m0: Any, encode_int8: Any, apply_e3m0: Any, apply_int8: Any) -> Any:
