@@ -69,6 +69,10 @@ SETUPS["full-topk256"] = {**SETUPS["full-topk"], "uplink_codec": "topk256_4096"}
 SETUPS["full-topk1024"] = {**SETUPS["full-topk"], "uplink_codec": "topk1024_4096"}
 SETUPS["full-topk256-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk256_4096"}
 SETUPS["full-topk1024-nesterov"] = {**SETUPS["full-topk-nesterov"], "uplink_codec": "topk1024_4096"}
+SETUPS["full-topk-h10"] = {**SETUPS["full-topk"], "sync_every": 10}  # more rounds at the same tokens
+SETUPS["full-topk-nesterov-h10"] = {**SETUPS["full-topk-nesterov"], "sync_every": 10}
+SETUPS["full-topk-a0"] = {**SETUPS["full-topk"], "fragment_update_alpha": 0.0}
+SETUPS["full-topk-nesterov-a0"] = {**SETUPS["full-topk-nesterov"], "fragment_update_alpha": 0.0}
 SETUPS["full-topk-both"] = {
     **SETUPS["full-topk-nesterov"],
     "downlink_codec": "topk64_4096",
@@ -91,6 +95,10 @@ SETUP_LABELS = {
     "full-topk1024": "+ top-k 25 % up, sq2 down, SparseLoCo step",
     "full-topk256-nesterov": "+ top-k 6.25 % up, sq2 down, Nesterov",
     "full-topk1024-nesterov": "+ top-k 25 % up, sq2 down, Nesterov",
+    "full-topk-h10": "+ top-k 1.56 % up, sq2 down, SparseLoCo step, H = 10",
+    "full-topk-nesterov-h10": "+ top-k 1.56 % up, sq2 down, Nesterov, H = 10",
+    "full-topk-a0": "+ top-k 1.56 % up, sq2 down, SparseLoCo step, α = 0",
+    "full-topk-nesterov-a0": "+ top-k 1.56 % up, sq2 down, Nesterov, α = 0",
     "full-topk-both": "+ top-k 1.56 % up and down, Nesterov",
 }
 
