@@ -5,7 +5,7 @@ one call of about 8 minutes, every result under one folder.
 Parts, in order, each a subprocess with its own time limit; a part that fails or runs out of time is
 recorded (its status and the tail of its output) and the next one runs:
   header       nvidia-smi, Python, torch and its CUDA, the GPU, the commit
-  tests        the CUDA tests: tests/test_device.py's, tests/test_codecs.py's and tests/test_topk.py's, `-k cuda`
+  tests        the CUDA tests, `-k cuda`: tests/test_device.py's, tests/test_codecs.py's, tests/test_topk.py's
   utilization  benchmarks/sync_cost.py with REAL training steps: the built-in GPT at ~100M (`large`) and
                ~300M (benchmarks.sync_cost:gpt_300m) parameters on the GPU, two shard processes on the same
                machine, tau = 1 and 2; utilization against the same steps with no sync, and the training
