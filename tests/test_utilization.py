@@ -12,6 +12,14 @@ import pytest
 from streamdiloco.common.codecspec import lookup_codec
 from streamdiloco.common.config import SyncConfig
 from streamdiloco.common.schedule import sends_through
+from streamdiloco.sim.eventmodel import (
+    RunModel,
+    fragment_values_for,
+    needed_bandwidth,
+    needed_links,
+    simulate,
+)
+from streamdiloco.sim.plan import PLAN_CODECS, parse_codecs, plan_codecs
 from streamdiloco.sim.table4 import (
     GRID_GBPS,
     PAPER_TABLE4,
@@ -19,17 +27,7 @@ from streamdiloco.sim.table4 import (
     recipe_utilization,
     reproduce_table4,
 )
-from streamdiloco.sim.utilization import (
-    PLAN_CODECS,
-    RunModel,
-    fragment_values_for,
-    main,
-    needed_bandwidth,
-    needed_links,
-    parse_codecs,
-    plan_codecs,
-    simulate,
-)
+from streamdiloco.sim.utilization import main
 
 
 def _model(**kw) -> RunModel:

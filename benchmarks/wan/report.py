@@ -205,7 +205,7 @@ def predict_runs(runs: list[dict], settings: dict, policy: str) -> list[tuple[fl
     real layout, a whole run of the measured length with its final sync, as the measurement counts it)."""
     from streamdiloco.common.fragments import build_layout
     from streamdiloco.common.modelspec import build_model
-    from streamdiloco.sim.utilization import RunModel, simulate
+    from streamdiloco.sim.eventmodel import RunModel, simulate
 
     mine = [r for r in runs if r["system"] == "sdl"]
     if not mine:
