@@ -71,7 +71,7 @@ def _ops(x: torch.Tensor, codec: str, block: int, compiled: bool) -> dict[str, C
     if spec.sparse:  # top-k's reference: its own torch ops (they touch only the kept values too)
         n, p, b = enc.numel, enc.payload, enc.scales
         return {
-            "encode": lambda: topk.encode_torch(x, spec, False, 0, C.sq2_quantize, C.uniform_at),
+            "encode": lambda: topk.encode_torch(x, spec, False, 0, C.uniform_at),
             "decode": lambda: topk.apply_torch(p, b, spec, n, out, 0.0, 0),
             "add_into": lambda: topk.apply_torch(p, b, spec, n, out, 1.0, 1),
             "accumulate": lambda: topk.apply_torch(p, b, spec, n, acc, 0.5, 1),

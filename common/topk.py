@@ -26,6 +26,7 @@ import torch
 
 from streamdiloco.common import kernels
 from streamdiloco.common.codecspec import Codec
+from streamdiloco.common.sq2 import sq2_quantize
 
 
 # --- the reference: torch ops on any device ----------------------------------------------------------------
@@ -60,10 +61,10 @@ def _unpack_bits(packed: torch.Tensor, k: int, width: int) -> torch.Tensor:
 
 
 def encode_torch(
-    x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any, sq2: Any, uniform_at: Any
+    x: torch.Tensor, spec: Codec, stochastic: bool, seed: Any, uniform_at: Any
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(payload, codebooks) of x (flat, contiguous fp32); None on non-finite values. `sq2` and `uniform_at`
-    are common/codecs.py's `sq2_quantize` and `uniform_at` (its caller: this module stays below it)."""
+    """(payload, codebooks) of x (flat, contiguous fp32); None on non-finite values. `uniform_at` is
+    common/codecs.py's (its caller: this module stays below it)."""
     n, dev = x.numel(), x.device
     payload, books = [], []
     for first, count, m in _rows(spec, n):
@@ -80,7 +81,7 @@ def encode_torch(
         starts = (first + torch.arange(count, device=dev)) * spec.chunk
         u = uniform_at(seed, starts.unsqueeze(1) + torch.arange(kk, device=dev)) if stochastic else None
         valid = torch.ones_like(kept, dtype=torch.bool)
-        b, codes = sq2(kept, valid, absmax, u)
+        b, codes = sq2_quantize(kept, valid, absmax, u)
         packed = _pack_bits(codes, 2)  # four codes a byte, the first lowest: sq2's packing, row by row
         payload.append(
             torch.cat([_pack_bits(pos, spec.index_bits), packed.to(torch.uint8)], dim=1).reshape(-1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamdiloco.common import codecs, kernels
+from streamdiloco.common import codecs, kernels, sq2
 from streamdiloco.common.codecs import (
     CODECS,
     E3M0_LEVELS,
@@ -497,13 +497,13 @@ def test_sq2_large_blocks_give_the_spec_bytes(bs):
 
 
 def test_sq2_constants_and_limits():
-    assert kernels.SQ2_EDGE == codecs.SQ2_EDGE and kernels.SQ2_GRID_BITS == codecs.SQ2_GRID_BITS
+    assert kernels.SQ2_EDGE == sq2.SQ2_EDGE and kernels.SQ2_GRID_BITS == sq2.SQ2_GRID_BITS
     assert get_codec("sq2").sizes(1001, 128) == (251, 32)  # 4 codes a byte, 4 fp32 per block
     assert get_codec("sq2").encoded_nbytes(1 << 20, 128) == (1 << 18) + 4 * 4 * 8192  # 2.5 bits a value
     with pytest.raises(ValueError, match="at most 65536"):
-        encode(torch.zeros(10), "sq2", codecs.SQ2_MAX_BLOCK + 2)
+        encode(torch.zeros(10), "sq2", sq2.SQ2_MAX_BLOCK + 2)
     # the largest block's sums cannot overflow: 2^16 values at the largest grid value (2^23 for denormals)
-    assert codecs.SQ2_MAX_BLOCK * (2**23) ** 2 < 2**63
+    assert sq2.SQ2_MAX_BLOCK * (2**23) ** 2 < 2**63
 
 
 def test_e3m0_closed_form_values():

@@ -40,10 +40,10 @@ def _x(n: int, seed: int = 0) -> torch.Tensor:
 def _torch_bytes(
     x: torch.Tensor, name: str, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from streamdiloco.common.codecs import _draw_seed, sq2_quantize, uniform_at
+    from streamdiloco.common.codecs import _draw_seed, uniform_at
 
     s = _draw_seed(torch.Generator().manual_seed(seed), x.device) if stochastic else 0
-    done = topk.encode_torch(x, get_codec(name), stochastic, s, sq2_quantize, uniform_at)
+    done = topk.encode_torch(x, get_codec(name), stochastic, s, uniform_at)
     assert done is not None
     return done
 
